@@ -1,0 +1,216 @@
+"""A lean forward pass over a Hugging Face SwiGLU decoder, with a static per-row KV cache.
+
+The Hugging Face module stays the owner of the weights (training, saving); this class holds fused
+views of them (q|k|v and gate|up concatenated) and runs the few operations a decode step needs,
+without the generic machinery that dominates the cost of a small forward pass on a CPU.
+
+KV cache layout: one preallocated tensor per layer, `[B, capacity, H_kv, D]`, rows left-aligned,
+`lens[b]` valid positions in row b. Invariant: positions `< lens[b]` hold the KV of committed
+tokens; anything beyond is stale and is always overwritten before a query can see it (a forward
+writes all of its T positions before attending, and the causal mask hides positions beyond each
+query). Rolling back after a rejection is therefore only `lens[b] = new_len`: the accepted prefix is
+never recomputed and nothing reallocates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED_ACT = {"silu", "swish"}
+
+
+class UnsupportedModel(ValueError):
+    """The checkpoint is not a SwiGLU decoder this forward pass reproduces exactly."""
+
+
+@dataclass
+class KVCache:
+    keys: list[torch.Tensor]  # per layer [B, capacity, H_kv, D]
+    values: list[torch.Tensor]  # per layer [B, capacity, H_kv, D]
+    lens: torch.Tensor  # [B] int64 on the host: valid positions per row
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[1]
+
+
+@dataclass
+class ForwardOut:
+    logits: torch.Tensor  # [B, T, V] (or [B, 1, V] when only the last valid position was asked for)
+    hidden: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] (residual stream after that layer)
+
+
+@dataclass
+class _Layer:
+    in_norm: torch.Tensor
+    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden]
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3-style per-head RMSNorm weights [D]
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 I, hidden]
+    down: torch.Tensor
+
+
+def _weight(linear) -> torch.Tensor:
+    return linear.weight.detach()
+
+
+def _check_structure(hf_model) -> None:
+    cfg = hf_model.config
+    act = getattr(cfg, "hidden_act", None)
+    if act not in SUPPORTED_ACT:
+        raise UnsupportedModel(f"{cfg.model_type}: hidden_act={act!r}; specloop needs a SwiGLU (silu) MLP")
+    layer = hf_model.model.layers[0]
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        if not hasattr(layer.self_attn, name):
+            raise UnsupportedModel(f"{cfg.model_type}: attention has no {name}")
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        if not hasattr(layer.mlp, name):
+            raise UnsupportedModel(f"{cfg.model_type}: MLP has no {name} (not SwiGLU)")
+    if getattr(cfg, "use_sliding_window", False):
+        raise UnsupportedModel(f"{cfg.model_type}: sliding-window attention is not supported")
+
+
+class LeanDecoder:
+    """Fast inference forward for Llama / Qwen2 / Qwen3-style decoders, sharing the HF weights."""
+
+    def __init__(self, hf_model, max_positions: int | None = None):
+        _check_structure(hf_model)
+        cfg = hf_model.config
+        base = hf_model.model
+        attn0 = base.layers[0].self_attn
+        self.config = cfg
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = attn0.head_dim
+        self.scaling = float(attn0.scaling)
+        self.eps = float(cfg.rms_norm_eps)
+        self.hidden_size = cfg.hidden_size
+        self.vocab_size = hf_model.lm_head.weight.shape[0]
+        self.embed = base.embed_tokens.weight.detach()
+        self.final_norm = base.norm.weight.detach()
+        self.lm_head = hf_model.lm_head.weight.detach()
+        self.layers = [self._fuse(layer) for layer in base.layers]
+        self.device = self.embed.device
+        self.dtype = self.embed.dtype
+        n = max_positions or int(getattr(cfg, "max_position_embeddings", 4096))
+        self.cos, self.sin = self._rope_tables(base, n)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def _fuse(self, layer) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
+        qkv_bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        q_norm = getattr(a, "q_norm", None)
+        k_norm = getattr(a, "k_norm", None)
+        return _Layer(
+            in_norm=layer.input_layernorm.weight.detach(),
+            qkv=torch.cat([_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)]),
+            qkv_bias=qkv_bias,
+            q_norm=None if q_norm is None else q_norm.weight.detach(),
+            k_norm=None if k_norm is None else k_norm.weight.detach(),
+            o=_weight(a.o_proj),
+            post_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=torch.cat([_weight(m.gate_proj), _weight(m.up_proj)]),
+            down=_weight(m.down_proj),
+        )
+
+    def _rope_tables(self, base, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [0, n) from the model's own rotary module (any rope type it knows)."""
+        pos = torch.arange(n, device=self.device)[None]
+        probe = torch.zeros(1, device=self.device, dtype=self.dtype)
+        with torch.no_grad():
+            cos, sin = base.rotary_emb(probe, pos)
+        return cos[0].to(self.dtype), sin[0].to(self.dtype)  # [n, D]
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        if capacity > self.cos.shape[0]:
+            raise ValueError(f"sequence of {capacity} positions exceeds the model's {self.cos.shape[0]}")
+        shape = (batch, capacity, self.n_kv, self.head_dim)
+        mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
+        return KVCache(
+            keys=[mk() for _ in self.layers],
+            values=[mk() for _ in self.layers],
+            lens=torch.zeros(batch, dtype=torch.long),
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        cache: KVCache,
+        tokens: torch.Tensor,  # [B, T] int64 (right-padded where rows have fewer new tokens)
+        n_new: torch.Tensor | None = None,  # [B] host int64: real tokens per row; default T
+        last_only: bool = False,
+        capture: tuple[int, ...] = (),
+        mlp_up_bias: list[torch.Tensor] | None = None,  # per layer [B, I] added to the up projection
+    ) -> ForwardOut:
+        """Append `tokens` at each row's `lens`, attend causally, advance `lens` by `n_new`."""
+        B, T = tokens.shape
+        n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new
+        start = cache.lens
+        max_len = int(start.max()) + T
+        if max_len > cache.capacity:
+            raise ValueError(f"KV cache of {cache.capacity} positions is full")
+        pos_host = start[:, None] + torch.arange(T)[None]  # [B, T]
+        pos = pos_host.to(self.device, non_blocking=True)
+        rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
+        keys = torch.arange(max_len, device=self.device)
+        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, L]
+        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, T, 1, D]
+
+        x = F.embedding(tokens.to(self.device), self.embed)  # [B, T, hidden]
+        hidden = {}
+        for i, layer in enumerate(self.layers):
+            up_bias = None if mlp_up_bias is None else mlp_up_bias[i]
+            x = self._layer(layer, x, cache.keys[i], cache.values[i], rows, pos, mask, cos, sin, max_len, up_bias)
+            if i in capture:
+                hidden[i] = x
+        if last_only:
+            idx = (n_new - 1).clamp(min=0).to(self.device)
+            x = x[torch.arange(B, device=self.device), idx][:, None]  # [B, 1, hidden]
+        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
+        logits = F.linear(x, self.lm_head)
+        cache.lens = start + n_new
+        return ForwardOut(logits=logits, hidden=hidden)
+
+    def _layer(self, w: _Layer, x, kc, vc, rows, pos, mask, cos, sin, max_len, up_bias):
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
+        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        if w.q_norm is not None:
+            q = F.rms_norm(q, (D,), w.q_norm, self.eps)
+            k = F.rms_norm(k, (D,), w.k_norm, self.eps)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        kc[rows, pos] = k
+        vc[rows, pos] = v
+        att = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            kc[:, :max_len].transpose(1, 2),
+            vc[:, :max_len].transpose(1, 2),
+            attn_mask=mask,
+            scale=self.scaling,
+            enable_gqa=H != Hkv,
+        )  # [B, H, T, D]
+        x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), w.o)
+        h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
+        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+        if up_bias is not None:
+            up = up + up_bias[:, None]
+        return x + F.linear(F.silu(gate) * up, w.down)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half convention (x: [B, T, H, D], cos/sin: [B, T, 1, D])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,68 @@
+"""An independent pretrained LM as drafter, with its own KV cache rolled back on rejection."""
+from __future__ import annotations
+
+import torch
+
+from drafter.decoder import LeanDecoder
+from drafter.proposer import Proposal, pad_right
+from drafter.rejection import BlockOutcome
+from drafter.sampling import SamplingParams, sample, warp
+
+
+def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int):
+    """A cache holding every prompt token but the last; returns (cache, last tokens as pending)."""
+    cache = lean.new_cache(len(prompts), capacity)
+    heads = [p[:-1] for p in prompts]
+    if any(heads):
+        tokens, lens = pad_right(heads)
+        lean.forward(cache, tokens, n_new=lens, last_only=True)
+    return cache, [[p[-1]] for p in prompts]
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
+    """Next token per row from [B, V] logits: (tokens [B], q [B, V] or None when greedy)."""
+    if params.greedy:
+        return logits.argmax(dim=-1), None
+    q = warp(logits, params)
+    return sample(q, u), q
+
+
+class PretrainedDrafter:
+    """Drafts autoregressively with a small LM sharing the verifier's vocabulary.
+
+    Its cache holds committed tokens except `pending` (1 or 2 per row: the bonus token, and the
+    k-th draft when all k were accepted), which are fed first at the next proposal.
+    """
+
+    kind = "pretrained"
+
+    def __init__(self, lean: LeanDecoder):
+        self.lean = lean
+
+    def start(self, prompts: list[list[int]], capacity: int) -> None:
+        self.cache, self.pending = prefill(self.lean, prompts, capacity)
+
+    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        self._base = self.cache.lens.clone()
+        tokens, self._n_pending = pad_right(self.pending)
+        drafts, probs = [], []
+        for i in range(k):
+            out = self.lean.forward(self.cache, tokens, n_new=self._n_pending if i == 0 else None, last_only=True)
+            d, q = choose(out.logits[:, -1], params, None if uniforms is None else uniforms[:, i])
+            drafts.append(d)
+            probs.append(q)
+            tokens = d[:, None]
+        return Proposal(
+            tokens=torch.stack(drafts, dim=1),
+            probs=None if params.greedy else torch.stack(probs, dim=1),
+        )
+
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor) -> None:
+        n = outcome.num_accepted
+        k = outcome.tokens.shape[1] - 1
+        in_cache = self._base + self._n_pending + n.clamp(max=k - 1)
+        self.cache.lens = torch.where(active, in_cache, self._base)
+        for b in torch.nonzero(active).flatten().tolist():
+            nb = int(n[b])
+            first = nb - 1 if nb == k else nb  # all accepted: d_k never went through the drafter
+            self.pending[b] = outcome.tokens[b, first : nb + 1].tolist()

@@ -1,0 +1,146 @@
+"""Speculative decoding: one `speculative_step` (draft → verify → accept) and the loop around it.
+
+With k = 0 and no drafter the same step is plain verifier decoding (one token per pass), which is
+how `--no-speculation`, the reference, runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from drafter.decoder import KVCache, LeanDecoder
+from drafter.pretrained import prefill
+from drafter.proposer import Drafter, Proposal, emitted_tokens
+from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
+from drafter.sampling import SamplingParams, draw_uniforms, make_generators, warp
+
+Sampler = Callable[..., BlockOutcome]
+
+
+def speculative_step(
+    verifier: LeanDecoder,
+    cache: KVCache,
+    last: torch.Tensor,  # [B] the newest committed token per row (not yet in the verifier's cache)
+    drafter: Drafter | None,
+    k: int,
+    params: SamplingParams,
+    uniforms: torch.Tensor | None,  # [B, 2k+1]: k for drafting, k+1 for acceptance; None if greedy
+    active: torch.Tensor,  # [B] bool
+    sampler: Sampler = rejection_sample,
+) -> BlockOutcome:
+    u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:])
+    if k:
+        proposal = drafter.propose(k, params, u_draft)
+    else:
+        proposal = Proposal(tokens=last.new_zeros(len(last), 0), probs=None)
+    start = cache.lens
+    logits = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1)).logits  # [B, k+1, V]
+    if params.greedy:
+        outcome = greedy_accept(proposal.tokens, logits)
+    else:
+        q = proposal.probs if k else logits.new_zeros(len(last), 0, logits.shape[-1])
+        outcome = sampler(proposal.tokens, q, warp(logits, params), u_accept)
+    # roll back: keep the verifier's KV for `last` and the accepted drafts only
+    cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
+    if k:
+        drafter.observe(outcome, active)
+    return outcome
+
+
+@dataclass
+class RequestStats:
+    k: int
+    blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = self.accepted_per_position or [0] * self.k
+
+    def record(self, n: int) -> None:
+        self.blocks += 1
+        self.drafted += self.k
+        self.accepted += n
+        for i in range(n):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def block_efficiency(self) -> float:
+        """τ = mean(n + 1) over blocks."""
+        return (self.accepted + self.blocks) / self.blocks if self.blocks else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "blocks": self.blocks,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "block_efficiency": self.block_efficiency,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
+    stats: RequestStats
+
+
+@dataclass
+class StopRule:
+    """When a request ends: EOS, a stop string, or max_tokens, whichever comes first."""
+
+    eos_ids: frozenset[int]
+    max_tokens: int
+    stop: tuple[str, ...] = ()
+    decode: Callable[[list[int]], str] | None = None
+
+    def extend(self, gen: Generation, new: list[int]) -> None:
+        """Append tokens one at a time, as plain decoding would, stopping where it would stop."""
+        for t in new:
+            if t in self.eos_ids:
+                gen.finish_reason = "stop"
+                return
+            gen.token_ids.append(t)
+            if self.stop and any(s in self.decode(gen.token_ids) for s in self.stop):
+                gen.finish_reason = "stop"
+                return
+            if len(gen.token_ids) >= self.max_tokens:
+                gen.finish_reason = "length"
+                return
+
+
+def generate(
+    verifier: LeanDecoder,
+    drafter: Drafter | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    k: int,
+    stop_rule: StopRule,
+    sampler: Sampler = rejection_sample,
+    first_request: int = 0,
+) -> list[Generation]:
+    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone."""
+    if k and drafter is None:
+        raise ValueError("k > 0 needs a drafter")
+    B = len(prompts)
+    capacity = max(map(len, prompts)) + params.max_tokens + 2 * k + 2
+    cache, _ = prefill(verifier, prompts, capacity)
+    if k:
+        drafter.start(prompts, capacity)
+    last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
+    generators = make_generators(params.seed, B, start=first_request)
+    gens = [Generation([], None, RequestStats(k)) for _ in prompts]
+    active = torch.ones(B, dtype=torch.bool)
+    while active.any():
+        uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
+        outcome = speculative_step(verifier, cache, last, drafter, k, params, uniforms, active, sampler)
+        for b in torch.nonzero(active).flatten().tolist():
+            gens[b].stats.record(int(outcome.num_accepted[b]))
+            stop_rule.extend(gens[b], emitted_tokens(outcome, b))
+            active[b] = gens[b].finish_reason is None
+        last = outcome.tokens[torch.arange(B), outcome.num_accepted]
+    return gens

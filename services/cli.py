@@ -1,0 +1,171 @@
+"""The `specloop` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+EXIT_USAGE = 2
+DEFAULT_CACHE = Path(os.environ.get("SPECLOOP_CACHE", Path.home() / ".cache" / "specloop"))
+EXAMPLES = Path(__file__).resolve().parent / "examples" / "prompts.jsonl"
+
+
+class UsageError(ValueError):
+    """Bad input from the command line: reported as one line and exit code 2."""
+
+
+def _threads(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return n
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--k", type=int, default=4, help="draft length per block")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specloop", description=__doc__)
+    parser.add_argument("--threads", type=_threads, default=min(os.cpu_count() or 1, 8), help="torch threads")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="decode a prompt file with speculative decoding")
+    g.add_argument("--verifier", type=Path, required=True)
+    g.add_argument("--drafter", type=Path)
+    g.add_argument("--drafter-kind", default=None, help="pretrained (default with --drafter) or ngram")
+    g.add_argument("--prompts", type=Path, required=True, help="JSON lines: {id, prompt} or {id, messages}")
+    g.add_argument("--limit", type=int, help="only the first N prompts")
+    g.add_argument("--no-speculation", action="store_true", help="the verifier alone (the reference)")
+    g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    _add_sampling(g)
+
+    m = sub.add_parser("models", help="model utilities").add_subparsers(dest="models_command", required=True)
+    b = m.add_parser("bootstrap", help="train a tokenizer, verifier and drafter from local corpora")
+    b.add_argument("--out", type=Path, required=True)
+    b.add_argument("--minutes", type=float, default=4.0)
+    b.add_argument("--seed", type=int, default=0)
+
+    d = sub.add_parser("demo", help="the main job: bootstrap models if none are given, then generate")
+    d.add_argument("--verifier", type=Path)
+    d.add_argument("--drafter", type=Path)
+    d.add_argument("--prompts", type=Path, default=EXAMPLES)
+    d.add_argument("--minutes", type=float, default=4.0, help="bootstrap budget when no models are given")
+    d.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    _add_sampling(d)
+    return parser
+
+
+def _generate_config(args, verifier: Path, drafter: Path | None, kind: str | None, no_spec: bool = False):
+    from services.generation import GenerateConfig
+
+    kind = kind or ("pretrained" if drafter else None)
+    if kind is None and not no_spec:
+        raise UsageError("give --drafter DIR or --drafter-kind ngram (or --no-speculation)")
+    return GenerateConfig(
+        verifier=verifier,
+        prompts=args.prompts,
+        drafter=drafter,
+        drafter_kind=kind or "pretrained",
+        k=args.k,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        stop=tuple(args.stop),
+        no_speculation=no_spec,
+        limit=getattr(args, "limit", None),
+    )
+
+
+def cmd_generate(args) -> int:
+    from services.generation import RunSummary, run_generate
+
+    cfg = _generate_config(args, args.verifier, args.drafter, args.drafter_kind, args.no_speculation)
+    summary = RunSummary()
+    for result in run_generate(cfg, progress=not args.json, summary=summary):
+        if args.json:
+            print(json.dumps(result), flush=True)
+        else:
+            _print_human(result)
+    _print_summary(summary, cfg.k if not cfg.no_speculation else 0)
+    return 0
+
+
+def _print_human(result: dict) -> None:
+    s = result["stats"]
+    print(f"── {result['id']}  ({len(result['token_ids'])} tokens, τ={s['block_efficiency']:.2f})")
+    print(result["text"])
+
+
+def _print_summary(summary, k: int) -> None:
+    d = summary.to_dict()
+    line = f"{d['requests']} prompts, {d['tokens']} tokens in {d['seconds']:.2f}s = {d['tokens_per_s']:.1f} tokens/s"
+    if k:
+        per_pos = " ".join(f"{a:.2f}" for a in d["acceptance_per_position"])
+        line += f"; k={k} τ={d['block_efficiency']:.3f} α={d['acceptance_rate']:.3f} per-position [{per_pos}]"
+    print(line, file=sys.stderr)
+
+
+def cmd_bootstrap(args) -> int:
+    from trainer.bootstrap import BootstrapConfig, bootstrap_models
+
+    summary = bootstrap_models(BootstrapConfig(out_dir=args.out, minutes=args.minutes, seed=args.seed))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """Embedded defaults: bootstrapped (cached) models, example prompts, speculative vs verifier alone."""
+    verifier, drafter = args.verifier, args.drafter
+    if verifier is None:
+        from trainer.bootstrap import ensure_models
+
+        verifier, drafter = ensure_models(args.cache / "models", minutes=args.minutes, seed=args.seed)
+    if drafter is None:
+        raise UsageError("--verifier without --drafter: give both, or neither to bootstrap a pair")
+    from services.generation import RunSummary, run_generate
+
+    for label, no_spec in (("verifier alone", True), ("speculative", False)):
+        cfg = _generate_config(args, Path(verifier), Path(drafter), None, no_spec)
+        summary = RunSummary()
+        print(f"\n=== {label} ===", file=sys.stderr)
+        for result in run_generate(cfg, progress=False, summary=summary):
+            if not no_spec:
+                _print_human(result)
+        _print_summary(summary, cfg.k if not no_spec else 0)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "bootstrap": cmd_bootstrap, "demo": cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    name = args.models_command if args.command == "models" else args.command
+    from drafter.models import ModelError
+    from services.prompts import PromptError
+
+    try:
+        return COMMANDS[name](args)
+    except (UsageError, ModelError, PromptError, ValueError) as exc:
+        print(f"specloop: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`specloop generate`: load a verifier/drafter pair, decode a prompt file, report per-request stats."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from drafter.kinds import DRAFTER_KINDS, build_drafter
+from drafter.models import LoadedModel, load_model
+from drafter.sampling import SamplingParams
+from drafter.speculative import Generation, StopRule, generate
+from services.prompts import encode, load_prompts
+
+
+@dataclass
+class GenerateConfig:
+    verifier: Path
+    prompts: Path
+    drafter: Path | None = None
+    drafter_kind: str = "pretrained"
+    k: int = 4
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 1
+    stop: tuple[str, ...] = ()
+    no_speculation: bool = False
+    limit: int | None = None
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise ValueError(f"unknown drafter kind {self.drafter_kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, self.stop, self.seed)
+
+
+@dataclass
+class RunSummary:
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    per_position: list[int] = field(default_factory=list)
+
+    def add(self, gen: Generation) -> None:
+        s = gen.stats
+        self.requests += 1
+        self.tokens += len(gen.token_ids)
+        self.blocks += s.blocks
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.per_position = [a + b for a, b in zip(self.per_position, s.accepted_per_position)] or list(
+            s.accepted_per_position
+        )
+
+    def to_dict(self) -> dict:
+        return {
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
+            "block_efficiency": (self.accepted + self.blocks) / self.blocks if self.blocks else 0.0,
+            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+            "acceptance_per_position": [a / self.blocks for a in self.per_position] if self.blocks else [],
+        }
+
+
+def eos_ids(model: LoadedModel) -> frozenset[int]:
+    ids = model.hf.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if model.tokenizer.eos_token_id is not None:
+        ids.append(model.tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def final_text(tokenizer, gen: Generation, stop: tuple[str, ...]) -> str:
+    """Decoded text, cut before the first stop string it contains."""
+    text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary | None = None) -> Iterator[dict]:
+    """Yield one result dict per prompt, in file order (the `--json` contract of DESIGN.md)."""
+    verifier = load_model(cfg.verifier)
+    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter)
+    records = load_prompts(cfg.prompts, cfg.limit)
+    encoded = [encode(verifier.tokenizer, r) for r in records]
+    tok = verifier.tokenizer
+    rule = StopRule(eos_ids(verifier), cfg.max_tokens, cfg.stop, lambda ids: tok.decode(ids, skip_special_tokens=True))
+    k = 0 if cfg.no_speculation else cfg.k
+    summary = summary if summary is not None else RunSummary()
+    bar = tqdm(total=len(records), desc="generate", unit="prompt", disable=not progress)
+    for lo in range(0, len(records), cfg.batch_size):
+        batch = encoded[lo : lo + cfg.batch_size]
+        t0 = time.perf_counter()
+        gens = generate(verifier.lean, drafter, batch, cfg.sampling, k, rule, first_request=lo)
+        summary.seconds += time.perf_counter() - t0
+        for rec, gen in zip(records[lo : lo + cfg.batch_size], gens):
+            summary.add(gen)
+            yield {
+                "id": rec.id,
+                "token_ids": gen.token_ids,
+                "text": final_text(tok, gen, cfg.stop),
+                "finish_reason": gen.finish_reason,
+                "stats": gen.stats.to_dict(),
+            }
+        bar.update(len(batch))
+    bar.close()
