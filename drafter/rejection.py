@@ -55,7 +55,7 @@ def rejection_sample(
     n = _leading_true(uniforms[:, :k] * q_d < p_d)  # accept iff u < p/q
     rows = torch.arange(B)
     p_n = target_probs[rows, n]  # [B, V]
-    q_n = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)[rows, n]  # q_k := 0 (bonus)
+    q_n = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)[rows, n]  # q_k := 0
     residual = (p_n - q_n).clamp_(min=0)  # [B, V] norm(max(0, p − q)); equals p_n for the bonus
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: rejection was impossible
     residual = torch.where(empty, p_n, residual)

@@ -91,24 +91,22 @@ class Generation:
 
 @dataclass
 class StopRule:
-    """When a request ends: EOS, a stop string, or max_tokens, whichever comes first."""
+    """When a request ends: EOS, a stop string (params.stop), or params.max_tokens, whichever first."""
 
-    eos_ids: frozenset[int]
-    max_tokens: int
-    stop: tuple[str, ...] = ()
-    decode: Callable[[list[int]], str] | None = None
+    eos_ids: frozenset[int] = frozenset()
+    decode: Callable[[list[int]], str] | None = None  # needed only for stop strings
 
-    def extend(self, gen: Generation, new: list[int]) -> None:
+    def extend(self, gen: Generation, new: list[int], params: SamplingParams) -> None:
         """Append tokens one at a time, as plain decoding would, stopping where it would stop."""
         for t in new:
             if t in self.eos_ids:
                 gen.finish_reason = "stop"
                 return
             gen.token_ids.append(t)
-            if self.stop and any(s in self.decode(gen.token_ids) for s in self.stop):
+            if params.stop and any(s in self.decode(gen.token_ids) for s in params.stop):
                 gen.finish_reason = "stop"
                 return
-            if len(gen.token_ids) >= self.max_tokens:
+            if len(gen.token_ids) >= params.max_tokens:
                 gen.finish_reason = "length"
                 return
 
@@ -126,6 +124,8 @@ def generate(
     """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone."""
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
+    if params.stop and stop_rule.decode is None:
+        raise ValueError("stop strings need a decode function")
     B = len(prompts)
     capacity = max(map(len, prompts)) + params.max_tokens + 2 * k + 2
     cache, _ = prefill(verifier, prompts, capacity)
@@ -140,7 +140,7 @@ def generate(
         outcome = speculative_step(verifier, cache, last, drafter, k, params, uniforms, active, sampler)
         for b in torch.nonzero(active).flatten().tolist():
             gens[b].stats.record(int(outcome.num_accepted[b]))
-            stop_rule.extend(gens[b], emitted_tokens(outcome, b))
+            stop_rule.extend(gens[b], emitted_tokens(outcome, b), params)
             active[b] = gens[b].finish_reason is None
         last = outcome.tokens[torch.arange(B), outcome.num_accepted]
     return gens

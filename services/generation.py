@@ -100,7 +100,7 @@ def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary
     records = load_prompts(cfg.prompts, cfg.limit)
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer
-    rule = StopRule(eos_ids(verifier), cfg.max_tokens, cfg.stop, lambda ids: tok.decode(ids, skip_special_tokens=True))
+    rule = StopRule(eos_ids(verifier), lambda ids: tok.decode(ids, skip_special_tokens=True))
     k = 0 if cfg.no_speculation else cfg.k
     summary = summary if summary is not None else RunSummary()
     bar = tqdm(total=len(records), desc="generate", unit="prompt", disable=not progress)

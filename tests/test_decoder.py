@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from drafter.decoder import LeanDecoder, UnsupportedModel
+from tests.tiny import build_model, llama_config
+
+
+def _ref_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_lean_forward_matches_transformers_logits(arch):
+    model = build_model(llama_config(97, 2, 64, arch), seed=0, init_std=0.1)
+    lean = LeanDecoder(model)
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = lean.new_cache(1, 32)
+    out = lean.forward(cache, torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(out, _ref_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert int(cache.lens[0]) == 12
+
+
+def test_incremental_decoding_matches_full_forward():
+    model = build_model(llama_config(97, 2, 64), seed=1, init_std=0.1)
+    lean = LeanDecoder(model)
+    ids = list(range(3, 23))
+    cache = lean.new_cache(1, 32)
+    lean.forward(cache, torch.tensor([ids[:8]]))
+    step_logits = [lean.forward(cache, torch.tensor([[t]])).logits[0, 0] for t in ids[8:]]
+    full = _ref_logits(model, ids)[8:]
+    torch.testing.assert_close(torch.stack(step_logits), full, atol=1e-4, rtol=1e-4)
+
+
+def test_rollback_reuses_the_accepted_prefix_without_recomputing():
+    model = build_model(llama_config(97, 2, 64), seed=2, init_std=0.1)
+    lean = LeanDecoder(model)
+    cache = lean.new_cache(1, 32)
+    lean.forward(cache, torch.tensor([[5, 6, 7, 8]]))
+    lean.forward(cache, torch.tensor([[50, 51, 52]]))  # a rejected block
+    cache.lens = torch.tensor([5])  # keep 5, 6, 7, 8, 50
+    out = lean.forward(cache, torch.tensor([[9, 10]])).logits[0]
+    torch.testing.assert_close(out, _ref_logits(model, [5, 6, 7, 8, 50, 9, 10])[-2:], atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_batch_rows_match_single_row_results():
+    model = build_model(llama_config(97, 2, 64), seed=3, init_std=0.1)
+    lean = LeanDecoder(model)
+    rows = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    cache = lean.new_cache(3, 32)
+    padded = torch.tensor([r + [0] * (5 - len(r)) for r in rows])
+    out = lean.forward(cache, padded, n_new=torch.tensor([5, 2, 3]), last_only=True).logits[:, 0]
+    assert cache.lens.tolist() == [5, 2, 3]
+    nxt = lean.forward(cache, torch.tensor([[1, 2], [1, 2], [1, 2]])).logits
+    for b, r in enumerate(rows):
+        ref = _ref_logits(model, r + [1, 2])
+        torch.testing.assert_close(out[b], ref[len(r) - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(nxt[b], ref[-2:], atol=1e-4, rtol=1e-4)
+
+
+def test_capture_returns_hidden_states_of_requested_layers():
+    model = build_model(llama_config(97, 3, 64), seed=4, init_std=0.1)
+    lean = LeanDecoder(model)
+    ids = [3, 4, 5, 6]
+    out = lean.forward(lean.new_cache(1, 8), torch.tensor([ids]), capture=(0, 2))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.hidden[0], ref[1], atol=1e-4, rtol=1e-4)
+    assert set(out.hidden) == {0, 2}
+
+
+def test_full_cache_is_refused_with_a_clear_error():
+    lean = LeanDecoder(build_model(llama_config(97, 1, 32), seed=5))
+    cache = lean.new_cache(1, 4)
+    with pytest.raises(ValueError, match="full"):
+        lean.forward(cache, torch.tensor([[1, 2, 3, 4, 5]]))
+
+
+def test_non_swiglu_models_are_refused():
+    model = build_model(llama_config(97, 1, 32, hidden_act="gelu"), seed=6)
+    with pytest.raises(UnsupportedModel, match="SwiGLU"):
+        LeanDecoder(model)

@@ -1,0 +1,71 @@
+"""Builders for tiny models and tokenizers used by the tests (no downloads)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+TEXT = [
+    "def main():\n    print('hello world')\n    return 0\n",
+    "The quick brown fox jumps over the lazy dog. A hash table maps keys to values.",
+    "Sure, here is an example of how you could write a function in Python.",
+    "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
+]
+
+
+def make_tokenizer(out: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(TEXT * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def llama_config(vocab: int, layers: int, hidden: int, arch: str = "llama", **extra):
+    from transformers import AutoConfig
+
+    base = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        eos_token_id=4,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
+    base.update(extra)
+    return AutoConfig.for_model(arch, **base)
+
+
+def build_model(config, seed: int, init_std: float = 0.02):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config.initializer_range = init_std
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def make_model(out: Path, tok, layers: int, hidden: int, seed: int, arch: str = "llama", init_std: float = 0.02):
+    model = build_model(llama_config(len(tok), layers, hidden, arch), seed, init_std)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
