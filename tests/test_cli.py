@@ -1,0 +1,101 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from services.cli import main
+
+
+def _prompts(tmp_path, rows):
+    f = tmp_path / "prompts.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f
+
+
+ROWS = [
+    {"id": "a", "prompt": "def main():\n"},
+    {"id": "b", "messages": [{"role": "user", "content": "hello there"}]},
+    {"id": "a-again", "prompt": "def main():\n"},
+]
+
+
+def _run(args, capsys):
+    code = main(["--threads", "1", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_generate_json_follows_the_contract(tiny_pair, tmp_path, capsys):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS)
+    code, out, _ = _run(["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--max-tokens", 8, "--json"], capsys)
+    assert code == 0
+    results = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in results] == ["a", "b", "a-again"]
+    for r in results:
+        assert set(r) >= {"id", "token_ids", "text", "stats"}
+        assert set(r["stats"]) == {"blocks", "drafted", "accepted", "block_efficiency", "accepted_per_position"}
+        assert len(r["stats"]["accepted_per_position"]) == 4 and 0 < len(r["token_ids"]) <= 8
+
+
+def test_speculative_and_reference_runs_agree_through_the_cli(tiny_pair, tmp_path, capsys):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS)
+    common = ["generate", "--verifier", v, "--prompts", f, "--max-tokens", 12, "--json"]
+    _, ref, _ = _run(common + ["--no-speculation"], capsys)
+    _, spec, _ = _run(common + ["--drafter", d, "--k", 3, "--batch-size", 2], capsys)
+    _, ngram, _ = _run(common + ["--drafter-kind", "ngram", "--k", 2], capsys)
+    tokens = lambda out: [json.loads(line)["token_ids"] for line in out.splitlines()]
+    assert tokens(ref) == tokens(spec) == tokens(ngram)
+
+
+def test_seeded_sampling_repeats_and_repeated_prompts_draw_independently(tiny_pair, tmp_path, capsys):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, [ROWS[0]] * 4)
+    args = ["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--max-tokens", 12, "--json"]
+    args += ["--temperature", "1.0", "--seed", 5]
+    first = [json.loads(x)["token_ids"] for x in _run(args, capsys)[1].splitlines()]
+    again = [json.loads(x)["token_ids"] for x in _run(args, capsys)[1].splitlines()]
+    assert first == again and len({tuple(t) for t in first}) > 1
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--k", "0"], "--k must be >= 1"),
+        (["--drafter-kind", "telepathy"], "unknown drafter kind"),
+        (["--drafter", "/nonexistent/drafter"], "model directory not found"),
+        (["--temperature", "-1"], "temperature"),
+    ],
+)
+def test_bad_arguments_exit_with_code_2_and_a_clear_message(tiny_pair, tmp_path, capsys, extra, message):
+    f = _prompts(tmp_path, ROWS)
+    args = ["generate", "--verifier", tiny_pair[0], "--prompts", f, *extra]
+    if "--drafter" not in extra and "--drafter-kind" not in extra:
+        args += ["--drafter", tiny_pair[1]]
+    code, _, err = _run(args, capsys)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_an_empty_prompt_exits_with_code_2(tiny_pair, tmp_path, capsys):
+    f = _prompts(tmp_path, [{"id": "x", "prompt": ""}])
+    code, _, err = _run(["generate", "--verifier", tiny_pair[0], "--drafter-kind", "ngram", "--prompts", f], capsys)
+    assert code == 2 and "non-empty" in err
+
+
+def test_a_missing_verifier_directory_exits_with_code_2(tmp_path, capsys):
+    f = _prompts(tmp_path, ROWS)
+    code, _, err = _run(["generate", "--verifier", tmp_path / "nope", "--drafter-kind", "ngram", "--prompts", f], capsys)
+    assert code == 2 and "model directory not found" in err
+
+
+def test_the_installed_console_script_runs(tiny_pair, tmp_path):
+    f = _prompts(tmp_path, ROWS[:1])
+    cmd = [sys.executable, "-m", "services.cli", "--threads", "1", "generate", "--verifier", str(tiny_pair[0])]
+    cmd += ["--drafter", str(tiny_pair[1]), "--prompts", str(f), "--max-tokens", "4"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "tokens/s" in done.stderr and "τ=" in done.stderr
+    bad = subprocess.run(cmd[:-4] + ["--k", "-3"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
