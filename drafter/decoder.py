@@ -141,6 +141,49 @@ class LeanDecoder:
             lens=torch.zeros(batch, dtype=torch.long),
         )
 
+    def positions(self, cache: KVCache, T: int) -> "StepPositions":
+        """Where T new tokens per row go: row b writes positions lens[b] .. lens[b] + T - 1."""
+        B = cache.lens.shape[0]
+        max_len = int(cache.lens.max()) + T
+        if max_len > cache.capacity:
+            raise ValueError(f"KV cache of {cache.capacity} positions is full")
+        pos = (cache.lens[:, None] + torch.arange(T)[None]).to(self.device, non_blocking=True)  # [B, T]
+        keys = torch.arange(max_len, device=self.device)
+        return StepPositions(
+            rows=torch.arange(B, device=self.device)[:, None].expand(B, T),
+            pos=pos,
+            mask=(keys[None, None, :] <= pos[:, :, None])[:, None],  # [B, 1, T, L]
+            cos=self.cos[pos][:, :, None],  # [B, T, 1, D]
+            sin=self.sin[pos][:, :, None],
+            max_len=max_len,
+        )
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens.to(self.device), self.embed)  # [B, T, hidden]
+
+    def run_layers(
+        self,
+        cache: KVCache,
+        at: "StepPositions",
+        x: torch.Tensor,  # [B, T, hidden]
+        layers: range,
+        capture: tuple[int, ...] = (),
+        mlp_up_bias: list[torch.Tensor] | None = None,  # per layer [B, I] added to the up projection
+        hidden: dict | None = None,
+    ) -> torch.Tensor:
+        """Layers `layers` over x, writing their KV at `at`; residual streams of `capture` go to hidden."""
+        for i in layers:
+            up_bias = None if mlp_up_bias is None else mlp_up_bias[i]
+            x = self._layer(self.layers[i], x, cache.keys[i], cache.values[i], at, up_bias)
+            if i in capture:
+                hidden[i] = x
+        return x
+
+    def logits(self, x: torch.Tensor, norm: torch.Tensor | None = None, head: torch.Tensor | None = None):
+        """Final RMSNorm and LM head (defaults: the model's own)."""
+        x = F.rms_norm(x, (self.hidden_size,), self.final_norm if norm is None else norm, self.eps)
+        return F.linear(x, self.lm_head if head is None else head)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -154,33 +197,15 @@ class LeanDecoder:
         """Append `tokens` at each row's `lens`, attend causally, advance `lens` by `n_new`."""
         B, T = tokens.shape
         n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new
-        start = cache.lens
-        max_len = int(start.max()) + T
-        if max_len > cache.capacity:
-            raise ValueError(f"KV cache of {cache.capacity} positions is full")
-        pos_host = start[:, None] + torch.arange(T)[None]  # [B, T]
-        pos = pos_host.to(self.device, non_blocking=True)
-        rows = torch.arange(B, device=self.device)[:, None].expand(B, T)
-        keys = torch.arange(max_len, device=self.device)
-        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, L]
-        cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [B, T, 1, D]
-
-        x = F.embedding(tokens.to(self.device), self.embed)  # [B, T, hidden]
-        hidden = {}
-        for i, layer in enumerate(self.layers):
-            up_bias = None if mlp_up_bias is None else mlp_up_bias[i]
-            x = self._layer(layer, x, cache.keys[i], cache.values[i], rows, pos, mask, cos, sin, max_len, up_bias)
-            if i in capture:
-                hidden[i] = x
+        at = self.positions(cache, T)
+        hidden: dict[int, torch.Tensor] = {}
+        x = self.run_layers(cache, at, self.embed_tokens(tokens), range(self.num_layers), capture, mlp_up_bias, hidden)
         if last_only:
-            idx = (n_new - 1).clamp(min=0).to(self.device)
-            x = x[torch.arange(B, device=self.device), idx][:, None]  # [B, 1, hidden]
-        x = F.rms_norm(x, (self.hidden_size,), self.final_norm, self.eps)
-        logits = F.linear(x, self.lm_head)
-        cache.lens = start + n_new
-        return ForwardOut(logits=logits, hidden=hidden)
+            x = last_valid(x, n_new)
+        cache.lens = cache.lens + n_new
+        return ForwardOut(logits=self.logits(x), hidden=hidden)
 
-    def _layer(self, w: _Layer, x, kc, vc, rows, pos, mask, cos, sin, max_len, up_bias):
+    def _layer(self, w: _Layer, x, kc, vc, at: "StepPositions", up_bias):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
@@ -190,14 +215,14 @@ class LeanDecoder:
         if w.q_norm is not None:
             q = F.rms_norm(q, (D,), w.q_norm, self.eps)
             k = F.rms_norm(k, (D,), w.k_norm, self.eps)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        kc[rows, pos] = k
-        vc[rows, pos] = v
+        q, k = _rope(q, at.cos, at.sin), _rope(k, at.cos, at.sin)
+        kc[at.rows, at.pos] = k
+        vc[at.rows, at.pos] = v
         att = F.scaled_dot_product_attention(
             q.transpose(1, 2),
-            kc[:, :max_len].transpose(1, 2),
-            vc[:, :max_len].transpose(1, 2),
-            attn_mask=mask,
+            kc[:, : at.max_len].transpose(1, 2),
+            vc[:, : at.max_len].transpose(1, 2),
+            attn_mask=at.mask,
             scale=self.scaling,
             enable_gqa=H != Hkv,
         )  # [B, H, T, D]
@@ -207,6 +232,50 @@ class LeanDecoder:
         if up_bias is not None:
             up = up + up_bias[:, None]
         return x + F.linear(F.silu(gate) * up, w.down)
+
+
+@dataclass
+class StepPositions:
+    rows: torch.Tensor  # [B, T] row index of every new token
+    pos: torch.Tensor  # [B, T] absolute position of every new token
+    mask: torch.Tensor  # [B, 1, T, L] key position <= query position
+    cos: torch.Tensor  # [B, T, 1, D]
+    sin: torch.Tensor
+    max_len: int  # L: keys attended this step
+
+
+def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token lists → ([B, T] int64 right-padded, [B] lengths)."""
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = max(1, int(lens.max())) if rows else 1
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out, lens
+
+
+def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = ()):
+    """A new cache holding every prompt token but the last (which is the first block's input).
+
+    Returns (cache, features): features maps each captured layer to [B, hidden], the residual
+    stream at the position whose output predicts the last prompt token (zeros for 1-token prompts).
+    """
+    cache = lean.new_cache(len(prompts), capacity)
+    heads = [p[:-1] for p in prompts]
+    features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    if any(heads):
+        tokens, lens = pad_right(heads)
+        out = lean.forward(cache, tokens, n_new=lens, last_only=True, capture=capture)
+        for i in capture:
+            got = last_valid(out.hidden[i], lens)[:, 0]
+            features[i] = torch.where((lens > 0)[:, None].to(got.device), got, features[i])
+    return cache, features
+
+
+def last_valid(x: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] → [B, 1, H] at each row's last real (non-padding) position."""
+    idx = (n_new - 1).clamp(min=0).to(x.device)
+    return x[torch.arange(x.shape[0], device=x.device), idx][:, None]
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

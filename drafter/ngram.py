@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from drafter.proposer import Proposal, emitted_tokens
+from drafter.proposer import Proposal, VerifierView, emitted_tokens
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 
@@ -33,11 +33,12 @@ class NgramDrafter:
     """Deterministic drafts (q is one-hot on the drafted token), so sampling stays lossless."""
 
     kind = "ngram"
+    verifier_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
 
-    def start(self, prompts: list[list[int]], capacity: int) -> None:
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView | None = None) -> None:
         self.history = [list(p) for p in prompts]
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
@@ -46,6 +47,6 @@ class NgramDrafter:
         probs = None if params.greedy else torch.nn.functional.one_hot(tokens, self.vocab_size).float()
         return Proposal(tokens=tokens, probs=probs)
 
-    def observe(self, outcome: BlockOutcome, active: torch.Tensor) -> None:
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():
             self.history[b].extend(emitted_tokens(outcome, b))

@@ -3,20 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from drafter.decoder import LeanDecoder
-from drafter.proposer import Proposal, pad_right
+from drafter.decoder import LeanDecoder, pad_right, prefill
+from drafter.proposer import Proposal, VerifierView
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams, sample, warp
-
-
-def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int):
-    """A cache holding every prompt token but the last; returns (cache, last tokens as pending)."""
-    cache = lean.new_cache(len(prompts), capacity)
-    heads = [p[:-1] for p in prompts]
-    if any(heads):
-        tokens, lens = pad_right(heads)
-        lean.forward(cache, tokens, n_new=lens, last_only=True)
-    return cache, [[p[-1]] for p in prompts]
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
@@ -35,12 +25,14 @@ class PretrainedDrafter:
     """
 
     kind = "pretrained"
+    verifier_layers: tuple[int, ...] = ()
 
     def __init__(self, lean: LeanDecoder):
         self.lean = lean
 
-    def start(self, prompts: list[list[int]], capacity: int) -> None:
-        self.cache, self.pending = prefill(self.lean, prompts, capacity)
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView | None = None) -> None:
+        self.cache, _ = prefill(self.lean, prompts, capacity)
+        self.pending = [[p[-1]] for p in prompts]
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         self._base = self.cache.lens.clone()
@@ -57,7 +49,7 @@ class PretrainedDrafter:
             probs=None if params.greedy else torch.stack(probs, dim=1),
         )
 
-    def observe(self, outcome: BlockOutcome, active: torch.Tensor) -> None:
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         n = outcome.num_accepted
         k = outcome.tokens.shape[1] - 1
         in_cache = self._base + self._n_pending + n.clamp(max=k - 1)

@@ -10,6 +10,7 @@ from typing import Protocol
 
 import torch
 
+from drafter.decoder import KVCache
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 
@@ -20,27 +21,27 @@ class Proposal:
     probs: torch.Tensor | None  # [B, k, V] q the tokens were drawn from; None at temperature 0
 
 
+@dataclass
+class VerifierView:
+    """What a drafter may read of the verifier, computed by passes the verifier runs anyway."""
+
+    cache: KVCache  # the verifier's KV cache (lens = committed tokens but the newest)
+    features: dict[int, torch.Tensor]  # layer -> [B, hidden]: residual stream at the position that
+    #                                    produced the newest committed token (the drafter's `verifier_layers`)
+
+
 class Drafter(Protocol):
     kind: str
+    verifier_layers: tuple[int, ...]  # hidden states it needs from the verifier (SD² steering)
 
-    def start(self, prompts: list[list[int]], capacity: int) -> None:
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         """Begin a batch: remember (or prefill) each row's prompt; capacity bounds its length."""
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         """Draft k tokens per row; uniforms [B, k] drive sampling at temperature > 0."""
 
-    def observe(self, outcome: BlockOutcome, active: torch.Tensor) -> None:
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         """Take the verifier's verdict; rows where active [B] is False are finished."""
-
-
-def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged token lists → ([B, T] int64 right-padded, [B] lengths)."""
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = max(1, int(lens.max())) if rows else 1
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out, lens
 
 
 def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:

@@ -10,9 +10,8 @@ from typing import Callable
 
 import torch
 
-from drafter.decoder import KVCache, LeanDecoder
-from drafter.pretrained import prefill
-from drafter.proposer import Drafter, Proposal, emitted_tokens
+from drafter.decoder import KVCache, LeanDecoder, prefill
+from drafter.proposer import Drafter, Proposal, VerifierView, emitted_tokens
 from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
 from drafter.sampling import SamplingParams, draw_uniforms, make_generators, warp
 
@@ -36,7 +35,9 @@ def speculative_step(
     else:
         proposal = Proposal(tokens=last.new_zeros(len(last), 0), probs=None)
     start = cache.lens
-    logits = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1)).logits  # [B, k+1, V]
+    capture = drafter.verifier_layers if k else ()
+    out = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1), capture=capture)
+    logits = out.logits  # [B, k+1, V]
     if params.greedy:
         outcome = greedy_accept(proposal.tokens, logits)
     else:
@@ -45,8 +46,14 @@ def speculative_step(
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if k:
-        drafter.observe(outcome, active)
+        drafter.observe(outcome, active, VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted)))
     return outcome
+
+
+def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
+    """layer -> [B, hidden] at block index n: the position whose output is the emitted token."""
+    rows = torch.arange(len(n))
+    return {i: h[rows, n.to(h.device)] for i, h in hidden.items()}
 
 
 @dataclass
@@ -128,9 +135,9 @@ def generate(
         raise ValueError("stop strings need a decode function")
     B = len(prompts)
     capacity = max(map(len, prompts)) + params.max_tokens + 2 * k + 2
-    cache, _ = prefill(verifier, prompts, capacity)
+    cache, features = prefill(verifier, prompts, capacity, drafter.verifier_layers if k else ())
     if k:
-        drafter.start(prompts, capacity)
+        drafter.start(prompts, capacity, VerifierView(cache, features))
     last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
     generators = make_generators(params.seed, B, start=first_request)
     gens = [Generation([], None, RequestStats(k)) for _ in prompts]
