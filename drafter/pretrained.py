@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from drafter.decoder import LeanDecoder, pad_right, prefill
-from drafter.proposer import Proposal, VerifierView
+from drafter.proposer import Proposal, VerifierView, stack_proposal
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams, sample, warp
 
@@ -37,17 +37,20 @@ class PretrainedDrafter:
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         self._base = self.cache.lens.clone()
         tokens, self._n_pending = pad_right(self.pending)
+        bias = self.block_bias()
         drafts, probs = [], []
         for i in range(k):
-            out = self.lean.forward(self.cache, tokens, n_new=self._n_pending if i == 0 else None, last_only=True)
+            n_new = self._n_pending if i == 0 else None
+            out = self.lean.forward(self.cache, tokens, n_new=n_new, last_only=True, mlp_up_bias=bias)
             d, q = choose(out.logits[:, -1], params, None if uniforms is None else uniforms[:, i])
             drafts.append(d)
             probs.append(q)
             tokens = d[:, None]
-        return Proposal(
-            tokens=torch.stack(drafts, dim=1),
-            probs=None if params.greedy else torch.stack(probs, dim=1),
-        )
+        return stack_proposal(drafts, probs, params)
+
+    def block_bias(self) -> list[torch.Tensor] | None:
+        """Per-layer MLP up-projection bias for this block (steered kinds); None for a plain LM."""
+        return None
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         n = outcome.num_accepted

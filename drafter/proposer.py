@@ -44,6 +44,11 @@ class Drafter(Protocol):
         """Take the verifier's verdict; rows where active [B] is False are finished."""
 
 
+def stack_proposal(drafts: list[torch.Tensor], probs: list[torch.Tensor | None], params: SamplingParams) -> Proposal:
+    """k per-step [B] tokens and [B, V] distributions → one Proposal."""
+    return Proposal(tokens=torch.stack(drafts, dim=1), probs=None if params.greedy else torch.stack(probs, dim=1))
+
+
 def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:
     """The n + 1 tokens row b gained in this block."""
     n = int(outcome.num_accepted[b])

@@ -1,0 +1,128 @@
+"""DVI draft head (Bhansali & Heck, "Draft, Verify & Improve"): the verifier's first s layers,
+frozen, feed a draft LM head (RMSNorm + the verifier's LM head with LoRA adapters from peft).
+
+What is reused from the verifier, and why it is exact:
+- the KV cache of layers 0..s−1: drafting runs the verifier's own first s layers on the same
+  tokens at the same positions, so the drafter has no KV cache, no prefill and no rollback of its
+  own; it reads the verifier's cache and writes positions the verify pass then rewrites with the
+  same values (the verifier's `lens` never moves during drafting);
+- the embeddings and the first s layers' weights (shared tensors, nothing copied);
+- the LM head's base weight (LoRA adds a low-rank delta, folded in once per load).
+An untrained head (LoRA B = 0) is an early exit: the verifier's own norm and LM head after layer s.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drafter.decoder import LeanDecoder
+from drafter.pretrained import choose
+from drafter.proposer import Proposal, VerifierView, stack_proposal
+from drafter.rejection import BlockOutcome
+from drafter.sampling import SamplingParams
+from drafter.sd2 import MANIFEST
+
+HEAD_FILE = "dvi_head.safetensors"
+
+
+@dataclass
+class DVIConfig:
+    layers: int = 2  # s: verifier layers feeding the head
+    rank: int = 8
+    alpha: int = 16
+
+
+class DraftHead(nn.Module):
+    """RMSNorm + LM head with LoRA, on the verifier's layer-s residual stream."""
+
+    def __init__(self, verifier_hf, cfg: DVIConfig):
+        super().__init__()
+        from peft import LoraConfig, inject_adapter_in_model
+
+        n_layers = verifier_hf.config.num_hidden_layers
+        if not 1 <= cfg.layers < n_layers:
+            raise ValueError(f"DVI needs 1 <= s < {n_layers} verifier layers, got s={cfg.layers}")
+        self.cfg = cfg
+        self.eps = float(verifier_hf.config.rms_norm_eps)
+        base_head = verifier_hf.lm_head.weight.detach()
+        self.norm = nn.Parameter(verifier_hf.model.norm.weight.detach().clone())
+        self.head = nn.Linear(base_head.shape[1], base_head.shape[0], bias=False)
+        with torch.no_grad():
+            self.head.weight.copy_(base_head)
+        lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=["head"], lora_dropout=0.0)
+        inject_adapter_in_model(lora, self)
+        for name, p in self.named_parameters():
+            p.requires_grad = name == "norm" or "lora_" in name
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] (verifier residual after layer s) → logits [..., V]."""
+        x = nn.functional.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps)
+        return self.head(x)
+
+    def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm weight, LM head weight with the LoRA delta folded in) for inference."""
+        with torch.no_grad():
+            delta = self.head.get_delta_weight("default")
+            return self.norm.detach().clone(), (self.head.base_layer.weight + delta).detach()
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        return {n: p.detach().contiguous().cpu() for n, p in self.named_parameters() if p.requires_grad}
+
+    def save(self, out: Path, extra: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(self.trainable_state(), out / HEAD_FILE)
+        (out / MANIFEST).write_text(json.dumps({"kind": "dvi", "dvi": asdict(self.cfg)} | extra, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path, verifier_hf) -> "DraftHead":
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+        if manifest.get("kind") != "dvi":
+            raise ValueError(f"{directory} holds a {manifest.get('kind')!r} checkpoint, not a DVI head")
+        head = cls(verifier_hf, DVIConfig(**manifest["dvi"]))
+        missing = set(head.trainable_state()) - set(state := load_file(Path(directory) / HEAD_FILE))
+        if missing:
+            raise ValueError(f"{directory}: DVI head file lacks {sorted(missing)}")
+        head.load_state_dict(state, strict=False)
+        return head
+
+
+class DVIDrafter:
+    """Drafts with the verifier's first s layers and the draft head, on the verifier's own cache."""
+
+    kind = "dvi"
+    verifier_layers: tuple[int, ...] = ()
+
+    def __init__(self, verifier: LeanDecoder, head: DraftHead):
+        self.lean = verifier
+        self.layers = range(head.cfg.layers)
+        norm, weight = head.merged()
+        self.norm = norm.to(verifier.device, verifier.dtype)
+        self.head = weight.to(verifier.device, verifier.dtype)
+
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
+        self.cache = view.cache
+        self.last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
+
+    @torch.inference_mode()
+    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        base = self.cache.lens
+        tokens, drafts, probs = self.last[:, None], [], []
+        for i in range(k):
+            at = self.lean.positions(self.cache, 1)
+            x = self.lean.run_layers(self.cache, at, self.lean.embed_tokens(tokens), self.layers)
+            d, q = choose(self.lean.logits(x, self.norm, self.head)[:, -1], params, None if uniforms is None else uniforms[:, i])
+            drafts.append(d)
+            probs.append(q)
+            self.cache.lens = self.cache.lens + 1
+            tokens = d[:, None]
+        self.cache.lens = base  # the verify pass writes these positions again, every layer
+        return stack_proposal(drafts, probs, params)
+
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
+        emitted = outcome.tokens[torch.arange(len(self.last)), outcome.num_accepted]
+        self.last = torch.where(active, emitted, self.last)
