@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from drafter.decoder import LeanDecoder
+from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
+from drafter.sd2 import SteeredDrafter, steering_for
 from drafter.models import load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
@@ -71,11 +73,34 @@ def compare(model, prompts, reference, outputs) -> int:
     return ties
 
 
+def perturbed_steering(verifier_hf, drafter_hf, layers=None, std=0.05):
+    """SD² steering with non-zero W_s, so that steering really changes the drafts."""
+    steering = steering_for(verifier_hf.config, drafter_hf.config, layers)
+    torch.nn.init.normal_(steering.w_s, std=std, generator=torch.Generator().manual_seed(0))
+    return steering
+
+
+def perturbed_head(verifier_hf, layers, std=0.05):
+    """A DVI head whose LoRA adapters are non-zero."""
+    head = DraftHead(verifier_hf, DVIConfig(layers=layers))
+    for name, p in head.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=std, generator=torch.Generator().manual_seed(1))
+    return head
+
+
 def make_drafter(kind, pair):
-    return PretrainedDrafter(pair[1].lean) if kind == "pretrained" else NgramDrafter(pair[0].vocab_size)
+    v, d = pair
+    if kind == "pretrained":
+        return PretrainedDrafter(d.lean)
+    if kind == "sd2":
+        return SteeredDrafter(d.lean, perturbed_steering(v.hf, d.hf))
+    if kind == "dvi":
+        return DVIDrafter(v.lean, perturbed_head(v.hf, layers=2))
+    return NgramDrafter(v.vocab_size)
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "ngram"])
+@pytest.mark.parametrize("kind", ["pretrained", "ngram", "sd2", "dvi"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
@@ -167,12 +192,23 @@ def sampled_counts(tiny, params, kind, k, sampler=rejection_sample) -> torch.Ten
     rule = StopRule()
     chunk = 5000
     for lo in range(0, N_SAMPLES, chunk):
-        drafter = None if k == 0 else PretrainedDrafter(LeanDecoder(tiny[1])) if kind == "pretrained" else NgramDrafter(VOCAB)
+        drafter = tiny_drafter(tiny, kind)
         gens = generate(verifier, drafter, [PROMPT] * chunk, params, k, rule, sampler, first_request=lo)
         toks = torch.tensor([g.token_ids for g in gens])
         for t in range(POSITIONS):
             counts[t] += torch.bincount(toks[:, t], minlength=VOCAB)
     return counts
+
+
+def tiny_drafter(tiny, kind):
+    verifier, drafter = tiny
+    if kind == "pretrained":
+        return PretrainedDrafter(LeanDecoder(drafter))
+    if kind == "sd2":
+        return SteeredDrafter(LeanDecoder(drafter), perturbed_steering(verifier, drafter, (0, 1, 1), std=0.5))
+    if kind == "dvi":
+        return DVIDrafter(LeanDecoder(verifier), perturbed_head(verifier, layers=1, std=0.5))
+    return NgramDrafter(VOCAB) if kind == "ngram" else None
 
 
 def wrong_sampler(draft_tokens, draft_probs, target_probs, uniforms) -> BlockOutcome:
@@ -191,7 +227,7 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("kind,k", [("pretrained", 2), ("ngram", 3), ("none", 0)])
+@pytest.mark.parametrize("kind,k", [("pretrained", 2), ("ngram", 3), ("sd2", 2), ("dvi", 3), ("none", 0)])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k):
     params = SETTINGS[setting]
