@@ -42,6 +42,7 @@ class Result:
     blocks: int = 0
     accepted: int = 0
     per_position: list[float] = field(default_factory=list)
+    step_ms: dict = field(default_factory=dict)  # in-situ mean forward times: verifier (T = k+1), drafter (T = 1)
     outputs: list[list[int]] = field(default_factory=list)
 
     @property
@@ -67,8 +68,30 @@ def strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
+class ForwardTimer:
+    """Wall time of a LeanDecoder's forward passes by number of new tokens T, measured in situ."""
+
+    def __init__(self, lean):
+        self.lean, self.inner = lean, lean.forward
+        self.by_T: dict[int, list[float]] = {}
+        lean.forward = self._timed  # instance attribute shadows the method for this run only
+
+    def _timed(self, cache, tokens, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self.inner(cache, tokens, *args, **kwargs)
+        self.by_T.setdefault(tokens.shape[1], []).append(time.perf_counter() - t0)
+        return out
+
+    def mean(self, T: int) -> float:
+        return statistics.mean(self.by_T[T])
+
+    def close(self) -> None:
+        del self.lean.forward
+
+
 def run_specloop(v: LoadedModel, d: LoadedModel | None, prompts, k, temperature, batch, max_tokens, domain) -> Result:
     res = Result("specloop" if k else "verifier-specloop", domain, temperature, batch, k)
+    timers = [ForwardTimer(v.lean)] + ([ForwardTimer(d.lean)] if k else [])
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=0)
     rule = StopRule(frozenset([v.tokenizer.eos_token_id]))
     per_pos = [0] * k
@@ -84,6 +107,11 @@ def run_specloop(v: LoadedModel, d: LoadedModel | None, prompts, k, temperature,
             per_pos = [a + b for a, b in zip(per_pos, g.stats.accepted_per_position)]
             res.outputs.append(g.token_ids)
     res.per_position = [a / res.blocks for a in per_pos] if k else []
+    res.step_ms = {"verifier": timers[0].mean(k + 1) * 1e3}
+    if k:
+        res.step_ms["drafter"] = timers[1].mean(1) * 1e3
+    for t in timers:
+        t.close()
     return res
 
 
@@ -222,8 +250,12 @@ def build_report(results: list[Result], costs: dict, args) -> dict:
         row["speedup_vs_verifier_specloop"] = r.tokens_per_s / base.tokens_per_s
         row["speedup_vs_verifier_hf"] = r.tokens_per_s / hf_ref.tokens_per_s
         if r.system == "specloop":
-            vk, c = costs[f"v_{r.k}"], costs["c"]
+            # cost model with c and v_k measured in situ (during this run and the verifier-alone run)
+            t1 = base.step_ms["verifier"]
+            c, vk = r.step_ms["drafter"] / t1, r.step_ms["verifier"] / t1
+            row.update(c_in_situ=c, v_k_in_situ=vk)
             row["predicted_speedup"] = r.tau / (r.k * c + vk)
+            row["predicted_speedup_isolated"] = r.tau / (r.k * costs["c"] + costs[f"v_{r.k}"])
             row["break_even_c"] = (r.tau - vk) / r.k  # speculation pays while c is below this
             hf = find(results, system="hf-assisted", domain=r.domain, temperature=r.temperature, batch=1, k=r.k)
             if hf and r.batch == 1:
@@ -246,8 +278,8 @@ def fmt(x, spec=".2f") -> str:
 
 
 def markdown(report: dict) -> str:
-    head = "| domain | T | batch | system | k | tokens/s | τ | α | per-position acceptance | × verifier (specloop) | × HF assisted | predicted × | greedy identical |"
-    lines = [head, "|" + "---|" * 13]
+    head = "| domain | T | batch | system | k | tokens/s | τ | α | per-position acceptance | × verifier (specloop) | × HF assisted | predicted × (in situ c, v_k) | c, v_k in situ | break-even c | greedy identical |"
+    lines = [head, "|" + "---|" * 15]
     for r in report["rows"]:
         pp = " ".join(f"{x:.2f}" for x in r["per_position"])
         same = f"{r['greedy_identical_to_verifier_hf']}/{r['prompts']}" if "prompts" in r else "–"
@@ -255,12 +287,14 @@ def markdown(report: dict) -> str:
             f"| {r['domain']} | {r['temperature']:g} | {r['batch']} | {r['system']} | {r['k'] or '–'} | "
             f"{r['tokens_per_s']:.0f} | {fmt(r['tau'])} | {fmt(r['alpha'])} | {pp or '–'} | "
             f"{r['speedup_vs_verifier_specloop']:.2f} | {fmt(r.get('vs_hf_assisted'))} | "
-            f"{fmt(r.get('predicted_speedup'))} | {same} |"
+            f"{fmt(r.get('predicted_speedup'))} | "
+            + (f"{r['c_in_situ']:.2f}, {r['v_k_in_situ']:.2f} | {r['break_even_c']:.2f}" if "c_in_situ" in r else "– | –")
+            + f" | {same} |"
         )
     c = report["cost_model"]
     lines.append("")
     lines.append(
-        f"Cost model at context {c['context']}: verifier step {c['verifier_step_ms']:.2f} ms, drafter step "
+        f"Isolated (hot-cache) cost model at context {c['context']}: verifier step {c['verifier_step_ms']:.2f} ms, drafter step "
         f"{c['drafter_step_ms']:.2f} ms, c = {c['c']:.3f}, "
         + ", ".join(f"{k} = {v:.2f}" for k, v in c.items() if k.startswith("v_"))
     )
