@@ -34,6 +34,15 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.lean.vocab_size
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """End-of-sequence ids from the generation config and the tokenizer."""
+        ids = self.hf.generation_config.eos_token_id
+        ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -9,7 +9,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from drafter.kinds import DRAFTER_KINDS, build_drafter
-from drafter.models import LoadedModel, load_model
+from drafter.models import load_model
 from drafter.sampling import SamplingParams
 from drafter.speculative import Generation, StopRule, generate
 from services.prompts import encode, load_prompts
@@ -78,14 +78,6 @@ class RunSummary:
         }
 
 
-def eos_ids(model: LoadedModel) -> frozenset[int]:
-    ids = model.hf.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if model.tokenizer.eos_token_id is not None:
-        ids.append(model.tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
 def final_text(tokenizer, gen: Generation, stop: tuple[str, ...]) -> str:
     """Decoded text, cut before the first stop string it contains."""
     text = tokenizer.decode(gen.token_ids, skip_special_tokens=True)
@@ -100,7 +92,7 @@ def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary
     records = load_prompts(cfg.prompts, cfg.limit)
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer
-    rule = StopRule(eos_ids(verifier), lambda ids: tok.decode(ids, skip_special_tokens=True))
+    rule = StopRule(verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
     k = 0 if cfg.no_speculation else cfg.k
     summary = summary if summary is not None else RunSummary()
     bar = tqdm(total=len(records), desc="generate", unit="prompt", disable=not progress)
