@@ -44,7 +44,10 @@ def width_map(d_draft: int, d_verifier: int) -> torch.Tensor:
     """P: [d_draft, d_verifier] as described in the module docstring."""
     if d_draft == d_verifier:
         return torch.eye(d_draft)
-    group = (torch.arange(d_verifier) * d_draft) // d_verifier  # which drafter dim each verifier dim feeds
+    if d_draft > d_verifier:  # repetition: drafter dim i copies verifier dim i·d_v/d_d
+        source = (torch.arange(d_draft) * d_verifier) // d_draft
+        return (source[:, None] == torch.arange(d_verifier)[None, :]).float()
+    group = (torch.arange(d_verifier) * d_draft) // d_verifier  # sum pooling: which drafter dim each feeds
     return (group[None, :] == torch.arange(d_draft)[:, None]).float()
 
 

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--minutes", type=float, default=4.0)
     b.add_argument("--seed", type=int, default=0)
 
+    from trainer.offline import add_offline_arguments
+
+    t = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True)
+    add_offline_arguments(t.add_parser("offline", help="align a drafter with the verifier offline"))
+
     d = sub.add_parser("demo", help="the main job: bootstrap models if none are given, then generate")
     d.add_argument("--verifier", type=Path)
     d.add_argument("--drafter", type=Path)
@@ -126,6 +131,13 @@ def cmd_bootstrap(args) -> int:
     return 0
 
 
+def cmd_train_offline(args) -> int:
+    from trainer.offline import config_from_args, train_offline
+
+    print(json.dumps(train_offline(config_from_args(args)), indent=2))
+    return 0
+
+
 def cmd_demo(args) -> int:
     """Embedded defaults: bootstrapped (cached) models, example prompts, speculative vs verifier alone."""
     verifier, drafter = args.verifier, args.drafter
@@ -148,7 +160,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bootstrap": cmd_bootstrap, "demo": cmd_demo}
+COMMANDS = {"generate": cmd_generate, "bootstrap": cmd_bootstrap, "offline": cmd_train_offline, "demo": cmd_demo}
+SUBCOMMAND = {"models": "models_command", "train": "train_command"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    name = args.models_command if args.command == "models" else args.command
+    name = getattr(args, SUBCOMMAND[args.command]) if args.command in SUBCOMMAND else args.command
     from drafter.models import ModelError
     from services.prompts import PromptError
 

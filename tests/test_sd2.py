@@ -34,6 +34,8 @@ def test_w_hml_starts_as_the_sum_of_the_three_states():
     torch.testing.assert_close(s.vector(torch.stack([h, m, l])[None])[0], expected)
     P = width_map(32, 64)
     assert P.shape == (32, 64) and bool((P.sum(dim=1) == 2).all()) and bool((P.sum(dim=0) == 1).all())
+    up = width_map(64, 32)
+    assert up.shape == (64, 32) and bool((up.sum(dim=1) == 1).all()) and bool((up.sum(dim=0) == 2).all())
 
 
 def test_untrained_steering_drafts_exactly_what_the_plain_drafter_drafts(pair):

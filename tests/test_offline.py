@@ -1,0 +1,286 @@
+"""Offline alignment: each method learns, SD² starts as the plain drafter, checkpoints resume
+exactly, generated data is cached, and every output loads as a drafter that decodes losslessly."""
+import argparse
+import json
+
+import pytest
+import torch
+
+from drafter.decoder import LeanDecoder
+from drafter.kinds import build_drafter
+from drafter.models import load_model
+from drafter.pretrained import PretrainedDrafter
+from drafter.sampling import SamplingParams
+from drafter.speculative import StopRule, generate
+from tests.tiny import TEXT, make_model, make_tokenizer
+from trainer.offline import (
+    CHECKPOINT_DIR,
+    CHECKPOINT_JSON,
+    GENERATED_FILE,
+    KIND_OF_METHOD,
+    LOG_FILE,
+    METHODS,
+    OfflineConfig,
+    OfflineTrainer,
+    GenerationSpec,
+    WindowStream,
+    add_offline_arguments,
+    build_generated_set,
+    config_from_args,
+    offset_sources,
+    verifier_targets,
+)
+
+torch.set_num_threads(1)
+
+CONVERSATIONS = [
+    [{"role": "user", "content": TEXT[i % 4][: 20 + 7 * i]}, {"role": "assistant", "content": TEXT[(i + 1) % 4]}]
+    for i in range(12)
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A 6-layer verifier (so the default steering layers exist) and a 1-layer drafter, peaky enough
+    (init std 0.2) that their distributions differ measurably."""
+    root = tmp_path_factory.mktemp("offline")
+    tok = make_tokenizer(root / "tokenizer")
+    verifier = make_model(root / "verifier", tok, layers=6, hidden=48, seed=1, init_std=0.2)
+    drafter = make_model(root / "drafter", tok, layers=1, hidden=32, seed=2, init_std=0.2)
+    return verifier, drafter
+
+
+def config(pair, out, method, **extra):
+    base = dict(method=method, verifier=str(pair[0]), drafter=str(pair[1]), out_dir=str(out), max_steps=3,
+                batch_size=2, seq_len=24, k=3, warmup_steps=0, lr=1e-2, lm_lr=3e-3, checkpoint_every=100,
+                conversations=CONVERSATIONS, gen_batch=4, gen_max_tokens=12)
+    return OfflineConfig(**(base | extra))
+
+
+@pytest.fixture(scope="module")
+def trained(pair, tmp_path_factory):
+    """method -> out dir after a short run of that method."""
+    root = tmp_path_factory.mktemp("trained")
+    outs = {}
+    for method in METHODS:
+        OfflineTrainer(config(pair, root / method, method), progress=False).run()
+        outs[method] = root / method
+    return outs
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    tok = load_model(pair[0]).tokenizer
+    return [tok.encode(t[:30], add_special_tokens=False) for t in TEXT]
+
+
+# ----------------------------------------------------------------------------- learning
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_few_steps_of_each_method_reduce_the_loss_on_a_fixed_batch(pair, tmp_path, method):
+    trainer = OfflineTrainer(config(pair, tmp_path, method, k=1), progress=False)  # k = 1: a fixed offset
+    batch = trainer.data.batch(2)
+    before = trainer.evaluate(batch)["loss"]
+    for _ in range(20):
+        trainer.step(batch)
+    after = trainer.evaluate(batch)
+    assert after["loss"] < 0.9 * before
+    assert 0.0 <= after["acceptance"] <= 1.0
+
+
+def test_sd2_frozen_trains_only_the_steering(pair, tmp_path):
+    trainer = OfflineTrainer(config(pair, tmp_path, "sd2-frozen"), progress=False)
+    names = [n for n, _, _ in trainer.params]
+    assert names and all(n.startswith("steering.") for n in names)
+    lm_before = {n: p.clone() for n, p in trainer.student.lm.hf.named_parameters()}
+    trainer.run()
+    assert all(torch.equal(p, lm_before[n]) for n, p in trainer.student.lm.hf.named_parameters())
+    assert trainer.student.steering.w_s.abs().sum() > 0
+
+
+def test_lk_loss_logs_a_kl_weight_that_follows_acceptance(pair, tmp_path):
+    OfflineTrainer(config(pair, tmp_path, "distill", loss="lk"), progress=False).run()
+    for line in (tmp_path / LOG_FILE).read_text().splitlines():
+        rec = json.loads(line)
+        assert rec["lambda"] == pytest.approx(max(0.0, min(1.0, 1.0 - rec["acceptance_ema"])))
+
+
+def test_sd2_offsets_lie_between_one_and_k_before_clamping():
+    src = offset_sources(64, 40, 5, torch.Generator().manual_seed(0))
+    delta = torch.arange(40)[None] - src
+    assert int(delta[:, 5:].min()) == 1 and int(delta[:, 5:].max()) == 5
+    assert int(src.min()) == 0
+    assert set(delta[:, 5:].flatten().tolist()) == {1, 2, 3, 4, 5}
+
+
+def test_verifier_residuals_are_what_the_lean_decoder_captures_at_inference(pair):
+    v = load_model(pair[0])
+    ids = torch.tensor([[5, 9, 30, 41, 7, 12]])
+    layers = tuple(range(v.hf.config.num_hidden_layers))  # the last one too (HF's last hidden state is normed)
+    logits, residuals = verifier_targets(v.hf, ids, layers)
+    lean = LeanDecoder(v.hf)
+    out = lean.forward(lean.new_cache(1, 8), ids, capture=layers)
+    assert torch.allclose(logits, out.logits, atol=1e-5)
+    for i in layers:
+        assert torch.allclose(residuals[i], out.hidden[i], atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_untrained_sd2_drafts_exactly_what_the_pretrained_drafter_drafts(pair, tmp_path, prompts):
+    OfflineTrainer(config(pair, tmp_path, "sd2", max_steps=0), progress=False).run()
+    verifier = load_model(pair[0])
+    steered = build_drafter("sd2", verifier, tmp_path)
+    plain = PretrainedDrafter(load_model(pair[1]).lean)
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=3)
+    rule = StopRule(frozenset([4]))
+    a = generate(verifier.lean, steered, prompts, params, 3, rule)
+    b = generate(verifier.lean, plain, prompts, params, 3, rule)
+    assert [g.token_ids for g in a] == [g.token_ids for g in b]
+    assert [g.stats.to_dict() for g in a] == [g.stats.to_dict() for g in b]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_outputs_load_as_their_kind_and_decode_losslessly_at_temperature_zero(pair, trained, prompts, method):
+    out = trained[method]
+    manifest = json.loads((out / "manifest.json").read_text())
+    kind = KIND_OF_METHOD[method]
+    assert manifest["kind"] == kind and manifest["method"] == method and manifest["steps"] == 3
+    verifier = load_model(pair[0])
+    drafter = build_drafter(kind, verifier, out)
+    params = SamplingParams(max_tokens=16)
+    rule = StopRule(frozenset([4]))
+    reference = [generate(verifier.lean, None, [p], params, 0, rule)[0].token_ids for p in prompts]
+    speculative = generate(verifier.lean, drafter, prompts, params, 3, rule)
+    assert [g.token_ids for g in speculative] == reference
+
+
+def test_distilled_drafter_differs_from_its_base(pair, trained):
+    base = load_model(pair[1]).hf.state_dict()
+    tuned = load_model(trained["distill"] / "drafter").hf.state_dict()
+    assert any(not torch.equal(base[n], tuned[n]) for n in base)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def trainable_state(trainer):
+    return {n: p.detach().clone() for n, p, _ in trainer.params}
+
+
+def test_a_resumed_run_continues_at_the_saved_step_and_ends_where_an_uninterrupted_one_does(pair, tmp_path):
+    whole = OfflineTrainer(config(pair, tmp_path / "whole", "sd2", max_steps=4), progress=False)
+    whole.run()
+
+    first = OfflineTrainer(config(pair, tmp_path / "split", "sd2", max_steps=4), progress=False)
+    first.run(stop_at=2)
+    saved_opt = first.optimizer.state_dict()
+    assert json.loads((tmp_path / "split" / CHECKPOINT_DIR / CHECKPOINT_JSON).read_text())["step"] == 2
+
+    second = OfflineTrainer(config(pair, tmp_path / "split", "sd2", max_steps=4, resume=True), progress=False)
+    assert second.step_count == 2 and second.tokens_seen == first.tokens_seen
+    resumed_opt = second.optimizer.state_dict()
+    assert resumed_opt["state"].keys() == saved_opt["state"].keys()
+    for i, state in saved_opt["state"].items():
+        for key, value in state.items():
+            assert torch.equal(resumed_opt["state"][i][key], value)
+    assert [g["lr"] for g in resumed_opt["param_groups"]] == [g["lr"] for g in saved_opt["param_groups"]]
+    second.run()
+
+    assert second.step_count == 4
+    expected = trainable_state(whole)
+    got = trainable_state(second)
+    assert all(torch.equal(got[n], expected[n]) for n in expected)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "split" / LOG_FILE).read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+
+
+def test_an_existing_checkpoint_is_not_overwritten_without_resume(pair, tmp_path):
+    OfflineTrainer(config(pair, tmp_path, "dvi", max_steps=1), progress=False).run()
+    with pytest.raises(ValueError, match="--resume"):
+        OfflineTrainer(config(pair, tmp_path, "dvi", max_steps=1), progress=False)
+    with pytest.raises(ValueError, match="method"):
+        OfflineTrainer(config(pair, tmp_path, "distill", max_steps=2, resume=True), progress=False)
+
+
+def test_window_stream_resumes_with_the_same_windows():
+    docs = [[i] * (3 + i % 5) for i in range(1, 9)]
+
+    def documents(start):
+        return iter(docs[start:])
+
+    stream = WindowStream(documents, 7, 0)
+    [stream.window() for _ in range(3)]
+    state = json.loads(json.dumps(stream.state()))
+    expected = [stream.window() for _ in range(10)]  # wraps into a second epoch
+    resumed = WindowStream(documents, 7, 0, state)
+    assert [resumed.window() for _ in range(10)] == expected
+    assert stream.epoch >= 1
+
+
+# ----------------------------------------------------------------------------- generated data
+
+
+def test_generated_data_is_made_once_cached_and_reused(pair, tmp_path):
+    cache = tmp_path / "cache"
+    first = OfflineTrainer(config(pair, tmp_path / "a", "dvi", data="generated", data_cache=str(cache)), progress=False)
+    summary = first.run()
+    lines = (cache / GENERATED_FILE).read_text().splitlines()
+    assert summary["generated"]["new_sequences"] == len(lines) > 0
+    first_turns = {c[0]["content"] for c in CONVERSATIONS}
+    tok = first.verifier.tokenizer
+    for line in lines:
+        rec = json.loads(line)
+        assert CONVERSATIONS[rec["conversation"]][0]["content"] in first_turns
+        assert tok.decode(rec["prompt_ids"]).startswith("<|user|>")
+        assert rec["finish"] in ("stop", "length") and len(rec["generated_ids"]) <= 12
+
+    again = OfflineTrainer(config(pair, tmp_path / "b", "dvi", data="generated", data_cache=str(cache)), progress=False)
+    assert again.run()["generated"]["new_sequences"] == 0
+    assert (cache / GENERATED_FILE).read_text().splitlines() == lines
+
+    other = tmp_path / "other"
+    OfflineTrainer(config(pair, tmp_path / "c", "dvi", data="generated", data_cache=str(other)), progress=False).run()
+    assert (other / GENERATED_FILE).read_text().splitlines()[: len(lines)] == lines  # same seed, same samples
+
+    with pytest.raises(ValueError, match="another data cache"):
+        OfflineTrainer(config(pair, tmp_path / "d", "dvi", data="generated", data_cache=str(cache), seed=1),
+                       progress=False)
+
+
+def test_a_generated_set_is_built_within_a_sequence_budget_and_extended_later(pair, tmp_path):
+    spec = GenerationSpec(max_tokens=8, batch_size=2)
+    first = build_generated_set(pair[0], tmp_path, sequences=3, spec=spec, conversations=CONVERSATIONS, progress=False)
+    assert first["new_sequences"] == first["sequences"] == 4  # whole batches
+    more = build_generated_set(pair[0], tmp_path, sequences=2, spec=spec, conversations=CONVERSATIONS, progress=False)
+    assert (more["new_sequences"], more["sequences"]) == (2, 6)
+    conversations = [json.loads(line)["conversation"] for line in (tmp_path / GENERATED_FILE).read_text().splitlines()]
+    assert conversations == sorted(set(conversations))
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_bad_configurations_are_refused(pair, tmp_path):
+    with pytest.raises(ValueError, match="needs --drafter"):
+        OfflineTrainer(config(pair, tmp_path, "sd2", drafter=None), progress=False)
+    with pytest.raises(ValueError, match="budget"):
+        OfflineTrainer(config(pair, tmp_path, "dvi", max_steps=None), progress=False)
+    with pytest.raises(ValueError, match="unknown method"):
+        OfflineTrainer(config(pair, tmp_path, "eagle"), progress=False)
+
+
+def test_command_line_options_become_a_config(tmp_path):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=1)
+    add_offline_arguments(parser)
+    args = parser.parse_args(["--threads", "2", "--method", "sd2", "--verifier", "v", "--drafter", "d", "--out", "o",
+                              "--data", "generated", "--loss", "lk", "--k", "5", "--minutes", "2.5",
+                              "--steer-layers", "0", "2", "4", "--resume"])
+    cfg = config_from_args(args)
+    assert (cfg.method, cfg.verifier, cfg.drafter, cfg.out_dir) == ("sd2", "v", "d", "o")
+    assert (cfg.data, cfg.loss, cfg.k, cfg.minutes, cfg.max_steps) == ("generated", "lk", 5, 2.5, None)
+    assert (cfg.steer_layers, cfg.resume, cfg.threads) == ((0, 2, 4), True, 2)
+    cfg.validate()

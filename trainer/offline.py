@@ -1,0 +1,888 @@
+"""`specloop train offline`: align a drafter with the verifier before it serves.
+
+Every method minimises a distance between the verifier's next-token distribution π_V and the
+drafter's π_D at every position of training sequences (`trainer.losses`: forward KL, TV or LK):
+
+- distill     a plain drafter LM, all parameters trained           → kind "pretrained"
+- sd2         SD² steering (W_hml, LayerNorm, W_s) + the drafter LM  → kind "sd2"
+- sd2-frozen  SD² steering only, drafter LM frozen                  → kind "sd2"
+- dvi         DVI draft head (RMSNorm + LoRA on the LM head) on the verifier's layer-s residual
+              stream                                                 → kind "dvi"
+
+SD² trains with a random offset: at drafter position t the steering vector g is built from the
+verifier's residual streams at position t − δ_t, δ_t ~ U{1..k}, because at inference the j-th
+draft of a block sits j positions after the verifier position whose hidden states built g
+(`SteeredDrafter`: one g per block, reused for all k drafts). t − δ_t is clamped at 0; position 0
+gets zero features (the verifier's own state there already encodes its prediction of the target),
+which is also what `prefill` gives a one-token prompt.
+
+Data (never ShareGPT's last `HOLDOUT` conversations — `corpora.iter_sharegpt_train`):
+- teacher-forced  training conversations rendered with the tokenizer's chat template;
+- generated       the verifier's own samples at T = 1 from the training conversations' first user
+                  turns, produced once with specloop's batched decoding and cached as JSON lines.
+Both are packed end to end (separated by the pad token) into windows of `seq_len` tokens. Targets
+are computed on the fly by the frozen verifier (fp32), which also supplies SD²/DVI features.
+
+Out dir: manifest.json, drafter/ (HF format; distill and sd2), steering.safetensors (sd2),
+dvi_head.safetensors (dvi) — all loadable with `drafter.kinds.build_drafter(kind, verifier, out)` —
+plus train_log.jsonl (one line per step) and checkpoint/ (safetensors + JSON, for --resume).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from tqdm import tqdm
+
+from drafter.dvi import DraftHead, DVIConfig
+from drafter.models import LoadedModel, check_same_vocabulary, load_model
+from drafter.pretrained import PretrainedDrafter
+from drafter.sampling import SamplingParams
+from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
+from drafter.speculative import StopRule, generate
+from trainer.corpora import iter_sharegpt_train, render_chat
+from trainer.losses import LOSSES, distribution_loss, expected_acceptance
+
+METHODS = ("distill", "sd2", "sd2-frozen", "dvi")
+DATA_MODES = ("teacher-forced", "generated")
+KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi"}
+NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
+CHECKPOINT_DIR = "checkpoint"
+CHECKPOINT_TENSORS = "state.safetensors"
+CHECKPOINT_JSON = "state.json"
+LOG_FILE = "train_log.jsonl"
+GENERATED_FILE = "generated.jsonl"
+GENERATED_META = "generated.json"
+
+
+@dataclass
+class OfflineConfig:
+    method: str  # one of METHODS
+    verifier: str  # verifier model directory
+    out_dir: str
+    drafter: str | None = None  # drafter LM directory (distill / sd2 / sd2-frozen; dvi: only to generate data)
+    data: str = "teacher-forced"  # one of DATA_MODES
+    loss: str = "kl"  # one of trainer.losses.LOSSES
+    k: int = 8  # SD²: δ ~ U{1..k}
+    minutes: float | None = None  # wall-clock budget (all runs of this out dir together)
+    max_steps: int | None = None  # step budget; give this and/or minutes
+    lr: float = 1e-3  # steering and LoRA parameters
+    lm_lr: float = 3e-4  # drafter LM parameters (distill, sd2)
+    weight_decay: float = 0.0  # drafter LM matrices only; steering / LoRA never decay
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
+    grad_clip: float = 0.5
+    batch_size: int = 8
+    seq_len: int = 128
+    seed: int = 0
+    threads: int = 1
+    dvi_layers: int = 2  # s: verifier layers under the DVI head
+    steer_layers: tuple[int, int, int] | None = None  # default: drafter.sd2.default_steer_layers
+    resume: bool = False
+    checkpoint_every: int = 100
+    acceptance_ema: float = 0.95  # decay of the running acceptance estimate (LK's λ)
+    max_doc_tokens: int = 1024  # a conversation contributes at most this many tokens
+    data_cache: str | None = None  # generated data lives here (default: OUT/data); share it between runs
+    gen_batch: int = 32  # prompts decoded together when generating
+    gen_k: int = 0  # speculation while generating (0: the verifier alone, fastest on CPU at batch >= 8)
+    gen_max_tokens: int = 128  # new tokens per generated sequence
+    gen_max_prompt_tokens: int = 64  # longer first turns are skipped
+    conversations: list | None = field(default=None, repr=False)  # in-memory conversations (tests) instead of ShareGPT
+
+    def validate(self) -> None:
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        need(self.method in METHODS, f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        need(self.data in DATA_MODES, f"unknown data mode {self.data!r}; choose one of {', '.join(DATA_MODES)}")
+        need(self.loss in LOSSES, f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
+        need(self.method not in NEEDS_DRAFTER or self.drafter is not None, f"method {self.method} needs --drafter DIR")
+        need(self.minutes is not None or self.max_steps is not None, "give a budget: --minutes and/or --max-steps")
+        need(self.minutes is None or self.minutes > 0, "--minutes must be > 0")
+        need(self.max_steps is None or self.max_steps >= 0, "--max-steps must be >= 0")
+        need(self.k >= 1, "--k must be >= 1")
+        need(self.batch_size >= 1 and self.seq_len >= 2, "--batch-size must be >= 1 and --seq-len >= 2")
+        need(self.checkpoint_every >= 1, "--checkpoint-every must be >= 1")
+        need(self.gen_batch >= 1 and self.gen_k >= 0, "--gen-batch must be >= 1 and --gen-k >= 0")
+        need(self.steer_layers is None or len(set(self.steer_layers)) == 3,
+             "--steer-layers needs three distinct layers")
+
+    def description(self) -> dict:
+        """The JSON-able fields (what a checkpoint remembers)."""
+        d = asdict(self)
+        d.pop("conversations")
+        d["steer_layers"] = None if self.steer_layers is None else list(self.steer_layers)
+        return d
+
+
+# ----------------------------------------------------------------------------- data
+
+
+class ConversationSource:
+    """Training conversations by index: ShareGPT's training split in file order, or an explicit list."""
+
+    def __init__(self, conversations: list | None = None):
+        self.conversations = conversations
+
+    @property
+    def name(self) -> str:
+        return "sharegpt-train" if self.conversations is None else f"explicit-{len(self.conversations)}"
+
+    def iter_from(self, start: int) -> Iterator[tuple[int, list]]:
+        """(index, conversation) from `start` on; never a held-out conversation."""
+        items = iter_sharegpt_train() if self.conversations is None else iter(self.conversations)
+        return enumerate(itertools.islice(items, start, None), start)
+
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def conversation_ids(tokenizer, messages: list, max_tokens: int) -> list[int]:
+    """A whole conversation through the chat template (ours if the tokenizer has none), truncated."""
+    try:
+        if getattr(tokenizer, "chat_template", None):
+            text = tokenizer.apply_chat_template(messages, tokenize=False)
+        else:
+            text = render_chat(messages)
+    except Exception:  # a template that rejects this role order (jinja raises its own errors)
+        return []
+    return tokenizer.encode(text[: max_tokens * 16], add_special_tokens=False)[:max_tokens]
+
+
+def first_turn_prompt(tokenizer, messages: list) -> list[int]:
+    """The first user turn with a generation prompt, as the verifier would be asked it; [] if none."""
+    user = next((m for m in messages if m["role"] == "user" and m["content"].strip()), None)
+    if user is None:
+        return []
+    try:
+        return _ids(tokenizer.apply_chat_template([user], add_generation_prompt=True))
+    except Exception:
+        return tokenizer.encode(render_chat([user], add_generation_prompt=True), add_special_tokens=False)
+
+
+class WindowStream:
+    """Documents (token lists) packed end to end, each followed by `separator`, cut into windows.
+
+    Resumable: `state()` is (next document index, epoch, tokens carried into the next window); a
+    stream built with that state yields the same windows the original would have.
+    """
+
+    def __init__(self, documents: Callable[[int], Iterator[list[int]]], seq_len: int, separator: int,
+                 state: dict | None = None):
+        self.documents, self.seq_len, self.separator = documents, seq_len, separator
+        state = state or {}
+        self.next_document = int(state.get("next_document", 0))
+        self.epoch = int(state.get("epoch", 0))
+        self.carry = list(state.get("carry", []))
+        self._it: Iterator[list[int]] | None = None
+        self._gained = self.next_document > 0
+
+    def state(self) -> dict:
+        return {"next_document": self.next_document, "epoch": self.epoch, "carry": list(self.carry)}
+
+    def _read(self) -> list[int]:
+        while True:
+            if self._it is None:
+                self._it = self.documents(self.next_document)
+            doc = next(self._it, None)
+            if doc is not None:
+                self.next_document += 1
+                self._gained = self._gained or bool(doc)
+                return doc
+            if not self._gained:
+                raise ValueError("no training documents (every conversation rendered to nothing)")
+            self._it, self.next_document, self.epoch, self._gained = None, 0, self.epoch + 1, False
+
+    def window(self) -> list[int]:
+        while len(self.carry) < self.seq_len:
+            doc = self._read()
+            if doc:
+                self.carry.extend(doc + [self.separator])
+        out, self.carry = self.carry[: self.seq_len], self.carry[self.seq_len:]
+        return out
+
+    def batch(self, size: int) -> torch.Tensor:
+        return torch.tensor([self.window() for _ in range(size)], dtype=torch.long)  # [B, T]
+
+
+@dataclass
+class GenerationSpec:
+    """What a generated set holds; seed, lengths and source must match to reuse a cache."""
+
+    seed: int = 0
+    max_tokens: int = 128
+    max_prompt_tokens: int = 64
+    batch_size: int = 32
+    k: int = 0  # 0: the verifier alone
+
+
+class GeneratedSet:
+    """The verifier's samples at T = 1 from training first-user-turn prompts, cached as JSON lines
+    `{"conversation", "prompt_ids", "generated_ids", "finish"}` and extended on demand.
+
+    Request i (i = conversation index) samples from its own stream seeded from (seed, i), so the
+    cache is reproducible batch by batch. A document is prompt + generated ids (+ EOS if it stopped).
+    """
+
+    def __init__(self, directory: str | Path, verifier: LoadedModel, source: ConversationSource,
+                 spec: GenerationSpec, drafter_dir: str | Path | None = None):
+        self.dir = Path(directory)
+        self.path = self.dir / GENERATED_FILE
+        self.verifier, self.source, self.spec, self.drafter_dir = verifier, source, spec, drafter_dir
+        self.eos = verifier.eos_ids
+        self.seconds = 0.0  # spent generating in this process
+        self.new_sequences = 0
+        self.new_tokens = 0
+        self._prompts: Iterator[tuple[int, list[int]]] | None = None
+        self._drafter: PretrainedDrafter | None = None
+        self._check_meta()
+        self.records = self._read()
+
+    def _meta(self) -> dict:
+        return {"verifier": str(Path(self.verifier.path).resolve()), "source": self.source.name,
+                "temperature": 1.0, "seed": self.spec.seed, "max_tokens": self.spec.max_tokens,
+                "max_prompt_tokens": self.spec.max_prompt_tokens}
+
+    def _check_meta(self) -> None:
+        meta_path = self.dir / GENERATED_META
+        if meta_path.is_file():
+            found = json.loads(meta_path.read_text())
+            if found != self._meta():
+                raise ValueError(f"{self.dir} caches data generated with {found}, not {self._meta()}; "
+                                 "give another data cache directory")
+        else:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            meta_path.write_text(json.dumps(self._meta(), indent=2) + "\n")
+
+    def _read(self) -> list[dict]:
+        records, good_bytes = [], 0
+        if self.path.is_file():
+            with open(self.path, "rb") as f:
+                for line in f:
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        break  # a line cut off by an interrupted run: drop it and what follows
+                    good_bytes += len(line)
+            if good_bytes != self.path.stat().st_size:
+                with open(self.path, "r+b") as f:
+                    f.truncate(good_bytes)
+        return records
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def document(self, i: int) -> list[int]:
+        r = self.records[i]
+        eos = [min(self.eos)] if r["finish"] == "stop" and self.eos else []
+        return r["prompt_ids"] + r["generated_ids"] + eos
+
+    def documents(self, start: int) -> Iterator[list[int]]:
+        """Documents from index `start`, generating more when the cache runs out."""
+        i = start
+        while True:
+            while i >= len(self.records):
+                if not self.extend_batch():
+                    return
+            yield self.document(i)
+            i += 1
+
+    def _prompt_iter(self) -> Iterator[tuple[int, list[int]]]:
+        if self._prompts is None:
+            start = self.records[-1]["conversation"] + 1 if self.records else 0
+            tok = self.verifier.tokenizer
+            limit = self.spec.max_prompt_tokens
+            self._prompts = (
+                (i, p) for i, conv in self.source.iter_from(start)
+                if 0 < len(p := first_turn_prompt(tok, conv)) <= limit
+            )
+        return self._prompts
+
+    def _generation_drafter(self) -> PretrainedDrafter | None:
+        if not self.spec.k or self.drafter_dir is None:
+            return None
+        if self._drafter is None:
+            lm = load_model(self.drafter_dir, device=self.verifier.lean.device, dtype=self.verifier.lean.dtype)
+            check_same_vocabulary(self.verifier, lm)
+            self._drafter = PretrainedDrafter(lm.lean)
+        return self._drafter
+
+    def extend_batch(self) -> int:
+        """Generate one batch of sequences from the next prompts; returns how many (0: no prompts left)."""
+        batch = list(itertools.islice(self._prompt_iter(), self.spec.batch_size))
+        if not batch:
+            return 0
+        t0 = time.monotonic()
+        drafter = self._generation_drafter()
+        params = SamplingParams(temperature=1.0, max_tokens=self.spec.max_tokens, seed=self.spec.seed)
+        gens = generate(self.verifier.lean, drafter, [p for _, p in batch], params,
+                        self.spec.k if drafter else 0, StopRule(self.eos), first_request=batch[0][0])
+        lines = []
+        for (i, prompt), g in zip(batch, gens):
+            record = {"conversation": i, "prompt_ids": prompt, "generated_ids": g.token_ids, "finish": g.finish_reason}
+            self.records.append(record)
+            lines.append(json.dumps(record) + "\n")
+            self.new_tokens += len(g.token_ids)
+        with open(self.path, "a") as f:
+            f.write("".join(lines))
+        self.new_sequences += len(batch)
+        self.seconds += time.monotonic() - t0
+        return len(batch)
+
+    def extend(self, sequences: int | None = None, minutes: float | None = None, progress: bool = True) -> dict:
+        """Generate until `sequences` more are cached, `minutes` have passed, or the prompts run out."""
+        if sequences is None and minutes is None:
+            raise ValueError("give a budget: sequences and/or minutes")
+        start, before, tokens_before = time.monotonic(), len(self), self.new_tokens
+        deadline = None if minutes is None else start + 60.0 * minutes
+        with tqdm(total=sequences, desc="generate", unit="seq", disable=not progress, file=sys.stderr) as bar:
+            while sequences is None or len(self) - before < sequences:
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                added = self.extend_batch()
+                if not added:
+                    break
+                rate = (self.new_tokens - tokens_before) / max(1e-9, time.monotonic() - start)
+                bar.update(added)
+                bar.set_postfix(tok_s=f"{rate:.0f}")
+        seconds = time.monotonic() - start
+        new = self.new_tokens - tokens_before
+        return {"path": str(self.path), "sequences": len(self), "new_sequences": len(self) - before,
+                "new_tokens": new, "seconds": round(seconds, 2), "tokens_per_s": round(new / max(seconds, 1e-9), 1)}
+
+
+def build_generated_set(verifier_dir: str | Path, cache_dir: str | Path, sequences: int | None = None,
+                        minutes: float | None = None, drafter_dir: str | Path | None = None,
+                        spec: GenerationSpec | None = None, conversations: list | None = None,
+                        progress: bool = True) -> dict:
+    """Fill (or extend) a generated-data cache in `cache_dir` within a budget; returns its statistics."""
+    verifier = load_model(verifier_dir, dtype=torch.float32)
+    data = GeneratedSet(cache_dir, verifier, ConversationSource(conversations), spec or GenerationSpec(), drafter_dir)
+    return data.extend(sequences=sequences, minutes=minutes, progress=progress)
+
+
+# ----------------------------------------------------------------------------- verifier targets
+
+
+@torch.no_grad()
+def verifier_targets(verifier_hf, input_ids: torch.Tensor, layers: tuple[int, ...] = ()):
+    """(logits [B, T, V] float32, {i: residual stream after 0-based layer i, [B, T, d]}).
+
+    The residual after layer i is HF's `hidden_states[i + 1]` for i < L − 1; HF's last entry is
+    taken after the final norm, so the streams are read from the decoder layers' outputs, which
+    is what `LeanDecoder.forward(capture=...)` gives the drafters at inference.
+    """
+    captured: dict[int, torch.Tensor] = {}
+
+    def keeper(i: int):
+        def keep(module, inputs, output):
+            captured[i] = (output[0] if isinstance(output, tuple) else output).float()
+        return keep
+
+    handles = [verifier_hf.model.layers[i].register_forward_hook(keeper(i)) for i in sorted(set(layers))]
+    try:
+        logits = verifier_hf(input_ids=input_ids, use_cache=False).logits.float()  # [B, T, V]
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, captured
+
+
+# ----------------------------------------------------------------------------- students
+
+
+class Student:
+    """What a method trains: `logits(ids, residuals)` and the named trainable parameters.
+
+    `trainable()` lists (name, parameter, group): group "lm" (drafter LM weights, lm_lr) or
+    "adapter" (steering / LoRA / head norm, lr, no weight decay).
+    """
+
+    kind: str
+    verifier_layers: tuple[int, ...] = ()
+
+    def trainable(self) -> list[tuple[str, nn.Parameter, str]]:
+        raise NotImplementedError
+
+    def logits(self, input_ids: torch.Tensor, residuals: dict[int, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def export(self, out: Path, extra: dict) -> None:
+        raise NotImplementedError
+
+
+def _lm_params(lm) -> list[tuple[str, nn.Parameter, str]]:
+    return [(f"lm.{n}", p, "lm") for n, p in lm.named_parameters() if p.requires_grad]
+
+
+def _save_lm(lm: LoadedModel, out: Path) -> None:
+    (out / "drafter").mkdir(parents=True, exist_ok=True)
+    lm.hf.save_pretrained(out / "drafter")
+    lm.tokenizer.save_pretrained(out / "drafter")
+
+
+class DistillStudent(Student):
+    """A plain drafter LM, every parameter trained."""
+
+    kind = "pretrained"
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        lm.hf.requires_grad_(True).train()
+
+    def trainable(self):
+        return _lm_params(self.lm.hf)
+
+    def logits(self, input_ids, residuals):
+        return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+
+    def export(self, out, extra):
+        _save_lm(self.lm, out)
+        (out / MANIFEST).write_text(json.dumps({"kind": "pretrained"} | extra, indent=2))
+
+
+def offset_sources(batch: int, length: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, T] source positions t − δ_t, δ_t ~ U{1..k}, clamped at 0."""
+    delta = torch.randint(1, k + 1, (batch, length), generator=generator)  # [B, T]
+    return (torch.arange(length)[None] - delta).clamp(min=0)
+
+
+class SteeredStudent(Student):
+    """SD²: the drafter LM with W_s g added to every MLP up projection (forward hooks)."""
+
+    kind = "sd2"
+
+    def __init__(self, lm: LoadedModel, steering, k: int, train_lm: bool, generator: torch.Generator):
+        self.lm, self.steering, self.k, self.train_lm, self.generator = lm, steering, k, train_lm, generator
+        self.verifier_layers = tuple(steering.cfg.layers)
+        lm.hf.requires_grad_(train_lm).train(train_lm)
+        steering.train()
+        self._bias: torch.Tensor | None = None  # [L_draft, B, T, I] during a forward
+        for layer, block in enumerate(lm.hf.model.layers):
+            block.mlp.up_proj.register_forward_hook(self._adder(layer))
+
+    def _adder(self, layer: int):
+        def add_bias(module, inputs, output):
+            return output if self._bias is None else output + self._bias[layer]
+        return add_bias
+
+    def trainable(self):
+        lm = _lm_params(self.lm.hf) if self.train_lm else []
+        return lm + [(f"steering.{n}", p, "adapter") for n, p in self.steering.named_parameters()]
+
+    def features(self, residuals: dict[int, torch.Tensor], sources: torch.Tensor) -> torch.Tensor:
+        """Verifier features at each position's source t − δ_t: [B, T, 3, d_verifier]; zeros at t = 0."""
+        feats = torch.stack([residuals[i] for i in self.verifier_layers], dim=2)  # [B, T, 3, d_v]
+        src = sources.to(feats.device)[:, :, None, None].expand(-1, -1, *feats.shape[2:])  # [B, T, 3, d_v]
+        picked = feats.gather(1, src)
+        picked[:, 0] = 0.0
+        return picked
+
+    def logits(self, input_ids, residuals):
+        B, T = input_ids.shape
+        g = self.steering.vector(self.features(residuals, offset_sources(B, T, self.k, self.generator)))  # [B, T, d_d]
+        self._bias = self.steering.up_bias(g)  # [L_draft, B, T, I]
+        try:
+            return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+        finally:
+            self._bias = None
+
+    def export(self, out, extra):
+        _save_lm(self.lm, out)
+        self.steering.save(out, extra)
+
+
+class DVIStudent(Student):
+    """DVI: the draft head on the verifier's residual stream after s layers (capture index s − 1)."""
+
+    kind = "dvi"
+
+    def __init__(self, head: DraftHead):
+        self.head = head.train()
+        self.verifier_layers = (head.cfg.layers - 1,)
+
+    def trainable(self):
+        return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters() if p.requires_grad]
+
+    def logits(self, input_ids, residuals):
+        return self.head(residuals[self.verifier_layers[0]])  # [B, T, V]
+
+    def export(self, out, extra):
+        self.head.save(out, extra)
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+@dataclass
+class Schedule:
+    """Linear warm-up by steps, then cosine to min_lr_ratio over the budget (steps or wall clock)."""
+
+    warmup_steps: int
+    min_lr_ratio: float
+    max_steps: int | None
+    seconds: float | None
+
+    def factor(self, step: int, elapsed: float) -> float:
+        warm = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps > 0 else 1.0
+        done = 0.0
+        if self.max_steps:
+            done = max(done, step / self.max_steps)
+        if self.seconds:
+            done = max(done, elapsed / self.seconds)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
+        return warm * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
+
+# ----------------------------------------------------------------------------- trainer
+
+
+class OfflineTrainer:
+    """Builds the models, data and optimizer for a config (resuming if asked) and trains."""
+
+    def __init__(self, cfg: OfflineConfig, progress: bool = True):
+        cfg.validate()
+        self.cfg, self.progress = cfg, progress
+        self.out = Path(cfg.out_dir)
+        torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.verifier = load_model(cfg.verifier, dtype=torch.float32)
+        self.verifier.hf.requires_grad_(False).eval()
+        self.device = self.verifier.lean.device
+        self.generator = torch.Generator().manual_seed(cfg.seed)  # SD² offsets
+        self.student = self._build_student()
+        self.params = self.student.trainable()
+        self.optimizer = self._build_optimizer()
+        self.schedule = Schedule(cfg.warmup_steps, cfg.min_lr_ratio, cfg.max_steps,
+                                 None if cfg.minutes is None else 60.0 * cfg.minutes)
+        self.step_count, self.tokens_seen, self.elapsed = 0, 0, 0.0
+        self.acceptance: float | None = None  # EMA of Σ min(p, q)
+        self.generated: GeneratedSet | None = None
+        data_state = None
+        ckpt = self.out / CHECKPOINT_DIR
+        if cfg.resume:
+            if not (ckpt / CHECKPOINT_JSON).is_file():
+                raise ValueError(f"--resume: {ckpt} holds no checkpoint")
+            data_state = self.load_checkpoint(ckpt)
+        elif (ckpt / CHECKPOINT_JSON).is_file():
+            raise ValueError(f"{self.out} already holds a checkpoint: pass --resume, or choose another --out")
+        self.data = self._build_data(data_state)
+
+    # -- construction
+
+    def _drafter_lm(self) -> LoadedModel:
+        lm = load_model(self.cfg.drafter, device=self.device, dtype=torch.float32)
+        check_same_vocabulary(self.verifier, lm)
+        return lm
+
+    def _build_student(self) -> Student:
+        cfg = self.cfg
+        if cfg.method == "distill":
+            return DistillStudent(self._drafter_lm())
+        if cfg.method == "dvi":
+            return DVIStudent(DraftHead(self.verifier.hf, DVIConfig(layers=cfg.dvi_layers)).to(self.device))
+        lm = self._drafter_lm()
+        layers = cfg.steer_layers or default_steer_layers(self.verifier.hf.config.num_hidden_layers)
+        steering = steering_for(self.verifier.hf.config, lm.hf.config, tuple(layers)).to(self.device)
+        return SteeredStudent(lm, steering, cfg.k, cfg.method == "sd2", self.generator)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over three groups in a fixed order (their state indices follow `self.params`)."""
+        self.params.sort(key=lambda item: GROUPS.index(_group_name(item)))
+        groups = []
+        for name in GROUPS:
+            params = [p for item in self.params if _group_name(item) == name for p in [item[1]]]
+            if params:
+                groups.append({"params": params, "name": name, **self._group_hyper(name)})
+        return torch.optim.AdamW(groups, betas=(0.9, 0.95))
+
+    def _group_hyper(self, name: str) -> dict:
+        """Peak LR and weight decay of a parameter group, from the config."""
+        cfg = self.cfg
+        lr = cfg.lr if name == "adapter" else cfg.lm_lr
+        return {"base_lr": lr, "lr": lr, "weight_decay": cfg.weight_decay if name == "lm-matrices" else 0.0}
+
+    def _build_data(self, state: dict | None) -> WindowStream:
+        cfg, tok = self.cfg, self.verifier.tokenizer
+        source = ConversationSource(cfg.conversations)
+        separator = tok.pad_token_id if tok.pad_token_id is not None else min(self.verifier.eos_ids)
+        if cfg.data == "teacher-forced":
+            def documents(start: int) -> Iterator[list[int]]:
+                for _, conv in source.iter_from(start):
+                    yield conversation_ids(tok, conv, cfg.max_doc_tokens)
+        else:
+            spec = GenerationSpec(cfg.seed, cfg.gen_max_tokens, cfg.gen_max_prompt_tokens, cfg.gen_batch, cfg.gen_k)
+            cache = Path(cfg.data_cache) if cfg.data_cache else self.out / "data"
+            self.generated = GeneratedSet(cache, self.verifier, source, spec, cfg.drafter)
+            documents = self.generated.documents
+        return WindowStream(documents, cfg.seq_len, separator, state)
+
+    # -- one step
+
+    def _forward(self, input_ids: torch.Tensor):
+        ids = input_ids.to(self.device)
+        p_logits, residuals = verifier_targets(self.verifier.hf, ids, self.student.verifier_layers)  # [B, T, V]
+        q_logits = self.student.logits(ids, residuals)  # [B, T, V]
+        return p_logits, q_logits
+
+    def step(self, input_ids: torch.Tensor) -> dict:
+        """One optimisation step on a batch [B, T]; returns its loss, acceptance and λ."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * self.schedule.factor(self.step_count, self.elapsed)
+        p_logits, q_logits = self._forward(input_ids)
+        acc = float(expected_acceptance(p_logits, q_logits))
+        beta = self.cfg.acceptance_ema
+        self.acceptance = acc if self.acceptance is None else beta * self.acceptance + (1 - beta) * acc
+        loss, lam = distribution_loss(self.cfg.loss, p_logits, q_logits, self.acceptance)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for _, p, _ in self.params], self.cfg.grad_clip)
+        self.optimizer.step()
+        self.step_count += 1
+        self.tokens_seen += input_ids.numel()
+        return {"loss": float(loss.detach()), "acceptance": acc, "lambda": lam}
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor) -> dict:
+        """Loss and expected acceptance on a batch without training (SD² draws fresh offsets)."""
+        p_logits, q_logits = self._forward(input_ids)
+        loss, lam = distribution_loss(self.cfg.loss, p_logits, q_logits, self.acceptance or 0.0)
+        return {"loss": float(loss), "acceptance": float(expected_acceptance(p_logits, q_logits)), "lambda": lam}
+
+    # -- the loop
+
+    def run(self, stop_at: int | None = None) -> dict:
+        """Train until the budget (steps and/or minutes, counted across resumed runs) is spent.
+
+        `stop_at` pauses at that step (checkpoint and outputs written) without changing the schedule.
+        """
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        budget = None if cfg.minutes is None else 60.0 * cfg.minutes
+        start, start_step, start_tokens, data_seconds = time.monotonic(), self.step_count, self.tokens_seen, 0.0
+        base_elapsed, losses, accs = self.elapsed, [], []
+        mode = "a" if self.step_count else "w"  # a resumed (or paused) run appends
+        total = cfg.max_steps if cfg.max_steps is not None else round(budget)
+        unit = "step" if cfg.max_steps is not None else "s"
+        bar = tqdm(total=total, initial=self.step_count if unit == "step" else round(self.elapsed), unit=unit,
+                   desc=f"{cfg.method}/{cfg.data}", disable=not self.progress, file=sys.stderr)
+        with open(self.out / LOG_FILE, mode) as log, bar:
+            while not self._done(budget, stop_at, start_step, base_elapsed):
+                t0 = time.monotonic()
+                batch = self.data.batch(cfg.batch_size)
+                data_seconds += time.monotonic() - t0
+                rec = self.step(batch)
+                self.elapsed = base_elapsed + time.monotonic() - start
+                losses.append(rec["loss"])
+                accs.append(rec["acceptance"])
+                rec = {"step": self.step_count, **rec, "acceptance_ema": self.acceptance,
+                       "lr": {g["name"]: g["lr"] for g in self.optimizer.param_groups}, "tokens": self.tokens_seen,
+                       "seconds": round(self.elapsed, 3)}
+                log.write(json.dumps(rec) + "\n")
+                log.flush()
+                bar.n = self.step_count if unit == "step" else min(total, round(self.elapsed))
+                bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=f"{self.acceptance:.3f}", refresh=False)
+                bar.update(0)
+                if self.step_count % cfg.checkpoint_every == 0:
+                    self.save_checkpoint()
+        self.elapsed = base_elapsed + time.monotonic() - start
+        self.save_checkpoint()
+        self.export()
+        seconds = time.monotonic() - start
+        tokens = self.tokens_seen - start_tokens
+        summary = {
+            "method": cfg.method, "kind": KIND_OF_METHOD[cfg.method], "data": cfg.data, "loss": cfg.loss,
+            "out_dir": str(self.out), "steps": self.step_count, "steps_this_run": self.step_count - start_step,
+            "tokens_seen": self.tokens_seen, "seconds": round(seconds, 2), "data_seconds": round(data_seconds, 2),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+            "minutes_total": round(self.elapsed / 60.0, 3),
+            "final_loss": _tail_mean(losses), "final_acceptance": _tail_mean(accs),
+            "acceptance_ema": self.acceptance,
+        }
+        if self.generated is not None:
+            g = self.generated
+            summary["generated"] = {"cached_sequences": len(g), "new_sequences": g.new_sequences,
+                                    "new_tokens": g.new_tokens, "seconds": round(g.seconds, 2)}
+        return summary
+
+    def _done(self, budget: float | None, stop_at: int | None, start_step: int, base_elapsed: float) -> bool:
+        if stop_at is not None and self.step_count >= stop_at:
+            return True
+        if self.cfg.max_steps is not None and self.step_count >= self.cfg.max_steps:
+            return True
+        if budget is not None:
+            steps = self.step_count - start_step
+            per_step = (self.elapsed - base_elapsed) / steps if steps else 0.0
+            return self.elapsed + per_step > budget
+        return False
+
+    # -- outputs and checkpoints
+
+    def manifest_extra(self) -> dict:
+        cfg, student = self.cfg, self.student
+        layers = list(student.verifier_layers) if cfg.method != "dvi" else cfg.dvi_layers
+        return {
+            "method": cfg.method,
+            "base": {"verifier": str(Path(cfg.verifier).resolve()),
+                     "drafter": None if cfg.drafter is None else str(Path(cfg.drafter).resolve())},
+            "layers": layers, "k": cfg.k, "loss": cfg.loss, "data": cfg.data, "steps": self.step_count,
+            "tokens_seen": self.tokens_seen, "minutes": round(self.elapsed / 60.0, 3), "seq_len": cfg.seq_len,
+            "batch_size": cfg.batch_size, "lr": cfg.lr, "lm_lr": cfg.lm_lr, "seed": cfg.seed,
+        }
+
+    def export(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.student.export(self.out, self.manifest_extra())
+
+    def save_checkpoint(self) -> None:
+        """Trainable parameters, optimizer, schedule position, RNG and data position: safetensors + JSON."""
+        tensors = {f"param.{n}": p.detach().contiguous().cpu() for n, p, _ in self.params}
+        opt = self.optimizer.state_dict()
+        for idx, state in opt["state"].items():
+            for key, value in state.items():
+                tensors[f"opt.{idx}.{key}"] = value.detach().contiguous().cpu()
+        tensors["rng.offsets"] = self.generator.get_state()
+        tensors["rng.torch"] = torch.get_rng_state()
+        groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in opt["param_groups"]]
+        meta = {
+            "step": self.step_count, "tokens_seen": self.tokens_seen, "elapsed_seconds": self.elapsed,
+            "acceptance_ema": self.acceptance, "data": self.data.state(), "param_groups": groups,
+            "schedule": asdict(self.schedule), "params": [n for n, _, _ in self.params],
+            "config": self.cfg.description(),
+        }
+        tmp = self.out / (CHECKPOINT_DIR + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(tensors, tmp / CHECKPOINT_TENSORS)
+        (tmp / CHECKPOINT_JSON).write_text(json.dumps(meta) + "\n")
+        final = self.out / CHECKPOINT_DIR
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+
+    def load_checkpoint(self, directory: Path) -> dict:
+        """Restore everything `save_checkpoint` wrote; returns the data position."""
+        meta = json.loads((directory / CHECKPOINT_JSON).read_text())
+        saved = meta["config"]
+        now = self.cfg.description()
+        for key in ("method", "data", "loss", "k", "dvi_layers", "steer_layers", "seq_len", "seed"):
+            if saved[key] != now[key]:
+                raise ValueError(f"checkpoint in {directory} was trained with {key}={saved[key]!r}, not {now[key]!r}")
+        names = [n for n, _, _ in self.params]
+        if meta["params"] != names:
+            raise ValueError(f"checkpoint in {directory} trains other parameters than this configuration")
+        tensors = load_file(directory / CHECKPOINT_TENSORS)
+        with torch.no_grad():
+            for n, p, _ in self.params:
+                p.copy_(tensors[f"param.{n}"])
+        state: dict[int, dict] = {}
+        for key, value in tensors.items():
+            if key.startswith("opt."):
+                _, idx, name = key.split(".", 2)
+                state.setdefault(int(idx), {})[name] = value
+        groups = [dict(g, betas=tuple(g["betas"])) for g in meta["param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        for group in self.optimizer.param_groups:  # a resumed run may change the peak LRs / decay
+            hyper = self._group_hyper(group["name"])
+            group["base_lr"], group["weight_decay"] = hyper["base_lr"], hyper["weight_decay"]
+        self.generator.set_state(tensors["rng.offsets"])
+        torch.set_rng_state(tensors["rng.torch"])
+        self.step_count, self.tokens_seen = meta["step"], meta["tokens_seen"]
+        self.elapsed, self.acceptance = meta["elapsed_seconds"], meta["acceptance_ema"]
+        return meta["data"]
+
+
+GROUPS = ("lm-matrices", "lm-vectors", "adapter")
+
+
+def _group_name(item: tuple[str, nn.Parameter, str]) -> str:
+    """Optimizer group of a (name, parameter, kind) entry: LM matrices decay, nothing else does."""
+    _, p, kind = item
+    return "adapter" if kind == "adapter" else ("lm-matrices" if p.dim() >= 2 else "lm-vectors")
+
+
+def _tail_mean(values: list[float], n: int = 10) -> float | None:
+    tail = values[-n:]
+    return round(sum(tail) / len(tail), 5) if tail else None
+
+
+def train_offline(cfg: OfflineConfig, progress: bool = True) -> dict:
+    """Train per `cfg` into cfg.out_dir; returns the run's summary (also written to OUT/summary.json)."""
+    summary = OfflineTrainer(cfg, progress).run()
+    (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `specloop train offline` (threads come from the top-level --threads)."""
+    d = OfflineConfig
+    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--verifier", type=Path, required=True)
+    parser.add_argument("--drafter", type=Path, help="drafter LM to start from (distill/sd2/sd2-frozen); "
+                        "with dvi only used to speed up --data generated when --gen-k > 0")
+    parser.add_argument("--out", type=Path, required=True, help="output (and checkpoint) directory")
+    parser.add_argument("--data", choices=DATA_MODES, default=d.data)
+    parser.add_argument("--loss", choices=LOSSES, default=d.loss)
+    parser.add_argument("--k", type=int, default=d.k, help="SD²: random offset δ ∈ [1, k]")
+    parser.add_argument("--minutes", type=float, help="wall-clock budget (across resumed runs)")
+    parser.add_argument("--max-steps", type=int, help="step budget")
+    parser.add_argument("--lr", type=float, default=d.lr, help="peak LR of steering / LoRA parameters")
+    parser.add_argument("--lm-lr", type=float, default=d.lm_lr, help="peak LR of drafter LM parameters")
+    parser.add_argument("--weight-decay", type=float, default=d.weight_decay, help="drafter LM matrices only")
+    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--seq-len", type=int, default=d.seq_len)
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--dvi-layers", type=int, default=d.dvi_layers, help="DVI: verifier layers s under the head")
+    parser.add_argument("--steer-layers", type=int, nargs=3, metavar="I",
+                        help="SD²: three 0-based verifier layers (default: layers 3, L/2, L−2)")
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    parser.add_argument("--data-cache", type=Path, help="directory of the generated-data cache (default OUT/data)")
+    parser.add_argument("--gen-batch", type=int, default=d.gen_batch)
+    parser.add_argument("--gen-k", type=int, default=d.gen_k, help="draft length while generating (0: verifier alone)")
+    parser.add_argument("--gen-max-tokens", type=int, default=d.gen_max_tokens)
+
+
+def config_from_args(args: argparse.Namespace) -> OfflineConfig:
+    def opt(path):
+        return None if path is None else str(path)
+
+    return OfflineConfig(
+        method=args.method, verifier=str(args.verifier), drafter=opt(args.drafter), out_dir=str(args.out),
+        data=args.data, loss=args.loss, k=args.k, minutes=args.minutes, max_steps=args.max_steps,
+        lr=args.lr, lm_lr=args.lm_lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+        batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, threads=getattr(args, "threads", 1),
+        dvi_layers=args.dvi_layers, steer_layers=None if args.steer_layers is None else tuple(args.steer_layers),
+        resume=args.resume, checkpoint_every=args.checkpoint_every, data_cache=opt(args.data_cache),
+        gen_batch=args.gen_batch, gen_k=args.gen_k, gen_max_tokens=args.gen_max_tokens,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specloop train offline", description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    add_offline_arguments(parser)
+    args = parser.parse_args(argv)
+    print(json.dumps(train_offline(config_from_args(args)), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
