@@ -1,11 +1,11 @@
 """Benchmark: drafter kinds side by side after the same offline training budget.
 
 Trains distilled, SD² (steering + full fine-tune), SD² with the drafter frozen (steering only) and
-the DVI head with `specloop train offline` (same minutes each, two at a time with one thread each),
+the DVI head with `specloop train offline` (same steps and tokens each, one thread each),
 then measures τ on chat and code prompts at T = 0 and T = 1 (3 seeds), tokens/s, and the
 per-block overhead of steering. Writes bench/results/drafters.json and drafters_*.png.
 
-    .venv/bin/python bench/drafters.py --train-minutes 8 --prompts-per-domain 20 --max-tokens 64
+    .venv/bin/python bench/drafters.py --train-steps 600 --prompts-per-domain 20 --max-tokens 64
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def train_all(args, ckpt: Path) -> dict:
     jobs = []
     for method in METHODS:
         cmd = specloop + ["--method", method, "--verifier", str(models / "verifier"), "--out", str(ckpt / method)]
-        cmd += ["--minutes", str(args.train_minutes), "--data", args.data, "--k", str(args.k), "--seed", "0"]
+        cmd += ["--max-steps", str(args.train_steps), "--data", args.data, "--k", str(args.k), "--seed", "0"]
         if method != "dvi":
             cmd += ["--drafter", str(models / "drafter")]
         jobs.append((method, cmd))
@@ -131,7 +131,7 @@ def verifier_alone(verifier, prompts, max_tokens) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--models", type=Path, default=SHARED / "models")
-    ap.add_argument("--train-minutes", type=float, default=8.0)
+    ap.add_argument("--train-steps", type=int, default=600, help="same steps (= tokens) for every method")
     ap.add_argument("--data", default="teacher-forced", choices=["teacher-forced", "generated"])
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--skip-train", action="store_true", help="reuse the checkpoints in --work")

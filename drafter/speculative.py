@@ -74,6 +74,18 @@ class RequestStats:
         for i in range(n):
             self.accepted_per_position[i] += 1
 
+    def merge(self, other: "RequestStats") -> None:
+        """Add another request's counts (same k) into these."""
+        self.blocks += other.blocks
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α = accepted / drafted."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
     @property
     def block_efficiency(self) -> float:
         """τ = mean(n + 1) over blocks."""

@@ -98,13 +98,13 @@ def cmd_generate(args) -> int:
     from services.generation import RunSummary, run_generate
 
     cfg = _generate_config(args, args.verifier, args.drafter, args.drafter_kind, args.no_speculation)
-    summary = RunSummary()
+    summary = RunSummary(cfg.draft_len)
     for result in run_generate(cfg, progress=not args.json, summary=summary):
         if args.json:
             print(json.dumps(result), flush=True)
         else:
             _print_human(result)
-    _print_summary(summary, cfg.k if not cfg.no_speculation else 0)
+    _print_summary(summary, cfg.draft_len)
     return 0
 
 
@@ -151,12 +151,12 @@ def cmd_demo(args) -> int:
 
     for label, no_spec in (("verifier alone", True), ("speculative", False)):
         cfg = _generate_config(args, Path(verifier), Path(drafter), None, no_spec)
-        summary = RunSummary()
+        summary = RunSummary(cfg.draft_len)
         print(f"\n=== {label} ===", file=sys.stderr)
         for result in run_generate(cfg, progress=False, summary=summary):
             if not no_spec:
                 _print_human(result)
-        _print_summary(summary, cfg.k if not no_spec else 0)
+        _print_summary(summary, cfg.draft_len)
     return 0
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
@@ -11,7 +11,7 @@ from tqdm import tqdm
 from drafter.kinds import DRAFTER_KINDS, build_drafter
 from drafter.models import load_model
 from drafter.sampling import SamplingParams
-from drafter.speculative import Generation, StopRule, generate
+from drafter.speculative import Generation, RequestStats, StopRule, generate
 from services.prompts import encode, load_prompts
 
 
@@ -41,40 +41,41 @@ class GenerateConfig:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
 
     @property
+    def draft_len(self) -> int:
+        """k, or 0 when the verifier decodes alone."""
+        return 0 if self.no_speculation else self.k
+
+    @property
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, self.stop, self.seed)
 
 
 @dataclass
 class RunSummary:
+    k: int
     requests: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    blocks: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    per_position: list[int] = field(default_factory=list)
+    totals: RequestStats | None = None
+
+    def __post_init__(self):
+        self.totals = self.totals or RequestStats(self.k)
 
     def add(self, gen: Generation) -> None:
-        s = gen.stats
         self.requests += 1
         self.tokens += len(gen.token_ids)
-        self.blocks += s.blocks
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.per_position = [a + b for a, b in zip(self.per_position, s.accepted_per_position)] or list(
-            s.accepted_per_position
-        )
+        self.totals.merge(gen.stats)
 
     def to_dict(self) -> dict:
+        t = self.totals
         return {
             "requests": self.requests,
             "tokens": self.tokens,
             "seconds": round(self.seconds, 3),
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
-            "block_efficiency": (self.accepted + self.blocks) / self.blocks if self.blocks else 0.0,
-            "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
-            "acceptance_per_position": [a / self.blocks for a in self.per_position] if self.blocks else [],
+            "block_efficiency": t.block_efficiency,
+            "acceptance_rate": t.acceptance_rate,
+            "acceptance_per_position": [a / t.blocks for a in t.accepted_per_position] if t.blocks else [],
         }
 
 
@@ -93,8 +94,8 @@ def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer
     rule = StopRule(verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
-    k = 0 if cfg.no_speculation else cfg.k
-    summary = summary if summary is not None else RunSummary()
+    k = cfg.draft_len
+    summary = summary if summary is not None else RunSummary(k)
     bar = tqdm(total=len(records), desc="generate", unit="prompt", disable=not progress)
     for lo in range(0, len(records), cfg.batch_size):
         batch = encoded[lo : lo + cfg.batch_size]
