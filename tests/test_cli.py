@@ -99,3 +99,15 @@ def test_the_installed_console_script_runs(tiny_pair, tmp_path):
     assert "tokens/s" in done.stderr and "τ=" in done.stderr
     bad = subprocess.run(cmd[:-4] + ["--k", "-3"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
+
+
+def test_demo_decodes_the_examples_alone_and_with_speculation(tiny_pair, capsys):
+    code, out, err = _run(["demo", "--verifier", tiny_pair[0], "--drafter", tiny_pair[1], "--max-tokens", 6], capsys)
+    assert code == 0
+    assert "=== verifier alone ===" in err and "=== speculative ===" in err and "τ=" in err
+    assert out.count("── ") == 6  # every example prompt printed once, from the speculative run
+
+
+def test_demo_needs_both_models_or_neither(tiny_pair, capsys):
+    code, _, err = _run(["demo", "--verifier", tiny_pair[0]], capsys)
+    assert code == 2 and "give both" in err
