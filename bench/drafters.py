@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import shutil
 import subprocess
 import sys
 import time
@@ -47,6 +48,8 @@ def train_all(args, ckpt: Path) -> dict:
     models = args.models
     jobs = []
     for method in METHODS:
+        if args.generated_cache:  # each run gets its own copy: runs may extend it independently
+            shutil.copytree(args.generated_cache, ckpt / method / "data", dirs_exist_ok=True)
         cmd = specloop + ["--method", method, "--verifier", str(models / "verifier"), "--out", str(ckpt / method)]
         cmd += ["--max-steps", str(args.train_steps), "--data", args.data, "--k", str(args.k), "--seed", "0"]
         if method != "dvi":
@@ -134,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train-steps", type=int, default=600, help="same steps (= tokens) for every method")
     ap.add_argument("--data", default="teacher-forced", choices=["teacher-forced", "generated"])
     ap.add_argument("--parallel", type=int, default=2)
+    ap.add_argument("--generated-cache", type=Path, help="with --data generated: a prebuilt generated-data cache")
+    ap.add_argument("--tag", default="", help="suffix of the result files (drafters_TAG.json)")
     ap.add_argument("--skip-train", action="store_true", help="reuse the checkpoints in --work")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "drafters")
     ap.add_argument("--prompts-per-domain", type=int, default=20)
@@ -179,8 +184,9 @@ def main(argv=None) -> int:
         "rows": rows,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "drafters.json").write_text(json.dumps(report, indent=2))
-    plot(report, args.out)
+    name = f"drafters_{args.tag}" if args.tag else "drafters"
+    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    plot(report, args.out / f"{name}_tau.png")
     print(markdown(report))
     return 0
 
@@ -196,7 +202,7 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, out: Path) -> None:
+def plot(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,7 +220,7 @@ def plot(report: dict, out: Path) -> None:
         ax.set_title(f"accepted tokens per block (τ − 1), T = {temp:g}")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "drafters_tau.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
