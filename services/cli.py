@@ -126,7 +126,8 @@ def _print_summary(summary, k: int) -> None:
 def cmd_bootstrap(args) -> int:
     from trainer.bootstrap import BootstrapConfig, bootstrap_models
 
-    summary = bootstrap_models(BootstrapConfig(out_dir=args.out, minutes=args.minutes, seed=args.seed))
+    cfg = BootstrapConfig(out_dir=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads)
+    summary = bootstrap_models(cfg)
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -144,7 +145,7 @@ def cmd_demo(args) -> int:
     if verifier is None:
         from trainer.bootstrap import ensure_models
 
-        verifier, drafter = ensure_models(args.cache / "models", minutes=args.minutes, seed=args.seed)
+        verifier, drafter = ensure_models(args.cache / "models", args.minutes, args.seed, threads=args.threads)
     if drafter is None:
         raise UsageError("--verifier without --drafter: give both, or neither to bootstrap a pair")
     from services.generation import RunSummary, run_generate
