@@ -32,8 +32,8 @@ def speculative_step(
     u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:])
     if k:
         proposal = drafter.propose(k, params, u_draft)
-    else:
-        proposal = Proposal(tokens=last.new_zeros(len(last), 0), probs=None)
+    else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
+        proposal = Proposal(last.new_zeros(len(last), 0), torch.zeros(len(last), 0, verifier.vocab_size, device=verifier.device))
     start = cache.lens
     capture = drafter.verifier_layers if k else ()
     out = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1), capture=capture)
@@ -41,8 +41,7 @@ def speculative_step(
     if params.greedy:
         outcome = greedy_accept(proposal.tokens, logits)
     else:
-        q = proposal.probs if k else logits.new_zeros(len(last), 0, logits.shape[-1])
-        outcome = sampler(proposal.tokens, q, warp(logits, params), u_accept)
+        outcome = sampler(proposal.tokens, proposal.probs, warp(logits, params), u_accept)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if k:
