@@ -104,14 +104,13 @@ def evaluate(verifier, system: System, prompts, temperature, seed, k, max_tokens
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
     rule = StopRule(frozenset([verifier.tokenizer.eos_token_id]))
     tokens = blocks = accepted = 0
-    seconds, bias_times = 0.0, []
+    seconds = 0.0
+    drafter = build_drafter(system.kind, verifier, system.directory)  # start() resets it for every batch
+    timer = BiasTimer(drafter)
     for lo in range(0, len(prompts), batch):
-        drafter = build_drafter(system.kind, verifier, system.directory)
-        timer = BiasTimer(drafter)
         t0 = time.perf_counter()
         gens = generate(verifier.lean, drafter, prompts[lo : lo + batch], params, k, rule, first_request=lo)
         seconds += time.perf_counter() - t0
-        bias_times += timer.times
         for g in gens:
             tokens += len(g.token_ids)
             blocks += g.stats.blocks
@@ -120,7 +119,7 @@ def evaluate(verifier, system: System, prompts, temperature, seed, k, max_tokens
         "tau": (accepted + blocks) / blocks,
         "tokens_per_s": tokens / seconds,
         "block_ms": seconds / blocks * 1e3,
-        "steering_ms_per_block": statistics.mean(bias_times) * 1e3 if bias_times else None,
+        "steering_ms_per_block": statistics.mean(timer.times) * 1e3 if timer.times else None,
     }
 
 
