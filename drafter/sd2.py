@@ -31,13 +31,15 @@ STEERING_FILE = "steering.safetensors"
 
 
 def default_steer_layers(num_layers: int) -> tuple[int, int, int]:
-    """Capture indices (0-based layer outputs) for layers 3, L/2 and L−2 (1-based); kept distinct
-    on shallow verifiers by taking layer min(3, L/3) as the first."""
+    """Capture indices (0-based layer outputs) for layers 3, L/2 and L−2 (1-based). Shallow verifiers
+    take layer min(3, L/3) first; where that still collides, the first, middle and last layers."""
     first = min(3, max(1, num_layers // 3))
     picks = (first - 1, num_layers // 2 - 1, num_layers - 3)
-    if len(set(picks)) < 3 or min(picks) < 0:
-        raise ValueError(f"a {num_layers}-layer verifier has no three distinct default steering layers; pass layers=")
-    return picks
+    if len(set(picks)) == 3 and min(picks) >= 0:
+        return picks
+    if num_layers < 3:
+        raise ValueError(f"a {num_layers}-layer verifier has no three distinct steering layers; pass layers=")
+    return (0, num_layers // 2, num_layers - 1)
 
 
 def width_map(d_draft: int, d_verifier: int) -> torch.Tensor:

@@ -111,3 +111,21 @@ def test_demo_decodes_the_examples_alone_and_with_speculation(tiny_pair, capsys)
 def test_demo_needs_both_models_or_neither(tiny_pair, capsys):
     code, _, err = _run(["demo", "--verifier", tiny_pair[0]], capsys)
     assert code == 2 and "give both" in err
+
+
+def test_sd2_on_a_plain_drafter_directory_drafts_exactly_like_pretrained(tiny_pair, tmp_path, capsys):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS)
+    common = ["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--max-tokens", 10, "--json"]
+    common += ["--temperature", "1.0", "--seed", 2, "--k", 3]
+    plain = [json.loads(x) for x in _run(common, capsys)[1].splitlines()]
+    steered = [json.loads(x) for x in _run(common + ["--drafter-kind", "sd2"], capsys)[1].splitlines()]
+    assert [(r["token_ids"], r["stats"]) for r in plain] == [(r["token_ids"], r["stats"]) for r in steered]
+
+
+def test_dvi_without_a_checkpoint_uses_an_untrained_head_and_stays_lossless(tiny_pair, tmp_path, capsys):
+    f = _prompts(tmp_path, ROWS)
+    common = ["generate", "--verifier", tiny_pair[0], "--prompts", f, "--max-tokens", 10, "--json"]
+    ref = [json.loads(x)["token_ids"] for x in _run(common + ["--no-speculation"], capsys)[1].splitlines()]
+    dvi = [json.loads(x)["token_ids"] for x in _run(common + ["--drafter-kind", "dvi"], capsys)[1].splitlines()]
+    assert dvi == ref

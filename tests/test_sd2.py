@@ -23,8 +23,9 @@ PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]]
 def test_default_layers_are_three_l_half_and_l_minus_two():
     assert default_steer_layers(32) == (2, 15, 29)  # layers 3, 16, 30 counted from 1
     assert default_steer_layers(6) == (1, 2, 3)  # shallow: layers 2, 3, 4
+    assert default_steer_layers(3) == (0, 1, 2)
     with pytest.raises(ValueError):
-        default_steer_layers(3)
+        default_steer_layers(2)
 
 
 def test_w_hml_starts_as_the_sum_of_the_three_states():
