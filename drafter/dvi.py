@@ -124,5 +124,4 @@ class DVIDrafter:
         return stack_proposal(drafts, probs, params)
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
-        emitted = outcome.tokens[torch.arange(len(self.last)), outcome.num_accepted]
-        self.last = torch.where(active, emitted, self.last)
+        self.last = torch.where(active, outcome.last_tokens, self.last)

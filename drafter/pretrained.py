@@ -35,7 +35,7 @@ class PretrainedDrafter:
         self.pending = [[p[-1]] for p in prompts]
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
-        self._base = self.cache.lens.clone()
+        self._base = self.cache.lens  # forward() rebinds lens, never writes it in place
         tokens, self._n_pending = pad_right(self.pending)
         bias = self.block_bias()
         drafts, probs = [], []

@@ -24,6 +24,11 @@ class BlockOutcome:
     tokens: torch.Tensor  # [B, k+1] emitted tokens; only the first num_accepted + 1 are valid
     num_accepted: torch.Tensor  # [B] int64, n in [0, k]
 
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """[B] the token each row emitted last: the recovered or bonus token at index n."""
+        return self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
+
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     """[B, k] bool → [B] number of leading True values."""

@@ -160,5 +160,5 @@ def generate(
             gens[b].stats.record(int(outcome.num_accepted[b]))
             stop_rule.extend(gens[b], emitted_tokens(outcome, b), params)
             active[b] = gens[b].finish_reason is None
-        last = outcome.tokens[torch.arange(B), outcome.num_accepted]
+        last = outcome.last_tokens
     return gens

@@ -1,6 +1,4 @@
 """Losslessness of the speculative loop: greedy equality, output distribution, acceptance extremes."""
-import itertools
-import json
 
 import pytest
 import torch

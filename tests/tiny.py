@@ -4,14 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
-SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+from trainer.bootstrap import train_tokenizer
+
 TEXT = [
     "def main():\n    print('hello world')\n    return 0\n",
     "The quick brown fox jumps over the lazy dog. A hash table maps keys to values.",
@@ -20,19 +15,11 @@ TEXT = [
 ]
 
 
-def make_tokenizer(out: Path, vocab_size: int = 320) -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(TEXT * 4, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
-    )
-    fast.save_pretrained(out)
-    return fast
+def make_tokenizer(out: Path, vocab_size: int = 320):
+    """The bootstrap's byte-level BPE (same special tokens and chat template), trained on TEXT."""
+    tok = train_tokenizer(TEXT * 4, vocab_size)
+    tok.save_pretrained(out)
+    return tok
 
 
 def llama_config(vocab: int, layers: int, hidden: int, arch: str = "llama", **extra):

@@ -9,7 +9,6 @@ tokenizer and chat template) and DIR/bootstrap.json (what was trained).
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import math
@@ -309,19 +308,3 @@ def ensure_models(cache_dir: str | Path, minutes: float = 4.0, seed: int = 0,
     cfg = BootstrapConfig(out_dir=str(out), minutes=minutes, seed=seed, threads=threads)
     bootstrap_models(cfg, progress=progress)
     return dirs
-
-
-def main(argv: list | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specloop models bootstrap", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="output directory")
-    parser.add_argument("--minutes", type=float, default=4.0, help="total wall-clock budget")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
-    cfg = BootstrapConfig(out_dir=args.out, minutes=args.minutes, seed=args.seed, threads=args.threads)
-    print(json.dumps(bootstrap_models(cfg), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -873,16 +873,3 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         resume=args.resume, checkpoint_every=args.checkpoint_every, data_cache=opt(args.data_cache),
         gen_batch=args.gen_batch, gen_k=args.gen_k, gen_max_tokens=args.gen_max_tokens,
     )
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specloop train offline", description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    add_offline_arguments(parser)
-    args = parser.parse_args(argv)
-    print(json.dumps(train_offline(config_from_args(args)), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
