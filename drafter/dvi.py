@@ -21,8 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafter.decoder import LeanDecoder
-from drafter.pretrained import choose
-from drafter.proposer import Proposal, VerifierView, stack_proposal
+from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 from drafter.sd2 import MANIFEST
@@ -100,6 +99,7 @@ class DVIDrafter:
     def __init__(self, verifier: LeanDecoder, head: DraftHead):
         self.lean = verifier
         self.layers = range(head.cfg.layers)
+        self.record_layers = (head.cfg.layers - 1,)  # the head's input: the residual stream after layer s
         norm, weight = head.merged()
         self.norm = norm.to(verifier.device, verifier.dtype)
         self.head = weight.to(verifier.device, verifier.dtype)
@@ -111,17 +111,20 @@ class DVIDrafter:
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         base = self.cache.lens
-        tokens, drafts, probs = self.last[:, None], [], []
+        tokens, steps = self.last[:, None], []
         for i in range(k):
             at = self.lean.positions(self.cache, 1)
             x = self.lean.run_layers(self.cache, at, self.lean.embed_tokens(tokens), self.layers)
-            d, q = choose(self.lean.logits(x, self.norm, self.head)[:, -1], params, None if uniforms is None else uniforms[:, i])
-            drafts.append(d)
-            probs.append(q)
+            logits = self.lean.logits(x, self.norm, self.head)[:, -1]
+            steps.append(choose(logits, params, None if uniforms is None else uniforms[:, i]))
             self.cache.lens = self.cache.lens + 1
-            tokens = d[:, None]
+            tokens = steps[-1].token[:, None]
         self.cache.lens = base  # the verify pass writes these positions again, every layer
-        return stack_proposal(drafts, probs, params)
+        return stack_proposal(steps, params)
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         self.last = torch.where(active, outcome.last_tokens, self.last)
+
+    def adopt(self, old: "DVIDrafter") -> None:
+        """Continue `old`'s rows with this head: the cache is the verifier's, valid for any head."""
+        self.cache, self.last = old.cache, old.last

@@ -34,6 +34,7 @@ class NgramDrafter:
 
     kind = "ngram"
     verifier_layers: tuple[int, ...] = ()
+    record_layers: tuple[int, ...] = ()
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
@@ -45,7 +46,7 @@ class NgramDrafter:
         rows = [draft_row(h, k, self.max_n, self.min_n) for h in self.history]
         tokens = torch.tensor(rows, dtype=torch.long)
         probs = None if params.greedy else torch.nn.functional.one_hot(tokens, self.vocab_size).float()
-        return Proposal(tokens=tokens, probs=probs)
+        return Proposal(tokens=tokens, probs=probs, logprobs=torch.zeros(tokens.shape))
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():

@@ -4,17 +4,9 @@ from __future__ import annotations
 import torch
 
 from drafter.decoder import LeanDecoder, pad_right, prefill
-from drafter.proposer import Proposal, VerifierView, stack_proposal
+from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
 from drafter.rejection import BlockOutcome
-from drafter.sampling import SamplingParams, sample, warp
-
-
-def choose(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None):
-    """Next token per row from [B, V] logits: (tokens [B], q [B, V] or None when greedy)."""
-    if params.greedy:
-        return logits.argmax(dim=-1), None
-    q = warp(logits, params)
-    return sample(q, u), q
+from drafter.sampling import SamplingParams
 
 
 class PretrainedDrafter:
@@ -26,6 +18,7 @@ class PretrainedDrafter:
 
     kind = "pretrained"
     verifier_layers: tuple[int, ...] = ()
+    record_layers: tuple[int, ...] = ()
 
     def __init__(self, lean: LeanDecoder):
         self.lean = lean
@@ -38,19 +31,28 @@ class PretrainedDrafter:
         self._base = self.cache.lens  # forward() rebinds lens, never writes it in place
         tokens, self._n_pending = pad_right(self.pending)
         bias = self.block_bias()
-        drafts, probs = [], []
+        steps = []
         for i in range(k):
             n_new = self._n_pending if i == 0 else None
             out = self.lean.forward(self.cache, tokens, n_new=n_new, last_only=True, mlp_up_bias=bias)
-            d, q = choose(out.logits[:, -1], params, None if uniforms is None else uniforms[:, i])
-            drafts.append(d)
-            probs.append(q)
-            tokens = d[:, None]
-        return stack_proposal(drafts, probs, params)
+            steps.append(choose(out.logits[:, -1], params, None if uniforms is None else uniforms[:, i]))
+            tokens = steps[-1].token[:, None]
+        proposal = stack_proposal(steps, params)
+        proposal.steer = self.block_inputs()
+        return proposal
 
     def block_bias(self) -> list[torch.Tensor] | None:
         """Per-layer MLP up-projection bias for this block (steered kinds); None for a plain LM."""
         return None
+
+    def block_inputs(self) -> torch.Tensor | None:
+        """[B, 3, d_verifier] steering inputs of this block (steered kinds); None for a plain LM."""
+        return None
+
+    def adopt(self, old: "PretrainedDrafter") -> None:
+        """Continue `old`'s rows with these weights, keeping its KV cache (computed with the old
+        weights: stale until those positions are rewritten, which costs acceptance, never output)."""
+        self.cache, self.pending = old.cache, old.pending
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         n = outcome.num_accepted

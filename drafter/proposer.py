@@ -12,13 +12,15 @@ import torch
 
 from drafter.decoder import KVCache
 from drafter.rejection import BlockOutcome
-from drafter.sampling import SamplingParams
+from drafter.sampling import SamplingParams, sample, warp
 
 
 @dataclass
 class Proposal:
     tokens: torch.Tensor  # [B, k] int64 drafted tokens
     probs: torch.Tensor | None  # [B, k, V] q the tokens were drawn from; None at temperature 0
+    logprobs: torch.Tensor | None = None  # [B, k] float32 log q(d_i): warped q at T > 0, softmax(logits) at T = 0
+    steer: torch.Tensor | None = None  # [B, 3, d_verifier] SD² steering inputs this block was drafted with
 
 
 @dataclass
@@ -33,6 +35,7 @@ class VerifierView:
 class Drafter(Protocol):
     kind: str
     verifier_layers: tuple[int, ...]  # hidden states it needs from the verifier (SD² steering)
+    record_layers: tuple[int, ...]  # residual streams a replay record needs to recompute its forward (DVI)
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         """Begin a batch: remember (or prefill) each row's prompt; capacity bounds its length."""
@@ -44,9 +47,33 @@ class Drafter(Protocol):
         """Take the verifier's verdict; rows where active [B] is False are finished."""
 
 
-def stack_proposal(drafts: list[torch.Tensor], probs: list[torch.Tensor | None], params: SamplingParams) -> Proposal:
-    """k per-step [B] tokens and [B, V] distributions → one Proposal."""
-    return Proposal(tokens=torch.stack(drafts, dim=1), probs=None if params.greedy else torch.stack(probs, dim=1))
+def stack_proposal(steps: list["Choice"], params: SamplingParams) -> Proposal:
+    """k per-step choices ([B] tokens, [B, V] distributions, [B] log-probs) → one Proposal."""
+    return Proposal(
+        tokens=torch.stack([c.token for c in steps], dim=1),
+        probs=None if params.greedy else torch.stack([c.probs for c in steps], dim=1),
+        logprobs=torch.stack([c.logprob for c in steps], dim=1),
+    )
+
+
+@dataclass
+class Choice:
+    """One drafted position for every row."""
+
+    token: torch.Tensor  # [B] int64
+    probs: torch.Tensor | None  # [B, V] warped q; None when greedy
+    logprob: torch.Tensor  # [B] float32 log q(token)
+
+
+def choose(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> Choice:
+    """Next token per row from [B, V] logits: argmax when greedy, else a draw from warp(logits)."""
+    if params.greedy:
+        token = logits.argmax(dim=-1)
+        logprob = torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1)
+        return Choice(token, None, logprob)
+    q = warp(logits, params)
+    token = sample(q, u)
+    return Choice(token, q, q.gather(-1, token[:, None]).squeeze(-1).clamp(min=1e-30).log())
 
 
 def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:

@@ -135,5 +135,11 @@ class SteeredDrafter(PretrainedDrafter):
     @torch.inference_mode()
     def block_bias(self) -> list[torch.Tensor]:
         """W_s g per drafter layer, [B, intermediate] each: once per block, reused for all k drafts."""
-        feats = torch.stack([self._features[i] for i in self.verifier_layers], dim=1)  # [B, 3, d_verifier]
-        return list(self.steering.up_bias(self.steering.vector(feats)))
+        return list(self.steering.up_bias(self.steering.vector(self.block_inputs())))
+
+    def block_inputs(self) -> torch.Tensor:
+        return torch.stack([self._features[i] for i in self.verifier_layers], dim=1)  # [B, 3, d_verifier]
+
+    def adopt(self, old: "SteeredDrafter") -> None:
+        super().adopt(old)
+        self._features = old._features

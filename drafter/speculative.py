@@ -6,7 +6,7 @@ how `--no-speculation`, the reference, runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -16,6 +16,18 @@ from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
 from drafter.sampling import SamplingParams, draw_uniforms, make_generators, warp
 
 Sampler = Callable[..., BlockOutcome]
+
+
+@dataclass
+class StepTrace:
+    """What one speculative step had in hand, for replay logging: nothing here is computed extra
+    except the residual streams of `drafter.record_layers`, captured in the verify pass."""
+
+    proposal: Proposal  # drafted tokens [B, k], their log q [B, k], SD² steering inputs
+    logits: torch.Tensor  # [B, k+1, V] the verifier's raw logits at `last` and each draft
+    hidden: dict[int, torch.Tensor]  # record layer -> [B, k+1, d] residual streams at the same positions
+    outcome: BlockOutcome
+    active: torch.Tensor  # [B] bool: rows this step decoded
 
 
 def speculative_step(
@@ -28,6 +40,7 @@ def speculative_step(
     uniforms: torch.Tensor | None,  # [B, 2k+1]: k for drafting, k+1 for acceptance; None if greedy
     active: torch.Tensor,  # [B] bool
     sampler: Sampler = rejection_sample,
+    on_trace: Callable[[StepTrace], None] | None = None,  # replay logging; None costs nothing
 ) -> BlockOutcome:
     u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:])
     if k:
@@ -35,7 +48,8 @@ def speculative_step(
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
         proposal = Proposal(last.new_zeros(len(last), 0), torch.zeros(len(last), 0, verifier.vocab_size, device=verifier.device))
     start = cache.lens
-    capture = drafter.verifier_layers if k else ()
+    record = tuple(drafter.record_layers) if k and on_trace else ()
+    capture = tuple(drafter.verifier_layers) + record if k else ()
     out = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1), capture=capture)
     logits = out.logits  # [B, k+1, V]
     if params.greedy:
@@ -46,6 +60,8 @@ def speculative_step(
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if k:
         drafter.observe(outcome, active, VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted)))
+        if on_trace is not None:
+            on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active))
     return outcome
 
 
@@ -53,6 +69,15 @@ def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> di
     """layer -> [B, hidden] at block index n: the position whose output is the emitted token."""
     rows = torch.arange(len(n))
     return {i: h[rows, n.to(h.device)] for i, h in hidden.items()}
+
+
+class StepHooks(Protocol):
+    def swap(self, drafter: Drafter) -> Drafter:
+        """The drafter for the next step: `drafter` itself, or a new version that adopted its rows."""
+
+    def traced(self, histories: list[list[int]]) -> Callable[[StepTrace], None] | None:
+        """A trace callback for the next step; histories[b] = row b's committed tokens (ending with
+        the token the step starts from)."""
 
 
 @dataclass
@@ -138,8 +163,12 @@ def generate(
     stop_rule: StopRule,
     sampler: Sampler = rejection_sample,
     first_request: int = 0,
+    hooks: "StepHooks | None" = None,
 ) -> list[Generation]:
-    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone."""
+    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone.
+
+    `hooks` (serving): `swap()` may hand over a new drafter between two steps (it adopts the old
+    one's rows), and `traced(histories)` returns a callback for the step's trace."""
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
     if params.stop and stop_rule.decode is None:
@@ -154,8 +183,11 @@ def generate(
     gens = [Generation([], None, RequestStats(k)) for _ in prompts]
     active = torch.ones(B, dtype=torch.bool)
     while active.any():
+        if hooks is not None and k:
+            drafter = hooks.swap(drafter)
+        on_trace = None if hooks is None or not k else hooks.traced([p + g.token_ids for p, g in zip(prompts, gens)])
         uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
-        outcome = speculative_step(verifier, cache, last, drafter, k, params, uniforms, active, sampler)
+        outcome = speculative_step(verifier, cache, last, drafter, k, params, uniforms, active, sampler, on_trace)
         for b in torch.nonzero(active).flatten().tolist():
             gens[b].stats.record(int(outcome.num_accepted[b]))
             stop_rule.extend(gens[b], emitted_tokens(outcome, b), params)

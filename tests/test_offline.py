@@ -6,29 +6,23 @@ import json
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder
 from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from tests.tiny import TEXT, make_model, make_tokenizer
+from trainer.data import GENERATED_FILE
 from trainer.offline import (
     CHECKPOINT_DIR,
     CHECKPOINT_JSON,
-    GENERATED_FILE,
     KIND_OF_METHOD,
     LOG_FILE,
     METHODS,
     OfflineConfig,
     OfflineTrainer,
-    GenerationSpec,
-    WindowStream,
     add_offline_arguments,
-    build_generated_set,
     config_from_args,
-    offset_sources,
-    verifier_targets,
 )
 
 torch.set_num_threads(1)
@@ -104,26 +98,6 @@ def test_lk_loss_logs_a_kl_weight_that_follows_acceptance(pair, tmp_path):
     for line in (tmp_path / LOG_FILE).read_text().splitlines():
         rec = json.loads(line)
         assert rec["lambda"] == pytest.approx(max(0.0, min(1.0, 1.0 - rec["acceptance_ema"])))
-
-
-def test_sd2_offsets_lie_between_one_and_k_before_clamping():
-    src = offset_sources(64, 40, 5, torch.Generator().manual_seed(0))
-    delta = torch.arange(40)[None] - src
-    assert int(delta[:, 5:].min()) == 1 and int(delta[:, 5:].max()) == 5
-    assert int(src.min()) == 0
-    assert set(delta[:, 5:].flatten().tolist()) == {1, 2, 3, 4, 5}
-
-
-def test_verifier_residuals_are_what_the_lean_decoder_captures_at_inference(pair):
-    v = load_model(pair[0])
-    ids = torch.tensor([[5, 9, 30, 41, 7, 12]])
-    layers = tuple(range(v.hf.config.num_hidden_layers))  # the last one too (HF's last hidden state is normed)
-    logits, residuals = verifier_targets(v.hf, ids, layers)
-    lean = LeanDecoder(v.hf)
-    out = lean.forward(lean.new_cache(1, 8), ids, capture=layers)
-    assert torch.allclose(logits, out.logits, atol=1e-5)
-    for i in layers:
-        assert torch.allclose(residuals[i], out.hidden[i], atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -205,21 +179,6 @@ def test_an_existing_checkpoint_is_not_overwritten_without_resume(pair, tmp_path
         OfflineTrainer(config(pair, tmp_path, "distill", max_steps=2, resume=True), progress=False)
 
 
-def test_window_stream_resumes_with_the_same_windows():
-    docs = [[i] * (3 + i % 5) for i in range(1, 9)]
-
-    def documents(start):
-        return iter(docs[start:])
-
-    stream = WindowStream(documents, 7, 0)
-    [stream.window() for _ in range(3)]
-    state = json.loads(json.dumps(stream.state()))
-    expected = [stream.window() for _ in range(10)]  # wraps into a second epoch
-    resumed = WindowStream(documents, 7, 0, state)
-    assert [resumed.window() for _ in range(10)] == expected
-    assert stream.epoch >= 1
-
-
 # ----------------------------------------------------------------------------- generated data
 
 
@@ -248,16 +207,6 @@ def test_generated_data_is_made_once_cached_and_reused(pair, tmp_path):
     with pytest.raises(ValueError, match="another data cache"):
         OfflineTrainer(config(pair, tmp_path / "d", "dvi", data="generated", data_cache=str(cache), seed=1),
                        progress=False)
-
-
-def test_a_generated_set_is_built_within_a_sequence_budget_and_extended_later(pair, tmp_path):
-    spec = GenerationSpec(max_tokens=8, batch_size=2)
-    first = build_generated_set(pair[0], tmp_path, sequences=3, spec=spec, conversations=CONVERSATIONS, progress=False)
-    assert first["new_sequences"] == first["sequences"] == 4  # whole batches
-    more = build_generated_set(pair[0], tmp_path, sequences=2, spec=spec, conversations=CONVERSATIONS, progress=False)
-    assert (more["new_sequences"], more["sequences"]) == (2, 6)
-    conversations = [json.loads(line)["conversation"] for line in (tmp_path / GENERATED_FILE).read_text().splitlines()]
-    assert conversations == sorted(set(conversations))
 
 
 # ----------------------------------------------------------------------------- configuration

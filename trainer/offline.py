@@ -1,27 +1,11 @@
 """`specloop train offline`: align a drafter with the verifier before it serves.
 
 Every method minimises a distance between the verifier's next-token distribution π_V and the
-drafter's π_D at every position of training sequences (`trainer.losses`: forward KL, TV or LK):
-
-- distill     a plain drafter LM, all parameters trained           → kind "pretrained"
-- sd2         SD² steering (W_hml, LayerNorm, W_s) + the drafter LM  → kind "sd2"
-- sd2-frozen  SD² steering only, drafter LM frozen                  → kind "sd2"
-- dvi         DVI draft head (RMSNorm + LoRA on the LM head) on the verifier's layer-s residual
-              stream                                                 → kind "dvi"
-
-SD² trains with a random offset: at drafter position t the steering vector g is built from the
-verifier's residual streams at position t − δ_t, δ_t ~ U{1..k}, because at inference the j-th
-draft of a block sits j positions after the verifier position whose hidden states built g
-(`SteeredDrafter`: one g per block, reused for all k drafts). t − δ_t is clamped at 0; position 0
-gets zero features (the verifier's own state there already encodes its prediction of the target),
-which is also what `prefill` gives a one-token prompt.
-
-Data (never ShareGPT's last `HOLDOUT` conversations — `corpora.iter_sharegpt_train`):
-- teacher-forced  training conversations rendered with the tokenizer's chat template;
-- generated       the verifier's own samples at T = 1 from the training conversations' first user
-                  turns, produced once with specloop's batched decoding and cached as JSON lines.
-Both are packed end to end (separated by the pad token) into windows of `seq_len` tokens. Targets
-are computed on the fly by the frozen verifier (fp32), which also supplies SD²/DVI features.
+drafter's π_D at every position of training sequences (`trainer.losses`: forward KL, TV or LK).
+What each method (distill, sd2, sd2-frozen, dvi) trains is a `trainer.students.Student`, including
+SD²'s random offset; the training windows come from `trainer.data` (teacher-forced or generated,
+packed into windows of `seq_len` tokens). Targets are computed on the fly by the frozen verifier
+(fp32), which also supplies SD²/DVI features.
 
 Out dir: manifest.json, drafter/ (HF format; distill and sd2), steering.safetensors (sd2),
 dvi_head.safetensors (dvi) — all loadable with `drafter.kinds.build_drafter(kind, verifier, out)` —
@@ -30,7 +14,6 @@ plus train_log.jsonl (one line per step) and checkpoint/ (safetensors + JSON, fo
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import os
@@ -39,23 +22,18 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from drafter.dvi import DraftHead, DVIConfig
-from drafter.models import LoadedModel, check_same_vocabulary, load_model
-from drafter.pretrained import PretrainedDrafter
-from drafter.sampling import SamplingParams
-from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
-from drafter.speculative import StopRule, generate
-from trainer.corpora import iter_sharegpt_train, render_chat
+from drafter.models import load_model
+from trainer.data import ConversationSource, GeneratedSet, GenerationSpec, WindowStream, conversation_ids
 from trainer.losses import LOSSES, distribution_loss, expected_acceptance
+from trainer.students import METHODS, build_student, verifier_targets
 
-METHODS = ("distill", "sd2", "sd2-frozen", "dvi")
 DATA_MODES = ("teacher-forced", "generated")
 KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi"}
 NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
@@ -63,8 +41,6 @@ CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT_TENSORS = "state.safetensors"
 CHECKPOINT_JSON = "state.json"
 LOG_FILE = "train_log.jsonl"
-GENERATED_FILE = "generated.jsonl"
-GENERATED_META = "generated.json"
 
 
 @dataclass
@@ -128,403 +104,6 @@ class OfflineConfig:
         return d
 
 
-# ----------------------------------------------------------------------------- data
-
-
-class ConversationSource:
-    """Training conversations by index: ShareGPT's training split in file order, or an explicit list."""
-
-    def __init__(self, conversations: list | None = None):
-        self.conversations = conversations
-
-    @property
-    def name(self) -> str:
-        return "sharegpt-train" if self.conversations is None else f"explicit-{len(self.conversations)}"
-
-    def iter_from(self, start: int) -> Iterator[tuple[int, list]]:
-        """(index, conversation) from `start` on; never a held-out conversation."""
-        items = iter_sharegpt_train() if self.conversations is None else iter(self.conversations)
-        return enumerate(itertools.islice(items, start, None), start)
-
-
-def _ids(encoded) -> list[int]:
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
-
-
-def conversation_ids(tokenizer, messages: list, max_tokens: int) -> list[int]:
-    """A whole conversation through the chat template (ours if the tokenizer has none), truncated."""
-    try:
-        if getattr(tokenizer, "chat_template", None):
-            text = tokenizer.apply_chat_template(messages, tokenize=False)
-        else:
-            text = render_chat(messages)
-    except Exception:  # a template that rejects this role order (jinja raises its own errors)
-        return []
-    return tokenizer.encode(text[: max_tokens * 16], add_special_tokens=False)[:max_tokens]
-
-
-def first_turn_prompt(tokenizer, messages: list) -> list[int]:
-    """The first user turn with a generation prompt, as the verifier would be asked it; [] if none."""
-    user = next((m for m in messages if m["role"] == "user" and m["content"].strip()), None)
-    if user is None:
-        return []
-    try:
-        return _ids(tokenizer.apply_chat_template([user], add_generation_prompt=True))
-    except Exception:
-        return tokenizer.encode(render_chat([user], add_generation_prompt=True), add_special_tokens=False)
-
-
-class WindowStream:
-    """Documents (token lists) packed end to end, each followed by `separator`, cut into windows.
-
-    Resumable: `state()` is (next document index, epoch, tokens carried into the next window); a
-    stream built with that state yields the same windows the original would have.
-    """
-
-    def __init__(self, documents: Callable[[int], Iterator[list[int]]], seq_len: int, separator: int,
-                 state: dict | None = None):
-        self.documents, self.seq_len, self.separator = documents, seq_len, separator
-        state = state or {}
-        self.next_document = int(state.get("next_document", 0))
-        self.epoch = int(state.get("epoch", 0))
-        self.carry = list(state.get("carry", []))
-        self._it: Iterator[list[int]] | None = None
-        self._gained = self.next_document > 0
-
-    def state(self) -> dict:
-        return {"next_document": self.next_document, "epoch": self.epoch, "carry": list(self.carry)}
-
-    def _read(self) -> list[int]:
-        while True:
-            if self._it is None:
-                self._it = self.documents(self.next_document)
-            doc = next(self._it, None)
-            if doc is not None:
-                self.next_document += 1
-                self._gained = self._gained or bool(doc)
-                return doc
-            if not self._gained:
-                raise ValueError("no training documents (every conversation rendered to nothing)")
-            self._it, self.next_document, self.epoch, self._gained = None, 0, self.epoch + 1, False
-
-    def window(self) -> list[int]:
-        while len(self.carry) < self.seq_len:
-            doc = self._read()
-            if doc:
-                self.carry.extend(doc + [self.separator])
-        out, self.carry = self.carry[: self.seq_len], self.carry[self.seq_len:]
-        return out
-
-    def batch(self, size: int) -> torch.Tensor:
-        return torch.tensor([self.window() for _ in range(size)], dtype=torch.long)  # [B, T]
-
-
-@dataclass
-class GenerationSpec:
-    """What a generated set holds; seed, lengths and source must match to reuse a cache."""
-
-    seed: int = 0
-    max_tokens: int = 128
-    max_prompt_tokens: int = 64
-    batch_size: int = 32
-    k: int = 0  # 0: the verifier alone
-
-
-class GeneratedSet:
-    """The verifier's samples at T = 1 from training first-user-turn prompts, cached as JSON lines
-    `{"conversation", "prompt_ids", "generated_ids", "finish"}` and extended on demand.
-
-    Request i (i = conversation index) samples from its own stream seeded from (seed, i), so the
-    cache is reproducible batch by batch. A document is prompt + generated ids (+ EOS if it stopped).
-    """
-
-    def __init__(self, directory: str | Path, verifier: LoadedModel, source: ConversationSource,
-                 spec: GenerationSpec, drafter_dir: str | Path | None = None):
-        self.dir = Path(directory)
-        self.path = self.dir / GENERATED_FILE
-        self.verifier, self.source, self.spec, self.drafter_dir = verifier, source, spec, drafter_dir
-        self.eos = verifier.eos_ids
-        self.seconds = 0.0  # spent generating in this process
-        self.new_sequences = 0
-        self.new_tokens = 0
-        self._prompts: Iterator[tuple[int, list[int]]] | None = None
-        self._drafter: PretrainedDrafter | None = None
-        self._check_meta()
-        self.records = self._read()
-
-    def _meta(self) -> dict:
-        return {"verifier": str(Path(self.verifier.path).resolve()), "source": self.source.name,
-                "temperature": 1.0, "seed": self.spec.seed, "max_tokens": self.spec.max_tokens,
-                "max_prompt_tokens": self.spec.max_prompt_tokens}
-
-    def _check_meta(self) -> None:
-        meta_path = self.dir / GENERATED_META
-        if meta_path.is_file():
-            found = json.loads(meta_path.read_text())
-            if found != self._meta():
-                raise ValueError(f"{self.dir} caches data generated with {found}, not {self._meta()}; "
-                                 "give another data cache directory")
-        else:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            meta_path.write_text(json.dumps(self._meta(), indent=2) + "\n")
-
-    def _read(self) -> list[dict]:
-        records, good_bytes = [], 0
-        if self.path.is_file():
-            with open(self.path, "rb") as f:
-                for line in f:
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        break  # a line cut off by an interrupted run: drop it and what follows
-                    good_bytes += len(line)
-            if good_bytes != self.path.stat().st_size:
-                with open(self.path, "r+b") as f:
-                    f.truncate(good_bytes)
-        return records
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def document(self, i: int) -> list[int]:
-        r = self.records[i]
-        eos = [min(self.eos)] if r["finish"] == "stop" and self.eos else []
-        return r["prompt_ids"] + r["generated_ids"] + eos
-
-    def documents(self, start: int) -> Iterator[list[int]]:
-        """Documents from index `start`, generating more when the cache runs out."""
-        i = start
-        while True:
-            while i >= len(self.records):
-                if not self.extend_batch():
-                    return
-            yield self.document(i)
-            i += 1
-
-    def _prompt_iter(self) -> Iterator[tuple[int, list[int]]]:
-        if self._prompts is None:
-            start = self.records[-1]["conversation"] + 1 if self.records else 0
-            tok = self.verifier.tokenizer
-            limit = self.spec.max_prompt_tokens
-            self._prompts = (
-                (i, p) for i, conv in self.source.iter_from(start)
-                if 0 < len(p := first_turn_prompt(tok, conv)) <= limit
-            )
-        return self._prompts
-
-    def _generation_drafter(self) -> PretrainedDrafter | None:
-        if not self.spec.k or self.drafter_dir is None:
-            return None
-        if self._drafter is None:
-            lm = load_model(self.drafter_dir, device=self.verifier.lean.device, dtype=self.verifier.lean.dtype)
-            check_same_vocabulary(self.verifier, lm)
-            self._drafter = PretrainedDrafter(lm.lean)
-        return self._drafter
-
-    def extend_batch(self) -> int:
-        """Generate one batch of sequences from the next prompts; returns how many (0: no prompts left)."""
-        batch = list(itertools.islice(self._prompt_iter(), self.spec.batch_size))
-        if not batch:
-            return 0
-        t0 = time.monotonic()
-        drafter = self._generation_drafter()
-        params = SamplingParams(temperature=1.0, max_tokens=self.spec.max_tokens, seed=self.spec.seed)
-        gens = generate(self.verifier.lean, drafter, [p for _, p in batch], params,
-                        self.spec.k if drafter else 0, StopRule(self.eos), first_request=batch[0][0])
-        lines = []
-        for (i, prompt), g in zip(batch, gens):
-            record = {"conversation": i, "prompt_ids": prompt, "generated_ids": g.token_ids, "finish": g.finish_reason}
-            self.records.append(record)
-            lines.append(json.dumps(record) + "\n")
-            self.new_tokens += len(g.token_ids)
-        with open(self.path, "a") as f:
-            f.write("".join(lines))
-        self.new_sequences += len(batch)
-        self.seconds += time.monotonic() - t0
-        return len(batch)
-
-    def extend(self, sequences: int | None = None, minutes: float | None = None, progress: bool = True) -> dict:
-        """Generate until `sequences` more are cached, `minutes` have passed, or the prompts run out."""
-        if sequences is None and minutes is None:
-            raise ValueError("give a budget: sequences and/or minutes")
-        start, before, tokens_before = time.monotonic(), len(self), self.new_tokens
-        deadline = None if minutes is None else start + 60.0 * minutes
-        with tqdm(total=sequences, desc="generate", unit="seq", disable=not progress, file=sys.stderr) as bar:
-            while sequences is None or len(self) - before < sequences:
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-                added = self.extend_batch()
-                if not added:
-                    break
-                rate = (self.new_tokens - tokens_before) / max(1e-9, time.monotonic() - start)
-                bar.update(added)
-                bar.set_postfix(tok_s=f"{rate:.0f}")
-        seconds = time.monotonic() - start
-        new = self.new_tokens - tokens_before
-        return {"path": str(self.path), "sequences": len(self), "new_sequences": len(self) - before,
-                "new_tokens": new, "seconds": round(seconds, 2), "tokens_per_s": round(new / max(seconds, 1e-9), 1)}
-
-
-def build_generated_set(verifier_dir: str | Path, cache_dir: str | Path, sequences: int | None = None,
-                        minutes: float | None = None, drafter_dir: str | Path | None = None,
-                        spec: GenerationSpec | None = None, conversations: list | None = None,
-                        progress: bool = True) -> dict:
-    """Fill (or extend) a generated-data cache in `cache_dir` within a budget; returns its statistics."""
-    verifier = load_model(verifier_dir, dtype=torch.float32)
-    data = GeneratedSet(cache_dir, verifier, ConversationSource(conversations), spec or GenerationSpec(), drafter_dir)
-    return data.extend(sequences=sequences, minutes=minutes, progress=progress)
-
-
-# ----------------------------------------------------------------------------- verifier targets
-
-
-@torch.no_grad()
-def verifier_targets(verifier_hf, input_ids: torch.Tensor, layers: tuple[int, ...] = ()):
-    """(logits [B, T, V] float32, {i: residual stream after 0-based layer i, [B, T, d]}).
-
-    The residual after layer i is HF's `hidden_states[i + 1]` for i < L − 1; HF's last entry is
-    taken after the final norm, so the streams are read from the decoder layers' outputs, which
-    is what `LeanDecoder.forward(capture=...)` gives the drafters at inference.
-    """
-    captured: dict[int, torch.Tensor] = {}
-
-    def keeper(i: int):
-        def keep(module, inputs, output):
-            captured[i] = (output[0] if isinstance(output, tuple) else output).float()
-        return keep
-
-    handles = [verifier_hf.model.layers[i].register_forward_hook(keeper(i)) for i in sorted(set(layers))]
-    try:
-        logits = verifier_hf(input_ids=input_ids, use_cache=False).logits.float()  # [B, T, V]
-    finally:
-        for h in handles:
-            h.remove()
-    return logits, captured
-
-
-# ----------------------------------------------------------------------------- students
-
-
-class Student:
-    """What a method trains: `logits(ids, residuals)` and the named trainable parameters.
-
-    `trainable()` lists (name, parameter, group): group "lm" (drafter LM weights, lm_lr) or
-    "adapter" (steering / LoRA / head norm, lr, no weight decay).
-    """
-
-    kind: str
-    verifier_layers: tuple[int, ...] = ()
-
-    def trainable(self) -> list[tuple[str, nn.Parameter, str]]:
-        raise NotImplementedError
-
-    def logits(self, input_ids: torch.Tensor, residuals: dict[int, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def export(self, out: Path, extra: dict) -> None:
-        raise NotImplementedError
-
-
-def _lm_params(lm) -> list[tuple[str, nn.Parameter, str]]:
-    return [(f"lm.{n}", p, "lm") for n, p in lm.named_parameters() if p.requires_grad]
-
-
-def _save_lm(lm: LoadedModel, out: Path) -> None:
-    (out / "drafter").mkdir(parents=True, exist_ok=True)
-    lm.hf.save_pretrained(out / "drafter")
-    lm.tokenizer.save_pretrained(out / "drafter")
-
-
-class DistillStudent(Student):
-    """A plain drafter LM, every parameter trained."""
-
-    kind = "pretrained"
-
-    def __init__(self, lm: LoadedModel):
-        self.lm = lm
-        lm.hf.requires_grad_(True).train()
-
-    def trainable(self):
-        return _lm_params(self.lm.hf)
-
-    def logits(self, input_ids, residuals):
-        return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
-
-    def export(self, out, extra):
-        _save_lm(self.lm, out)
-        (out / MANIFEST).write_text(json.dumps({"kind": "pretrained"} | extra, indent=2))
-
-
-def offset_sources(batch: int, length: int, k: int, generator: torch.Generator) -> torch.Tensor:
-    """[B, T] source positions t − δ_t, δ_t ~ U{1..k}, clamped at 0."""
-    delta = torch.randint(1, k + 1, (batch, length), generator=generator)  # [B, T]
-    return (torch.arange(length)[None] - delta).clamp(min=0)
-
-
-class SteeredStudent(Student):
-    """SD²: the drafter LM with W_s g added to every MLP up projection (forward hooks)."""
-
-    kind = "sd2"
-
-    def __init__(self, lm: LoadedModel, steering, k: int, train_lm: bool, generator: torch.Generator):
-        self.lm, self.steering, self.k, self.train_lm, self.generator = lm, steering, k, train_lm, generator
-        self.verifier_layers = tuple(steering.cfg.layers)
-        lm.hf.requires_grad_(train_lm).train(train_lm)
-        steering.train()
-        self._bias: torch.Tensor | None = None  # [L_draft, B, T, I] during a forward
-        for layer, block in enumerate(lm.hf.model.layers):
-            block.mlp.up_proj.register_forward_hook(self._adder(layer))
-
-    def _adder(self, layer: int):
-        def add_bias(module, inputs, output):
-            return output if self._bias is None else output + self._bias[layer]
-        return add_bias
-
-    def trainable(self):
-        lm = _lm_params(self.lm.hf) if self.train_lm else []
-        return lm + [(f"steering.{n}", p, "adapter") for n, p in self.steering.named_parameters()]
-
-    def features(self, residuals: dict[int, torch.Tensor], sources: torch.Tensor) -> torch.Tensor:
-        """Verifier features at each position's source t − δ_t: [B, T, 3, d_verifier]; zeros at t = 0."""
-        feats = torch.stack([residuals[i] for i in self.verifier_layers], dim=2)  # [B, T, 3, d_v]
-        src = sources.to(feats.device)[:, :, None, None].expand(-1, -1, *feats.shape[2:])  # [B, T, 3, d_v]
-        picked = feats.gather(1, src)
-        picked[:, 0] = 0.0
-        return picked
-
-    def logits(self, input_ids, residuals):
-        B, T = input_ids.shape
-        g = self.steering.vector(self.features(residuals, offset_sources(B, T, self.k, self.generator)))  # [B, T, d_d]
-        self._bias = self.steering.up_bias(g)  # [L_draft, B, T, I]
-        try:
-            return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
-        finally:
-            self._bias = None
-
-    def export(self, out, extra):
-        _save_lm(self.lm, out)
-        self.steering.save(out, extra)
-
-
-class DVIStudent(Student):
-    """DVI: the draft head on the verifier's residual stream after s layers (capture index s − 1)."""
-
-    kind = "dvi"
-
-    def __init__(self, head: DraftHead):
-        self.head = head.train()
-        self.verifier_layers = (head.cfg.layers - 1,)
-
-    def trainable(self):
-        return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters() if p.requires_grad]
-
-    def logits(self, input_ids, residuals):
-        return self.head(residuals[self.verifier_layers[0]])  # [B, T, V]
-
-    def export(self, out, extra):
-        self.head.save(out, extra)
-
-
 # ----------------------------------------------------------------------------- schedule
 
 
@@ -564,7 +143,9 @@ class OfflineTrainer:
         self.verifier.hf.requires_grad_(False).eval()
         self.device = self.verifier.lean.device
         self.generator = torch.Generator().manual_seed(cfg.seed)  # SD² offsets
-        self.student = self._build_student()
+        self.student = build_student(cfg.method, self.verifier, cfg.drafter, k=cfg.k, dvi_layers=cfg.dvi_layers,
+                                     steer_layers=cfg.steer_layers, generator=self.generator,
+                                     device=self.device)
         self.params = self.student.trainable()
         self.optimizer = self._build_optimizer()
         self.schedule = Schedule(cfg.warmup_steps, cfg.min_lr_ratio, cfg.max_steps,
@@ -583,22 +164,6 @@ class OfflineTrainer:
         self.data = self._build_data(data_state)
 
     # -- construction
-
-    def _drafter_lm(self) -> LoadedModel:
-        lm = load_model(self.cfg.drafter, device=self.device, dtype=torch.float32)
-        check_same_vocabulary(self.verifier, lm)
-        return lm
-
-    def _build_student(self) -> Student:
-        cfg = self.cfg
-        if cfg.method == "distill":
-            return DistillStudent(self._drafter_lm())
-        if cfg.method == "dvi":
-            return DVIStudent(DraftHead(self.verifier.hf, DVIConfig(layers=cfg.dvi_layers)).to(self.device))
-        lm = self._drafter_lm()
-        layers = cfg.steer_layers or default_steer_layers(self.verifier.hf.config.num_hidden_layers)
-        steering = steering_for(self.verifier.hf.config, lm.hf.config, tuple(layers)).to(self.device)
-        return SteeredStudent(lm, steering, cfg.k, cfg.method == "sd2", self.generator)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         """AdamW over three groups in a fixed order (their state indices follow `self.params`)."""

@@ -1,0 +1,208 @@
+"""Students: what each offline (and online) alignment method trains against the frozen verifier.
+
+A `Student` maps a batch of token ids [B, T] plus the verifier's residual streams to the drafter's
+next-token logits π_D [B, T, V], and names its trainable parameters; the trainer minimises a
+distance to the verifier's π_V (`verifier_targets`) at every position (`trainer.losses`).
+
+- distill     a plain drafter LM, all parameters trained           → kind "pretrained"  (`DistillStudent`)
+- sd2         SD² steering (W_hml, LayerNorm, W_s) + the drafter LM  → kind "sd2"         (`SteeredStudent`)
+- sd2-frozen  SD² steering only, drafter LM frozen                  → kind "sd2"         (`SteeredStudent`)
+- dvi         DVI draft head (RMSNorm + LoRA on the LM head) on the verifier's layer-s residual
+              stream                                                 → kind "dvi"         (`DVIStudent`)
+
+`build_student` constructs the one a method needs; `Student.export` writes what
+`drafter.kinds.build_drafter(kind, verifier, out)` loads.
+
+SD² trains with a random offset: at drafter position t the steering vector g is built from the
+verifier's residual streams at position t − δ_t, δ_t ~ U{1..k} (`offset_sources`), because at
+inference the j-th draft of a block sits j positions after the verifier position whose hidden
+states built g (`SteeredDrafter`: one g per block, reused for all k drafts). t − δ_t is clamped
+at 0; position 0 gets zero features (the verifier's own state there already encodes its
+prediction of the target), which is also what `prefill` gives a one-token prompt.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from drafter.dvi import DraftHead, DVIConfig
+from drafter.models import LoadedModel, check_same_vocabulary, load_model
+from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
+
+METHODS = ("distill", "sd2", "sd2-frozen", "dvi")  # what `build_student` builds
+
+
+@torch.no_grad()
+def verifier_targets(verifier_hf, input_ids: torch.Tensor, layers: tuple[int, ...] = ()):
+    """(logits [B, T, V] float32, {i: residual stream after 0-based layer i, [B, T, d]}).
+
+    The residual after layer i is HF's `hidden_states[i + 1]` for i < L − 1; HF's last entry is
+    taken after the final norm, so the streams are read from the decoder layers' outputs, which
+    is what `LeanDecoder.forward(capture=...)` gives the drafters at inference.
+    """
+    captured: dict[int, torch.Tensor] = {}
+
+    def keeper(i: int):
+        def keep(module, inputs, output):
+            captured[i] = (output[0] if isinstance(output, tuple) else output).float()
+        return keep
+
+    handles = [verifier_hf.model.layers[i].register_forward_hook(keeper(i)) for i in sorted(set(layers))]
+    try:
+        logits = verifier_hf(input_ids=input_ids, use_cache=False).logits.float()  # [B, T, V]
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, captured
+
+
+class Student:
+    """What a method trains: `logits(ids, residuals)` and the named trainable parameters.
+
+    `trainable()` lists (name, parameter, group): group "lm" (drafter LM weights, lm_lr) or
+    "adapter" (steering / LoRA / head norm, lr, no weight decay).
+    """
+
+    kind: str
+    verifier_layers: tuple[int, ...] = ()
+
+    def trainable(self) -> list[tuple[str, nn.Parameter, str]]:
+        raise NotImplementedError
+
+    def logits(self, input_ids: torch.Tensor, residuals: dict[int, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def export(self, out: Path, extra: dict) -> None:
+        raise NotImplementedError
+
+
+def _lm_params(lm) -> list[tuple[str, nn.Parameter, str]]:
+    return [(f"lm.{n}", p, "lm") for n, p in lm.named_parameters() if p.requires_grad]
+
+
+def _save_lm(lm: LoadedModel, out: Path) -> None:
+    (out / "drafter").mkdir(parents=True, exist_ok=True)
+    lm.hf.save_pretrained(out / "drafter")
+    lm.tokenizer.save_pretrained(out / "drafter")
+
+
+class DistillStudent(Student):
+    """A plain drafter LM, every parameter trained."""
+
+    kind = "pretrained"
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        lm.hf.requires_grad_(True).train()
+
+    def trainable(self):
+        return _lm_params(self.lm.hf)
+
+    def logits(self, input_ids, residuals):
+        return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+
+    def export(self, out, extra):
+        _save_lm(self.lm, out)
+        (out / MANIFEST).write_text(json.dumps({"kind": "pretrained"} | extra, indent=2))
+
+
+def offset_sources(batch: int, length: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """[B, T] source positions t − δ_t, δ_t ~ U{1..k}, clamped at 0."""
+    delta = torch.randint(1, k + 1, (batch, length), generator=generator)  # [B, T]
+    return (torch.arange(length)[None] - delta).clamp(min=0)
+
+
+class SteeredStudent(Student):
+    """SD²: the drafter LM with W_s g added to every MLP up projection (forward hooks)."""
+
+    kind = "sd2"
+
+    def __init__(self, lm: LoadedModel, steering, k: int, train_lm: bool, generator: torch.Generator):
+        self.lm, self.steering, self.k, self.train_lm, self.generator = lm, steering, k, train_lm, generator
+        self.verifier_layers = tuple(steering.cfg.layers)
+        lm.hf.requires_grad_(train_lm).train(train_lm)
+        steering.train()
+        self._bias: torch.Tensor | None = None  # [L_draft, B, T, I] during a forward
+        for layer, block in enumerate(lm.hf.model.layers):
+            block.mlp.up_proj.register_forward_hook(self._adder(layer))
+
+    def _adder(self, layer: int):
+        def add_bias(module, inputs, output):
+            return output if self._bias is None else output + self._bias[layer]
+        return add_bias
+
+    def trainable(self):
+        lm = _lm_params(self.lm.hf) if self.train_lm else []
+        return lm + [(f"steering.{n}", p, "adapter") for n, p in self.steering.named_parameters()]
+
+    def features(self, residuals: dict[int, torch.Tensor], sources: torch.Tensor) -> torch.Tensor:
+        """Verifier features at each position's source t − δ_t: [B, T, 3, d_verifier]; zeros at t = 0."""
+        feats = torch.stack([residuals[i] for i in self.verifier_layers], dim=2)  # [B, T, 3, d_v]
+        src = sources.to(feats.device)[:, :, None, None].expand(-1, -1, *feats.shape[2:])  # [B, T, 3, d_v]
+        picked = feats.gather(1, src)
+        picked[:, 0] = 0.0
+        return picked
+
+    def logits(self, input_ids, residuals):
+        B, T = input_ids.shape
+        feats = self.features(residuals, offset_sources(B, T, self.k, self.generator))  # [B, T, 3, d_v]
+        return self.logits_from_features(input_ids, feats)
+
+    def logits_from_features(self, input_ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """Drafter logits [B, T, V] steered at each position by already-gathered verifier features
+        `feats` [B, T, 3, d_verifier] (no offsets drawn here)."""
+        g = self.steering.vector(feats)  # [B, T, d_d]
+        self._bias = self.steering.up_bias(g)  # [L_draft, B, T, I]
+        try:
+            return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+        finally:
+            self._bias = None
+
+    def export(self, out, extra):
+        _save_lm(self.lm, out)
+        self.steering.save(out, extra)
+
+
+class DVIStudent(Student):
+    """DVI: the draft head on the verifier's residual stream after s layers (capture index s − 1)."""
+
+    kind = "dvi"
+
+    def __init__(self, head: DraftHead):
+        self.head = head.train()
+        self.verifier_layers = (head.cfg.layers - 1,)
+
+    def trainable(self):
+        return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters() if p.requires_grad]
+
+    def logits(self, input_ids, residuals):
+        return self.head(residuals[self.verifier_layers[0]])  # [B, T, V]
+
+    def export(self, out, extra):
+        self.head.save(out, extra)
+
+
+def build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | None, *, k: int, dvi_layers: int,
+                  steer_layers, generator: torch.Generator, device) -> Student:
+    """The student of `method` (distill, sd2, sd2-frozen or dvi) against `verifier`.
+
+    distill / sd2 / sd2-frozen start from the drafter LM in `drafter_dir`; dvi ignores it and puts
+    a fresh head on `dvi_layers` verifier layers. SD² steers from `steer_layers` (three 0-based
+    verifier layers; None: `default_steer_layers`) and draws its offsets δ ~ U{1..k} from `generator`.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method == "dvi":
+        return DVIStudent(DraftHead(verifier.hf, DVIConfig(layers=dvi_layers)).to(device))
+    if drafter_dir is None:
+        raise ValueError(f"method {method} needs a drafter LM directory")
+    lm = load_model(drafter_dir, device=device, dtype=torch.float32)  # trained in fp32
+    check_same_vocabulary(verifier, lm)
+    if method == "distill":
+        return DistillStudent(lm)
+    layers = steer_layers or default_steer_layers(verifier.hf.config.num_hidden_layers)
+    steering = steering_for(verifier.hf.config, lm.hf.config, tuple(layers)).to(device)
+    return SteeredStudent(lm, steering, k, method == "sd2", generator)
