@@ -7,9 +7,13 @@ A trained checkpoint directory holds `manifest.json` (kind, base, layers, k, los
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 from pathlib import Path
 
+import torch
+
 from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
+from drafter.decoder import LeanDecoder
 from drafter.models import LoadedModel, ModelError, check_same_vocabulary, load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
@@ -58,3 +62,59 @@ def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | No
     steering = Steering.load(drafter_dir) if found == "sd2" else steering_for(verifier.hf.config, lm.hf.config)
     return SteeredDrafter(lm.lean, steering)
 
+
+
+class DrafterBuilder:
+    """Drafters of one kind built from the base checkpoint plus a registry version's weights.
+
+    Weight names are the learner's ("lm.*" drafter LM parameters, "steering.*" SD² steering,
+    "head.*" DVI head); a version holds the parameters its learner trains, the rest come from the
+    base. Building copies the base modules, so the serving drafter is never written in place.
+    """
+
+    def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None):
+        self.kind, self.verifier = kind, verifier
+        self.base = build_drafter(kind, verifier, drafter_dir)  # validates kind, directory, vocabulary
+        found = None if drafter_dir is None else read_checkpoint_kind(drafter_dir)
+        self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
+        self.steering = getattr(self.base, "steering", None)
+        self.head = None
+        if kind == "dvi":
+            self.head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
+
+    def build(self, weights: dict | None = None) -> Drafter:
+        """A fresh drafter: the base one when `weights` is empty or None."""
+        if not weights or self.kind == "ngram":
+            return build_like(self.base)
+        if self.kind == "dvi":
+            head = _loaded(self.head, weights, "head.")
+            return DVIDrafter(self.verifier.lean, head)
+        hf = _loaded(self.lm.hf, weights, "lm.")
+        lean = LeanDecoder(hf)
+        if self.kind == "pretrained":
+            return PretrainedDrafter(lean)
+        return SteeredDrafter(lean, _loaded(self.steering, weights, "steering."))
+
+
+def build_like(drafter: Drafter) -> Drafter:
+    """A drafter sharing `drafter`'s weights but none of its per-request state."""
+    if isinstance(drafter, SteeredDrafter):
+        return SteeredDrafter(drafter.lean, drafter.steering)
+    if isinstance(drafter, PretrainedDrafter):
+        return PretrainedDrafter(drafter.lean)
+    if isinstance(drafter, DVIDrafter):
+        fresh = DVIDrafter.__new__(DVIDrafter)
+        fresh.__dict__.update({k: v for k, v in drafter.__dict__.items() if k not in ("cache", "last")})
+        return fresh
+    return NgramDrafter(drafter.vocab_size, drafter.max_n, drafter.min_n)
+
+
+def _loaded(module: torch.nn.Module, weights: dict, prefix: str) -> torch.nn.Module:
+    """A deep copy of `module` with the `prefix`-named tensors of `weights` loaded into it."""
+    copy = deepcopy(module)
+    state = {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
+    if state:
+        missing_unexpected = copy.load_state_dict(state, strict=False)
+        if missing_unexpected.unexpected_keys:
+            raise ModelError(f"version weights do not fit the {prefix[:-1]} module: {missing_unexpected.unexpected_keys[:3]}")
+    return copy.eval()

@@ -60,6 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True)
     add_offline_arguments(t.add_parser("offline", help="align a drafter with the verifier offline"))
 
+    r = sub.add_parser("replay", help="serve prompt files as one traffic stream with the online learner alongside")
+    r.add_argument("--verifier", type=Path, required=True)
+    r.add_argument("--drafter", type=Path)
+    r.add_argument("--drafter-kind", default=None, help="pretrained (default with --drafter), sd2, dvi or ngram")
+    r.add_argument("--prompts", type=Path, nargs="+", required=True, help="prompt files, served in order")
+    r.add_argument("--learner", default="klrl", help="off | kl | klrl | lk")
+    r.add_argument("--buffer", default="memory", help="memory | redis://HOST:PORT[/DB]")
+    r.add_argument("--registry", type=Path, help="registry folder (default: a new temporary one)")
+    r.add_argument("--ray-address", help="join this Ray cluster (default: start a local instance)")
+    r.add_argument("--publish-every", type=int, help="learner updates between published versions")
+    r.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    _add_sampling(r)
+
     d = sub.add_parser("demo", help="the main job: bootstrap models if none are given, then generate")
     d.add_argument("--verifier", type=Path)
     d.add_argument("--drafter", type=Path)
@@ -161,7 +174,35 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "bootstrap": cmd_bootstrap, "offline": cmd_train_offline, "demo": cmd_demo}
+def cmd_replay(args) -> int:
+    from services.replay import Replay, ReplayConfig, summary_line
+
+    kind = args.drafter_kind or ("pretrained" if args.drafter else None)
+    if kind is None:
+        raise UsageError("give --drafter DIR and/or --drafter-kind")
+    overrides = {} if args.publish_every is None else {"publish_every": args.publish_every}
+    cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind=kind, prompts=args.prompts,
+                       learner=args.learner, buffer=args.buffer, max_tokens=args.max_tokens, k=args.k,
+                       temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                       registry=args.registry, ray_address=args.ray_address, learner_overrides=overrides)
+    for path in cfg.prompts:
+        if not path.is_file():
+            raise UsageError(f"prompt file not found: {path}")
+    replay = Replay(cfg)
+    try:
+        for result in replay.run(progress=True):
+            if args.json:
+                keys = ("index", "id", "drafter_version", "drafted", "accepted", "block_efficiency", "token_ids", "text")
+                print(json.dumps({key: result[key] for key in keys}), flush=True)
+            else:
+                print(f"── {result['index']} {result['id']} [{result['drafter_version']}] τ={result['block_efficiency']:.2f}")
+                print(result["text"])
+    finally:
+        print(summary_line(replay.finish()), file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "replay": cmd_replay, "bootstrap": cmd_bootstrap, "offline": cmd_train_offline, "demo": cmd_demo}
 SUBCOMMAND = {"models": "models_command", "train": "train_command"}
 
 

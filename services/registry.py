@@ -531,15 +531,24 @@ class Registry:
             return None
         if sim is None:
             return f"{info.id} has no sim_acceptance to compare with champion {state.champion}"
-        best = self.get(state.champion).sim_acceptance
+        best = self._champion_acceptance(info, state.champion)
         if best is not None and not math.isnan(best) and sim < best:
             return f"{info.id} sim_acceptance {_fmt(sim)} < champion {state.champion} sim_acceptance {_fmt(best)}"
         return None
+
+    def _champion_acceptance(self, info: VersionInfo, champion: str) -> float | None:
+        """The champion's simulated acceptance to beat: measured on the candidate's own held-out
+        records when the learner recorded it (extra["baseline"] = {"version", "sim_acceptance"}),
+        so that traffic drift between the two measurements cannot decide; else its stored figure."""
+        baseline = info.extra.get("baseline") or {}
+        if baseline.get("version") == champion and baseline.get("sim_acceptance") is not None:
+            return float(baseline["sim_acceptance"])
+        return self.get(champion).sim_acceptance
 
     def _promotion_reason(self, info: VersionInfo, state: AliasState, force: bool) -> str:
         if force:
             return f"forced promotion of {info.id} (acceptance and pin checks skipped)"
         if state.champion is None:
             return f"{info.id} is the first champion"
-        best = self.get(state.champion).sim_acceptance
+        best = self._champion_acceptance(info, state.champion)
         return f"{info.id} sim_acceptance {_fmt(info.sim_acceptance)} >= champion {state.champion} {_fmt(best)}"

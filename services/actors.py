@@ -1,0 +1,145 @@
+"""Ray actors around the worker, the learner and the embedded replay buffer.
+
+What crosses an actor boundary is JSON-shaped (config dicts, result dicts) or bytes (encoded
+replay records); the classes behind the actors are plain Python, tested without Ray. Each actor
+asks for a fraction of a CPU (Ray sees 2 on this machine) and sets its own torch thread count.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from services.buffer import BufferEntry, BufferStats, MemoryBuffer, ReplayBuffer, open_buffer
+
+ACTOR_CPUS = 0.5  # the worker and the learner fit beside the driver on 2 CPUs
+
+
+def init_ray(address: str | None = None) -> bool:
+    """Join `address` or start a local instance; True when this call started it."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
+             configure_logging=True)
+    return True
+
+
+@ray.remote(num_cpus=0)
+class BufferHost:
+    """The embedded (in-memory) replay buffer, hosted in its own actor so that the worker and the
+    learner, two processes, share it."""
+
+    def __init__(self, maxlen: int):
+        self.buffer = MemoryBuffer(maxlen)
+
+    def append(self, payload: bytes) -> bool:
+        return self.buffer.append(payload)
+
+    def read(self, consumer: str, count: int, block_ms: int) -> list[tuple[str, bytes]]:
+        return [(e.id, e.payload) for e in self.buffer.read(consumer, count, block_ms)]
+
+    def ack(self, ids: list[str]) -> int:
+        return self.buffer.ack(ids)
+
+    def claim_stale(self, consumer: str, min_idle_ms: int, count: int) -> list[tuple[str, bytes]]:
+        return [(e.id, e.payload) for e in self.buffer.claim_stale(consumer, min_idle_ms, count)]
+
+    def stats(self) -> dict:
+        return self.buffer.stats().to_dict()
+
+
+class HostedBuffer:
+    """`ReplayBuffer` over a BufferHost actor: appends are fire-and-forget remote calls."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.written = 0
+
+    def append(self, payload: bytes) -> bool:
+        self.handle.append.remote(payload)
+        self.written += 1
+        return True
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        ray.get(self.handle.stats.remote(), timeout=timeout)  # calls from one caller run in order
+        return True
+
+    def read(self, consumer: str, count: int, block_ms: int = 0) -> list[BufferEntry]:
+        return [BufferEntry(i, p) for i, p in ray.get(self.handle.read.remote(consumer, count, block_ms))]
+
+    def ack(self, ids: list[str]) -> int:
+        return ray.get(self.handle.ack.remote(list(ids))) if ids else 0
+
+    def claim_stale(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[BufferEntry]:
+        return [BufferEntry(i, p) for i, p in ray.get(self.handle.claim_stale.remote(consumer, min_idle_ms, count))]
+
+    def stats(self) -> BufferStats:
+        return BufferStats(**ray.get(self.handle.stats.remote()))
+
+    def close(self) -> None:
+        pass
+
+
+def make_buffer(spec: str | None, host=None, prefix: str = "specloop") -> ReplayBuffer | None:
+    """The buffer an actor writes to / reads from: a hosted memory buffer, or its own Redis client."""
+    if spec is None:
+        return None
+    if spec == "memory":
+        if host is None:
+            raise ValueError("the memory buffer needs a BufferHost actor across processes")
+        return HostedBuffer(host)
+    return open_buffer(spec, prefix=prefix)
+
+
+@ray.remote(num_cpus=ACTOR_CPUS)
+class WorkerActor:
+    def __init__(self, cfg: dict, buffer_spec: str | None, host=None, prefix: str = "specloop"):
+        from services.worker import VerifierWorker, WorkerConfig
+
+        self.buffer = make_buffer(buffer_spec, host, prefix)
+        self.worker = VerifierWorker(WorkerConfig(**cfg), self.buffer)
+
+    def serve(self, request: dict) -> dict:
+        from services.worker import ServeRequest
+
+        return self.worker.serve(ServeRequest(**request))
+
+    def stats(self) -> dict:
+        return self.worker.stats()
+
+    def drain(self) -> dict:
+        self.worker.drain()
+        if self.buffer is not None:
+            self.buffer.flush()
+        return self.worker.stats()
+
+    def close(self) -> dict:
+        self.worker.close()
+        if self.buffer is not None:
+            self.buffer.close()
+        return self.worker.stats()
+
+
+@ray.remote(num_cpus=ACTOR_CPUS, max_concurrency=4)
+class LearnerActor:
+    """The learner trains on its own thread; stats/stop calls run beside it (max_concurrency)."""
+
+    def __init__(self, cfg: dict, buffer_spec: str, host=None, prefix: str = "specloop"):
+        from services.learner import LearnerService, LearnerServiceConfig
+        from trainer.online import LearnerConfig
+
+        self.buffer = make_buffer(buffer_spec, host, prefix)
+        cfg = cfg | {"learner": LearnerConfig.from_dict(cfg["learner"])}
+        self.service = LearnerService(LearnerServiceConfig(**cfg), self.buffer)
+
+    def start(self) -> bool:
+        self.service.start()
+        return True
+
+    def stats(self) -> dict:
+        return self.service.stats()
+
+    def stop(self) -> dict:
+        return self.service.stop()

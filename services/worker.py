@@ -1,0 +1,347 @@
+"""The verifier worker: lossless speculative decoding that logs replay records and hot-swaps
+drafter versions between two steps (run as a Ray actor by `specloop replay` and `serve`).
+
+Per step (`drafter.speculative.StepHooks`):
+- `swap`: the registry's state token is polled (a file stat or one Redis GET); when the champion
+  changed, its weights load on a background thread while serving goes on; once loaded, the new
+  drafter adopts the old one's rows between two steps. The swap stall (the adopt itself, on the
+  serving thread) is timed. Output stays lossless whatever the drafter: the verifier decides.
+- KV cache of in-flight rows on a swap: kept. A pretrained / SD² drafter's cache was computed with
+  the old weights; positions written after the swap use the new ones, so the rows in flight draft
+  from a mixed cache until they finish (a transient acceptance dip, measured as `stale_blocks` /
+  `stale_accepted` against the version's fresh blocks). A DVI swap replaces only the head: the
+  cache is the verifier's and stays exact.
+- `traced`: the step's loggable tensors are snapshotted on the serving thread (a log-softmax and a
+  top-K); records are built, encoded and appended to the buffer on a logger thread, so the step
+  never waits for the buffer. A full logger queue drops (and counts) a block's records.
+- Auto-rollback: once a newly promoted version has served `rollback_window` blocks, its acceptance
+  rate is compared with its predecessor's over the predecessor's last `rollback_window` blocks;
+  below by more than `rollback_margin`, the worker rolls the registry back (reason logged).
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from drafter.kinds import DrafterBuilder
+from drafter.models import load_model
+from drafter.proposer import Drafter
+from drafter.sampling import SamplingParams
+from drafter.speculative import StepTrace, StopRule, generate
+from services.buffer import ReplayBuffer
+from services.registry import Registry, RegistryError
+from trainer.online import is_finite
+from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, records_from_snapshot, snapshot
+
+log = logging.getLogger("specloop.worker")
+BASE_VERSION = "base"  # label of the drafter as loaded, before any registry version
+
+
+@dataclass
+class WorkerConfig:
+    verifier: str
+    drafter: str | None
+    kind: str
+    registry: str | None = None  # registry folder; None: serve the base drafter, no swaps
+    redis_url: str | None = None  # registry metadata in Redis (several processes, one registry)
+    prefix: str = "specloop"  # Redis key prefix
+    top_k: int = DEFAULT_TOP_K  # verifier log-probs kept per logged position
+    context: int = DEFAULT_CONTEXT  # committed tokens per record (pretrained / sd2)
+    log_records: bool = True  # write replay records (needs a buffer)
+    threads: int = 1  # torch threads of the serving process
+    rollback_window: int = 256  # blocks compared between a new champion and its predecessor
+    rollback_margin: float = 0.1  # acceptance-rate drop that triggers an automatic rollback
+    logger_queue: int = 1024  # blocks waiting to be encoded before new ones are dropped
+
+
+@dataclass
+class ServeRequest:
+    index: int
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int = 64
+    k: int = 4
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, (), self.seed)
+
+
+@dataclass
+class SwapEvent:
+    time: float
+    old: str
+    new: str
+    stall_ms: float  # serving-thread time of the switch
+    load_ms: float  # background load time
+    in_flight: bool  # a request was mid-decode
+
+
+class AcceptanceMonitor:
+    """Per-version acceptance over recent blocks, and the auto-rollback verdict."""
+
+    def __init__(self, window: int, margin: float):
+        self.window, self.margin = window, margin
+        self.recent: dict[str, deque] = {}
+        self.totals: dict[str, list[int]] = {}  # version -> [drafted, accepted]
+        self.watch: tuple[str, str, float] | None = None  # (new, predecessor, predecessor α)
+
+    def observe(self, version: str, drafted: int, accepted: int) -> None:
+        self.recent.setdefault(version, deque(maxlen=self.window)).append((drafted, accepted))
+        tot = self.totals.setdefault(version, [0, 0])
+        tot[0] += drafted
+        tot[1] += accepted
+
+    def rate(self, version: str) -> float | None:
+        blocks = self.recent.get(version)
+        drafted = sum(d for d, _ in blocks) if blocks else 0
+        return sum(a for _, a in blocks) / drafted if drafted else None
+
+    def promoted(self, old: str, new: str) -> None:
+        """Start watching `new` if `old` has a full window to compare with."""
+        prev = self.rate(old)
+        full = len(self.recent.get(old, ())) >= self.window
+        self.watch = (new, old, prev) if prev is not None and full else None
+        self.recent.pop(new, None)
+
+    def verdict(self) -> str | None:
+        """A rollback reason once the watched version has a full window and fell too far; else None."""
+        if self.watch is None or len(self.recent.get(self.watch[0], ())) < self.window:
+            return None
+        new, old, prev = self.watch
+        self.watch = None
+        now = self.rate(new)
+        if now is not None and now < prev - self.margin:
+            return (f"live acceptance of {new} {now:.3f} < predecessor {old} {prev:.3f} − margin "
+                    f"{self.margin} over {self.window} blocks")
+        return None
+
+
+class RecordLogger:
+    """Builds, encodes and appends replay records on its own thread."""
+
+    def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int):
+        self.buffer, self.kind = buffer, kind
+        self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
+        self.logged = self.dropped = self.bytes = 0
+        self.thread = threading.Thread(target=self._run, name="record-logger", daemon=True)
+        self.thread.start()
+
+    def submit(self, snap, tags: list[RowTag]) -> None:
+        try:
+            self.queue.put_nowait((snap, tags))
+        except queue.Full:
+            self.dropped += len(tags)
+
+    def _run(self) -> None:
+        while (item := self.queue.get()) is not None:
+            for record in records_from_snapshot(*item, self.kind):
+                payload = encode(record)
+                self.bytes += len(payload)
+                if self.buffer.append(payload):
+                    self.logged += 1
+                else:
+                    self.dropped += 1
+            self.queue.task_done()
+        self.queue.task_done()
+
+    def drain(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.drain()
+        self.queue.put(None)
+        self.thread.join(timeout=5)
+
+
+@dataclass
+class _Row:
+    request: ServeRequest
+    blocks: int = 0
+    stale: bool = False  # its drafter cache predates the serving version
+    versions: list[str] = field(default_factory=list)
+
+
+class VerifierWorker:
+    def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
+        torch.set_num_threads(cfg.threads)
+        self.cfg = cfg
+        self.verifier = load_model(cfg.verifier)
+        tok = self.verifier.tokenizer
+        self.stop_rule = StopRule(self.verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
+        self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter)
+        self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
+        self.drafter: Drafter = self.builder.build()
+        self.version = BASE_VERSION
+        self.token: str | None = None
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="drafter-loader")
+        self.loading: tuple[str, float, Future] | None = None
+        self.swaps: list[SwapEvent] = []
+        self.rollbacks: list[str] = []
+        self.load_failures: list[str] = []
+        self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
+        self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
+        self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue) if buffer and cfg.log_records else None
+        self.rows: list[_Row] = []
+        self._poll()
+        self._finish_load(wait=True)
+
+    # -- serving
+
+    def serve(self, request: ServeRequest) -> dict:
+        """Decode one request to completion; the replay contract's JSON object."""
+        self._poll()
+        self._finish_load(wait=False)
+        self.rows = [_Row(request, versions=[self.version])]
+        gen = generate(self.verifier.lean, self.drafter, [request.prompt_ids], request.sampling(), request.k,
+                       self.stop_rule, first_request=request.index, hooks=self)[0]
+        row = self.rows[0]
+        return {"index": request.index, "id": request.id, "drafter_version": self.version,
+                "drafter_versions": row.versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
+                "block_efficiency": gen.stats.block_efficiency, "token_ids": gen.token_ids,
+                "text": self.verifier.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+                "finish_reason": gen.finish_reason}
+
+    # -- StepHooks
+
+    def swap(self, drafter: Drafter) -> Drafter:
+        self._poll()
+        if self.loading is None or not self.loading[2].done():
+            return drafter
+        new_version, t_load, future = self.loading
+        self.loading = None
+        try:
+            new = future.result()
+        except Exception as exc:  # a bad version never stops serving
+            self._load_failed(new_version, exc)
+            return drafter
+        t0 = time.perf_counter()
+        new.adopt(drafter)
+        self._switched(new, new_version, t0, t_load, in_flight=True)
+        for row in self.rows:
+            row.stale = self.cfg.kind in ("pretrained", "sd2")
+            row.versions.append(new_version)
+        return new
+
+    def traced(self, histories: list[list[int]]):
+        return lambda trace: self._on_step(trace, histories)
+
+    def _on_step(self, trace: StepTrace, histories: list[list[int]]) -> None:
+        k = trace.proposal.tokens.shape[1]
+        rows = torch.nonzero(trace.active).flatten().tolist()
+        for b in rows:
+            n = int(trace.outcome.num_accepted[b])
+            self.monitor.observe(self.version, k, n)
+            if self.rows[b].stale:
+                self.stale[0] += k
+                self.stale[1] += n
+        if self.logger is not None and rows:
+            tags = [self._tag(b, histories[b]) for b in rows]
+            self.logger.submit(snapshot(trace, rows, self.cfg.top_k), tags)
+        for b in rows:
+            self.rows[b].blocks += 1
+        self._check_rollback()
+
+    def _tag(self, b: int, history: list[int]) -> RowTag:
+        row = self.rows[b]
+        return RowTag(row.request.id, self.version, row.blocks, history[-self.cfg.context:], row.request.temperature)
+
+    # -- versions
+
+    def _poll(self) -> None:
+        """Start loading the champion in the background when the registry's alias changed."""
+        if self.registry is None:
+            return
+        token = self.registry.state_token()
+        if token == self.token:
+            return
+        self.token = token
+        champion = self.registry.champion()
+        if champion is None or champion == self.version:
+            return
+        if self.loading is not None and self.loading[0] == champion:
+            return
+        self.loading = (champion, time.perf_counter(), self.loader.submit(self._load, champion))
+
+    def _load(self, version: str) -> Drafter:
+        weights = self.registry.load_weights(version)
+        if not is_finite(weights):
+            raise RegistryError(f"{version} has non-finite weights")
+        return self.builder.build(weights)
+
+    def _finish_load(self, wait: bool) -> None:
+        """Between requests: switch to a loaded version (no rows in flight, nothing to adopt)."""
+        if self.loading is None or not (wait or self.loading[2].done()):
+            return
+        version, t_load, future = self.loading
+        self.loading = None
+        try:
+            new = future.result()
+        except Exception as exc:
+            self._load_failed(version, exc)
+            return
+        self._switched(new, version, time.perf_counter(), t_load, in_flight=False)
+
+    def _switched(self, new: Drafter, version: str, t0: float, t_load: float, in_flight: bool) -> None:
+        old, self.drafter, self.version = self.version, new, version
+        stall = (time.perf_counter() - t0) * 1e3
+        self.swaps.append(SwapEvent(time.time(), old, version, stall, (t0 - t_load) * 1e3, in_flight))
+        self.monitor.promoted(old, version)
+        log.info("swapped drafter %s -> %s (stall %.2f ms, in flight: %s)", old, version, stall, in_flight)
+
+    def _load_failed(self, version: str, exc: Exception) -> None:
+        self.load_failures.append(f"{version}: {exc}")
+        log.warning("not serving %s: %s", version, exc)
+
+    def _check_rollback(self) -> None:
+        reason = self.monitor.verdict()
+        if reason is None or self.registry is None:
+            return
+        try:
+            back = self.registry.rollback(reason)
+            self.rollbacks.append(reason)
+            log.warning("rolled back to %s: %s", back, reason)
+        except RegistryError as exc:
+            log.warning("automatic rollback refused: %s", exc)
+
+    # -- operations
+
+    def drain(self) -> None:
+        if self.logger is not None:
+            self.logger.drain()
+
+    def stats(self) -> dict:
+        stalls = sorted(s.stall_ms for s in self.swaps if s.in_flight)
+        return {
+            "version": self.version, "swaps": [asdict(s) for s in self.swaps], "rollbacks": list(self.rollbacks),
+            "load_failures": list(self.load_failures),
+            "stale_blocks": {"drafted": self.stale[0], "accepted": self.stale[1]},
+            "acceptance_by_version": {v: {"drafted": d, "accepted": a} for v, (d, a) in self.monitor.totals.items()},
+            "records": None if self.logger is None else
+            {"logged": self.logger.logged, "dropped": self.logger.dropped, "bytes": self.logger.bytes},
+            "swap_stall_ms": _quantiles(stalls),
+        }
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        self.loader.shutdown(wait=False)
+
+
+def _quantiles(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    pick = lambda q: values[min(len(values) - 1, int(q * len(values)))]  # noqa: E731
+    return {"n": len(values), "p50": pick(0.5), "p99": pick(0.99), "max": values[-1]}

@@ -1,0 +1,223 @@
+"""Replay records: one speculative block's drafted positions, as the learner needs them.
+
+A record holds the positions i = 1..m of one block up to and including the first rejection
+(m = n + 1 when a draft was rejected, m = k when all k were accepted); later positions are
+counterfactual and never logged. Per position: the drafted token d_i, the reward (1 accepted,
+0 the first reject), the drafter's log q(d_i), and the verifier's next-token distribution p_i as
+its top-K log-probabilities plus the remaining mass. Plus what the drafter kind needs to
+recompute its forward on the learner:
+
+- pretrained / sd2: `context`, the last W committed tokens (ending with the token the block
+  started from), so the drafter LM can be run on context + d_1..d_{m-1};
+- sd2: `steer` [3, d_verifier], the verifier features the block's steering vector came from;
+- dvi: `hidden` [m, d], the verifier's residual stream after layer s at the positions that
+  predict d_1..d_m (the draft head's input).
+
+Wire format (`encode` / `decode`): the magic b"SLRC", then a safetensors blob (numpy arrays;
+scalar fields in its string metadata, with the schema version). Decoding validates the magic,
+the schema, every array's dtype and shape, and the reward pattern; anything else raises
+RecordError. Nothing is ever pickled.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+MAGIC = b"SLRC"
+SCHEMA = 1
+DEFAULT_TOP_K = 64  # verifier log-probabilities kept per position
+DEFAULT_CONTEXT = 128  # committed tokens kept for pretrained / sd2 recompute
+
+
+class RecordError(ValueError):
+    """A payload that is not a valid replay record (corrupted, truncated, wrong schema)."""
+
+
+@dataclass
+class ReplayRecord:
+    request_id: str
+    drafter_version: str
+    block: int  # block index within the request
+    kind: str  # drafter kind that drafted it
+    k: int  # draft length of the block
+    temperature: float  # sampling temperature of the request (0 = greedy)
+    tokens: np.ndarray  # [m] int64 drafted tokens d_1..d_m
+    rewards: np.ndarray  # [m] uint8: 1 accepted, 0 first reject (only ever last)
+    draft_logprobs: np.ndarray  # [m] float32 log q(d_i)
+    top_ids: np.ndarray  # [m, K] int64 verifier top-K token ids at position i
+    top_logprobs: np.ndarray  # [m, K] float32 their log p (temperature 1)
+    rest_mass: np.ndarray  # [m] float32 1 − Σ top-K p
+    context: np.ndarray  # [W] int64 committed tokens ending with the block's first input (may be empty)
+    steer: np.ndarray | None = None  # [3, d_verifier] float32 (sd2)
+    hidden: np.ndarray | None = None  # [m, d] float32 (dvi)
+
+    @property
+    def positions(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def accepted(self) -> int:
+        return int(self.rewards.sum())
+
+
+ARRAYS = {  # name -> (dtype, rank)
+    "tokens": (np.int64, 1), "rewards": (np.uint8, 1), "draft_logprobs": (np.float32, 1),
+    "top_ids": (np.int64, 2), "top_logprobs": (np.float32, 2), "rest_mass": (np.float32, 1),
+    "context": (np.int64, 1), "steer": (np.float32, 2), "hidden": (np.float32, 2),
+}
+OPTIONAL = ("steer", "hidden")
+SCALARS = {"request_id": str, "drafter_version": str, "block": int, "kind": str, "k": int, "temperature": float}
+
+
+def encode(record: ReplayRecord) -> bytes:
+    """Record → bytes (MAGIC + safetensors)."""
+    arrays = {}
+    for name, (dtype, _) in ARRAYS.items():
+        value = getattr(record, name)
+        if value is not None:
+            arrays[name] = np.ascontiguousarray(value, dtype=dtype)
+    meta = {"schema": str(SCHEMA), "fields": json.dumps({n: getattr(record, n) for n in SCALARS})}
+    return MAGIC + st_save(arrays, metadata=meta)
+
+
+def decode(payload: bytes) -> ReplayRecord:
+    """bytes → record, validated; RecordError on anything malformed."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)) or bytes(payload[:4]) != MAGIC:
+        raise RecordError("not a replay record (bad magic)")
+    body = bytes(payload[4:])
+    try:
+        arrays = st_load(body)
+        meta = _metadata(body)
+    except (SafetensorError, ValueError, UnicodeDecodeError) as exc:
+        raise RecordError(f"corrupted or truncated replay record: {exc}") from exc
+    if meta.get("schema") != str(SCHEMA):
+        raise RecordError(f"replay record schema {meta.get('schema')!r}, expected {SCHEMA}")
+    record = ReplayRecord(**_scalars(meta), **_arrays(arrays))
+    validate(record)
+    return record
+
+
+def _metadata(body: bytes) -> dict:
+    """The safetensors header's __metadata__ (the numpy loader drops it)."""
+    n = int.from_bytes(body[:8], "little")
+    if n <= 0 or 8 + n > len(body):
+        raise ValueError("header length out of range")
+    return json.loads(body[8 : 8 + n].decode("utf-8")).get("__metadata__") or {}
+
+
+def _scalars(meta: dict) -> dict:
+    try:
+        fields = json.loads(meta["fields"])
+        return {name: cast(fields[name]) for name, cast in SCALARS.items()}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"replay record metadata is incomplete: {exc}") from exc
+
+
+def _arrays(arrays: dict) -> dict:
+    out = {}
+    for name, (dtype, rank) in ARRAYS.items():
+        value = arrays.get(name)
+        if value is None:
+            if name not in OPTIONAL:
+                raise RecordError(f"replay record lacks {name!r}")
+            out[name] = None
+            continue
+        if value.dtype != dtype or value.ndim != rank:
+            raise RecordError(f"replay record field {name!r} is {value.dtype}[{value.ndim}-d], expected {np.dtype(dtype)}[{rank}-d]")
+        out[name] = value
+    return out
+
+
+def validate(r: ReplayRecord) -> None:
+    """Shapes agree and rewards are 1…1 then at most one 0 at the end."""
+    m = r.positions
+    if not 1 <= m <= r.k:
+        raise RecordError(f"replay record has {m} positions for k={r.k}")
+    same = [r.rewards, r.draft_logprobs, r.rest_mass, r.top_ids, r.top_logprobs]
+    if any(len(a) != m for a in same) or r.top_ids.shape != r.top_logprobs.shape:
+        raise RecordError("replay record arrays disagree on the number of positions")
+    if r.rewards[:-1].min(initial=1) != 1 or r.rewards[-1] > 1:
+        raise RecordError("replay record rewards must be 1…1 with at most one final 0")
+    if m < r.k and r.rewards[-1] != 0:
+        raise RecordError("a record shorter than k must end with its first rejection")
+    if r.hidden is not None and len(r.hidden) != m:
+        raise RecordError("replay record hidden states do not match its positions")
+    if r.steer is not None and r.steer.shape[0] != 3:
+        raise RecordError("replay record steering inputs must be [3, d]")
+
+
+# ----------------------------------------------------------------------------- building records
+
+
+@dataclass
+class BlockSnapshot:
+    """One step's loggable tensors for the rows being logged, taken on the serving thread (cheap:
+    a log-softmax and a top-K over k + 1 positions); records are built from it off that thread."""
+
+    rows: list[int]  # batch rows this snapshot covers
+    num_accepted: list[int]  # [R] n per row
+    k: int
+    tokens: np.ndarray  # [R, k] drafted tokens
+    draft_logprobs: np.ndarray  # [R, k]
+    top_ids: np.ndarray  # [R, k, K] verifier top-K at positions predicting d_1..d_k
+    top_logprobs: np.ndarray  # [R, k, K]
+    rest_mass: np.ndarray  # [R, k]
+    steer: np.ndarray | None  # [R, 3, d_v]
+    hidden: np.ndarray | None  # [R, k, d]
+
+
+@torch.inference_mode()
+def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K) -> BlockSnapshot:
+    """Extract what records need from a `drafter.speculative.StepTrace`, for `rows`."""
+    idx = torch.tensor(rows, dtype=torch.long)
+    k = trace.proposal.tokens.shape[1]
+    logp = torch.log_softmax(trace.logits[idx.to(trace.logits.device), :k].float(), dim=-1)  # [R, k, V]
+    top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
+    rest = (1.0 - top.values.exp().sum(dim=-1)).clamp(min=0.0)  # [R, k]
+    prop = trace.proposal
+    logprobs = prop.logprobs[idx] if prop.logprobs is not None else torch.zeros(len(rows), k)
+    hidden = next(iter(trace.hidden.values()), None)
+    return BlockSnapshot(
+        rows=rows, num_accepted=trace.outcome.num_accepted[idx].tolist(), k=k,
+        tokens=prop.tokens[idx].numpy(), draft_logprobs=logprobs.float().cpu().numpy(),
+        top_ids=top.indices.cpu().numpy(), top_logprobs=top.values.cpu().numpy(), rest_mass=rest.cpu().numpy(),
+        steer=None if prop.steer is None else prop.steer[idx.to(prop.steer.device)].float().cpu().numpy(),
+        hidden=None if hidden is None else hidden[idx.to(hidden.device), :k].float().cpu().numpy(),
+    )
+
+
+@dataclass
+class RowTag:
+    """Who a logged row is: its request, the serving version, its block index, its context."""
+
+    request_id: str
+    drafter_version: str
+    block: int
+    context: list[int]  # committed tokens (already cut to the context window)
+    temperature: float
+
+
+def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) -> list[ReplayRecord]:
+    """One record per row: positions 1..min(n + 1, k)."""
+    out = []
+    for j, (n, tag) in enumerate(zip(snap.num_accepted, tags)):
+        m = min(n + 1, snap.k)
+        rewards = np.ones(m, dtype=np.uint8)
+        if n < snap.k:
+            rewards[-1] = 0
+        out.append(ReplayRecord(
+            request_id=tag.request_id, drafter_version=tag.drafter_version, block=tag.block, kind=kind,
+            k=snap.k, temperature=tag.temperature, tokens=snap.tokens[j, :m].astype(np.int64), rewards=rewards,
+            draft_logprobs=snap.draft_logprobs[j, :m], top_ids=snap.top_ids[j, :m].astype(np.int64),
+            top_logprobs=snap.top_logprobs[j, :m], rest_mass=snap.rest_mass[j, :m],
+            context=np.asarray(tag.context if kind in ("pretrained", "sd2") else [], dtype=np.int64),
+            steer=None if snap.steer is None else snap.steer[j],
+            hidden=None if snap.hidden is None else snap.hidden[j, :m],
+        ))
+    return out
