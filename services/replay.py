@@ -120,7 +120,7 @@ class Replay:
         bar = tqdm(total=len(self.traffic), desc="replay", unit="req", disable=not progress, file=sys.stderr)
         for request in self.requests():
             result = ray.get(self.worker.serve.remote(request))
-            recent.append((result["drafted"] // self.cfg.k, result["accepted"]))
+            recent.append((result["blocks"], result["accepted"]))
             blocks = sum(b for b, _ in recent)
             tau = (blocks + sum(a for _, a in recent)) / blocks if blocks else 0.0
             bar.set_postfix(tau=f"{tau:.2f}", version=result["drafter_version"], refresh=False)
@@ -139,6 +139,9 @@ class Replay:
         if self.host is not None:
             summary["buffer"] = ray.get(self.host.stats.remote())
         ray.get(self.worker.close.remote())
+        for actor in (self.worker, self.learner, self.host):
+            if actor is not None:
+                ray.kill(actor)
         if self.started_ray:
             ray.shutdown()
         return summary

@@ -205,6 +205,7 @@ class VerifierWorker:
         self._poll()
         self._finish_load(wait=False)
         self.rows = [_Row(request, versions=[self.version])]
+        t0 = time.perf_counter()
         gen = generate(self.verifier.lean, self.drafter, [request.prompt_ids], request.sampling(), request.k,
                        self.stop_rule, first_request=request.index, hooks=self)[0]
         row = self.rows[0]
@@ -212,7 +213,8 @@ class VerifierWorker:
                 "drafter_versions": row.versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
                 "block_efficiency": gen.stats.block_efficiency, "token_ids": gen.token_ids,
                 "text": self.verifier.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
-                "finish_reason": gen.finish_reason}
+                "finish_reason": gen.finish_reason, "blocks": gen.stats.blocks,
+                "seconds": time.perf_counter() - t0}
 
     # -- StepHooks
 
@@ -270,6 +272,7 @@ class VerifierWorker:
         self.token = token
         champion = self.registry.champion()
         if champion is None or champion == self.version:
+            self.loading = None  # a load still under way is no longer the champion: never switch to it
             return
         if self.loading is not None and self.loading[0] == champion:
             return

@@ -26,7 +26,7 @@ from drafter.models import LoadedModel, check_same_vocabulary, load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
-from trainer.corpora import iter_sharegpt_train, render_chat
+from trainer.corpora import iter_sharegpt_train, iter_stdlib_code_files, render_chat
 
 GENERATED_FILE = "generated.jsonl"
 GENERATED_META = "generated.json"
@@ -50,6 +50,13 @@ class ConversationSource:
 
 def _ids(encoded) -> list[int]:
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def code_documents(tokenizer, start: int, max_tokens: int) -> Iterator[list[int]]:
+    """The standard library's non-test source files (sorted by path) from index `start`, as raw token ids."""
+    files = itertools.islice(iter_stdlib_code_files(include_tests=False), start, None)
+    for _, source in files:
+        yield tokenizer.encode(source[: max_tokens * 16], add_special_tokens=False)[:max_tokens]
 
 
 def conversation_ids(tokenizer, messages: list, max_tokens: int) -> list[int]:

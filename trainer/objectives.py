@@ -21,6 +21,7 @@ lk: λ KL + (1 − λ) TV with λ = 1 − α̂, α̂ an EMA of Σ min(p, q) (`tr
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -106,16 +107,18 @@ class Objective:
         """(loss, info) for one update; advances the counter and the EMAs."""
         log_p, log_q = bucket_logprobs(batch, q_logits)
         acc = float(expected_acceptance(log_p, log_q))
-        self.acceptance = _ema(self.acceptance, acc, self.cfg.acceptance_decay)
+        acceptance = _ema(self.acceptance, acc, self.cfg.acceptance_decay)
         info = {"sim_acceptance": acc, "reward": float(batch.rewards.mean())}
         if self.cfg.name == "klrl":
             loss = self._klrl(batch, q_logits, log_p, log_q, info)
         else:
-            loss, lam = distribution_loss(self.cfg.name, log_p, log_q, self.acceptance)
+            loss, lam = distribution_loss(self.cfg.name, log_p, log_q, acceptance)
             info["lambda_kl"] = lam
-        self.baseline = _ema(self.baseline, info["reward"], self.cfg.baseline_decay)
-        self.updates += 1
         info["loss"] = float(loss.detach())
+        if math.isfinite(info["loss"]) and math.isfinite(acc):  # the learner skips a non-finite step: so do the state's
+            self.acceptance = acceptance
+            self.baseline = _ema(self.baseline, info["reward"], self.cfg.baseline_decay)
+            self.updates += 1
         return loss, info
 
     def _klrl(self, batch, q_logits, log_p, log_q, info: dict) -> torch.Tensor:

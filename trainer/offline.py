@@ -30,11 +30,11 @@ from torch import nn
 from tqdm import tqdm
 
 from drafter.models import load_model
-from trainer.data import ConversationSource, GeneratedSet, GenerationSpec, WindowStream, conversation_ids
+from trainer.data import ConversationSource, GeneratedSet, GenerationSpec, WindowStream, code_documents, conversation_ids
 from trainer.losses import LOSSES, distribution_loss, expected_acceptance
 from trainer.students import METHODS, build_student, verifier_targets
 
-DATA_MODES = ("teacher-forced", "generated")
+DATA_MODES = ("teacher-forced", "generated", "code")  # code: the standard library's non-test source, raw
 KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi"}
 NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
 CHECKPOINT_DIR = "checkpoint"
@@ -189,6 +189,9 @@ class OfflineTrainer:
             def documents(start: int) -> Iterator[list[int]]:
                 for _, conv in source.iter_from(start):
                     yield conversation_ids(tok, conv, cfg.max_doc_tokens)
+        elif cfg.data == "code":
+            def documents(start: int) -> Iterator[list[int]]:
+                return code_documents(tok, start, cfg.max_doc_tokens)
         else:
             spec = GenerationSpec(cfg.seed, cfg.gen_max_tokens, cfg.gen_max_prompt_tokens, cfg.gen_batch, cfg.gen_k)
             cache = Path(cfg.data_cache) if cfg.data_cache else self.out / "data"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -128,16 +129,16 @@ def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor
     if isinstance(student, DVIStudent):
         hidden = torch.from_numpy(np.concatenate([r.hidden for r in records]))  # [N, d]
         return student.head(hidden.to(student.head.norm.device))
+    if not isinstance(student, (SteeredStudent, DistillStudent)):
+        raise ValueError(f"no record forward for {type(student).__name__}")
     ids, rows, pos = lm_inputs(records)
+    steering = nullcontext()
     if isinstance(student, SteeredStudent):
         steer = torch.stack([torch.from_numpy(r.steer) for r in records])  # [R, 3, d_v]
-        feats = steer[:, None].expand(-1, ids.shape[1], -1, -1)  # one vector per block, every position
-        logits = student.logits_from_features(ids, feats)
-    elif isinstance(student, DistillStudent):
-        logits = student.lm.hf(input_ids=ids, use_cache=False).logits
-    else:
-        raise ValueError(f"no record forward for {type(student).__name__}")
-    return logits[rows, pos]  # [N, V]
+        steering = student.steered(steer[:, None].expand(-1, ids.shape[1], -1, -1))  # one g per block, every position
+    with steering:
+        hidden = student.lm.hf.model(input_ids=ids, use_cache=False).last_hidden_state  # [R, T, d]
+    return student.lm.hf.lm_head(hidden[rows, pos])  # [N, V]: the LM head only where positions were logged
 
 
 # ----------------------------------------------------------------------------- the learner

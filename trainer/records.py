@@ -142,7 +142,7 @@ def validate(r: ReplayRecord) -> None:
     same = [r.rewards, r.draft_logprobs, r.rest_mass, r.top_ids, r.top_logprobs]
     if any(len(a) != m for a in same) or r.top_ids.shape != r.top_logprobs.shape:
         raise RecordError("replay record arrays disagree on the number of positions")
-    if r.rewards[:-1].min(initial=1) != 1 or r.rewards[-1] > 1:
+    if (r.rewards[:-1] != 1).any() or r.rewards[-1] > 1:
         raise RecordError("replay record rewards must be 1…1 with at most one final 0")
     if m < r.k and r.rewards[-1] != 0:
         raise RecordError("a record shorter than k must end with its first rejection")
@@ -185,7 +185,7 @@ def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K) -> BlockSnapsho
     hidden = next(iter(trace.hidden.values()), None)
     return BlockSnapshot(
         rows=rows, num_accepted=trace.outcome.num_accepted[idx].tolist(), k=k,
-        tokens=prop.tokens[idx].numpy(), draft_logprobs=logprobs.float().cpu().numpy(),
+        tokens=prop.tokens[idx].cpu().numpy(), draft_logprobs=logprobs.float().cpu().numpy(),
         top_ids=top.indices.cpu().numpy(), top_logprobs=top.values.cpu().numpy(), rest_mass=rest.cpu().numpy(),
         steer=None if prop.steer is None else prop.steer[idx.to(prop.steer.device)].float().cpu().numpy(),
         hidden=None if hidden is None else hidden[idx.to(hidden.device), :k].float().cpu().numpy(),

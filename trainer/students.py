@@ -23,6 +23,7 @@ prediction of the target), which is also what `prefill` gives a one-token prompt
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -154,10 +155,15 @@ class SteeredStudent(Student):
     def logits_from_features(self, input_ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """Drafter logits [B, T, V] steered at each position by already-gathered verifier features
         `feats` [B, T, 3, d_verifier] (no offsets drawn here)."""
-        g = self.steering.vector(feats)  # [B, T, d_d]
-        self._bias = self.steering.up_bias(g)  # [L_draft, B, T, I]
-        try:
+        with self.steered(feats):
             return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+
+    @contextmanager
+    def steered(self, feats: torch.Tensor):
+        """Within the block, drafter forwards add W_s g (g from `feats` [B, T, 3, d_v]) to every up projection."""
+        self._bias = self.steering.up_bias(self.steering.vector(feats))  # [L_draft, B, T, I]
+        try:
+            yield
         finally:
             self._bias = None
 
