@@ -18,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -140,6 +141,20 @@ def analyse(runs: list[dict], oracle: dict | None, segments) -> list[dict]:
     return table
 
 
+def markdown(table: list[dict]) -> str:
+    """The README table: τ per segment, ratios, requests to recover, serving cost."""
+    head = ("| kind | T | learner | chat1 τ | code τ (first 200) | code τ (last 100) | chat2 τ | code vs frozen |"
+            " req. to 1.35× | last 100 vs oracle | req. to 0.9× oracle | chat2 vs frozen | ms/block |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in table:
+        opt = lambda key, fmt: "–" if r.get(key) is None else format(r[key], fmt)  # noqa: E731
+        lines.append(f"| {r['kind']} | {r['temperature']:g} | {r['learner']} | {r['chat1']:.2f} | {r['code_first200']:.2f} |"
+                     f" {r['code_last100']:.2f} | {r['chat2']:.2f} | {r['code_first200_vs_frozen']:.2f}× |"
+                     f" {opt('requests_to_1.35x_frozen', 'd')} | {opt('code_last100_vs_oracle', '.2f')} |"
+                     f" {opt('requests_to_0.9x_oracle', 'd')} | {r['chat2_vs_frozen']:.2f}× | {r['ms_per_block']:.1f} |")
+    return "\n".join(lines)
+
+
 def plot(runs: list[dict], oracle: dict | None, segments, path: Path) -> None:
     import matplotlib
 
@@ -183,7 +198,7 @@ def main() -> None:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
     segments = tuple(args.segments)
-    files = traffic_files(OUT / f"drift_{args.tag}_prompts", segments)
+    files = traffic_files(Path(tempfile.mkdtemp(prefix="specloop-drift-")), segments)
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"drift_{args.tag}.json"
     runs = []
@@ -200,6 +215,7 @@ def main() -> None:
                                            "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
                 print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
     plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png")
+    print(markdown(analyse(runs, oracle, segments)))
 
 
 if __name__ == "__main__":

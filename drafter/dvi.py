@@ -128,3 +128,6 @@ class DVIDrafter:
     def adopt(self, old: "DVIDrafter") -> None:
         """Continue `old`'s rows with this head: the cache is the verifier's, valid for any head."""
         self.cache, self.last = old.cache, old.last
+
+    def refill(self, old: "DVIDrafter", histories: list[list[int]]) -> None:
+        self.adopt(old)  # nothing to recompute: the cache is the verifier's

@@ -54,7 +54,7 @@ def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | No
     if kind == "ngram":
         return NgramDrafter(verifier.vocab_size)
     if kind == "dvi":
-        head = DraftHead.load(drafter_dir, verifier.hf) if drafter_dir else DraftHead(verifier.hf, DVIConfig())
+        head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
         return DVIDrafter(verifier.lean, head)
     lm = _load_lm(verifier, drafter_dir)
     if kind == "pretrained":

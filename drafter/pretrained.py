@@ -54,6 +54,11 @@ class PretrainedDrafter:
         weights: stale until those positions are rewritten, which costs acceptance, never output)."""
         self.cache, self.pending = old.cache, old.pending
 
+    def refill(self, old: "PretrainedDrafter", histories: list[list[int]]) -> None:
+        """Continue `old`'s rows with a KV cache recomputed by these weights from each row's
+        committed tokens (one prefill: exact, at the cost of a stall)."""
+        PretrainedDrafter.start(self, histories, old.cache.capacity)
+
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         n = outcome.num_accepted
         k = outcome.tokens.shape[1] - 1

@@ -143,3 +143,7 @@ class SteeredDrafter(PretrainedDrafter):
     def adopt(self, old: "SteeredDrafter") -> None:
         super().adopt(old)
         self._features = old._features
+
+    def refill(self, old: "SteeredDrafter", histories: list[list[int]]) -> None:
+        super().refill(old, histories)
+        self._features = old._features

@@ -72,12 +72,13 @@ def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> di
 
 
 class StepHooks(Protocol):
-    def swap(self, drafter: Drafter) -> Drafter:
-        """The drafter for the next step: `drafter` itself, or a new version that adopted its rows."""
+    def swap(self, drafter: Drafter, histories: list[list[int]]) -> Drafter:
+        """The drafter for the next step: `drafter` itself, or a new version that took over its rows
+        (`adopt`, or `refill` from the histories). histories[b] = row b's committed tokens, ending
+        with the token the next step starts from."""
 
     def traced(self, histories: list[list[int]]) -> Callable[[StepTrace], None] | None:
-        """A trace callback for the next step; histories[b] = row b's committed tokens (ending with
-        the token the step starts from)."""
+        """A trace callback for the next step (same histories)."""
 
 
 @dataclass
@@ -167,8 +168,8 @@ def generate(
 ) -> list[Generation]:
     """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone.
 
-    `hooks` (serving): `swap()` may hand over a new drafter between two steps (it adopts the old
-    one's rows), and `traced(histories)` returns a callback for the step's trace."""
+    `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
+    old one's rows), and `traced(histories)` returns a callback for the step's trace."""
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
     if params.stop and stop_rule.decode is None:
@@ -183,9 +184,11 @@ def generate(
     gens = [Generation([], None, RequestStats(k)) for _ in prompts]
     active = torch.ones(B, dtype=torch.bool)
     while active.any():
+        on_trace = None
         if hooks is not None and k:
-            drafter = hooks.swap(drafter)
-        on_trace = None if hooks is None or not k else hooks.traced([p + g.token_ids for p, g in zip(prompts, gens)])
+            histories = [p + g.token_ids for p, g in zip(prompts, gens)]
+            drafter = hooks.swap(drafter, histories)
+            on_trace = hooks.traced(histories)
         uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
         outcome = speculative_step(verifier, cache, last, drafter, k, params, uniforms, active, sampler, on_trace)
         for b in torch.nonzero(active).flatten().tolist():

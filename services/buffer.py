@@ -92,13 +92,16 @@ class ReplayBuffer(Protocol):
 
 def open_buffer(spec: str, prefix: str = "specloop", maxlen: int = 100_000) -> ReplayBuffer:
     """"memory" -> MemoryBuffer; "redis://HOST:PORT[/DB]" -> RedisStreamBuffer."""
+    check_spec(spec)
     if spec == "memory":
         return MemoryBuffer(maxlen=maxlen)
-    _check_redis_url(spec)
     return RedisStreamBuffer(spec, prefix=prefix, maxlen=maxlen)
 
 
-def _check_redis_url(spec: str) -> None:
+def check_spec(spec: str) -> None:
+    """ValueError unless `spec` is one `open_buffer` accepts (checked without connecting)."""
+    if spec == "memory":
+        return
     url = urlparse(spec)
     db = url.path.lstrip("/")
     try:

@@ -368,12 +368,7 @@ class Registry:
         except (TypeError, ValueError) as e:
             raise RegistryError(f"extra must be plain JSON: {e}") from None
         stored = _storable(tensors)
-        vid = f"v{self._meta.allocate():04d}"
-        folder = self._folder(vid)
-        try:
-            folder.mkdir()
-        except FileExistsError:
-            raise RegistryError(f"version folder {folder} already exists (two registries on one root?)") from None
+        vid, folder = self._new_folder()
         info = VersionInfo(
             id=vid, parent=parent, created=time.time(), learner_step=int(learner_step), objective=objective,
             loss=_float_in(loss), sim_acceptance=_float_in(sim_acceptance), kind=kind, extra=extra,
@@ -384,9 +379,24 @@ class Registry:
         self._record(_event("publish", vid, f"{objective} step {learner_step}", parent=parent))
         return info
 
+    def _new_folder(self, attempts: int = 10_000) -> tuple[str, Path]:
+        """A fresh id and its folder. An id whose folder exists (the counter was lost with a Redis
+        that keeps nothing on disk) is skipped: ids stay unique and increasing."""
+        for _ in range(attempts):
+            vid = f"v{self._meta.allocate():04d}"
+            folder = self._folder(vid)
+            try:
+                folder.mkdir()
+                return vid, folder
+            except FileExistsError:
+                continue
+        raise RegistryError(f"no free version id in {self.root} after {attempts} attempts")
+
     def get(self, version_id: str) -> VersionInfo:
-        self._folder(version_id)
+        folder = self._folder(version_id)
         info = self._meta.load_info(version_id)
+        if info is None and (folder / INFO).is_file():  # metadata lost (a Redis without persistence restarted)
+            info = VersionInfo.from_dict(json.loads((folder / INFO).read_text()))
         if info is None:
             raise RegistryError(f"unknown version {version_id}")
         return info

@@ -7,6 +7,7 @@ Results come back in request order as the replay contract's JSON objects.
 """
 from __future__ import annotations
 
+import hashlib
 import sys
 import tempfile
 import time
@@ -18,6 +19,7 @@ from typing import Iterator
 from tqdm import tqdm
 
 from drafter.models import load_tokenizer
+from services.buffer import check_spec
 from services.prompts import encode, load_prompts
 from trainer.objectives import ObjectiveConfig
 from trainer.online import LearnerConfig
@@ -58,6 +60,7 @@ class ReplayConfig:
             raise ValueError(f"the learner trains pretrained, sd2 or dvi drafters, not {self.kind!r}")
         if not self.prompts:
             raise ValueError("give at least one prompt file")
+        check_spec(self.buffer)  # here, not inside a Ray actor
 
     def learner_config(self) -> LearnerConfig:
         objective = ObjectiveConfig(name=self.learner, **self.objective_overrides)
@@ -94,18 +97,22 @@ class Replay:
         learning = cfg.learner != "off"
         self.host = BufferHost.remote(100_000) if learning and cfg.buffer == "memory" else None
         spec = cfg.buffer if learning else None
+        redis_url = cfg.buffer if cfg.buffer.startswith("redis://") else None  # registry metadata beside the buffer
+        # one namespace per registry folder: its versions, its replay stream (a reused --registry resumes both)
+        self.namespace = registry_prefix = f"{cfg.redis_prefix}:{hashlib.sha1(str(Path(self.registry).resolve()).encode()).hexdigest()[:12]}"
         self.learner = None
         if learning:
             lcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": self.registry,
-                    "learner": cfg.learner_config().to_dict(), "threads": cfg.learner_threads, "prefix": cfg.redis_prefix}
-            self.learner = LearnerActor.remote(lcfg, spec, self.host, cfg.redis_prefix)
+                    "learner": cfg.learner_config().to_dict(), "threads": cfg.learner_threads, "prefix": registry_prefix,
+                    "redis_url": redis_url}
+            self.learner = LearnerActor.remote(lcfg, spec, self.host, registry_prefix)
             import ray
 
             ray.get(self.learner.start.remote())  # seeds the registry with the base version first
         wcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
                 "registry": self.registry if learning else None, "threads": cfg.worker_threads,
-                "prefix": cfg.redis_prefix, "log_records": learning} | cfg.worker_overrides
-        self.worker = WorkerActor.remote(wcfg, spec, self.host, cfg.redis_prefix)
+                "prefix": registry_prefix, "log_records": learning, "redis_url": redis_url} | cfg.worker_overrides
+        self.worker = WorkerActor.remote(wcfg, spec, self.host, registry_prefix)
 
     def requests(self) -> Iterator[dict]:
         c = self.cfg
@@ -144,7 +151,23 @@ class Replay:
                 ray.kill(actor)
         if self.started_ray:
             ray.shutdown()
+        if self.cfg.registry is None and self.cfg.buffer.startswith("redis://"):
+            self._forget_redis_keys()  # a throwaway run: its temporary registry goes, so do its stream and metadata
         return summary
+
+
+    def _forget_redis_keys(self) -> None:
+        import redis
+
+        client = redis.Redis.from_url(self.cfg.buffer)
+        try:
+            keys = list(client.scan_iter(match=f"{self.namespace}:*"))
+            if keys:
+                client.delete(*keys)
+        except redis.RedisError:
+            pass
+        finally:
+            client.close()
 
 
 def _opt(path) -> str | None:

@@ -6,11 +6,12 @@ Per step (`drafter.speculative.StepHooks`):
   changed, its weights load on a background thread while serving goes on; once loaded, the new
   drafter adopts the old one's rows between two steps. The swap stall (the adopt itself, on the
   serving thread) is timed. Output stays lossless whatever the drafter: the verifier decides.
-- KV cache of in-flight rows on a swap: kept. A pretrained / SD² drafter's cache was computed with
-  the old weights; positions written after the swap use the new ones, so the rows in flight draft
-  from a mixed cache until they finish (a transient acceptance dip, measured as `stale_blocks` /
-  `stale_accepted` against the version's fresh blocks). A DVI swap replaces only the head: the
-  cache is the verifier's and stays exact.
+- KV cache of in-flight rows on a swap (`swap_cache`): "keep" (default) — a pretrained / SD²
+  drafter's cache was computed with the old weights; positions written after the swap use the new
+  ones, so the rows in flight draft from a mixed cache until they finish (a transient acceptance
+  dip, counted in `stale_blocks`); "recompute" — the new drafter prefills each row's committed
+  tokens (exact, but the prefill is a stall on the serving thread). bench/swap_cache.py measures
+  both. A DVI swap replaces only the head: the cache is the verifier's and stays exact.
 - `traced`: the step's loggable tensors are snapshotted on the serving thread (a log-softmax and a
   top-K); records are built, encoded and appended to the buffer on a logger thread, so the step
   never waits for the buffer. A full logger queue drops (and counts) a block's records.
@@ -59,6 +60,11 @@ class WorkerConfig:
     rollback_window: int = 256  # blocks compared between a new champion and its predecessor
     rollback_margin: float = 0.1  # acceptance-rate drop that triggers an automatic rollback
     logger_queue: int = 1024  # blocks waiting to be encoded before new ones are dropped
+    swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
+
+    def __post_init__(self):
+        if self.swap_cache not in ("keep", "recompute"):
+            raise ValueError(f"swap_cache must be 'keep' or 'recompute', not {self.swap_cache!r}")
 
 
 @dataclass
@@ -128,12 +134,16 @@ class AcceptanceMonitor:
 
 
 class RecordLogger:
-    """Builds, encodes and appends replay records on its own thread."""
+    """Builds, encodes and appends replay records on its own thread.
+
+    A Redis buffer accepts an append onto its local queue and may drop it later (Redis down), so
+    `stats()` counts the buffer's own drops: logged = appended − dropped by the buffer; dropped =
+    those + blocks dropped from this logger's full queue."""
 
     def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int):
         self.buffer, self.kind = buffer, kind
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
-        self.logged = self.dropped = self.bytes = 0
+        self.appended = self.dropped = self.bytes = 0  # dropped: from the logger queue only
         self.thread = threading.Thread(target=self._run, name="record-logger", daemon=True)
         self.thread.start()
 
@@ -148,10 +158,8 @@ class RecordLogger:
             for record in records_from_snapshot(*item, self.kind):
                 payload = encode(record)
                 self.bytes += len(payload)
-                if self.buffer.append(payload):
-                    self.logged += 1
-                else:
-                    self.dropped += 1
+                self.buffer.append(payload)  # a refusal is counted in the buffer's stats
+                self.appended += 1
             self.queue.task_done()
         self.queue.task_done()
 
@@ -159,6 +167,10 @@ class RecordLogger:
         deadline = time.monotonic() + timeout
         while self.queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
+
+    def stats(self) -> dict:
+        lost = self.buffer.stats().dropped
+        return {"logged": self.appended - lost, "dropped": self.dropped + lost, "bytes": self.bytes}
 
     def close(self) -> None:
         self.drain()
@@ -191,6 +203,8 @@ class VerifierWorker:
         self.swaps: list[SwapEvent] = []
         self.rollbacks: list[str] = []
         self.load_failures: list[str] = []
+        self.registry_errors = 0  # polls that could not read the registry (its Redis down): serving goes on
+        self._registry_down = False
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue) if buffer and cfg.log_records else None
@@ -218,7 +232,7 @@ class VerifierWorker:
 
     # -- StepHooks
 
-    def swap(self, drafter: Drafter) -> Drafter:
+    def swap(self, drafter: Drafter, histories: list[list[int]]) -> Drafter:
         self._poll()
         if self.loading is None or not self.loading[2].done():
             return drafter
@@ -230,10 +244,11 @@ class VerifierWorker:
             self._load_failed(new_version, exc)
             return drafter
         t0 = time.perf_counter()
-        new.adopt(drafter)
+        recompute = self.cfg.swap_cache == "recompute"
+        new.refill(drafter, histories) if recompute else new.adopt(drafter)
         self._switched(new, new_version, t0, t_load, in_flight=True)
         for row in self.rows:
-            row.stale = self.cfg.kind in ("pretrained", "sd2")
+            row.stale = not recompute and self.cfg.kind in ("pretrained", "sd2")
             row.versions.append(new_version)
         return new
 
@@ -263,14 +278,25 @@ class VerifierWorker:
     # -- versions
 
     def _poll(self) -> None:
-        """Start loading the champion in the background when the registry's alias changed."""
+        """Start loading the champion in the background when the registry's alias changed. A registry
+        that cannot be read (metadata in a Redis that is down) keeps the current version serving."""
         if self.registry is None:
             return
-        token = self.registry.state_token()
+        try:
+            token = self.registry.state_token()
+            champion = self.registry.champion() if token != self.token else None
+        except Exception as exc:  # noqa: BLE001 - serving never fails on the registry
+            if not self._registry_down:
+                log.warning("registry unreachable, serving %s until it answers: %s", self.version, exc)
+            self._registry_down = True
+            self.registry_errors += 1
+            return
+        if self._registry_down:
+            log.info("registry reachable again")
+            self._registry_down = False
         if token == self.token:
             return
         self.token = token
-        champion = self.registry.champion()
         if champion is None or champion == self.version:
             self.loading = None  # a load still under way is no longer the champion: never switch to it
             return
@@ -316,7 +342,7 @@ class VerifierWorker:
             back = self.registry.rollback(reason)
             self.rollbacks.append(reason)
             log.warning("rolled back to %s: %s", back, reason)
-        except RegistryError as exc:
+        except Exception as exc:  # noqa: BLE001 - refused, or the registry is unreachable: serving goes on
             log.warning("automatic rollback refused: %s", exc)
 
     # -- operations
@@ -329,11 +355,10 @@ class VerifierWorker:
         stalls = sorted(s.stall_ms for s in self.swaps if s.in_flight)
         return {
             "version": self.version, "swaps": [asdict(s) for s in self.swaps], "rollbacks": list(self.rollbacks),
-            "load_failures": list(self.load_failures),
+            "load_failures": list(self.load_failures), "registry_errors": self.registry_errors,
             "stale_blocks": {"drafted": self.stale[0], "accepted": self.stale[1]},
             "acceptance_by_version": {v: {"drafted": d, "accepted": a} for v, (d, a) in self.monitor.totals.items()},
-            "records": None if self.logger is None else
-            {"logged": self.logger.logged, "dropped": self.logger.dropped, "bytes": self.logger.bytes},
+            "records": None if self.logger is None else self.logger.stats(),
             "swap_stall_ms": _quantiles(stalls),
         }
 

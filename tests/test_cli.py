@@ -129,3 +129,24 @@ def test_dvi_without_a_checkpoint_uses_an_untrained_head_and_stays_lossless(tiny
     ref = [json.loads(x)["token_ids"] for x in _run(common + ["--no-speculation"], capsys)[1].splitlines()]
     dvi = [json.loads(x)["token_ids"] for x in _run(common + ["--drafter-kind", "dvi"], capsys)[1].splitlines()]
     assert dvi == ref
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--prompts", "/nonexistent/prompts.jsonl"], "prompt file not found"),
+        (["--learner", "telepathy"], "unknown learner 'telepathy'"),
+        (["--buffer", "kafka://somewhere"], "unknown replay buffer spec 'kafka://somewhere'"),
+        (["--buffer", "redis://127.0.0.1:notaport"], "unknown replay buffer spec"),
+    ],
+)
+def test_replay_with_a_bad_argument_exits_with_code_2_before_ray_starts(tiny_pair, tmp_path, capsys, extra, message):
+    import ray
+
+    args = ["replay", "--verifier", tiny_pair[0], "--drafter", tiny_pair[1]]
+    if "--prompts" not in extra:
+        args += ["--prompts", _prompts(tmp_path, ROWS)]
+    code, out, err = _run(args + extra, capsys)
+    assert code == 2 and out == ""
+    assert err.splitlines() == [err.strip()] and err.startswith("specloop: error: ") and message in err
+    assert not ray.is_initialized()

@@ -49,7 +49,7 @@ class Tap:
         self.logged: list[Logged] = []
         self.blocks: dict[int, int] = {}
 
-    def swap(self, drafter):
+    def swap(self, drafter, histories):
         return drafter
 
     def traced(self, histories: list[list[int]]):

@@ -389,3 +389,22 @@ def test_state_token_is_cheap_for_the_folder_backend(tmp_path):
         reg.state_token()
     per_call = (time.perf_counter() - start) / n
     assert per_call < 500e-6  # aim: < 50 µs; loose here so a busy CI machine does not flake
+
+
+def test_versions_stay_readable_and_ids_unique_when_redis_metadata_is_lost(tmp_path):
+    """A Redis that keeps nothing on disk restarts: the folder still holds every version."""
+    client = _redis_or_skip()
+    prefix = f"test-registry-{uuid4().hex}"
+    try:
+        reg = Registry(tmp_path / "registry", redis_url=REDIS_URL, prefix=prefix)
+        v1 = _publish(reg, sim=0.5).id
+        v2 = _publish(reg, sim=0.6, parent=v1).id
+        client.delete(*client.scan_iter(f"{prefix}:*"))  # what a restart without persistence leaves
+        assert reg.get(v2).sim_acceptance == pytest.approx(0.6)  # from the version folder's info.json
+        assert torch.equal(reg.load_weights(v1)["embed.weight"], _weights()["embed.weight"])
+        v3 = _publish(reg, sim=0.7, parent=v2).id
+        assert v3 not in (v1, v2) and int(v3[1:]) > int(v2[1:])
+    finally:
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)

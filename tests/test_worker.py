@@ -47,9 +47,9 @@ class SwapEveryStep:
         self.gen = torch.Generator().manual_seed(seed)
         self.swaps = 0
 
-    def swap(self, drafter):
+    def swap(self, drafter, histories):
         new = self.builder.build(perturbed_weights(self.builder, self.kind, self.gen, self.std))
-        new.adopt(drafter)
+        new.refill(drafter, histories) if self.swaps % 2 else new.adopt(drafter)  # both ways of taking over rows
         self.swaps += 1
         return new
 
@@ -227,11 +227,12 @@ def per_request(results: list[dict]) -> list[tuple]:
     return [(r["token_ids"], r["drafted"], r["accepted"]) for r in results]
 
 
-def test_the_worker_serves_the_champion_and_picks_up_a_newly_promoted_version(tiny_pair, tmp_path):
+@pytest.mark.parametrize("swap_cache", ["keep", "recompute"])
+def test_the_worker_serves_the_champion_and_picks_up_a_newly_promoted_version(tiny_pair, tmp_path, swap_cache):
     reg = Registry(tmp_path / "reg")
     v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
     assert reg.promote(v1).promoted
-    worker = start_worker(tiny_pair, tmp_path / "reg")
+    worker = start_worker(tiny_pair, tmp_path / "reg", swap_cache=swap_cache)
     try:
         reqs = requests(worker.verifier)
         reference = verifier_alone(worker, reqs)
@@ -302,7 +303,7 @@ def test_a_rollback_while_the_new_version_is_still_loading_keeps_the_champion_se
         worker.loader.submit(gate.wait)  # the (single) loader thread is busy: v0002's load waits behind it
         v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
         reg.promote(v2)
-        assert worker.swap(worker.drafter) is worker.drafter  # polls: v0002 starts loading, not loaded yet
+        assert worker.swap(worker.drafter, [[1]]) is worker.drafter  # polls: v0002 starts loading, not loaded yet
         assert reg.rollback("operator changed their mind") == "v0001"
         gate.set()
         worker.loader.submit(lambda: None).result(timeout=30)  # FIFO: v0002's load has finished by now
@@ -340,6 +341,28 @@ def test_a_version_with_nan_weights_is_refused_and_the_champion_keeps_serving(ti
         stats = worker.stats()
         assert [s["new"] for s in stats["swaps"]] == ["v0001"]  # only the start-up load
         assert stats["load_failures"] == []
+    finally:
+        worker.close()
+
+
+def test_a_dvi_worker_given_a_plain_drafter_directory_serves_registry_heads_losslessly(tiny_pair, tmp_path):
+    reg = Registry(tmp_path / "reg")
+    config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="dvi", registry=str(reg.root),
+                          rollback_window=NO_AUTO_ROLLBACK)
+    worker = VerifierWorker(config)  # a plain LM directory is no DVI checkpoint: an untrained head, like the learner's
+    try:
+        reqs = requests(worker.verifier)[:4]
+        assert {r["drafter_version"] for r in serve_all(worker, reqs)} == {"base"}
+        head = perturbed_weights(worker.builder, "dvi", torch.Generator().manual_seed(0), 0.1)
+        vid = reg.publish(head, parent=None, learner_step=1, objective="kl", loss=None, sim_acceptance=0.5,
+                          kind="dvi").id
+        assert reg.promote(vid).promoted
+        settle(worker, vid)
+        results = serve_all(worker, reqs)
+        assert {r["drafter_version"] for r in results} == {vid}
+        # the new head is not the early exit (which accepts every draft of the tiny pair)
+        assert sum(r["accepted"] for r in results) < sum(r["drafted"] for r in results)
+        assert [r["token_ids"] for r in results] == verifier_alone(worker, reqs)
     finally:
         worker.close()
 
@@ -434,7 +457,8 @@ def test_the_worker_rolls_back_a_promoted_version_whose_live_acceptance_collapse
         again = serve_all(worker, reqs[:4])
         assert per_request(again) == per_request(under_v1)
         assert len(worker.stats()["rollbacks"]) == 1
-        assert [x["token_ids"] for x in served] == verifier_alone(worker, [reqs[i % len(reqs)] for i in range(len(served))])
+        served_reqs = [reqs[i % len(reqs)] for i in range(len(served))]
+        assert [x["token_ids"] for x in served] == verifier_alone(worker, served_reqs)
     finally:
         worker.close()
 
@@ -465,3 +489,8 @@ def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_ver
         assert stats["logged"] == blocks and stats["dropped"] == 0
     finally:
         worker.close()
+
+
+def test_an_unknown_swap_cache_mode_is_refused(tiny_pair):
+    with pytest.raises(ValueError, match="swap_cache"):
+        WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", swap_cache="flush")

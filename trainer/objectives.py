@@ -65,6 +65,9 @@ class PositionBatch:
     temperature: torch.Tensor  # [N] float32 (0 = greedy)
     on_policy: torch.Tensor  # [N] bool: drafted by the learner's last published version(s)
 
+    def to(self, device) -> "PositionBatch":
+        return PositionBatch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
+
 
 def bucket_logprobs(batch: PositionBatch, q_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(log p, log q) over K + 1 buckets, both [N, K + 1]; q_logits [N, V]."""

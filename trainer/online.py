@@ -131,10 +131,11 @@ def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor
         return student.head(hidden.to(student.head.norm.device))
     if not isinstance(student, (SteeredStudent, DistillStudent)):
         raise ValueError(f"no record forward for {type(student).__name__}")
-    ids, rows, pos = lm_inputs(records)
+    device = student.lm.hf.device
+    ids, rows, pos = (t.to(device) for t in lm_inputs(records))
     steering = nullcontext()
     if isinstance(student, SteeredStudent):
-        steer = torch.stack([torch.from_numpy(r.steer) for r in records])  # [R, 3, d_v]
+        steer = torch.stack([torch.from_numpy(r.steer) for r in records]).to(device)  # [R, 3, d_v]
         steering = student.steered(steer[:, None].expand(-1, ids.shape[1], -1, -1))  # one g per block, every position
     with steering:
         hidden = student.lm.hf.model(input_ids=ids, use_cache=False).last_hidden_state  # [R, T, d]
@@ -149,6 +150,7 @@ class OnlineLearner:
         self.cfg, self.student = cfg, student
         self.objective = Objective(cfg.objective)
         self.params = student.trainable()
+        self.device = self.params[0][1].device
         self.optimizer = torch.optim.AdamW(
             [{"params": [p for _, p, g in self.params if g == "adapter"], "lr": cfg.lr},
              {"params": [p for _, p, g in self.params if g != "adapter"], "lr": cfg.lm_lr}],
@@ -206,7 +208,7 @@ class OnlineLearner:
         if not self.ready():
             return None
         records = self.sample()
-        batch = position_batch(records, self.on_policy())
+        batch = position_batch(records, self.on_policy()).to(self.device)
         self.stale_skipped += sum(1 for r in records if self.versions and r.drafter_version not in self.versions)
         for _, p, _ in self.params:
             p.grad = None
@@ -231,7 +233,7 @@ class OnlineLearner:
             return None
         records = list(self.holdout)
         if weights is None:
-            return simulated_acceptance(position_batch(records, None), record_logits(self.student, records))
+            return simulated_acceptance(position_batch(records, None).to(self.device), record_logits(self.student, records))
         current = self.weights()
         self.load_weights(weights)
         try:

@@ -1,0 +1,224 @@
+"""The learner service without Ray: it seeds the registry, trains on the buffer's records, publishes
+and promotes through the gate, acknowledges only what a durable version used, hands a dead
+learner's pending records to the next one, keeps training while pinned and shrugs off bad payloads.
+Records come from a real VerifierWorker serving the tiny pair; Redis tests use 127.0.0.1:6379."""
+from __future__ import annotations
+
+import time
+from uuid import uuid4
+
+import pytest
+import redis
+import torch
+
+from services.buffer import MemoryBuffer, RedisStreamBuffer
+from services.learner import LearnerService, LearnerServiceConfig
+from services.registry import Registry
+from services.worker import ServeRequest, VerifierWorker, WorkerConfig
+from tests.tiny import TEXT
+from trainer.objectives import ObjectiveConfig
+from trainer.online import LearnerConfig
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+PUBLISH_EVERY = 5
+BATCH = 8
+
+
+def _redis_up() -> bool:
+    try:
+        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/redis.sh)")
+
+
+@pytest.fixture(scope="module")
+def payloads(tiny_pair) -> list[bytes]:
+    """Encoded replay records logged by a verifier worker serving 12 prompts (greedy, k 4)."""
+    verifier, drafter = tiny_pair
+    buffer = MemoryBuffer()
+    worker = VerifierWorker(WorkerConfig(str(verifier), str(drafter), "pretrained"), buffer)
+    tok = worker.verifier.tokenizer
+    prompts = [tok.encode(text[start : start + 20]) for text in TEXT for start in (0, 15, 30)]
+    for i, ids in enumerate(prompts):
+        worker.serve(ServeRequest(i, f"p{i}", ids, max_tokens=32, k=4))
+    worker.close()
+    out = [e.payload for e in buffer.read("collect", 100_000)]
+    assert len(out) >= 60
+    return out
+
+
+def make_service(tiny_pair, registry, buffer, consumer: str = "learner-0", **service) -> LearnerService:
+    learner = LearnerConfig(kind="pretrained", objective=ObjectiveConfig(name="kl"), lr=3e-3, lm_lr=3e-3,
+                            batch_records=BATCH, publish_every=PUBLISH_EVERY, replay_ratio=16.0, holdout_every=4)
+    cfg = LearnerServiceConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), registry=str(registry),
+                               learner=learner, consumer=consumer, read_count=8, read_block_ms=5, **service)
+    return LearnerService(cfg, buffer)
+
+
+def step_until(service: LearnerService, done, max_steps: int = 500) -> None:
+    for _ in range(max_steps):
+        if done():
+            return
+        service.step()
+    raise AssertionError(f"condition not reached in {max_steps} steps: {service.stats()}")
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.fixture
+def redis_buffers():
+    """Opens RedisStreamBuffers on one unique prefix (one stream, several clients) and deletes its keys."""
+    prefix, opened = f"test-learner-{uuid4().hex}", []
+
+    def make() -> RedisStreamBuffer:
+        opened.append(RedisStreamBuffer(REDIS_URL, prefix=prefix))
+        return opened[-1]
+
+    yield make
+    for buf in opened:
+        buf.close()
+    admin = redis.Redis.from_url(REDIS_URL)
+    admin.delete(*admin.keys(f"{prefix}:*") or [f"{prefix}:replay"])
+    admin.close()
+
+
+# ---------------------------------------------------------------- seeding, training, publishing, acks
+
+
+def test_a_learner_on_a_fresh_registry_seeds_it_with_the_base_version_as_champion(tiny_pair, tmp_path):
+    service = make_service(tiny_pair, tmp_path / "registry", MemoryBuffer())
+    registry = Registry(tmp_path / "registry")
+    [base] = registry.list()
+    assert (base.id, base.objective, base.parent, base.learner_step) == ("v0001", "base", None, 0)
+    assert registry.champion() == "v0001"
+    assert same_weights(registry.load_weights("v0001"), service.learner.weights())
+    assert all(name.startswith("lm.") for name in service.learner.weights())
+
+    again = make_service(tiny_pair, tmp_path / "registry", MemoryBuffer())  # a restart does not seed twice
+    assert [v.id for v in registry.list()] == ["v0001"]
+    assert again.learner.versions[-1] == "v0001"
+
+
+def test_training_publishes_every_publish_every_updates_and_acks_entries_only_after_a_publish(
+    tiny_pair, tmp_path, payloads
+):
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    service = make_service(tiny_pair, tmp_path / "registry", buffer)
+    registry = Registry(tmp_path / "registry")
+
+    publishes = 0
+    while publishes < 3:
+        service.step()
+        pending = buffer.stats().pending
+        if len(service.published) == publishes:  # nothing durable since the last publish: what it read is pending
+            assert pending == len(service.unacked)
+            assert publishes or pending > 0
+            continue
+        publishes = len(service.published)
+        # the publish acked everything read up to and including this step's read; nothing is left pending
+        assert pending == 0 and service.unacked == []
+        assert service.learner.updates == PUBLISH_EVERY * publishes
+
+    versions = registry.list()
+    assert [v.learner_step for v in versions] == [0, 5, 10, 15]
+    assert all(v.objective == "kl" and v.sim_acceptance is not None for v in versions[1:])
+    promoted = [e["version"] for e in service.published if e["promoted"]]
+    assert promoted, service.published  # the kl objective on repeated greedy traffic beats the base drafter
+    assert registry.champion() == promoted[-1]
+    for event, info in zip(service.published, versions[1:]):
+        assert info.extra["baseline"]["version"] == info.parent  # the candidate was compared with the champion
+        assert event["promoted"] == (event["sim_acceptance"] >= event["baseline"])
+
+    # the entries read after the last publish are the only pending ones
+    service.step()
+    assert buffer.stats().pending == len(service.unacked)
+
+
+@needs_redis
+def test_a_killed_learners_pending_records_go_to_the_next_learner_which_resumes_from_the_newest_version(
+    tiny_pair, tmp_path, payloads, redis_buffers
+):
+    writer = redis_buffers()
+    for p in payloads:
+        writer.append(p)
+    assert writer.flush(timeout=10) and writer.stats().written == len(payloads)
+
+    a_buffer = redis_buffers()
+    a = make_service(tiny_pair, tmp_path / "registry", a_buffer, consumer="learner-a")
+    step_until(a, lambda: len(a.published) == 1)
+    acked_by_a = a.learner.seen
+    step_until(a, lambda: a.learner.updates >= PUBLISH_EVERY + 3)  # more reads and updates, no second publish
+    assert len(a.published) == 1 and a.unacked
+    read_by_a = a.learner.seen
+    assert writer.stats().pending == len(a.unacked) == read_by_a - acked_by_a
+    newest = Registry(tmp_path / "registry").list()[-1].id
+    del a  # killed: it never publishes or acks again (its client stays open, as a hung process's would)
+
+    time.sleep(0.1)
+    b = make_service(tiny_pair, tmp_path / "registry", redis_buffers(), consumer="learner-b", claim_idle_ms=50)
+    assert b.learner.seen == read_by_a - acked_by_a  # exactly A's pending entries, claimed at start
+    assert b.learner.updates == 0
+    registry = Registry(tmp_path / "registry")
+    assert same_weights(b.learner.weights(), registry.load_weights(newest))
+    assert not same_weights(b.learner.weights(), registry.load_weights("v0001"))
+
+    step_until(b, lambda: acked_by_a + b.learner.seen == len(payloads))  # B read the rest of the stream
+    published = len(b.published)
+    step_until(b, lambda: len(b.published) > published)
+    assert writer.stats().pending == 0 and b.unacked == []
+    assert acked_by_a + b.learner.seen == len(payloads)  # nothing lost, nothing delivered twice
+
+
+def test_pinning_stops_promotion_while_the_learner_keeps_training(tiny_pair, tmp_path, payloads):
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    service = make_service(tiny_pair, tmp_path / "registry", buffer)
+    registry = Registry(tmp_path / "registry")
+    step_until(service, lambda: len(service.published) == 1)
+    champion = registry.pin()
+    updates, published = service.learner.updates, len(service.published)
+
+    step_until(service, lambda: len(service.published) >= published + 3)
+    refused = service.published[published:]
+    assert all(not e["promoted"] and "pinned" in e["reason"] for e in refused), refused
+    assert registry.champion() == registry.pinned() == champion
+    assert service.learner.updates >= updates + 3 * PUBLISH_EVERY
+    assert len(registry.list()) == 1 + len(service.published)  # refused versions are still published
+
+    registry.unpin()
+    published = len(service.published)
+    step_until(service, lambda: any(e["promoted"] for e in service.published[published:]))
+    assert registry.champion() != champion
+
+
+def test_a_malformed_payload_is_counted_and_acknowledged_and_never_stops_the_learner(tiny_pair, tmp_path, payloads):
+    buffer = MemoryBuffer()
+    buffer.append(b"not a replay record")
+    for p in payloads[:20]:
+        buffer.append(p)
+    buffer.append(payloads[0][: len(payloads[0]) // 2])  # truncated
+    for p in payloads[20:]:
+        buffer.append(p)
+    service = make_service(tiny_pair, tmp_path / "registry", buffer)
+    service.start()
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(service.published) < 2 or service.learner.seen < len(payloads)):
+            time.sleep(0.05)
+    finally:
+        stats = service.stop()
+    assert stats["error"] is None
+    assert stats["bad_records"] == 2
+    assert service.learner.seen == len(payloads)  # every valid record was read
+    assert len(stats["published"]) >= 2 and service.learner.updates >= 2 * PUBLISH_EVERY
+    service.publish()  # acks whatever the thread read after its last publish
+    assert buffer.stats().pending == 0
+    assert buffer.claim_stale("another-learner", 0) == []  # nothing left to retry
