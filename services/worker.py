@@ -12,9 +12,9 @@ Per step (`drafter.speculative.StepHooks`):
   dip, counted in `stale_blocks`); "recompute" — the new drafter prefills each row's committed
   tokens (exact, but the prefill is a stall on the serving thread). bench/swap_cache.py measures
   both. A DVI swap replaces only the head: the cache is the verifier's and stays exact.
-- `traced`: the step's loggable tensors are snapshotted on the serving thread (a log-softmax and a
-  top-K); records are built, encoded and appended to the buffer on a logger thread, so the step
-  never waits for the buffer. A full logger queue drops (and counts) a block's records.
+- `traced`: the serving thread only queues the step's trace (its tensors are fresh every step) with
+  each row's tag; a logger thread takes the top-K, builds, encodes and appends the records, so the
+  step never waits for the buffer. A full logger queue drops (and counts) a step's records.
 - Auto-rollback: once a newly promoted version has served `rollback_window` blocks, its acceptance
   rate is compared with its predecessor's over the predecessor's last `rollback_window` blocks;
   below by more than `rollback_margin`, the worker rolls the registry back (reason logged).
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import threading
 import time
 from collections import deque
@@ -42,6 +43,7 @@ from trainer.online import is_finite
 from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, records_from_snapshot, snapshot
 
 log = logging.getLogger("specloop.worker")
+GIL_SWITCH_S = 0.0002
 BASE_VERSION = "base"  # label of the drafter as loaded, before any registry version
 
 
@@ -59,7 +61,7 @@ class WorkerConfig:
     threads: int = 1  # torch threads of the serving process
     rollback_window: int = 256  # blocks compared between a new champion and its predecessor
     rollback_margin: float = 0.1  # acceptance-rate drop that triggers an automatic rollback
-    logger_queue: int = 1024  # blocks waiting to be encoded before new ones are dropped
+    logger_queue: int = 256  # steps waiting to be logged before new ones are dropped
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
 
     def __post_init__(self):
@@ -140,22 +142,25 @@ class RecordLogger:
     `stats()` counts the buffer's own drops: logged = appended − dropped by the buffer; dropped =
     those + blocks dropped from this logger's full queue."""
 
-    def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int):
-        self.buffer, self.kind = buffer, kind
+    def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int, top_k: int):
+        self.buffer, self.kind, self.top_k = buffer, kind, top_k
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.appended = self.dropped = self.bytes = 0  # dropped: from the logger queue only
         self.thread = threading.Thread(target=self._run, name="record-logger", daemon=True)
         self.thread.start()
 
-    def submit(self, snap, tags: list[RowTag]) -> None:
+    def submit(self, trace: StepTrace, rows: list[int], tags: list[RowTag]) -> None:
+        """Queue a step's trace: its tensors are fresh every step (never written again), so holding
+        them costs the serving thread nothing; the top-K and encoding happen on this thread."""
         try:
-            self.queue.put_nowait((snap, tags))
+            self.queue.put_nowait((trace, rows, tags))
         except queue.Full:
             self.dropped += len(tags)
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            for record in records_from_snapshot(*item, self.kind):
+            trace, rows, tags = item
+            for record in records_from_snapshot(snapshot(trace, rows, self.top_k), tags, self.kind):
                 payload = encode(record)
                 self.bytes += len(payload)
                 self.buffer.append(payload)  # a refusal is counted in the buffer's stats
@@ -189,6 +194,10 @@ class _Row:
 class VerifierWorker:
     def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
         torch.set_num_threads(cfg.threads)
+        # The serving thread runs many short torch ops, releasing the GIL around each; with the
+        # default 5 ms switch interval a logger/loader thread holding the GIL can make it wait that
+        # long to get it back. A short interval hands the GIL back within GIL_SWITCH_S.
+        sys.setswitchinterval(GIL_SWITCH_S)
         self.cfg = cfg
         self.verifier = load_model(cfg.verifier)
         tok = self.verifier.tokenizer
@@ -207,7 +216,7 @@ class VerifierWorker:
         self._registry_down = False
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
-        self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue) if buffer and cfg.log_records else None
+        self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k) if buffer and cfg.log_records else None
         self.rows: list[_Row] = []
         self._poll()
         self._finish_load(wait=True)
@@ -266,7 +275,7 @@ class VerifierWorker:
                 self.stale[1] += n
         if self.logger is not None and rows:
             tags = [self._tag(b, histories[b]) for b in rows]
-            self.logger.submit(snapshot(trace, rows, self.cfg.top_k), tags)
+            self.logger.submit(trace, rows, tags)
         for b in rows:
             self.rows[b].blocks += 1
         self._check_rollback()

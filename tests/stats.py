@@ -1,8 +1,11 @@
-"""Goodness-of-fit helper shared by the distribution tests."""
+"""Goodness-of-fit helpers shared by the distribution tests: exact marginals and a chi-square test."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 from scipy.stats import chisquare
+
+from drafter.sampling import SamplingParams, warp
 
 
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
@@ -24,3 +27,17 @@ def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:
         obs, exp = obs[:-1], exp[:-1]
     exp = exp * obs.sum() / exp.sum()
     return float(chisquare(obs, exp).pvalue)
+
+
+def exact_marginals(model, prompt: list[int], positions: int, params: SamplingParams) -> list[torch.Tensor]:
+    """P(token at generated position t) for t = 1..`positions` after `prompt` when a (small-vocabulary)
+    HF causal LM samples with `params`, by enumerating every prefix."""
+    marginals, prefixes, weights = [], [[]], torch.ones(1, dtype=torch.float64)
+    for _ in range(positions):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + p for p in prefixes])).logits[:, -1]
+        probs = warp(logits, params).double() * weights[:, None]  # [prefixes, V] joint
+        marginals.append(probs.sum(dim=0))
+        prefixes = [p + [t] for p in prefixes for t in range(probs.shape[-1])]
+        weights = probs.flatten()
+    return marginals

@@ -2,9 +2,6 @@
 reach the serving side. Redis tests use the real server on 127.0.0.1:6379 and throwaway ones."""
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import time
 from uuid import uuid4
 
@@ -12,26 +9,7 @@ import pytest
 import redis
 
 from services.buffer import MemoryBuffer, RedisStreamBuffer, open_buffer
-
-REDIS_URL = "redis://127.0.0.1:6379/0"
-
-
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/redis.sh)")
-needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                        reason="redis-server binary not installed")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.redis_helpers import REDIS_URL, free_port, needs_redis, needs_redis_server
 
 
 def _payloads(n: int, tag: bytes = b"") -> list[bytes]:
@@ -164,7 +142,7 @@ def test_redis_stream_stays_near_maxlen(redis_buffer_factory):
 
 
 def test_unreachable_redis_drops_records_without_raising_or_blocking():
-    buf = RedisStreamBuffer(f"redis://127.0.0.1:{_free_port()}/0", prefix=f"test-buffer-{uuid4().hex}")
+    buf = RedisStreamBuffer(f"redis://127.0.0.1:{free_port()}/0", prefix=f"test-buffer-{uuid4().hex}")
     try:
         t0 = time.monotonic()
         results = [buf.append(p) for p in _payloads(1000)]
@@ -178,7 +156,7 @@ def test_unreachable_redis_drops_records_without_raising_or_blocking():
 
 
 def test_a_full_local_queue_drops_and_counts():
-    buf = RedisStreamBuffer(f"redis://127.0.0.1:{_free_port()}/0", queue_size=10)
+    buf = RedisStreamBuffer(f"redis://127.0.0.1:{free_port()}/0", queue_size=10)
     try:
         results = [buf.append(b"x") for _ in range(2000)]
         assert not all(results)
@@ -186,26 +164,6 @@ def test_a_full_local_queue_drops_and_counts():
         assert buf.stats().dropped == 2000
     finally:
         buf.close()
-
-
-def _start_redis(port: int, tmp_path) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    for _ in range(100):
-        try:
-            if client.ping():
-                return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
-
-
-def _stop_redis(proc: subprocess.Popen) -> None:
-    proc.kill()
-    proc.wait(timeout=10)
 
 
 def _read_until(buf, consumer: str, want: int, seconds: float) -> list[bytes]:
@@ -221,11 +179,9 @@ def _read_until(buf, consumer: str, want: int, seconds: float) -> list[bytes]:
 
 
 @needs_redis_server
-def test_writing_resumes_by_itself_when_redis_comes_back(tmp_path, caplog):
+def test_writing_resumes_by_itself_when_redis_comes_back(redis_server, caplog):
     caplog.set_level("INFO", logger="specloop.buffer")
-    port = _free_port()
-    proc = _start_redis(port, tmp_path)
-    buf = RedisStreamBuffer(f"redis://127.0.0.1:{port}", prefix=f"test-buffer-{uuid4().hex}")
+    buf = RedisStreamBuffer(redis_server.url, prefix=f"test-buffer-{uuid4().hex}")
     try:
         before = _payloads(20, tag=b"before")
         for p in before:
@@ -234,14 +190,14 @@ def test_writing_resumes_by_itself_when_redis_comes_back(tmp_path, caplog):
         assert buf.stats().written == 20
         assert [e.payload for e in buf.read("a", count=100)] == before
 
-        _stop_redis(proc)
+        redis_server.stop()
         for p in _payloads(30, tag=b"down"):
             buf.append(p)
         assert buf.flush(timeout=10)
         assert buf.stats().dropped == 30
         assert buf.stats().depth == -1
 
-        proc = _start_redis(port, tmp_path)
+        redis_server.start()
         after = _payloads(25, tag=b"after")
         for p in after:
             buf.append(p)
@@ -252,7 +208,6 @@ def test_writing_resumes_by_itself_when_redis_comes_back(tmp_path, caplog):
         assert sum("is back" in m for m in messages) == 1
     finally:
         buf.close()
-        _stop_redis(proc)
 
 
 @needs_redis
@@ -273,7 +228,7 @@ def test_open_buffer_rejects_unknown_specs_naming_what_is_accepted(spec):
 
 def test_open_buffer_builds_each_backend():
     assert isinstance(open_buffer("memory", maxlen=7), MemoryBuffer)
-    buf = open_buffer(f"redis://127.0.0.1:{_free_port()}/2", prefix="p")
+    buf = open_buffer(f"redis://127.0.0.1:{free_port()}/2", prefix="p")
     try:
         assert isinstance(buf, RedisStreamBuffer) and buf.key == "p:replay"
     finally:

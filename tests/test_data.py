@@ -2,26 +2,12 @@
 extended later."""
 import json
 
-import pytest
 import torch
 
-from tests.tiny import TEXT, make_model, make_tokenizer
+from tests.tiny import CONVERSATIONS
 from trainer.data import GENERATED_FILE, GenerationSpec, WindowStream, build_generated_set
 
 torch.set_num_threads(1)
-
-CONVERSATIONS = [
-    [{"role": "user", "content": TEXT[i % 4][: 20 + 7 * i]}, {"role": "assistant", "content": TEXT[(i + 1) % 4]}]
-    for i in range(12)
-]
-
-
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    """A 6-layer verifier, peaky (init std 0.2), as in test_offline."""
-    root = tmp_path_factory.mktemp("data")
-    tok = make_tokenizer(root / "tokenizer")
-    return make_model(root / "verifier", tok, layers=6, hidden=48, seed=1, init_std=0.2)
 
 
 def test_window_stream_resumes_with_the_same_windows():
@@ -39,11 +25,13 @@ def test_window_stream_resumes_with_the_same_windows():
     assert stream.epoch >= 1
 
 
-def test_a_generated_set_is_built_within_a_sequence_budget_and_extended_later(verifier, tmp_path):
+def test_a_generated_set_is_built_within_a_sequence_budget_and_extended_later(peaky_verifier, tmp_path):
     spec = GenerationSpec(max_tokens=8, batch_size=2)
-    first = build_generated_set(verifier, tmp_path, sequences=3, spec=spec, conversations=CONVERSATIONS, progress=False)
+    first = build_generated_set(peaky_verifier, tmp_path, sequences=3, spec=spec, conversations=CONVERSATIONS,
+                                progress=False)
     assert first["new_sequences"] == first["sequences"] == 4  # whole batches
-    more = build_generated_set(verifier, tmp_path, sequences=2, spec=spec, conversations=CONVERSATIONS, progress=False)
+    more = build_generated_set(peaky_verifier, tmp_path, sequences=2, spec=spec, conversations=CONVERSATIONS,
+                               progress=False)
     assert (more["new_sequences"], more["sequences"]) == (2, 6)
     conversations = [json.loads(line)["conversation"] for line in (tmp_path / GENERATED_FILE).read_text().splitlines()]
     assert conversations == sorted(set(conversations))

@@ -15,23 +15,13 @@ from services.buffer import MemoryBuffer, RedisStreamBuffer
 from services.learner import LearnerService, LearnerServiceConfig
 from services.registry import Registry
 from services.worker import ServeRequest, VerifierWorker, WorkerConfig
+from tests.redis_helpers import REDIS_URL, needs_redis
 from tests.tiny import TEXT
 from trainer.objectives import ObjectiveConfig
 from trainer.online import LearnerConfig
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 PUBLISH_EVERY = 5
 BATCH = 8
-
-
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/redis.sh)")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
-from tests.tiny import TEXT, make_model, make_tokenizer
+from tests.tiny import CONVERSATIONS, TEXT
 from trainer.data import GENERATED_FILE
 from trainer.offline import (
     CHECKPOINT_DIR,
@@ -27,21 +27,11 @@ from trainer.offline import (
 
 torch.set_num_threads(1)
 
-CONVERSATIONS = [
-    [{"role": "user", "content": TEXT[i % 4][: 20 + 7 * i]}, {"role": "assistant", "content": TEXT[(i + 1) % 4]}]
-    for i in range(12)
-]
-
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """A 6-layer verifier (so the default steering layers exist) and a 1-layer drafter, peaky enough
-    (init std 0.2) that their distributions differ measurably."""
-    root = tmp_path_factory.mktemp("offline")
-    tok = make_tokenizer(root / "tokenizer")
-    verifier = make_model(root / "verifier", tok, layers=6, hidden=48, seed=1, init_std=0.2)
-    drafter = make_model(root / "drafter", tok, layers=1, hidden=32, seed=2, init_std=0.2)
-    return verifier, drafter
+def pair(peaky_pair):
+    """The conftest's peaky pair: a 6-layer verifier (so the default steering layers exist) and a 1-layer drafter."""
+    return peaky_pair
 
 
 def config(pair, out, method, **extra):

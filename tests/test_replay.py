@@ -8,9 +8,6 @@ served 9 times it can memorise the verifier's greedy continuations within second
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
 import time
 from uuid import uuid4
 
@@ -22,27 +19,15 @@ from drafter.models import load_model
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from services.replay import Replay, ReplayConfig
-from tests.tiny import TEXT, make_model, make_tokenizer
+from tests.redis_helpers import REDIS_URL, needs_redis, needs_redis_server, redis_up
+from tests.tiny import TEXT, make_pair
 
-REDIS_URL = "redis://127.0.0.1:6379"
 K, MAX_TOKENS = 4, 24
 PROMPTS, CYCLES = 6, 9  # thirds of the stream are 3 whole cycles each
 UPDATES_PER_REQUEST = 8  # the pace of traffic: a request arrives once the learner took ~this many steps
 PACE_TIMEOUT_S = 0.3  # ... or after this long, whichever comes first
 LEARNER = {"lr": 3e-3, "lm_lr": 3e-3, "batch_records": 8, "publish_every": 5, "replay_ratio": 16.0,
            "holdout_every": 4}
-
-
-def _redis_up() -> bool:
-    try:
-        return bool(redis.Redis.from_url(REDIS_URL, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
-
-
-needs_redis = pytest.mark.skipif(not _redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/redis.sh)")
-needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None,
-                                        reason="redis-server binary not installed")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,11 +39,7 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def sharp_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sharp")
-    tok = make_tokenizer(root / "tokenizer")
-    verifier = make_model(root / "verifier", tok, layers=3, hidden=64, seed=1, init_std=0.3)
-    drafter = make_model(root / "drafter", tok, layers=1, hidden=32, seed=2, init_std=0.3)
-    return verifier, drafter
+    return make_pair(tmp_path_factory.mktemp("sharp"), init_std=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +121,7 @@ def runs(sharp_pair, prompt_file, tmp_path_factory):
         return cache[learner, buffer]
 
     yield get
-    if prefixes and _redis_up():
+    if prefixes and redis_up():
         admin = redis.Redis.from_url(REDIS_URL)
         for prefix in prefixes:
             keys = admin.keys(f"{prefix}*")
@@ -187,75 +168,44 @@ def test_greedy_outputs_while_versions_swap_equal_the_verifier_alone(runs, refer
 # ---------------------------------------------------------------- Redis going away mid-run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_redis(port: int, folder) -> subprocess.Popen:
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(folder)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_connect_timeout=0.2)
-    for _ in range(100):
-        try:
-            if client.ping():
-                return proc
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"redis-server did not start on port {port}")
-
-
-def _stop_redis(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.kill()
-    proc.wait(timeout=10)
-
-
 @needs_redis_server
 def test_redis_stopped_mid_run_fails_no_request_and_logging_resumes_when_it_returns(
-    sharp_pair, prompt_file, reference, tmp_path
+    sharp_pair, prompt_file, reference, tmp_path, redis_server
 ):
-    port, prefix = _free_port(), f"test-replay-{uuid4().hex}"
-    proc = _start_redis(port, tmp_path)
+    prefix = f"test-replay-{uuid4().hex}"
+    cfg = replay_config(sharp_pair, prompt_file, tmp_path / "registry", "kl", redis_server.url, prefix)
+    replay = Replay(cfg)
+    results, summary = [], None
     try:
-        cfg = replay_config(sharp_pair, prompt_file, tmp_path / "registry", "kl", f"redis://127.0.0.1:{port}", prefix)
-        replay = Replay(cfg)
-        results, summary = [], None
-        try:
-            stream = replay.run(progress=False)
-            total = len(replay.traffic)
-            results += [next(stream) for _ in range(total // 2)]
-            before = ray.get(replay.worker.drain.remote())["records"]
-            assert before["logged"] > 0 and before["dropped"] == 0
+        stream = replay.run(progress=False)
+        total = len(replay.traffic)
+        results += [next(stream) for _ in range(total // 2)]
+        before = ray.get(replay.worker.drain.remote())["records"]
+        assert before["logged"] > 0 and before["dropped"] == 0
 
-            _stop_redis(proc)
-            results += [next(stream) for _ in range(5)]  # served while Redis is down
-            down = ray.get(replay.worker.drain.remote())["records"]
-            assert down["dropped"] > 0  # the records of those requests were dropped, not waited on
+        redis_server.stop()
+        results += [next(stream) for _ in range(5)]  # served while Redis is down
+        down = ray.get(replay.worker.drain.remote())["records"]
+        assert down["dropped"] > 0  # the records of those requests were dropped, not waited on
 
-            proc = _start_redis(port, tmp_path)
-            seen_at_restart = ray.get(replay.learner.stats.remote())["learner"]["records_seen"]
-            results += list(paced(replay, stream))
-            ray.get(replay.worker.drain.remote())
-            client = redis.Redis(port=port)
-            streams = [key for key in client.keys(f"{prefix}*") if client.type(key) == b"stream"]
-            stream_len = sum(client.xlen(key) for key in streams)  # the restarted server started empty
-            client.close()
-        finally:
-            summary = replay.finish()
-        after = summary["worker"]["records"]
-        assert len(results) == total == PROMPTS * CYCLES
-        assert [r["index"] for r in results] == list(range(total))
-        for result, request in zip(results, replay.traffic):
-            assert result["token_ids"] == reference(request.prompt_ids), result["id"]
-        assert after["logged"] > down["logged"]  # logging resumed by itself
-        assert after["dropped"] >= down["dropped"] > 0
-        assert stream_len > 0  # the records logged since the restart are in the stream
-        assert summary["learner"]["learner"]["records_seen"] > seen_at_restart  # and the learner read them
-        print(f"redis outage: logged {before['logged']} -> {down['logged']} -> {after['logged']}, "
-              f"dropped {after['dropped']}, stream after restart {stream_len}")
+        redis_server.start()
+        seen_at_restart = ray.get(replay.learner.stats.remote())["learner"]["records_seen"]
+        results += list(paced(replay, stream))
+        ray.get(replay.worker.drain.remote())
+        client = redis.Redis(port=redis_server.port)
+        streams = [key for key in client.keys(f"{prefix}*") if client.type(key) == b"stream"]
+        stream_len = sum(client.xlen(key) for key in streams)  # the restarted server started empty
+        client.close()
     finally:
-        _stop_redis(proc)
+        summary = replay.finish()
+    after = summary["worker"]["records"]
+    assert len(results) == total == PROMPTS * CYCLES
+    assert [r["index"] for r in results] == list(range(total))
+    for result, request in zip(results, replay.traffic):
+        assert result["token_ids"] == reference(request.prompt_ids), result["id"]
+    assert after["logged"] > down["logged"]  # logging resumed by itself
+    assert after["dropped"] >= down["dropped"] > 0
+    assert stream_len > 0  # the records logged since the restart are in the stream
+    assert summary["learner"]["learner"]["records_seen"] > seen_at_restart  # and the learner read them
+    print(f"redis outage: logged {before['logged']} -> {down['logged']} -> {after['logged']}, "
+          f"dropped {after['dropped']}, stream after restart {stream_len}")

@@ -10,11 +10,11 @@ from drafter.models import load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
 from drafter.rejection import BlockOutcome, rejection_sample
-from drafter.sampling import SamplingParams, warp
+from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
-from tests.stats import chi2_pvalue
+from tests.stats import chi2_pvalue, exact_marginals
 from tests.tiny import build_model, llama_config
 
 TIE = 1e-4
@@ -171,19 +171,6 @@ def tiny():
     return verifier, drafter
 
 
-def exact_marginals(model, params: SamplingParams) -> list[torch.Tensor]:
-    """P(token at generated position t) for t = 1..3, by enumerating every prefix."""
-    marginals, prefixes, weights = [], [[]], torch.ones(1, dtype=torch.float64)
-    for _ in range(POSITIONS):
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1]
-        probs = warp(logits, params).double() * weights[:, None]  # [prefixes, V] joint
-        marginals.append(probs.sum(dim=0))
-        prefixes = [p + [t] for p in prefixes for t in range(VOCAB)]
-        weights = probs.flatten()
-    return marginals
-
-
 def sampled_counts(tiny, params, kind, k, sampler=rejection_sample) -> torch.Tensor:
     verifier = LeanDecoder(tiny[0])
     counts = torch.zeros(POSITIONS, VOCAB)
@@ -229,7 +216,7 @@ SETTINGS = {
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k):
     params = SETTINGS[setting]
-    exact = exact_marginals(tiny[0], params)
+    exact = exact_marginals(tiny[0], PROMPT, POSITIONS, params)
     counts = sampled_counts(tiny, params, kind, k)
     pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
     print(f"{setting} {kind} k={k}: chi-square p-values {pvalues}")
@@ -239,7 +226,7 @@ def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_a_wrong_sampler_fails_the_same_distribution_test(tiny, setting):
     params = SETTINGS[setting]
-    exact = exact_marginals(tiny[0], params)
+    exact = exact_marginals(tiny[0], PROMPT, POSITIONS, params)
     counts = sampled_counts(tiny, params, "pretrained", 2, sampler=wrong_sampler)
     pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
     assert min(pvalues) < 0.01, pvalues

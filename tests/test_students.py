@@ -1,22 +1,12 @@
 """Students: SD² offsets lie in [1, k], and the verifier's targets and residual streams are what the
 lean decoder computes at inference."""
-import pytest
 import torch
 
 from drafter.decoder import LeanDecoder
 from drafter.models import load_model
-from tests.tiny import make_model, make_tokenizer
 from trainer.students import offset_sources, verifier_targets
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def verifier(tmp_path_factory):
-    """A 6-layer verifier, peaky (init std 0.2), as in test_offline."""
-    root = tmp_path_factory.mktemp("students")
-    tok = make_tokenizer(root / "tokenizer")
-    return make_model(root / "verifier", tok, layers=6, hidden=48, seed=1, init_std=0.2)
 
 
 def test_sd2_offsets_lie_between_one_and_k_before_clamping():
@@ -27,8 +17,8 @@ def test_sd2_offsets_lie_between_one_and_k_before_clamping():
     assert set(delta[:, 5:].flatten().tolist()) == {1, 2, 3, 4, 5}
 
 
-def test_verifier_residuals_are_what_the_lean_decoder_captures_at_inference(verifier):
-    v = load_model(verifier)
+def test_verifier_residuals_are_what_the_lean_decoder_captures_at_inference(peaky_verifier):
+    v = load_model(peaky_verifier)
     ids = torch.tensor([[5, 9, 30, 41, 7, 12]])
     layers = tuple(range(v.hf.config.num_hidden_layers))  # the last one too (HF's last hidden state is normed)
     logits, residuals = verifier_targets(v.hf, ids, layers)

@@ -9,12 +9,12 @@ import torch
 
 from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
-from drafter.sampling import SamplingParams, warp
+from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from services.buffer import MemoryBuffer
 from services.registry import Registry
 from services.worker import AcceptanceMonitor, ServeRequest, VerifierWorker, WorkerConfig
-from tests.stats import chi2_pvalue
+from tests.stats import chi2_pvalue, exact_marginals
 from tests.tiny import TEXT, build_model, llama_config
 from trainer.records import decode
 
@@ -132,19 +132,6 @@ def small_vocab(tmp_path_factory):
     return load_model(root / "verifier"), root / "drafter"
 
 
-def exact_marginals(model, params: SamplingParams) -> list[torch.Tensor]:
-    """P(token at generated position t) for t = 1..POSITIONS, by enumerating every prefix."""
-    marginals, prefixes, weights = [], [[]], torch.ones(1, dtype=torch.float64)
-    for _ in range(POSITIONS):
-        with torch.no_grad():
-            logits = model(torch.tensor([PROMPT + p for p in prefixes])).logits[:, -1]
-        probs = warp(logits, params).double() * weights[:, None]  # [prefixes, V] joint
-        marginals.append(probs.sum(dim=0))
-        prefixes = [p + [t] for p in prefixes for t in range(VOCAB)]
-        weights = probs.flatten()
-    return marginals
-
-
 @pytest.mark.parametrize("kind,k,std", [("pretrained", 2, 0.3), ("sd2", 2, 0.5), ("dvi", 3, 0.5)])
 def test_sampled_output_distribution_equals_the_verifiers_while_versions_are_swapped_after_every_step(
     small_vocab, kind, k, std
@@ -162,7 +149,7 @@ def test_sampled_output_distribution_equals_the_verifiers_while_versions_are_swa
         toks = torch.tensor([g.token_ids for g in gens])
         for t in range(POSITIONS):
             counts[t] += torch.bincount(toks[:, t], minlength=VOCAB)
-    exact = exact_marginals(verifier.hf, SAMPLING)
+    exact = exact_marginals(verifier.hf, PROMPT, POSITIONS, SAMPLING)
     pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
     print(f"{kind} k={k}: {swaps} swaps, chi-square p-values {pvalues}")
     assert swaps >= N_SAMPLES // CHUNK * 2  # at least two steps (so one swap mid-request) per chunk
@@ -227,122 +214,116 @@ def per_request(results: list[dict]) -> list[tuple]:
     return [(r["token_ids"], r["drafted"], r["accepted"]) for r in results]
 
 
+@pytest.fixture
+def champion_worker(tiny_pair, tmp_path):
+    """start(weights=None, **cfg) -> (registry, "v0001", worker): a folder registry whose champion v0001 is
+    `weights` (default: the base drafter's) and a worker serving it; the workers are closed afterwards."""
+    workers: list[VerifierWorker] = []
+
+    def start(weights: dict | None = None, **cfg) -> tuple[Registry, str, VerifierWorker]:
+        reg = Registry(tmp_path / "reg")
+        v1 = publish(reg, base_weights(tiny_pair[1]) if weights is None else weights, None, 0.5)
+        assert reg.promote(v1).promoted
+        workers.append(start_worker(tiny_pair, tmp_path / "reg", **cfg))
+        return reg, v1, workers[-1]
+
+    yield start
+    for worker in workers:
+        worker.close()
+
+
 @pytest.mark.parametrize("swap_cache", ["keep", "recompute"])
-def test_the_worker_serves_the_champion_and_picks_up_a_newly_promoted_version(tiny_pair, tmp_path, swap_cache):
-    reg = Registry(tmp_path / "reg")
-    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
-    assert reg.promote(v1).promoted
-    worker = start_worker(tiny_pair, tmp_path / "reg", swap_cache=swap_cache)
-    try:
-        reqs = requests(worker.verifier)
-        reference = verifier_alone(worker, reqs)
-        first = serve_all(worker, reqs)
-        assert {r["drafter_version"] for r in first} == {"v0001"}
-        assert [r["token_ids"] for r in first] == reference
+def test_the_worker_serves_the_champion_and_picks_up_a_newly_promoted_version(tiny_pair, champion_worker, swap_cache):
+    reg, v1, worker = champion_worker(swap_cache=swap_cache)
+    reqs = requests(worker.verifier)
+    reference = verifier_alone(worker, reqs)
+    first = serve_all(worker, reqs)
+    assert {r["drafter_version"] for r in first} == {"v0001"}
+    assert [r["token_ids"] for r in first] == reference
 
-        v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
-        assert reg.promote(v2).promoted
-        results, deadline = [], time.monotonic() + 30
-        for i in range(10_000):
-            r = reqs[i % len(reqs)]
-            results.append((r, worker.serve(r)))
-            if results[-1][1]["drafter_version"] == "v0002":
-                break
-            assert time.monotonic() < deadline, "the worker never picked up v0002"
-            time.sleep(0.01)
-        print(f"v0002 served after {len(results)} request(s); versions {[x['drafter_versions'] for _, x in results]}")
-        results += [(r, worker.serve(r)) for r in reqs]
-        assert results[-1][1]["drafter_versions"] == ["v0002"]
-        assert [x["token_ids"] for _, x in results] == verifier_alone(worker, [r for r, _ in results])
+    v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
+    assert reg.promote(v2).promoted
+    results, deadline = [], time.monotonic() + 30
+    for i in range(10_000):
+        r = reqs[i % len(reqs)]
+        results.append((r, worker.serve(r)))
+        if results[-1][1]["drafter_version"] == "v0002":
+            break
+        assert time.monotonic() < deadline, "the worker never picked up v0002"
+        time.sleep(0.01)
+    print(f"v0002 served after {len(results)} request(s); versions {[x['drafter_versions'] for _, x in results]}")
+    results += [(r, worker.serve(r)) for r in reqs]
+    assert results[-1][1]["drafter_versions"] == ["v0002"]
+    assert [x["token_ids"] for _, x in results] == verifier_alone(worker, [r for r, _ in results])
 
-        stats = worker.stats()
-        assert stats["version"] == "v0002"
-        swap = [s for s in stats["swaps"] if s["new"] == "v0002"]
-        assert len(swap) == 1 and swap[0]["old"] == "v0001"
-        assert swap[0]["stall_ms"] >= 0 and swap[0]["load_ms"] >= 0
-        assert stats["swap_stall_ms"]["n"] == sum(s["in_flight"] for s in stats["swaps"])
-        assert set(stats["acceptance_by_version"]) >= {"v0001", "v0002"}
-        assert stats["load_failures"] == [] and stats["rollbacks"] == []
-    finally:
-        worker.close()
+    stats = worker.stats()
+    assert stats["version"] == "v0002"
+    swap = [s for s in stats["swaps"] if s["new"] == "v0002"]
+    assert len(swap) == 1 and swap[0]["old"] == "v0001"
+    assert swap[0]["stall_ms"] >= 0 and swap[0]["load_ms"] >= 0
+    assert stats["swap_stall_ms"]["n"] == sum(s["in_flight"] for s in stats["swaps"])
+    assert set(stats["acceptance_by_version"]) >= {"v0001", "v0002"}
+    assert stats["load_failures"] == [] and stats["rollbacks"] == []
 
 
-def test_rollback_restores_the_previous_champions_outputs_and_statistics_exactly(tiny_pair, tmp_path):
-    reg = Registry(tmp_path / "reg")
-    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
-    reg.promote(v1)
-    worker = start_worker(tiny_pair, tmp_path / "reg")
-    try:
-        reqs = requests(worker.verifier)
-        s1 = per_request(serve_all(worker, reqs))
+def test_rollback_restores_the_previous_champions_outputs_and_statistics_exactly(tiny_pair, champion_worker):
+    reg, v1, worker = champion_worker()
+    reqs = requests(worker.verifier)
+    s1 = per_request(serve_all(worker, reqs))
 
-        v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
-        assert reg.promote(v2).promoted
-        settle(worker, "v0002")
-        s2 = serve_all(worker, reqs)
-        assert {r["drafter_version"] for r in s2} == {"v0002"}
-        assert [(d, a) for _, d, a in per_request(s2)] != [(d, a) for _, d, a in s1]
-        assert [t for t, _, _ in per_request(s2)] == [t for t, _, _ in s1]  # lossless either way
+    v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
+    assert reg.promote(v2).promoted
+    settle(worker, "v0002")
+    s2 = serve_all(worker, reqs)
+    assert {r["drafter_version"] for r in s2} == {"v0002"}
+    assert [(d, a) for _, d, a in per_request(s2)] != [(d, a) for _, d, a in s1]
+    assert [t for t, _, _ in per_request(s2)] == [t for t, _, _ in s1]  # lossless either way
 
-        assert reg.rollback("test") == "v0001"
-        settle(worker, "v0001")
-        s3 = serve_all(worker, reqs)
-        assert {r["drafter_version"] for r in s3} == {"v0001"}
-        assert per_request(s3) == s1
-    finally:
-        worker.close()
+    assert reg.rollback("test") == "v0001"
+    settle(worker, "v0001")
+    s3 = serve_all(worker, reqs)
+    assert {r["drafter_version"] for r in s3} == {"v0001"}
+    assert per_request(s3) == s1
 
 
-def test_a_rollback_while_the_new_version_is_still_loading_keeps_the_champion_serving(tiny_pair, tmp_path):
-    reg = Registry(tmp_path / "reg")
-    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
-    reg.promote(v1)
-    worker = start_worker(tiny_pair, tmp_path / "reg")
-    try:
-        gate = threading.Event()
-        worker.loader.submit(gate.wait)  # the (single) loader thread is busy: v0002's load waits behind it
-        v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
-        reg.promote(v2)
-        assert worker.swap(worker.drafter, [[1]]) is worker.drafter  # polls: v0002 starts loading, not loaded yet
-        assert reg.rollback("operator changed their mind") == "v0001"
-        gate.set()
-        worker.loader.submit(lambda: None).result(timeout=30)  # FIFO: v0002's load has finished by now
-        results = serve_all(worker, requests(worker.verifier)[:3])
-        assert [r["drafter_versions"] for r in results] == [["v0001"]] * 3
-        assert worker.stats()["version"] == reg.champion() == "v0001"
-    finally:
-        worker.close()
+def test_a_rollback_while_the_new_version_is_still_loading_keeps_the_champion_serving(tiny_pair, champion_worker):
+    reg, v1, worker = champion_worker()
+    gate = threading.Event()
+    worker.loader.submit(gate.wait)  # the (single) loader thread is busy: v0002's load waits behind it
+    v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
+    reg.promote(v2)
+    assert worker.swap(worker.drafter, [[1]]) is worker.drafter  # polls: v0002 starts loading, not loaded yet
+    assert reg.rollback("operator changed their mind") == "v0001"
+    gate.set()
+    worker.loader.submit(lambda: None).result(timeout=30)  # FIFO: v0002's load has finished by now
+    results = serve_all(worker, requests(worker.verifier)[:3])
+    assert [r["drafter_versions"] for r in results] == [["v0001"]] * 3
+    assert worker.stats()["version"] == reg.champion() == "v0001"
 
 
-def test_a_version_with_nan_weights_is_refused_and_the_champion_keeps_serving(tiny_pair, tmp_path):
-    reg = Registry(tmp_path / "reg")
-    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
-    reg.promote(v1)
-    worker = start_worker(tiny_pair, tmp_path / "reg")
-    try:
-        reqs = requests(worker.verifier)[:4]
-        before = per_request(serve_all(worker, reqs))
-        bad = base_weights(tiny_pair[1])
-        name = next(n for n in bad if "mlp" in n)
-        bad[name][0, 0] = float("nan")
-        v2 = publish(reg, bad, v1, 0.9)
+def test_a_version_with_nan_weights_is_refused_and_the_champion_keeps_serving(tiny_pair, champion_worker):
+    reg, v1, worker = champion_worker()
+    reqs = requests(worker.verifier)[:4]
+    before = per_request(serve_all(worker, reqs))
+    bad = base_weights(tiny_pair[1])
+    name = next(n for n in bad if "mlp" in n)
+    bad[name][0, 0] = float("nan")
+    v2 = publish(reg, bad, v1, 0.9)
 
-        refused = reg.promote(v2)
-        assert not refused.promoted and "non-finite" in refused.reason and name in refused.reason
-        assert refused.champion == "v0001"
-        forced = reg.promote(v2, force=True)
-        assert not forced.promoted and "non-finite" in forced.reason
-        assert reg.champion() == "v0001"
-        assert [e["event"] for e in reg.events() if e["version"] == v2] == ["publish", "refuse", "refuse"]
+    refused = reg.promote(v2)
+    assert not refused.promoted and "non-finite" in refused.reason and name in refused.reason
+    assert refused.champion == "v0001"
+    forced = reg.promote(v2, force=True)
+    assert not forced.promoted and "non-finite" in forced.reason
+    assert reg.champion() == "v0001"
+    assert [e["event"] for e in reg.events() if e["version"] == v2] == ["publish", "refuse", "refuse"]
 
-        after = serve_all(worker, reqs)
-        assert {r["drafter_version"] for r in after} == {"v0001"}
-        assert per_request(after) == before
-        stats = worker.stats()
-        assert [s["new"] for s in stats["swaps"]] == ["v0001"]  # only the start-up load
-        assert stats["load_failures"] == []
-    finally:
-        worker.close()
+    after = serve_all(worker, reqs)
+    assert {r["drafter_version"] for r in after} == {"v0001"}
+    assert per_request(after) == before
+    stats = worker.stats()
+    assert [s["new"] for s in stats["swaps"]] == ["v0001"]  # only the start-up load
+    assert stats["load_failures"] == []
 
 
 def test_a_dvi_worker_given_a_plain_drafter_directory_serves_registry_heads_losslessly(tiny_pair, tmp_path):
@@ -370,11 +351,17 @@ def test_a_dvi_worker_given_a_plain_drafter_directory_serves_registry_heads_loss
 # ---------------------------------------------------------------- automatic rollback
 
 
-def test_acceptance_monitor_gives_no_verdict_before_the_new_versions_window_fills():
-    m = AcceptanceMonitor(window=4, margin=0.1)
-    for _ in range(4):
-        m.observe("v1", 4, 4)
+def monitor_after_promotion(window: int, margin: float, v1_blocks: int, drafted: int, accepted: int):
+    """An AcceptanceMonitor that saw `v1_blocks` blocks of v1 (`accepted` of `drafted` each), then v1 -> v2."""
+    m = AcceptanceMonitor(window=window, margin=margin)
+    for _ in range(v1_blocks):
+        m.observe("v1", drafted, accepted)
     m.promoted("v1", "v2")
+    return m
+
+
+def test_acceptance_monitor_gives_no_verdict_before_the_new_versions_window_fills():
+    m = monitor_after_promotion(window=4, margin=0.1, v1_blocks=4, drafted=4, accepted=4)
     for _ in range(3):
         m.observe("v2", 4, 0)
         assert m.verdict() is None
@@ -385,10 +372,7 @@ def test_acceptance_monitor_gives_no_verdict_before_the_new_versions_window_fill
 
 def test_acceptance_monitor_gives_a_verdict_below_the_margin_and_none_within_it():
     def run(new_accepted: int) -> str | None:
-        m = AcceptanceMonitor(window=4, margin=0.1)
-        for _ in range(4):
-            m.observe("v1", 20, 16)  # α = 0.8
-        m.promoted("v1", "v2")
+        m = monitor_after_promotion(window=4, margin=0.1, v1_blocks=4, drafted=20, accepted=16)  # α = 0.8
         for _ in range(4):
             m.observe("v2", 20, new_accepted)
         return m.verdict()
@@ -399,10 +383,7 @@ def test_acceptance_monitor_gives_a_verdict_below_the_margin_and_none_within_it(
 
 
 def test_acceptance_monitor_gives_only_one_verdict_per_promotion():
-    m = AcceptanceMonitor(window=2, margin=0.05)
-    for _ in range(2):
-        m.observe("v1", 4, 4)
-    m.promoted("v1", "v2")
+    m = monitor_after_promotion(window=2, margin=0.05, v1_blocks=2, drafted=4, accepted=4)
     verdicts = []
     for _ in range(10):
         m.observe("v2", 4, 0)
@@ -415,80 +396,66 @@ def test_acceptance_monitor_gives_only_one_verdict_per_promotion():
 
 
 def test_acceptance_monitor_does_not_judge_a_version_whose_predecessor_lacks_a_full_window():
-    m = AcceptanceMonitor(window=4, margin=0.1)
-    for _ in range(3):
-        m.observe("v1", 4, 4)
-    m.promoted("v1", "v2")
+    m = monitor_after_promotion(window=4, margin=0.1, v1_blocks=3, drafted=4, accepted=4)
     for _ in range(8):
         m.observe("v2", 4, 0)
         assert m.verdict() is None
 
 
-def test_the_worker_rolls_back_a_promoted_version_whose_live_acceptance_collapses(tiny_pair, tmp_path):
-    reg = Registry(tmp_path / "reg")
+def test_the_worker_rolls_back_a_promoted_version_whose_live_acceptance_collapses(tiny_pair, champion_worker):
     good = base_weights(tiny_pair[1])
-    v1 = publish(reg, good, None, 0.5)
-    reg.promote(v1)
-    worker = start_worker(tiny_pair, tmp_path / "reg", rollback_window=8, rollback_margin=0.05)
-    try:
-        reqs = requests(worker.verifier)
-        under_v1 = serve_all(worker, reqs[:4])  # ≥ 8 blocks: v0001 has a full window
-        assert sum(r["drafted"] for r in under_v1) // K >= 8
-        rate_v1 = sum(r["accepted"] for r in under_v1) / sum(r["drafted"] for r in under_v1)
+    reg, v1, worker = champion_worker(good, rollback_window=8, rollback_margin=0.05)
+    reqs = requests(worker.verifier)
+    under_v1 = serve_all(worker, reqs[:4])  # ≥ 8 blocks: v0001 has a full window
+    assert sum(r["drafted"] for r in under_v1) // K >= 8
+    rate_v1 = sum(r["accepted"] for r in under_v1) / sum(r["drafted"] for r in under_v1)
 
-        v2 = publish(reg, {n: t * 0 for n, t in good.items()}, v1, 0.9)  # a drafter that lost its weights
-        assert reg.promote(v2).promoted
-        served, deadline = [], time.monotonic() + 60
-        while not worker.stats()["rollbacks"]:
-            served.append(worker.serve(reqs[len(served) % len(reqs)]))
-            assert time.monotonic() < deadline, f"no automatic rollback: {worker.stats()}"
-        assert reg.champion() == "v0001"
-        reason = worker.stats()["rollbacks"][0]
-        assert "v0002" in reason and "v0001" in reason
-        rollback = [e for e in reg.events() if e["event"] == "rollback"]
-        assert len(rollback) == 1 and rollback[0]["version"] == "v0001" and rollback[0]["previous"] == "v0002"
-        assert rollback[0]["reason"] == reason
-        by_version = worker.stats()["acceptance_by_version"]
-        rate_v2 = by_version["v0002"]["accepted"] / by_version["v0002"]["drafted"]
-        print(f"rolled back: α v0001 {rate_v1:.3f}, v0002 {rate_v2:.3f}: {reason}")
-        assert rate_v2 < rate_v1 - 0.05
+    v2 = publish(reg, {n: t * 0 for n, t in good.items()}, v1, 0.9)  # a drafter that lost its weights
+    assert reg.promote(v2).promoted
+    served, deadline = [], time.monotonic() + 60
+    while not worker.stats()["rollbacks"]:
+        served.append(worker.serve(reqs[len(served) % len(reqs)]))
+        assert time.monotonic() < deadline, f"no automatic rollback: {worker.stats()}"
+    assert reg.champion() == "v0001"
+    reason = worker.stats()["rollbacks"][0]
+    assert "v0002" in reason and "v0001" in reason
+    rollback = [e for e in reg.events() if e["event"] == "rollback"]
+    assert len(rollback) == 1 and rollback[0]["version"] == "v0001" and rollback[0]["previous"] == "v0002"
+    assert rollback[0]["reason"] == reason
+    by_version = worker.stats()["acceptance_by_version"]
+    rate_v2 = by_version["v0002"]["accepted"] / by_version["v0002"]["drafted"]
+    print(f"rolled back: α v0001 {rate_v1:.3f}, v0002 {rate_v2:.3f}: {reason}")
+    assert rate_v2 < rate_v1 - 0.05
 
-        settle(worker, "v0001")  # the worker follows the registry back
-        again = serve_all(worker, reqs[:4])
-        assert per_request(again) == per_request(under_v1)
-        assert len(worker.stats()["rollbacks"]) == 1
-        served_reqs = [reqs[i % len(reqs)] for i in range(len(served))]
-        assert [x["token_ids"] for x in served] == verifier_alone(worker, served_reqs)
-    finally:
-        worker.close()
+    settle(worker, "v0001")  # the worker follows the registry back
+    again = serve_all(worker, reqs[:4])
+    assert per_request(again) == per_request(under_v1)
+    assert len(worker.stats()["rollbacks"]) == 1
+    served_reqs = [reqs[i % len(reqs)] for i in range(len(served))]
+    assert [x["token_ids"] for x in served] == verifier_alone(worker, served_reqs)
 
 
 # ---------------------------------------------------------------- replay records
 
 
-def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_version(tiny_pair, tmp_path):
-    reg = Registry(tmp_path / "reg")
-    v1 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=3), None, 0.5)  # rejections: records vary
-    reg.promote(v1)
+def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_version(tiny_pair, champion_worker):
     buffer = MemoryBuffer()
-    worker = start_worker(tiny_pair, tmp_path / "reg", buffer=buffer)
-    try:
-        results = serve_all(worker, requests(worker.verifier))
-        worker.drain()
-        blocks = sum(r["drafted"] for r in results) // K
-        entries = buffer.read("test", count=10 * blocks)
-        assert len(entries) == blocks == buffer.stats().depth
-        records = [decode(e.payload) for e in entries]
-        assert {r.drafter_version for r in records} == {"v0001"}
-        assert {r.kind for r in records} == {"pretrained"} and {r.k for r in records} == {K}
-        for res in results:
-            mine = [r for r in records if r.request_id == res["id"]]
-            assert [r.block for r in mine] == list(range(res["drafted"] // K))
-            assert sum(r.accepted for r in mine) == res["accepted"]
-        stats = worker.stats()["records"]
-        assert stats["logged"] == blocks and stats["dropped"] == 0
-    finally:
-        worker.close()
+    # noisy weights: rejections, so the records vary
+    _, _, worker = champion_worker(noisy(base_weights(tiny_pair[1]), 0.1, seed=3), buffer=buffer)
+    results = serve_all(worker, requests(worker.verifier))
+    worker.drain()
+    blocks = sum(r["drafted"] for r in results) // K
+    entries = buffer.read("test", count=10 * blocks)
+    assert len(entries) == blocks == buffer.stats().depth
+    records = [decode(e.payload) for e in entries]
+    assert {r.drafter_version for r in records} == {"v0001"}
+    assert {r.kind for r in records} == {"pretrained"} and {r.k for r in records} == {K}
+    for res in results:
+        mine = [r for r in records if r.request_id == res["id"]]
+        assert [r.block for r in mine] == list(range(res["drafted"] // K))
+        assert sum(r.accepted for r in mine) == res["accepted"]
+    stats = worker.stats()["records"]
+    assert stats["logged"] == blocks and stats["dropped"] == 0
 
 
 def test_an_unknown_swap_cache_mode_is_refused(tiny_pair):

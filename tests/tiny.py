@@ -14,6 +14,12 @@ TEXT = [
     "import os\nimport sys\n\nclass Config:\n    def __init__(self, path):\n        self.path = path\n",
 ]
 
+# 12 two-turn chats cut from TEXT: the conversations of the offline-training and generated-data tests
+CONVERSATIONS = [
+    [{"role": "user", "content": TEXT[i % 4][: 20 + 7 * i]}, {"role": "assistant", "content": TEXT[(i + 1) % 4]}]
+    for i in range(12)
+]
+
 
 def make_tokenizer(out: Path, vocab_size: int = 320):
     """The bootstrap's byte-level BPE (same special tokens and chat template), trained on TEXT."""
@@ -56,3 +62,13 @@ def make_model(out: Path, tok, layers: int, hidden: int, seed: int, arch: str = 
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def make_pair(root: Path, verifier_layers: int = 3, verifier_hidden: int = 64, init_std: float = 0.02):
+    """(verifier_dir, drafter_dir) under `root`: a verifier (seed 1) and a 1-layer, 32-wide drafter (seed 2)
+    sharing one tokenizer; a larger `init_std` makes both peakier (sharper distributions)."""
+    tok = make_tokenizer(root / "tokenizer")
+    verifier = make_model(root / "verifier", tok, layers=verifier_layers, hidden=verifier_hidden, seed=1,
+                          init_std=init_std)
+    drafter = make_model(root / "drafter", tok, layers=1, hidden=32, seed=2, init_std=init_std)
+    return verifier, drafter

@@ -165,26 +165,29 @@ class BlockSnapshot:
     k: int
     tokens: np.ndarray  # [R, k] drafted tokens
     draft_logprobs: np.ndarray  # [R, k]
-    top_ids: np.ndarray  # [R, k, K] verifier top-K at positions predicting d_1..d_k
-    top_logprobs: np.ndarray  # [R, k, K]
-    rest_mass: np.ndarray  # [R, k]
+    top_ids: np.ndarray  # [R, m, K] verifier top-K at positions predicting d_1..d_m, m = max(n + 1) ≤ k
+    top_logprobs: np.ndarray  # [R, m, K]
+    rest_mass: np.ndarray  # [R, m]
     steer: np.ndarray | None  # [R, 3, d_v]
     hidden: np.ndarray | None  # [R, k, d]
 
 
 @torch.inference_mode()
 def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K) -> BlockSnapshot:
-    """Extract what records need from a `drafter.speculative.StepTrace`, for `rows`."""
+    """Extract what records need from a `drafter.speculative.StepTrace`, for `rows`. Only the first
+    max(n + 1) positions are ever logged, so the verifier's top-K is taken over those alone."""
     idx = torch.tensor(rows, dtype=torch.long)
     k = trace.proposal.tokens.shape[1]
-    logp = torch.log_softmax(trace.logits[idx.to(trace.logits.device), :k].float(), dim=-1)  # [R, k, V]
+    n = trace.outcome.num_accepted[idx]
+    m = min(k, int(n.max()) + 1)
+    logp = torch.log_softmax(trace.logits[idx.to(trace.logits.device), :m].float(), dim=-1)  # [R, m, V]
     top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     rest = (1.0 - top.values.exp().sum(dim=-1)).clamp(min=0.0)  # [R, k]
     prop = trace.proposal
     logprobs = prop.logprobs[idx] if prop.logprobs is not None else torch.zeros(len(rows), k)
     hidden = next(iter(trace.hidden.values()), None)
     return BlockSnapshot(
-        rows=rows, num_accepted=trace.outcome.num_accepted[idx].tolist(), k=k,
+        rows=rows, num_accepted=n.tolist(), k=k,
         tokens=prop.tokens[idx].cpu().numpy(), draft_logprobs=logprobs.float().cpu().numpy(),
         top_ids=top.indices.cpu().numpy(), top_logprobs=top.values.cpu().numpy(), rest_mass=rest.cpu().numpy(),
         steer=None if prop.steer is None else prop.steer[idx.to(prop.steer.device)].float().cpu().numpy(),
