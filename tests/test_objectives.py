@@ -114,7 +114,7 @@ def test_bucket_kl_is_zero_when_q_matches_p_on_the_top_k_and_the_rest_mass_only(
 
 def test_bucket_kl_is_positive_and_simulated_acceptance_below_one_when_q_differs():
     p = verifier_logits(5)
-    batch = make_batch(p)
+    batch = make_batch(p, temperature=1.0)
     for q in (torch.zeros(5, V), verifier_logits(5, seed=7), p + 0.5 * verifier_logits(5, seed=3)):
         assert float(bucket_kl(batch, q)) > 1e-3
         assert simulated_acceptance(batch, q) < 0.99
@@ -123,6 +123,16 @@ def test_bucket_kl_is_positive_and_simulated_acceptance_below_one_when_q_differs
     log_p, log_q = bucket_logprobs(batch, q)
     want = torch.minimum(log_p.exp(), log_q.exp()).sum(-1).mean()
     assert simulated_acceptance(batch, q) == pytest.approx(float(want), abs=1e-6)
+
+
+def test_simulated_acceptance_of_greedy_records_is_argmax_agreement():
+    p = verifier_logits(6)
+    q = p.clone()
+    q[:2] = -p[:2]  # flips the argmax of the first two positions
+    batch = make_batch(p, temperature=0.0)
+    assert simulated_acceptance(batch, q) == pytest.approx(4 / 6)
+    assert simulated_acceptance(batch, p + 0.3 * verifier_logits(6, seed=9)) <= 1.0
+    assert simulated_acceptance(batch, p) == 1.0
 
 
 def test_bucket_log_probabilities_are_normalised_over_k_plus_one_buckets():
@@ -252,7 +262,7 @@ def test_the_entropy_bonus_lowers_the_loss_by_its_weight_times_the_entropy():
 
 def test_lk_kl_weight_is_one_minus_the_acceptance_ema():
     p = verifier_logits(4)
-    batch = make_batch(p)
+    batch = make_batch(p, temperature=1.0)  # sampled records: simulated acceptance is Σ min(p, q)
     obj = Objective(ObjectiveConfig(name="lk", acceptance_decay=0.9))
     q1, q2 = torch.zeros(4, V), p + 0.3 * verifier_logits(4, seed=8)
     loss1, info1 = obj(batch, q1)

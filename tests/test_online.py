@@ -249,9 +249,12 @@ def make_learner(kind: str, verifier, checkpoint, **cfg) -> OnlineLearner:
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "dvi"])
-def test_thirty_kl_updates_raise_simulated_acceptance_on_the_held_out_records(verifier, checkpoints, served, kind):
+def test_thirty_kl_updates_raise_simulated_acceptance_on_the_held_out_records(verifier, checkpoints, prompts, kind):
+    # sampled traffic (T = 1): simulated acceptance is Σ min(p, q), which KL training raises smoothly
+    drafter_obj = build_drafter(kind, verifier, checkpoints[kind])
+    sampled = [item.record for item in log_blocks(verifier, drafter_obj, kind, prompts, max_tokens=16, temperature=1.0)]
     learner = make_learner(kind, verifier, checkpoints[kind])
-    learner.ingest(served[kind])
+    learner.ingest(sampled)
     assert len(learner.holdout) >= 5
     start = learner.weights()
     before = learner.evaluate()

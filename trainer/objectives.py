@@ -8,7 +8,8 @@ Distribution terms compare p and q over K + 1 buckets (the top-K tokens of p, an
 which is exact for the top-K and lumps the tail; `trainer.losses` computes them on bucket
 log-probabilities:
 - KL(p ‖ q)                      online distillation, every record in the window;
-- Σ min(p, q)                    expected (simulated) acceptance, the registry's gate figure.
+- Σ min(p, q)                    expected acceptance of a sampled draft (the registry's gate
+                                 figure for T > 0; for greedy records, argmax agreement).
 Policy terms (on-policy records only: drafted by the version the learner last published):
 - reward-masked CE  −mean_{r=1} log q(a)              credit where speculation succeeded;
 - REINFORCE         −mean (r − b) log q(a)            b = EMA of rewards (variance reduction);
@@ -147,9 +148,15 @@ class Objective:
                 "config": asdict(self.cfg)}
 
 
+@torch.no_grad()
 def simulated_acceptance(batch: PositionBatch, q_logits: torch.Tensor) -> float:
-    """mean over positions of Σ min(p, q) on the K + 1 buckets."""
-    return float(expected_acceptance(*bucket_logprobs(batch, q_logits)))
+    """Mean over positions of the probability that the drafter's token would be accepted, as the
+    request was served: Σ min(p, q) on the K + 1 buckets when it sampled (T > 0); at T = 0,
+    whether the drafter's argmax equals the verifier's (greedy acceptance is exactly that)."""
+    log_p, log_q = bucket_logprobs(batch, q_logits)
+    sampled = torch.minimum(log_p.exp(), log_q.exp()).sum(dim=-1)  # [N]
+    greedy = (q_logits.argmax(dim=-1) == batch.top_ids[:, 0]).float()  # [N]
+    return float(torch.where(batch.temperature > 0, sampled, greedy).mean())
 
 
 def _ema(old: float | None, new: float, decay: float) -> float:
