@@ -70,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--registry", type=Path, help="registry folder (default: a new temporary one)")
     r.add_argument("--ray-address", help="join this Ray cluster (default: start a local instance)")
     r.add_argument("--publish-every", type=int, help="learner updates between published versions")
+    r.add_argument("--swap-cache", choices=("keep", "recompute"), default="keep",
+                   help="a hot swap keeps in-flight rows' drafter KV cache, or recomputes it")
     r.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     _add_sampling(r)
 
@@ -184,7 +186,8 @@ def cmd_replay(args) -> int:
     cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind=kind, prompts=args.prompts,
                        learner=args.learner, buffer=args.buffer, max_tokens=args.max_tokens, k=args.k,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                       registry=args.registry, ray_address=args.ray_address, learner_overrides=overrides)
+                       registry=args.registry, ray_address=args.ray_address, learner_overrides=overrides,
+                       worker_overrides={"swap_cache": args.swap_cache})
     for path in cfg.prompts:
         if not path.is_file():
             raise UsageError(f"prompt file not found: {path}")
