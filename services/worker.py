@@ -12,9 +12,11 @@ Per step (`drafter.speculative.StepHooks`):
   dip, counted in `stale_blocks`); "recompute" — the new drafter prefills each row's committed
   tokens (exact, but the prefill is a stall on the serving thread). bench/swap_cache.py measures
   both. A DVI swap replaces only the head: the cache is the verifier's and stays exact.
-- `traced`: the serving thread only queues the step's trace (its tensors are fresh every step) with
-  each row's tag; a logger thread takes the top-K, builds, encodes and appends the records, so the
-  step never waits for the buffer. A full logger queue drops (and counts) a step's records.
+- `traced`: each step's records (the verifier's top-K over the logged positions, the row's tag)
+  are built and encoded inline and handed to the buffer, whose own writer thread talks to Redis, so
+  the step never waits for the network. `log_thread=True` moves the building to a logger thread
+  (a full queue drops and counts a step's records); on this 2-core CPU both cost the same, because
+  the thread's Python work contends for the GIL (bench/online_overhead.py).
 - Auto-rollback: once a newly promoted version has served `rollback_window` blocks, its acceptance
   rate is compared with its predecessor's over the predecessor's last `rollback_window` blocks;
   below by more than `rollback_margin`, the worker rolls the registry back (reason logged).
@@ -61,7 +63,8 @@ class WorkerConfig:
     threads: int = 1  # torch threads of the serving process
     rollback_window: int = 256  # blocks compared between a new champion and its predecessor
     rollback_margin: float = 0.1  # acceptance-rate drop that triggers an automatic rollback
-    logger_queue: int = 256  # steps waiting to be logged before new ones are dropped
+    log_thread: bool = False  # build and encode records on a logger thread (else inline: no GIL contention)
+    logger_queue: int = 256  # steps waiting for the logger thread before new ones are dropped
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
 
     def __post_init__(self):
@@ -142,29 +145,34 @@ class RecordLogger:
     `stats()` counts the buffer's own drops: logged = appended − dropped by the buffer; dropped =
     those + blocks dropped from this logger's full queue."""
 
-    def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int, top_k: int):
+    def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int, top_k: int, threaded: bool):
         self.buffer, self.kind, self.top_k = buffer, kind, top_k
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self.appended = self.dropped = self.bytes = 0  # dropped: from the logger queue only
-        self.thread = threading.Thread(target=self._run, name="record-logger", daemon=True)
-        self.thread.start()
+        self.thread = threading.Thread(target=self._run, name="record-logger", daemon=True) if threaded else None
+        if self.thread is not None:
+            self.thread.start()
 
     def submit(self, trace: StepTrace, rows: list[int], tags: list[RowTag]) -> None:
-        """Queue a step's trace: its tensors are fresh every step (never written again), so holding
-        them costs the serving thread nothing; the top-K and encoding happen on this thread."""
+        """Log a step's records now, or queue its trace for the logger thread (its tensors are fresh
+        every step, never written again, so holding them is safe)."""
+        if self.thread is None:
+            return self._log(trace, rows, tags)
         try:
             self.queue.put_nowait((trace, rows, tags))
         except queue.Full:
             self.dropped += len(tags)
 
+    def _log(self, trace: StepTrace, rows: list[int], tags: list[RowTag]) -> None:
+        for record in records_from_snapshot(snapshot(trace, rows, self.top_k), tags, self.kind):
+            payload = encode(record)
+            self.bytes += len(payload)
+            self.buffer.append(payload)  # a refusal is counted in the buffer's stats
+            self.appended += 1
+
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            trace, rows, tags = item
-            for record in records_from_snapshot(snapshot(trace, rows, self.top_k), tags, self.kind):
-                payload = encode(record)
-                self.bytes += len(payload)
-                self.buffer.append(payload)  # a refusal is counted in the buffer's stats
-                self.appended += 1
+            self._log(*item)
             self.queue.task_done()
         self.queue.task_done()
 
@@ -178,9 +186,10 @@ class RecordLogger:
         return {"logged": self.appended - lost, "dropped": self.dropped + lost, "bytes": self.bytes}
 
     def close(self) -> None:
-        self.drain()
-        self.queue.put(None)
-        self.thread.join(timeout=5)
+        if self.thread is not None:
+            self.drain()
+            self.queue.put(None)
+            self.thread.join(timeout=5)
 
 
 @dataclass
@@ -216,7 +225,7 @@ class VerifierWorker:
         self._registry_down = False
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
-        self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k) if buffer and cfg.log_records else None
+        self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
         self.rows: list[_Row] = []
         self._poll()
         self._finish_load(wait=True)

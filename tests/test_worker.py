@@ -438,10 +438,11 @@ def test_the_worker_rolls_back_a_promoted_version_whose_live_acceptance_collapse
 # ---------------------------------------------------------------- replay records
 
 
-def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_version(tiny_pair, champion_worker):
+@pytest.mark.parametrize("log_thread", [False, True])
+def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_version(tiny_pair, champion_worker, log_thread):
     buffer = MemoryBuffer()
     # noisy weights: rejections, so the records vary
-    _, _, worker = champion_worker(noisy(base_weights(tiny_pair[1]), 0.1, seed=3), buffer=buffer)
+    _, _, worker = champion_worker(noisy(base_weights(tiny_pair[1]), 0.1, seed=3), buffer=buffer, log_thread=log_thread)
     results = serve_all(worker, requests(worker.verifier))
     worker.drain()
     blocks = sum(r["drafted"] for r in results) // K
