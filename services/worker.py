@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -45,7 +44,6 @@ from trainer.online import is_finite
 from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, records_from_snapshot, snapshot
 
 log = logging.getLogger("specloop.worker")
-GIL_SWITCH_S = 0.0002
 BASE_VERSION = "base"  # label of the drafter as loaded, before any registry version
 
 
@@ -203,10 +201,6 @@ class _Row:
 class VerifierWorker:
     def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
         torch.set_num_threads(cfg.threads)
-        # The serving thread runs many short torch ops, releasing the GIL around each; with the
-        # default 5 ms switch interval a logger/loader thread holding the GIL can make it wait that
-        # long to get it back. A short interval hands the GIL back within GIL_SWITCH_S.
-        sys.setswitchinterval(GIL_SWITCH_S)
         self.cfg = cfg
         self.verifier = load_model(cfg.verifier)
         tok = self.verifier.tokenizer
