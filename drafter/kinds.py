@@ -44,28 +44,12 @@ def _load_lm(verifier: LoadedModel, path: Path) -> LoadedModel:
 
 def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None) -> Drafter:
     """A drafter of `kind` paired with `verifier`; refuses unknown kinds and mismatched vocabularies."""
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
-    if kind in NEEDS_DIR and drafter_dir is None:
-        raise ValueError(f"drafter kind {kind!r} needs --drafter DIR")
-    found = None if drafter_dir is None else read_checkpoint_kind(drafter_dir)
-    if found is not None and found != kind and not (kind == "pretrained" and found == "sd2"):
-        raise ModelError(f"{drafter_dir} holds a {found!r} checkpoint, not {kind!r}")
-    if kind == "ngram":
-        return NgramDrafter(verifier.vocab_size)
-    if kind == "dvi":
-        head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
-        return DVIDrafter(verifier.lean, head)
-    lm = _load_lm(verifier, drafter_dir)
-    if kind == "pretrained":
-        return PretrainedDrafter(lm.lean)
-    steering = Steering.load(drafter_dir) if found == "sd2" else steering_for(verifier.hf.config, lm.hf.config)
-    return SteeredDrafter(lm.lean, steering)
-
+    return DrafterBuilder(kind, verifier, drafter_dir).base
 
 
 class DrafterBuilder:
-    """Drafters of one kind built from the base checkpoint plus a registry version's weights.
+    """Drafters of one kind: the base one (as loaded from its directory) and, with `build`, the base
+    plus a registry version's weights.
 
     Weight names are the learner's ("lm.*" drafter LM parameters, "steering.*" SD² steering,
     "head.*" DVI head); a version holds the parameters its learner trains, the rest come from the
@@ -73,40 +57,38 @@ class DrafterBuilder:
     """
 
     def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None):
-        self.kind, self.verifier = kind, verifier
-        self.base = build_drafter(kind, verifier, drafter_dir)  # validates kind, directory, vocabulary
+        if kind not in DRAFTER_KINDS:
+            raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        if kind in NEEDS_DIR and drafter_dir is None:
+            raise ValueError(f"drafter kind {kind!r} needs --drafter DIR")
         found = None if drafter_dir is None else read_checkpoint_kind(drafter_dir)
+        if found is not None and found != kind and not (kind == "pretrained" and found == "sd2"):
+            raise ModelError(f"{drafter_dir} holds a {found!r} checkpoint, not {kind!r}")
+        self.kind, self.verifier = kind, verifier
         self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
-        self.steering = getattr(self.base, "steering", None)
-        self.head = None
+        self.steering = self.head = None
+        if kind == "sd2":
+            self.steering = Steering.load(drafter_dir) if found == "sd2" else steering_for(verifier.hf.config, self.lm.hf.config)
         if kind == "dvi":
             self.head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
+        self.base = self._assemble(self.lm.lean if self.lm else None, self.steering, self.head)
+
+    def _assemble(self, lean: LeanDecoder | None, steering, head) -> Drafter:
+        if self.kind == "ngram":
+            return NgramDrafter(self.verifier.vocab_size)
+        if self.kind == "dvi":
+            return DVIDrafter(self.verifier.lean, head)
+        return PretrainedDrafter(lean) if self.kind == "pretrained" else SteeredDrafter(lean, steering)
 
     def build(self, weights: dict | None = None) -> Drafter:
-        """A fresh drafter: the base one when `weights` is empty or None."""
+        """The base drafter when `weights` is empty or None; else a new one with them loaded."""
         if not weights or self.kind == "ngram":
-            return build_like(self.base)
+            return self.base
         if self.kind == "dvi":
-            head = _loaded(self.head, weights, "head.")
-            return DVIDrafter(self.verifier.lean, head)
-        hf = _loaded(self.lm.hf, weights, "lm.")
-        lean = LeanDecoder(hf)
-        if self.kind == "pretrained":
-            return PretrainedDrafter(lean)
-        return SteeredDrafter(lean, _loaded(self.steering, weights, "steering."))
-
-
-def build_like(drafter: Drafter) -> Drafter:
-    """A drafter sharing `drafter`'s weights but none of its per-request state."""
-    if isinstance(drafter, SteeredDrafter):
-        return SteeredDrafter(drafter.lean, drafter.steering)
-    if isinstance(drafter, PretrainedDrafter):
-        return PretrainedDrafter(drafter.lean)
-    if isinstance(drafter, DVIDrafter):
-        fresh = DVIDrafter.__new__(DVIDrafter)
-        fresh.__dict__.update({k: v for k, v in drafter.__dict__.items() if k not in ("cache", "last")})
-        return fresh
-    return NgramDrafter(drafter.vocab_size, drafter.max_n, drafter.min_n)
+            return self._assemble(None, None, _loaded(self.head, weights, "head."))
+        lean = LeanDecoder(_loaded(self.lm.hf, weights, "lm."))
+        steering = _loaded(self.steering, weights, "steering.") if self.kind == "sd2" else None
+        return self._assemble(lean, steering, None)
 
 
 def _loaded(module: torch.nn.Module, weights: dict, prefix: str) -> torch.nn.Module:

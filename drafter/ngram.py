@@ -46,7 +46,7 @@ class NgramDrafter:
         rows = [draft_row(h, k, self.max_n, self.min_n) for h in self.history]
         tokens = torch.tensor(rows, dtype=torch.long)
         probs = None if params.greedy else torch.nn.functional.one_hot(tokens, self.vocab_size).float()
-        return Proposal(tokens=tokens, probs=probs, logprobs=torch.zeros(tokens.shape))
+        return Proposal(tokens=tokens, probs=probs)
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():

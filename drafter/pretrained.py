@@ -30,7 +30,8 @@ class PretrainedDrafter:
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         self._base = self.cache.lens  # forward() rebinds lens, never writes it in place
         tokens, self._n_pending = pad_right(self.pending)
-        bias = self.block_bias()
+        steer = self.block_inputs()
+        bias = self.block_bias(steer)
         steps = []
         for i in range(k):
             n_new = self._n_pending if i == 0 else None
@@ -38,11 +39,12 @@ class PretrainedDrafter:
             steps.append(choose(out.logits[:, -1], params, None if uniforms is None else uniforms[:, i]))
             tokens = steps[-1].token[:, None]
         proposal = stack_proposal(steps, params)
-        proposal.steer = self.block_inputs()
+        proposal.steer = steer
         return proposal
 
-    def block_bias(self) -> list[torch.Tensor] | None:
-        """Per-layer MLP up-projection bias for this block (steered kinds); None for a plain LM."""
+    def block_bias(self, steer: torch.Tensor | None) -> list[torch.Tensor] | None:
+        """Per-layer MLP up-projection bias for this block from its steering inputs (steered kinds);
+        None for a plain LM."""
         return None
 
     def block_inputs(self) -> torch.Tensor | None:

@@ -19,8 +19,18 @@ from drafter.sampling import SamplingParams, sample, warp
 class Proposal:
     tokens: torch.Tensor  # [B, k] int64 drafted tokens
     probs: torch.Tensor | None  # [B, k, V] q the tokens were drawn from; None at temperature 0
-    logprobs: torch.Tensor | None = None  # [B, k] float32 log q(d_i): warped q at T > 0, softmax(logits) at T = 0
+    logits: list[torch.Tensor] | None = None  # k × [B, V] raw drafter logits (kept, not copied, for logging)
     steer: torch.Tensor | None = None  # [B, 3, d_verifier] SD² steering inputs this block was drafted with
+
+    def logprobs(self) -> torch.Tensor:
+        """[B, k] float32 log q(d_i), computed only when asked (replay logging), never in the step:
+        from the warped q at T > 0, from softmax(logits) when greedy, 0 for a deterministic draft."""
+        idx = self.tokens[..., None]
+        if self.probs is not None:
+            return self.probs.gather(-1, idx).squeeze(-1).clamp(min=1e-30).log()
+        if self.logits:
+            return torch.log_softmax(torch.stack(self.logits, dim=1).float(), dim=-1).gather(-1, idx).squeeze(-1)
+        return torch.zeros(self.tokens.shape)
 
 
 @dataclass
@@ -48,11 +58,11 @@ class Drafter(Protocol):
 
 
 def stack_proposal(steps: list["Choice"], params: SamplingParams) -> Proposal:
-    """k per-step choices ([B] tokens, [B, V] distributions, [B] log-probs) → one Proposal."""
+    """k per-step choices ([B] tokens, [B, V] distributions, [B, V] logits) → one Proposal."""
     return Proposal(
         tokens=torch.stack([c.token for c in steps], dim=1),
         probs=None if params.greedy else torch.stack([c.probs for c in steps], dim=1),
-        logprobs=torch.stack([c.logprob for c in steps], dim=1),
+        logits=[c.logits for c in steps],
     )
 
 
@@ -62,18 +72,15 @@ class Choice:
 
     token: torch.Tensor  # [B] int64
     probs: torch.Tensor | None  # [B, V] warped q; None when greedy
-    logprob: torch.Tensor  # [B] float32 log q(token)
+    logits: torch.Tensor  # [B, V] the raw logits it was chosen from
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> Choice:
     """Next token per row from [B, V] logits: argmax when greedy, else a draw from warp(logits)."""
     if params.greedy:
-        token = logits.argmax(dim=-1)
-        logprob = torch.log_softmax(logits.float(), dim=-1).gather(-1, token[:, None]).squeeze(-1)
-        return Choice(token, None, logprob)
+        return Choice(logits.argmax(dim=-1), None, logits)
     q = warp(logits, params)
-    token = sample(q, u)
-    return Choice(token, q, q.gather(-1, token[:, None]).squeeze(-1).clamp(min=1e-30).log())
+    return Choice(sample(q, u), q, logits)
 
 
 def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:

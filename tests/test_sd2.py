@@ -68,7 +68,7 @@ def test_bias_is_computed_once_per_block_from_the_emitting_position(pair):
     d = SteeredDrafter(drafter, steering)
     calls = []
     original = d.block_bias
-    d.block_bias = lambda: calls.append(1) or original()
+    d.block_bias = lambda steer: calls.append(1) or original(steer)
     gens = generate(verifier, d, [PROMPTS[0]], SamplingParams(max_tokens=12), 4, StopRule())
     assert len(calls) == gens[0].stats.blocks
     # the features of the first block are the verifier's states at the last prefilled position

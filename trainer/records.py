@@ -184,7 +184,7 @@ def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K) -> BlockSnapsho
     top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     rest = (1.0 - top.values.exp().sum(dim=-1)).clamp(min=0.0)  # [R, k]
     prop = trace.proposal
-    logprobs = prop.logprobs[idx] if prop.logprobs is not None else torch.zeros(len(rows), k)
+    logprobs = prop.logprobs()[idx]
     hidden = next(iter(trace.hidden.values()), None)
     return BlockSnapshot(
         rows=rows, num_accepted=n.tolist(), k=k,
