@@ -425,7 +425,11 @@ class Registry:
 
     def state_token(self) -> str:
         """Changes whenever the champion or the pin changes; cheap enough to poll every step."""
-        return self._meta.read_state().token()
+        return self.alias().token()
+
+    def alias(self) -> AliasState:
+        """Champion, pin, history and generation in one read."""
+        return self._meta.read_state()
 
     def events(self, limit: int | None = None) -> list[dict]:
         """The event log, oldest first (the last `limit` events when given)."""

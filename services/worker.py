@@ -2,9 +2,10 @@
 drafter versions between two steps (run as a Ray actor by `specloop replay` and `serve`).
 
 Per step (`drafter.speculative.StepHooks`):
-- `swap`: the registry's state token is polled (a file stat or one Redis GET); when the champion
-  changed, its weights load on a background thread while serving goes on; once loaded, the new
-  drafter adopts the old one's rows between two steps. The swap stall (the adopt itself, on the
+- `swap`: the registry's alias is read (one small file or one Redis GET) at the start of every request
+  and at most every `poll_interval_s` between steps; when the champion changed, its weights load on a
+  background thread while serving goes on; once loaded, the new drafter takes over the old one's
+  rows between two steps. The swap stall (the adopt itself, on the
   serving thread) is timed. Output stays lossless whatever the drafter: the verifier decides.
 - KV cache of in-flight rows on a swap (`swap_cache`): "keep" (default) — a pretrained / SD²
   drafter's cache was computed with the old weights; positions written after the swap use the new
@@ -63,6 +64,7 @@ class WorkerConfig:
     rollback_margin: float = 0.1  # acceptance-rate drop that triggers an automatic rollback
     log_thread: bool = False  # build and encode records on a logger thread (else inline: no GIL contention)
     logger_queue: int = 256  # steps waiting for the logger thread before new ones are dropped
+    poll_interval_s: float = 0.05  # registry reads between steps at most this often (each request starts with one)
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
 
     def __post_init__(self):
@@ -210,6 +212,7 @@ class VerifierWorker:
         self.drafter: Drafter = self.builder.build()
         self.version = BASE_VERSION
         self.token: str | None = None
+        self._polled = float("-inf")  # monotonic time of the last registry read
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="drafter-loader")
         self.loading: tuple[str, float, Future] | None = None
         self.swaps: list[SwapEvent] = []
@@ -221,14 +224,14 @@ class VerifierWorker:
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
         self.rows: list[_Row] = []
-        self._poll()
+        self._poll(force=True)
         self._finish_load(wait=True)
 
     # -- serving
 
     def serve(self, request: ServeRequest) -> dict:
         """Decode one request to completion; the replay contract's JSON object."""
-        self._poll()
+        self._poll(force=True)
         self._finish_load(wait=False)
         self.rows = [_Row(request, versions=[self.version])]
         t0 = time.perf_counter()
@@ -289,14 +292,17 @@ class VerifierWorker:
 
     # -- versions
 
-    def _poll(self) -> None:
+    def _poll(self, force: bool = False) -> None:
         """Start loading the champion in the background when the registry's alias changed. A registry
         that cannot be read (metadata in a Redis that is down) keeps the current version serving."""
         if self.registry is None:
             return
+        now = time.monotonic()
+        if not force and now - self._polled < self.cfg.poll_interval_s:
+            return
+        self._polled = now
         try:
-            token = self.registry.state_token()
-            champion = self.registry.champion() if token != self.token else None
+            alias = self.registry.alias()  # one read: the token and the champion
         except Exception as exc:  # noqa: BLE001 - serving never fails on the registry
             if not self._registry_down:
                 log.warning("registry unreachable, serving %s until it answers: %s", self.version, exc)
@@ -306,6 +312,7 @@ class VerifierWorker:
         if self._registry_down:
             log.info("registry reachable again")
             self._registry_down = False
+        token, champion = alias.token(), alias.champion
         if token == self.token:
             return
         self.token = token

@@ -176,7 +176,7 @@ def publish(reg: Registry, weights: dict, parent: str | None, sim: float) -> str
 
 
 def start_worker(tiny_pair, root, drafter_dir=None, buffer=None, **cfg) -> VerifierWorker:
-    cfg = {"rollback_window": NO_AUTO_ROLLBACK} | cfg
+    cfg = {"rollback_window": NO_AUTO_ROLLBACK, "poll_interval_s": 0.0} | cfg  # tests see every registry change at once
     config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(drafter_dir or tiny_pair[1]), kind="pretrained",
                           registry=str(root), **cfg)
     return VerifierWorker(config, buffer)
