@@ -1,0 +1,154 @@
+"""What crosses the API ↔ worker boundary (a Ray actor call): plain dataclasses with explicit
+`to_dict` / `from_dict` (JSON-able values only, never pickled objects of ours).
+
+One completion request (one choice: the API fans `n > 1` out into n requests with seed streams
+0..n−1) goes to a worker, which answers with a stream of `Chunk`s: new tokens and text as they are
+committed, and a last chunk with `finish_reason` and `usage`. An error is a chunk with `error` set
+(before any token: the API answers with its HTTP status; after: it is sent in-band).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from drafter.sampling import SamplingParams
+
+
+class ProtocolError(ValueError):
+    """A message that does not have the shape of its dataclass."""
+
+
+def _from_dict(cls, data: dict):
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{cls.__name__}: expected a dict, got {type(data).__name__}")
+    names = {f.name for f in fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ProtocolError(f"{cls.__name__}: {exc}") from None
+
+
+@dataclass
+class CompletionRequest:
+    id: str
+    prompt_ids: list[int]
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stream_index: int = 0  # the request draws from the stream seeded by (seed, stream_index), as
+    #                        request `stream_index` of `specloop generate --seed seed` does
+    stop: list[str] = field(default_factory=list)
+    k: int = 4  # draft length; 0 = speculation off (the verifier alone)
+    drafter_version: str | None = None  # None = the serving champion
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, tuple(self.stop), self.seed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CompletionRequest":
+        req = _from_dict(cls, data)
+        req.stop = list(req.stop)
+        return req
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    blocks: int = 0
+    drafter_version: str | None = None  # the version(s) that drafted, comma-joined when it changed
+
+
+@dataclass
+class ErrorInfo:
+    message: str
+    type: str  # OpenAI error type: invalid_request_error | not_found_error | server_error | overloaded_error
+    status: int  # the HTTP status the API answers with
+    param: str | None = None
+    code: str | None = None
+
+
+@dataclass
+class Chunk:
+    id: str
+    token_ids: list[int] = field(default_factory=list)  # tokens committed since the last chunk
+    text: str = ""  # their text (incremental detokenization; a stop string and what follows are cut)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
+    usage: Usage | None = None  # on the last chunk
+    error: ErrorInfo | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Chunk":
+        chunk = _from_dict(cls, data)
+        if isinstance(chunk.usage, dict):
+            chunk.usage = _from_dict(Usage, chunk.usage)
+        if isinstance(chunk.error, dict):
+            chunk.error = _from_dict(ErrorInfo, chunk.error)
+        return chunk
+
+    @property
+    def last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def overloaded(request_id: str, retry_after_s: int = 1) -> Chunk:
+    msg = f"the server is overloaded; retry after {retry_after_s} s"
+    return Chunk(request_id, error=ErrorInfo(msg, "overloaded_error", 503, code="overloaded"))
+
+
+def invalid(request_id: str, message: str, param: str | None = None) -> Chunk:
+    return Chunk(request_id, error=ErrorInfo(message, "invalid_request_error", 400, param=param))
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker says about itself (`describe`): the API needs it to validate and route."""
+
+    name: str
+    verifier: str  # verifier directory (the API loads its tokenizer from it)
+    model: str  # the model id clients name
+    drafter_kind: str
+    drafter_version: str
+    max_context: int  # prompt + max_tokens must fit
+    slots: int
+    max_queue: int
+    registry: str | None = None  # registry folder (operator endpoints)
+    redis_url: str | None = None  # registry metadata / buffer in Redis
+    prefix: str = "specloop"
+    buffer: str | None = None  # buffer spec ("memory" or a redis URL), None = no logging
+    metrics_url: str | None = None  # host:port of its Prometheus endpoint
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WorkerInfo":
+        return _from_dict(cls, data)
+
+
+@dataclass
+class WorkerLoad:
+    queued: int
+    running: int
+    slots: int
+    max_queue: int
+    version: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "WorkerLoad":
+        return _from_dict(cls, data)
