@@ -29,5 +29,9 @@ class Backend(Protocol):
     async def buffer_stats(self) -> dict | None:
         """The replay buffer's statistics (None: no buffer)."""
 
+    async def metrics_targets(self) -> list[str]:
+        """host:port of every Prometheus endpoint behind this backend (workers, learner), for
+        Prometheus's HTTP service discovery (`GET /sd/targets` of the API)."""
+
     async def close(self) -> None:
         """Release connections (not the workers)."""
