@@ -272,6 +272,20 @@ def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int, capture:
     return cache, features
 
 
+def prefill_rows(lean: LeanDecoder, cache: KVCache, slots: list[int], prompts: list[list[int]],
+                 capture: tuple[int, ...] = ()) -> dict[int, torch.Tensor]:
+    """`prefill` into rows `slots` of an existing cache (continuous batching: requests join a running
+    batch); the other rows are untouched. Returns the captured features, [len(slots), hidden] each."""
+    width = max(len(p) for p in prompts)
+    fresh, features = prefill(lean, prompts, width, capture)
+    idx = torch.tensor(slots, dtype=torch.long)
+    dev = idx.to(lean.device)
+    for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):
+        dst[dev, :width] = src
+    cache.lens[idx] = fresh.lens
+    return features
+
+
 def last_valid(x: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
     """[B, T, H] → [B, 1, H] at each row's last real (non-padding) position."""
     idx = (n_new - 1).clamp(min=0).to(x.device)

@@ -108,6 +108,10 @@ class DVIDrafter:
         self.cache = view.cache
         self.last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
 
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView) -> None:
+        """New rows: the verifier prefilled them into its (our) cache; remember their last token."""
+        self.last[torch.tensor(slots, dtype=torch.long)] = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
+
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         base = self.cache.lens

@@ -42,6 +42,10 @@ class NgramDrafter:
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView | None = None) -> None:
         self.history = [list(p) for p in prompts]
 
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView | None = None) -> None:
+        for s, p in zip(slots, prompts):
+            self.history[s] = list(p)
+
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         rows = [draft_row(h, k, self.max_n, self.min_n) for h in self.history]
         tokens = torch.tensor(rows, dtype=torch.long)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from drafter.decoder import LeanDecoder, pad_right, prefill
+from drafter.decoder import LeanDecoder, pad_right, prefill, prefill_rows
 from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
@@ -26,6 +26,12 @@ class PretrainedDrafter:
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView | None = None) -> None:
         self.cache, _ = prefill(self.lean, prompts, capacity)
         self.pending = [[p[-1]] for p in prompts]
+
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView | None = None) -> None:
+        """New requests take rows `slots` (continuous batching): prefill their prompts there."""
+        prefill_rows(self.lean, self.cache, slots, prompts)
+        for s, p in zip(slots, prompts):
+            self.pending[s] = [p[-1]]
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         self._base = self.cache.lens  # forward() rebinds lens, never writes it in place

@@ -12,7 +12,7 @@ import torch
 
 from drafter.decoder import KVCache
 from drafter.rejection import BlockOutcome
-from drafter.sampling import SamplingParams, sample, warp
+from drafter.sampling import RowParams, SamplingParams, sample, warp
 
 
 @dataclass
@@ -50,6 +50,9 @@ class Drafter(Protocol):
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         """Begin a batch: remember (or prefill) each row's prompt; capacity bounds its length."""
 
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView) -> None:
+        """Rows `slots` restart with new prompts (continuous batching); view.features are the new rows' only."""
+
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         """Draft k tokens per row; uniforms [B, k] drive sampling at temperature > 0."""
 
@@ -75,12 +78,16 @@ class Choice:
     logits: torch.Tensor  # [B, V] the raw logits it was chosen from
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, u: torch.Tensor | None) -> Choice:
-    """Next token per row from [B, V] logits: argmax when greedy, else a draw from warp(logits)."""
+def choose(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Tensor | None) -> Choice:
+    """Next token per row from [B, V] logits: argmax when greedy, else a draw from warp(logits)
+    (per row with RowParams: greedy rows take the argmax)."""
     if params.greedy:
         return Choice(logits.argmax(dim=-1), None, logits)
     q = warp(logits, params)
-    return Choice(sample(q, u), q, logits)
+    token = sample(q, u)
+    if isinstance(params, RowParams):
+        token = torch.where(params.greedy_rows.to(token.device), logits.argmax(dim=-1), token)
+    return Choice(token, q, logits)
 
 
 def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:

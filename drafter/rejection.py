@@ -35,14 +35,22 @@ def _leading_true(mask: torch.Tensor) -> torch.Tensor:
     return mask.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> BlockOutcome:
-    """Temperature 0. draft_tokens: [B, k]; target_logits: [B, k+1, V].
+def _capped(n: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+    """Rows drafted fewer than k tokens (continuous batching: k per request) accept at most their own
+    k; the position after it is that row's bonus."""
+    return n if limit is None else torch.minimum(n, limit.to(n.device))
 
-    The verifier's argmax at every position is the token it would emit; drafts are accepted while
-    they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
+
+def greedy_accept(
+    draft_tokens: torch.Tensor,  # [B, k]
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
+) -> BlockOutcome:
+    """Temperature 0. The verifier's argmax at every position is the token it would emit; drafts are
+    accepted while they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
     """
     target = target_logits.argmax(dim=-1)  # [B, k+1]
-    n = _leading_true(draft_tokens == target[:, :-1])
+    n = _capped(_leading_true(draft_tokens == target[:, :-1]), limit)
     return BlockOutcome(tokens=target, num_accepted=n)
 
 
@@ -51,16 +59,19 @@ def rejection_sample(
     draft_probs: torch.Tensor,  # [B, k, V] q
     target_probs: torch.Tensor,  # [B, k+1, V] p
     uniforms: torch.Tensor,  # [B, k+1]: u_0..u_{k-1} accept tests, u_k samples the emitted token
+    limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
 ) -> BlockOutcome:
     """Lossless acceptance for temperature > 0."""
     B, k = draft_tokens.shape
     idx = draft_tokens[..., None]
     p_d = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k] p_i(d_i)
     q_d = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k] q_i(d_i)
-    n = _leading_true(uniforms[:, :k] * q_d < p_d)  # accept iff u < p/q
+    n = _capped(_leading_true(uniforms[:, :k] * q_d < p_d), limit)  # accept iff u < p/q
     rows = torch.arange(B)
     p_n = target_probs[rows, n]  # [B, V]
     q_n = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)[rows, n]  # q_k := 0
+    if limit is not None:  # all of a row's own k accepted: a bonus, drawn from p alone
+        q_n = torch.where((n == limit.to(n.device))[:, None], 0.0, q_n)
     residual = (p_n - q_n).clamp_(min=0)  # [B, V] norm(max(0, p − q)); equals p_n for the bonus
     empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: rejection was impossible
     residual = torch.where(empty, p_n, residual)

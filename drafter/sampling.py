@@ -37,8 +37,38 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. logits: [..., V] → float32 [..., V]."""
+@dataclass(frozen=True)
+class RowParams:
+    """The sampling transforms of a batch whose rows belong to different requests (continuous
+    batching). Rows with equal (temperature, top-k, top-p) are warped together by the scalar path,
+    so each row gets bit for bit what it would get decoded alone."""
+
+    rows: tuple[SamplingParams, ...]  # one per batch row (empty slots: the greedy default)
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy: the whole step takes the temperature-0 path."""
+        return all(p.greedy for p in self.rows)
+
+    @property
+    def greedy_rows(self) -> torch.Tensor:
+        """[B] bool."""
+        return torch.tensor([p.greedy for p in self.rows])
+
+    def groups(self) -> dict[SamplingParams, torch.Tensor]:
+        """Sampled rows by transform: a representative SamplingParams → row indices [R]."""
+        by: dict[tuple, list[int]] = {}
+        for b, p in enumerate(self.rows):
+            if not p.greedy:
+                by.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
+        return {SamplingParams(t, k, tp): torch.tensor(rows) for (t, k, tp), rows in by.items()}
+
+
+def warp(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p. logits: [B, ..., V] → float32 [B, ..., V].
+    With RowParams, greedy rows get softmax(logits) (temperature 1: what their log q is logged from)."""
+    if isinstance(params, RowParams):
+        return _warp_rows(logits, params)
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -47,6 +77,13 @@ def warp(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     return probs
+
+
+def _warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    out = torch.softmax(logits.float(), dim=-1)
+    for group, rows in params.groups().items():
+        out[rows.to(logits.device)] = warp(logits[rows.to(logits.device)], group)
+    return out
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

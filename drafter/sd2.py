@@ -127,6 +127,12 @@ class SteeredDrafter(PretrainedDrafter):
         super().start(prompts, capacity, view)
         self._features = view.features
 
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView | None = None) -> None:
+        super().join(slots, prompts, view)
+        idx = torch.tensor(slots, dtype=torch.long, device=self.lean.device)
+        for i in self.verifier_layers:
+            self._features[i][idx] = view.features[i].to(self._features[i].dtype)
+
     def observe(self, outcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         super().observe(outcome, active, view)
         keep = active[:, None].to(self.lean.device)

@@ -13,7 +13,7 @@ import torch
 from drafter.decoder import KVCache, LeanDecoder, prefill
 from drafter.proposer import Drafter, Proposal, VerifierView, emitted_tokens
 from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
-from drafter.sampling import SamplingParams, draw_uniforms, make_generators, warp
+from drafter.sampling import RowParams, SamplingParams, warp
 
 Sampler = Callable[..., BlockOutcome]
 
@@ -28,6 +28,7 @@ class StepTrace:
     hidden: dict[int, torch.Tensor]  # record layer -> [B, k+1, d] residual streams at the same positions
     outcome: BlockOutcome
     active: torch.Tensor  # [B] bool: rows this step decoded
+    limit: torch.Tensor | None = None  # [B] each row's own k when rows differ (continuous batching)
 
 
 def speculative_step(
@@ -36,11 +37,12 @@ def speculative_step(
     last: torch.Tensor,  # [B] the newest committed token per row (not yet in the verifier's cache)
     drafter: Drafter | None,
     k: int,
-    params: SamplingParams,
+    params: SamplingParams | RowParams,
     uniforms: torch.Tensor | None,  # [B, 2k+1]: k for drafting, k+1 for acceptance; None if greedy
     active: torch.Tensor,  # [B] bool
     sampler: Sampler = rejection_sample,
     on_trace: Callable[[StepTrace], None] | None = None,  # replay logging; None costs nothing
+    limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
 ) -> BlockOutcome:
     u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:])
     if k:
@@ -52,17 +54,29 @@ def speculative_step(
     capture = tuple(drafter.verifier_layers) + record if k else ()
     out = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1), capture=capture)
     logits = out.logits  # [B, k+1, V]
-    if params.greedy:
-        outcome = greedy_accept(proposal.tokens, logits)
-    else:
-        outcome = sampler(proposal.tokens, proposal.probs, warp(logits, params), u_accept)
+    outcome = accept(proposal, logits, params, u_accept, sampler, limit)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if k:
         drafter.observe(outcome, active, VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted)))
         if on_trace is not None:
-            on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active))
+            on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active, limit))
     return outcome
+
+
+def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | RowParams,
+           u_accept: torch.Tensor | None, sampler: Sampler, limit: torch.Tensor | None) -> BlockOutcome:
+    """The verdict on a block: greedy rows by argmax, sampled rows by the lossless sampler."""
+    cap = {} if limit is None else {"limit": limit}
+    greedy = greedy_accept(proposal.tokens, logits, **cap) if params.greedy or isinstance(params, RowParams) else None
+    if params.greedy:
+        return greedy
+    sampled = sampler(proposal.tokens, proposal.probs, warp(logits, params), u_accept, **cap)
+    if greedy is None:
+        return sampled
+    rows = params.greedy_rows.to(sampled.tokens.device)
+    return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, sampled.tokens),
+                        num_accepted=torch.where(rows, greedy.num_accepted, sampled.num_accepted))
 
 
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -167,33 +181,17 @@ def generate(
     hooks: "StepHooks | None" = None,
 ) -> list[Generation]:
     """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone.
+    Request i draws from the stream seeded by (params.seed, first_request + i).
 
     `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
     old one's rows), and `traced(histories)` returns a callback for the step's trace."""
+    from drafter.engine import Engine, EngineRequest  # the engine drives this module's step
+
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
-    if params.stop and stop_rule.decode is None:
-        raise ValueError("stop strings need a decode function")
-    B = len(prompts)
     capacity = max(map(len, prompts)) + params.max_tokens + 2 * k + 2
-    cache, features = prefill(verifier, prompts, capacity, drafter.verifier_layers if k else ())
-    if k:
-        drafter.start(prompts, capacity, VerifierView(cache, features))
-    last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
-    generators = make_generators(params.seed, B, start=first_request)
-    gens = [Generation([], None, RequestStats(k)) for _ in prompts]
-    active = torch.ones(B, dtype=torch.bool)
-    while active.any():
-        on_trace = None
-        if hooks is not None and k:
-            histories = [p + g.token_ids for p, g in zip(prompts, gens)]
-            drafter = hooks.swap(drafter, histories)
-            on_trace = hooks.traced(histories)
-        uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
-        outcome = speculative_step(verifier, cache, last, drafter, k, params, uniforms, active, sampler, on_trace)
-        for b in torch.nonzero(active).flatten().tolist():
-            gens[b].stats.record(int(outcome.num_accepted[b]))
-            stop_rule.extend(gens[b], emitted_tokens(outcome, b), params)
-            active[b] = gens[b].finish_reason is None
-        last = outcome.last_tokens
-    return gens
+    engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks)
+    engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
+    while engine.running:
+        engine.step()
+    return [engine.finished.pop(str(i)) for i in range(len(prompts))]

@@ -1,0 +1,208 @@
+"""Continuous batching: a fixed pool of cache slots that requests join and leave between steps.
+
+Pure torch, no processes: `generate()` and the serving worker both drive an `Engine`.
+
+- `admit(requests)` prefills new prompts into free slots (one forward for all of them, the other
+  rows untouched) — between two steps, never inside one.
+- `step()` runs one `speculative_step` over the pool. Rows differ in k, temperature, top-k/top-p
+  and seed: the drafter proposes max k for every row, and row b accepts at most its own k (the
+  position after is its bonus, drawn from p alone), so each row is decoded exactly as it would be
+  alone — the same token ids at temperature 0, the same draws from its own seeded stream.
+- A request leaves the moment it finishes (EOS, stop string, max tokens) or is aborted; its slot is
+  free for the next `admit`. Empty slots ride along inactive (their cache never advances).
+
+Uniform layout per step (kmax = max k of the live rows), row b with its own k_b drawing 2 k_b + 1
+uniforms from its stream, as `generate` alone would: columns [0, k_b) drive drafting, [kmax,
+kmax + k_b) the accept tests, column 2 kmax the emitted token; the other columns are unused filler.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from drafter.decoder import LeanDecoder, prefill_rows
+from drafter.proposer import Drafter, VerifierView, emitted_tokens
+from drafter.rejection import rejection_sample
+from drafter.sampling import RowParams, SamplingParams, make_generators
+from drafter.speculative import Generation, RequestStats, Sampler, StepHooks, StopRule, speculative_step
+
+
+@dataclass
+class EngineRequest:
+    id: str
+    prompt: list[int]  # token ids (>= 1)
+    params: SamplingParams
+    k: int  # this request's draft length; 0 = the verifier alone
+    stream: int = 0  # draws from the stream seeded by (params.seed, stream)
+
+
+@dataclass
+class RowUpdate:
+    """What one step gave one request."""
+
+    id: str
+    slot: int
+    new_tokens: list[int]  # committed this step (cut at EOS / stop / max tokens)
+    accepted: int  # drafts accepted in this block
+    finish_reason: str | None  # set on the request's last step
+
+
+@dataclass
+class _Row:
+    request: EngineRequest
+    gen: Generation
+    generator: torch.Generator | None  # None when greedy
+
+    @property
+    def history(self) -> list[int]:
+        return self.request.prompt + self.gen.token_ids
+
+
+@dataclass
+class StepTiming:
+    forward_s: float = 0.0  # inside speculative_step (draft + verify passes, acceptance)
+    total_s: float = 0.0  # the whole step, Python bookkeeping included
+
+
+@dataclass
+class Engine:
+    verifier: LeanDecoder
+    drafter: Drafter | None
+    slots: int
+    capacity: int  # positions per slot: prompt + max_tokens + 2 k + 2 must fit
+    stop_rule: StopRule
+    sampler: Sampler = rejection_sample
+    hooks: StepHooks | None = None
+    finished: dict[str, Generation] = field(default_factory=dict)  # generations of finished requests
+    timing: StepTiming = field(default_factory=StepTiming)  # of the last step
+
+    def __post_init__(self):
+        self.cache = self.verifier.new_cache(self.slots, self.capacity)
+        self.rows: list[_Row | None] = [None] * self.slots
+        self.last = torch.zeros(self.slots, dtype=torch.long)
+        if self.drafter is not None:
+            self._start_drafter()
+
+    def _start_drafter(self) -> None:
+        empty = [[0]] * self.slots
+        zeros = {i: torch.zeros(self.slots, self.verifier.hidden_size, device=self.verifier.device, dtype=self.verifier.dtype)
+                 for i in self.drafter.verifier_layers}
+        self.drafter.start(empty, self.capacity, VerifierView(self.cache, zeros))
+
+    # -- admission
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def free(self) -> list[int]:
+        return [s for s, r in enumerate(self.rows) if r is None]
+
+    def fits(self, prompt_len: int, max_tokens: int, k: int) -> bool:
+        return prompt_len + max_tokens + 2 * k + 2 <= self.capacity
+
+    def admit(self, requests: list[EngineRequest]) -> list[int]:
+        """Prefill `requests` into free slots (at most len(free) of them); returns their slots."""
+        if not requests:
+            return []
+        if len(requests) > len(self.free):
+            raise ValueError(f"{len(requests)} requests for {len(self.free)} free slots")
+        for r in requests:
+            self._check(r)
+        slots = self.free[: len(requests)]
+        prompts = [r.prompt for r in requests]
+        layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
+        features = prefill_rows(self.verifier, self.cache, slots, prompts, layers)
+        if self.drafter is not None:
+            self.drafter.join(slots, prompts, VerifierView(self.cache, features))
+        for s, r in zip(slots, requests):
+            gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
+            self.rows[s] = _Row(r, Generation([], None, RequestStats(r.k)), gen)
+            self.last[s] = r.prompt[-1]
+        return slots
+
+    def _check(self, r: EngineRequest) -> None:
+        if not r.prompt:
+            raise ValueError(f"request {r.id}: empty prompt")
+        if r.k and self.drafter is None:
+            raise ValueError(f"request {r.id}: k = {r.k} needs a drafter")
+        if r.params.stop and self.stop_rule.decode is None:
+            raise ValueError("stop strings need a decode function")
+        if not self.fits(len(r.prompt), r.params.max_tokens, r.k):
+            raise ValueError(f"request {r.id}: {len(r.prompt)} prompt tokens + {r.params.max_tokens} new "
+                             f"(+ {2 * r.k + 2} for drafting) exceed the {self.capacity}-position context")
+
+    def abort(self, request_id: str) -> bool:
+        """Free the request's slot now (between steps); False if it is not running."""
+        for s, row in enumerate(self.rows):
+            if row is not None and row.request.id == request_id:
+                self.rows[s] = None
+                return True
+        return False
+
+    # -- one step
+
+    def step(self) -> list[RowUpdate]:
+        """One speculative step over every running request."""
+        t0 = time.perf_counter()
+        live = [s for s, r in enumerate(self.rows) if r is not None]
+        if not live:
+            return []
+        ks = [r.request.k if r is not None else 0 for r in self.rows]
+        kmax = max(ks[s] for s in live)
+        active = torch.tensor([r is not None for r in self.rows])
+        drafter, on_trace = self._hooked(kmax)
+        params, limit = self._params(live, ks, kmax)
+        uniforms = None if params.greedy else self._uniforms(kmax)
+        t1 = time.perf_counter()
+        outcome = speculative_step(self.verifier, self.cache, self.last, drafter, kmax, params, uniforms,
+                                   active, self.sampler, on_trace, limit)
+        t2 = time.perf_counter()
+        updates = [self._commit(s, outcome) for s in live]
+        self.last = outcome.last_tokens
+        self.timing = StepTiming(forward_s=t2 - t1, total_s=time.perf_counter() - t0)
+        return updates
+
+    def _hooked(self, kmax: int):
+        if self.hooks is None or not kmax:
+            return self.drafter, None
+        histories = [r.history if r is not None else [0] for r in self.rows]
+        self.drafter = self.hooks.swap(self.drafter, histories)
+        return self.drafter, self.hooks.traced(histories)
+
+    def _params(self, live: list[int], ks: list[int], kmax: int):
+        """One SamplingParams when every live row shares the transform (the scalar path), else RowParams;
+        per-row k limits only when live rows' k differ."""
+        first = self.rows[live[0]].request.params
+        key = lambda p: (p.temperature, p.top_k, p.top_p)  # noqa: E731
+        shared = all(key(self.rows[s].request.params) == key(first) for s in live)
+        params = first if shared else RowParams(tuple(r.request.params if r is not None else first for r in self.rows))
+        same_k = all(ks[s] == kmax for s in live)
+        return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, self.rows)])
+
+    def _uniforms(self, kmax: int) -> torch.Tensor:
+        u = torch.full((self.slots, 2 * kmax + 1), 0.5)
+        for s, row in enumerate(self.rows):
+            if row is None or row.generator is None:
+                continue
+            k = row.request.k
+            drawn = torch.rand(2 * k + 1, generator=row.generator)
+            u[s, :k] = drawn[:k]
+            u[s, kmax : kmax + k] = drawn[k : 2 * k]
+            u[s, 2 * kmax] = drawn[2 * k]
+        return u
+
+    def _commit(self, s: int, outcome) -> RowUpdate:
+        row = self.rows[s]
+        n = int(outcome.num_accepted[s])
+        before = len(row.gen.token_ids)
+        row.gen.stats.record(n)
+        self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
+        update = RowUpdate(row.request.id, s, row.gen.token_ids[before:], n, row.gen.finish_reason)
+        if row.gen.finish_reason is not None:
+            self.finished[row.request.id] = row.gen
+            self.rows[s] = None
+        return update
