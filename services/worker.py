@@ -34,11 +34,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from drafter.engine import Engine, EngineRequest, RowUpdate
 from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
 from drafter.proposer import Drafter
 from drafter.sampling import SamplingParams
-from drafter.speculative import StepTrace, StopRule, generate
+from drafter.speculative import StepTrace, StopRule
 from services.buffer import ReplayBuffer
 from services.registry import Registry, RegistryError
 from trainer.online import is_finite
@@ -66,6 +67,8 @@ class WorkerConfig:
     logger_queue: int = 256  # steps waiting for the logger thread before new ones are dropped
     poll_interval_s: float = 0.05  # registry reads between steps at most this often (each request starts with one)
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
+    slots: int = 1  # cache slots of the continuous batch (requests decoded together)
+    max_context: int = 1024  # positions per slot: prompt + max_tokens + 2 k + 2 (capped by the model)
 
     def __post_init__(self):
         if self.swap_cache not in ("keep", "recompute"):
@@ -153,18 +156,18 @@ class RecordLogger:
         if self.thread is not None:
             self.thread.start()
 
-    def submit(self, trace: StepTrace, rows: list[int], tags: list[RowTag]) -> None:
-        """Log a step's records now, or queue its trace for the logger thread (its tensors are fresh
-        every step, never written again, so holding them is safe)."""
+    def submit(self, trace: StepTrace, rows: list[int], tags: list[RowTag], k: int | None = None) -> None:
+        """Log a step's records (for `rows`, drafted with k tokens each) now, or queue its trace for the
+        logger thread (its tensors are fresh every step, never written again, so holding them is safe)."""
         if self.thread is None:
-            return self._log(trace, rows, tags)
+            return self._log(trace, rows, tags, k)
         try:
-            self.queue.put_nowait((trace, rows, tags))
+            self.queue.put_nowait((trace, rows, tags, k))
         except queue.Full:
             self.dropped += len(tags)
 
-    def _log(self, trace: StepTrace, rows: list[int], tags: list[RowTag]) -> None:
-        for record in records_from_snapshot(snapshot(trace, rows, self.top_k), tags, self.kind):
+    def _log(self, trace: StepTrace, rows: list[int], tags: list[RowTag], k: int | None) -> None:
+        for record in records_from_snapshot(snapshot(trace, rows, self.top_k, k), tags, self.kind):
             payload = encode(record)
             self.bytes += len(payload)
             self.buffer.append(payload)  # a refusal is counted in the buffer's stats
@@ -194,7 +197,9 @@ class RecordLogger:
 
 @dataclass
 class _Row:
-    request: ServeRequest
+    id: str
+    k: int
+    temperature: float
     blocks: int = 0
     stale: bool = False  # its drafter cache predates the serving version
     versions: list[str] = field(default_factory=list)
@@ -209,7 +214,8 @@ class VerifierWorker:
         self.stop_rule = StopRule(self.verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
         self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter)
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
-        self.drafter: Drafter = self.builder.build()
+        self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
+        self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule, hooks=self)
         self.version = BASE_VERSION
         self.token: str | None = None
         self._polled = float("-inf")  # monotonic time of the last registry read
@@ -223,21 +229,48 @@ class VerifierWorker:
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
-        self.rows: list[_Row] = []
+        self.rows: dict[str, _Row] = {}  # running requests by id
+        self.on_step: list = []  # callables(updates, engine) after every step (metrics)
         self._poll(force=True)
         self._finish_load(wait=True)
 
+    @property
+    def drafter(self) -> Drafter:
+        return self.engine.drafter
+
     # -- serving
 
+    def admit(self, requests: list[EngineRequest]) -> None:
+        """Requests join the running batch (free slots must exist: `engine.free`)."""
+        if not self.engine.running:
+            self._poll(force=True)
+            self._finish_load(wait=False)
+        self.engine.admit(requests)
+        for r in requests:
+            self.rows[r.id] = _Row(r.id, r.k, r.params.temperature, versions=[self.version])
+
+    def step(self) -> list[RowUpdate]:
+        """One speculative step over the running requests."""
+        updates = self.engine.step()
+        for u in updates:
+            if u.finish_reason is not None:
+                self.rows.pop(u.id, None)
+        for callback in self.on_step:
+            callback(updates, self.engine)
+        return updates
+
+    def abort(self, request_id: str) -> bool:
+        self.rows.pop(request_id, None)
+        return self.engine.abort(request_id)
+
     def serve(self, request: ServeRequest) -> dict:
-        """Decode one request to completion; the replay contract's JSON object."""
-        self._poll(force=True)
-        self._finish_load(wait=False)
-        self.rows = [_Row(request, versions=[self.version])]
+        """Decode one request to completion (replay: one at a time); the replay contract's JSON object."""
         t0 = time.perf_counter()
-        gen = generate(self.verifier.lean, self.drafter, [request.prompt_ids], request.sampling(), request.k,
-                       self.stop_rule, first_request=request.index, hooks=self)[0]
-        row = self.rows[0]
+        self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.index)])
+        row = self.rows[request.id]
+        while request.id not in self.engine.finished:
+            self.step()
+        gen = self.engine.finished.pop(request.id)
         return {"index": request.index, "id": request.id, "drafter_version": self.version,
                 "drafter_versions": row.versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
                 "block_efficiency": gen.stats.block_efficiency, "token_ids": gen.token_ids,
@@ -262,7 +295,7 @@ class VerifierWorker:
         recompute = self.cfg.swap_cache == "recompute"
         new.refill(drafter, histories) if recompute else new.adopt(drafter)
         self._switched(new, new_version, t0, t_load, in_flight=True)
-        for row in self.rows:
+        for row in self.rows.values():
             row.stale = not recompute and self.cfg.kind in ("pretrained", "sd2")
             row.versions.append(new_version)
         return new
@@ -271,24 +304,26 @@ class VerifierWorker:
         return lambda trace: self._on_step(trace, histories)
 
     def _on_step(self, trace: StepTrace, histories: list[list[int]]) -> None:
-        k = trace.proposal.tokens.shape[1]
-        rows = torch.nonzero(trace.active).flatten().tolist()
-        for b in rows:
+        slots = torch.nonzero(trace.active).flatten().tolist()
+        rows = {b: self.rows[self.engine.rows[b].request.id] for b in slots}
+        by_k: dict[int, list[int]] = {}
+        for b, row in rows.items():
             n = int(trace.outcome.num_accepted[b])
-            self.monitor.observe(self.version, k, n)
-            if self.rows[b].stale:
-                self.stale[0] += k
+            if row.k:
+                self.monitor.observe(self.version, row.k, n)
+                by_k.setdefault(row.k, []).append(b)
+            if row.stale:
+                self.stale[0] += row.k
                 self.stale[1] += n
-        if self.logger is not None and rows:
-            tags = [self._tag(b, histories[b]) for b in rows]
-            self.logger.submit(trace, rows, tags)
-        for b in rows:
-            self.rows[b].blocks += 1
+        if self.logger is not None:
+            for k, group in by_k.items():
+                self.logger.submit(trace, group, [self._tag(rows[b], histories[b]) for b in group], k)
+        for row in rows.values():
+            row.blocks += 1
         self._check_rollback()
 
-    def _tag(self, b: int, history: list[int]) -> RowTag:
-        row = self.rows[b]
-        return RowTag(row.request.id, self.version, row.blocks, history[-self.cfg.context:], row.request.temperature)
+    def _tag(self, row: _Row, history: list[int]) -> RowTag:
+        return RowTag(row.id, self.version, row.blocks, history[-self.cfg.context:], row.temperature)
 
     # -- versions
 
@@ -340,10 +375,12 @@ class VerifierWorker:
         except Exception as exc:
             self._load_failed(version, exc)
             return
-        self._switched(new, version, time.perf_counter(), t_load, in_flight=False)
+        t0 = time.perf_counter()
+        new.adopt(self.engine.drafter)  # no rows in flight: only the pool's (empty) state carries over
+        self._switched(new, version, t0, t_load, in_flight=False)
 
     def _switched(self, new: Drafter, version: str, t0: float, t_load: float, in_flight: bool) -> None:
-        old, self.drafter, self.version = self.version, new, version
+        old, self.engine.drafter, self.version = self.version, new, version
         stall = (time.perf_counter() - t0) * 1e3
         self.swaps.append(SwapEvent(time.time(), old, version, stall, (t0 - t_load) * 1e3, in_flight))
         self.monitor.promoted(old, version)

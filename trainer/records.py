@@ -173,11 +173,12 @@ class BlockSnapshot:
 
 
 @torch.inference_mode()
-def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K) -> BlockSnapshot:
-    """Extract what records need from a `drafter.speculative.StepTrace`, for `rows`. Only the first
+def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K, k: int | None = None) -> BlockSnapshot:
+    """Extract what records need from a `drafter.speculative.StepTrace`, for `rows`, all drafted with
+    k tokens (default: the step's; less when rows of a continuous batch differ in k). Only the first
     max(n + 1) positions are ever logged, so the verifier's top-K is taken over those alone."""
     idx = torch.tensor(rows, dtype=torch.long)
-    k = trace.proposal.tokens.shape[1]
+    k = k or trace.proposal.tokens.shape[1]
     n = trace.outcome.num_accepted[idx]
     m = min(k, int(n.max()) + 1)
     logp = torch.log_softmax(trace.logits[idx.to(trace.logits.device), :m].float(), dim=-1)  # [R, m, V]
@@ -188,7 +189,7 @@ def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K) -> BlockSnapsho
     hidden = next(iter(trace.hidden.values()), None)
     return BlockSnapshot(
         rows=rows, num_accepted=n.tolist(), k=k,
-        tokens=prop.tokens[idx].cpu().numpy(), draft_logprobs=logprobs.float().cpu().numpy(),
+        tokens=prop.tokens[idx, :k].cpu().numpy(), draft_logprobs=logprobs[:, :k].float().cpu().numpy(),
         top_ids=top.indices.cpu().numpy(), top_logprobs=top.values.cpu().numpy(), rest_mass=rest.cpu().numpy(),
         steer=None if prop.steer is None else prop.steer[idx.to(prop.steer.device)].float().cpu().numpy(),
         hidden=None if hidden is None else hidden[idx.to(hidden.device), :k].float().cpu().numpy(),
