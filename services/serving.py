@@ -1,0 +1,300 @@
+"""The serving loop around a `VerifierWorker`: a bounded queue, a thread that admits requests into
+free cache slots and steps the continuous batch, and per-request streams of `Chunk`s.
+
+Threads: callers (the API's event loop, or a Ray actor's) `submit` requests and `cancel` them; one
+loop thread owns the engine and does everything else, so the engine itself needs no locks.
+
+- Backpressure: at most `max_queue` requests wait for a slot; beyond that a request is answered at
+  once with an overloaded error (the API turns it into 503 with Retry-After).
+- A cancelled request (its client went away) leaves its slot at the next step.
+- Text is detokenized incrementally: an incomplete UTF-8 character is held back, and with stop
+  strings the last (longest stop − 1) characters are held back until the request ends, so no part
+  of a stop string is ever streamed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from drafter.engine import EngineRequest, RowUpdate
+from services.protocol import Chunk, CompletionRequest, Usage, WorkerInfo, WorkerLoad, invalid, overloaded
+from services.worker import VerifierWorker, WorkerConfig
+
+log = logging.getLogger("specloop.serving")
+Sink = Callable[[Chunk], None]
+
+
+@dataclass
+class TextStream:
+    """Incremental detokenization of one request's tokens."""
+
+    decode: Callable[[list[int]], str]
+    stop: tuple[str, ...] = ()
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0  # characters already streamed
+
+    def push(self, new: list[int], final: bool) -> str:
+        """The new text that may be streamed now."""
+        self.tokens.extend(new)
+        text = self.decode(self.tokens)
+        if final:
+            text = cut_at_stop(text, self.stop)
+        else:
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
+                text = text.rstrip("\ufffd")
+            if self.stop:
+                text = text[: max(self.sent, len(text) - (max(map(len, self.stop)) - 1))]
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return delta
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
+
+
+@dataclass
+class _Live:
+    request: CompletionRequest
+    sink: Sink
+    text: TextStream
+    versions: list[str]
+    blocks: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    completion: int = 0
+
+
+@dataclass
+class ServingConfig:
+    worker: WorkerConfig
+    max_queue: int = 64  # requests waiting for a slot before new ones are refused (503)
+    model: str = "specloop"  # the model id clients name
+    name: str = "worker-0"
+    idle_wait_s: float = 0.05  # how long the loop sleeps when nothing runs or waits
+
+
+class ServingLoop:
+    def __init__(self, cfg: ServingConfig, worker: VerifierWorker):
+        self.cfg, self.worker = cfg, worker
+        tok = worker.verifier.tokenizer
+        self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        self.waiting: deque[tuple[CompletionRequest, Sink]] = deque()
+        self.cancelled: set[str] = set()
+        self.live: dict[str, _Live] = {}
+        self.lock = threading.Lock()
+        self.wake = threading.Event()
+        self.stopped = False
+        self.ready = False
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
+
+    def start(self) -> "ServingLoop":
+        self.thread.start()
+        return self
+
+    # -- callers' side (any thread)
+
+    def submit(self, request: CompletionRequest, sink: Sink) -> None:
+        problem = self._validate(request)
+        if problem is not None:
+            return sink(problem)
+        with self.lock:
+            if len(self.waiting) >= self.cfg.max_queue:
+                return sink(overloaded(request.id))
+            self.waiting.append((request, sink))
+        self.wake.set()
+
+    def cancel(self, request_id: str) -> None:
+        with self.lock:
+            self.cancelled.add(request_id)
+        self.wake.set()
+
+    def load(self) -> WorkerLoad:
+        return WorkerLoad(len(self.waiting), self.worker.engine.running, self.worker.engine.slots,
+                          self.cfg.max_queue, self.worker.version)
+
+    def info(self, metrics_url: str | None = None, buffer: str | None = None) -> WorkerInfo:
+        w = self.worker.cfg
+        return WorkerInfo(self.cfg.name, w.verifier, self.cfg.model, w.kind, self.worker.version,
+                          self.worker.max_context, w.slots, self.cfg.max_queue, w.registry, w.redis_url,
+                          w.prefix, buffer, metrics_url)
+
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
+        """Chunks for one request, on the caller's event loop; closing the iteration cancels it."""
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.submit(request, lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
+        done = False
+        try:
+            while not done:
+                chunk = await queue.get()
+                done = chunk.last
+                yield chunk
+        finally:
+            if not done:
+                self.cancel(request.id)
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+        self.thread.join(timeout=10)
+
+    def _validate(self, r: CompletionRequest) -> Chunk | None:
+        if r.drafter_version not in (None, self.worker.version):
+            return invalid(r.id, f"drafter_version {r.drafter_version!r} is not serving (serving "
+                                 f"{self.worker.version!r}); pin it with `specloop drafter pin`", "speculative.drafter_version")
+        if r.k and self.worker.engine.drafter is None:
+            return invalid(r.id, "this worker has no drafter: set speculative.enabled false", "speculative")
+        need = len(r.prompt_ids) + r.max_tokens + 2 * r.k + 2
+        if not r.prompt_ids or need > self.worker.max_context:
+            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} (+ {2 * r.k + 2} "
+                                 f"for drafting) exceeds the context of {self.worker.max_context} positions", "max_tokens")
+        try:
+            r.sampling()
+        except ValueError as exc:
+            return invalid(r.id, str(exc))
+        return None
+
+    # -- the loop thread
+
+    def _run(self) -> None:
+        self._warm_up()
+        while not self.stopped:
+            self._drop_cancelled()
+            self._admit()
+            if not self.worker.engine.running:
+                self.wake.wait(self.cfg.idle_wait_s)
+                self.wake.clear()
+                continue
+            try:
+                updates = self.worker.step()
+            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the worker
+                log.exception("step failed")
+                self._fail_all(f"internal error in a decoding step: {exc}")
+                continue
+            self.steps += 1
+            for u in updates:
+                self._deliver(u)
+
+    def _warm_up(self) -> None:
+        """One real forward pass (and drafter pass) before the worker says it is ready."""
+        req = CompletionRequest("warm-up-" + uuid.uuid4().hex[:8], [0, 1], max_tokens=1,
+                                k=1 if self.worker.engine.drafter is not None else 0)
+        self.worker.admit([self._engine_request(req)])
+        while self.worker.engine.running:
+            self.worker.step()
+        self.worker.engine.finished.pop(req.id, None)
+        self.ready = True
+
+    def _drop_cancelled(self) -> None:
+        with self.lock:
+            gone, self.cancelled = self.cancelled, set()
+            self.waiting = deque(item for item in self.waiting if item[0].id not in gone)
+        for rid in gone:
+            if self.live.pop(rid, None) is not None:
+                self.worker.abort(rid)
+
+    def _admit(self) -> None:
+        free = len(self.worker.engine.free)
+        with self.lock:
+            batch = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        if not batch:
+            return
+        try:
+            self.worker.admit([self._engine_request(r) for r, _ in batch])
+        except Exception as exc:  # noqa: BLE001 - e.g. a request that does not fit: refuse it, keep serving
+            log.warning("admission failed: %s", exc)
+            for r, sink in batch:
+                sink(invalid(r.id, str(exc)))
+            return
+        for r, sink in batch:
+            self.live[r.id] = _Live(r, sink, TextStream(self.decode, tuple(r.stop)), [self.worker.version])
+
+    @staticmethod
+    def _engine_request(r: CompletionRequest) -> EngineRequest:
+        return EngineRequest(r.id, list(r.prompt_ids), r.sampling(), r.k, r.stream_index)
+
+    def _deliver(self, u: RowUpdate) -> None:
+        live = self.live.get(u.id)
+        if live is None:
+            return
+        live.blocks += 1
+        live.drafted += live.request.k
+        live.accepted += u.accepted
+        live.completion += len(u.new_tokens)
+        if self.worker.version != live.versions[-1]:
+            live.versions.append(self.worker.version)
+        final = u.finish_reason is not None
+        chunk = Chunk(u.id, list(u.new_tokens), live.text.push(u.new_tokens, final), u.finish_reason)
+        if final:
+            self.worker.engine.finished.pop(u.id, None)
+            del self.live[u.id]
+            chunk.usage = Usage(len(live.request.prompt_ids), live.completion, live.drafted, live.accepted,
+                                live.blocks, ",".join(live.versions))
+        if chunk.token_ids or final:
+            live.sink(chunk)
+
+    def _fail_all(self, message: str) -> None:
+        from services.protocol import ErrorInfo
+
+        for rid, live in list(self.live.items()):
+            self.worker.abort(rid)
+            live.sink(Chunk(rid, error=ErrorInfo(message, "server_error", 500)))
+        self.live.clear()
+
+
+class LocalBackend:
+    """A serving loop in this process behind the `Backend` interface (tests; serve without Ray)."""
+
+    def __init__(self, loop: ServingLoop, metrics_url: str | None = None, buffer: str | None = None):
+        self.loop, self.metrics_url, self.buffer = loop, metrics_url, buffer
+
+    @classmethod
+    def open(cls, verifier: str, drafter: str | None, kind: str = "pretrained", slots: int = 4, max_queue: int = 16,
+             model: str = "specloop", **worker_fields) -> "LocalBackend":
+        cfg = WorkerConfig(verifier=str(verifier), drafter=None if drafter is None else str(drafter), kind=kind,
+                           slots=slots, log_records=False, **worker_fields)
+        worker = VerifierWorker(cfg)
+        return cls(ServingLoop(ServingConfig(cfg, max_queue=max_queue, model=model), worker).start())
+
+    def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
+        return self.loop.stream(request)
+
+    async def workers(self) -> list[WorkerInfo]:
+        return [self.loop.info(self.metrics_url, self.buffer)] if self.loop.thread.is_alive() else []
+
+    async def loads(self) -> list[WorkerLoad]:
+        return [self.loop.load()]
+
+    async def ready(self) -> bool:
+        return self.loop.ready
+
+    async def buffer_stats(self) -> dict | None:
+        buffer = self.loop.worker.logger.buffer if self.loop.worker.logger is not None else None
+        return None if buffer is None else buffer_stats_dict(buffer.stats())
+
+    async def metrics_targets(self) -> list[str]:
+        return [self.metrics_url] if self.metrics_url else []
+
+    async def close(self) -> None:
+        self.loop.stop()
+        self.loop.worker.close()
+
+
+def buffer_stats_dict(stats) -> dict:
+    from dataclasses import asdict
+
+    return asdict(stats)
+
+
+def wait_ready(loop: ServingLoop, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not loop.ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return loop.ready
