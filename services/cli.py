@@ -35,7 +35,8 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specloop", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specloop", description=__doc__, epilog="operator commands (each with --help):"
+                                     " specloop drafter list|status|pin|unpin|rollback, specloop buffer stats")
     parser.add_argument("--threads", type=_threads, default=min(os.cpu_count() or 1, 8), help="torch threads")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -210,6 +211,11 @@ SUBCOMMAND = {"models": "models_command", "train": "train_command"}
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["drafter"], ["buffer"]):  # operator commands: HTTP to a running service (Typer)
+        from services.operator import run
+
+        return run(argv)
     args = build_parser().parse_args(argv)
     import torch
 
