@@ -45,6 +45,7 @@ class RowUpdate:
     id: str
     slot: int
     new_tokens: list[int]  # committed this step (cut at EOS / stop / max tokens)
+    k: int  # drafts this request asked for in this block (0: the verifier alone)
     accepted: int  # drafts accepted in this block
     finish_reason: str | None  # set on the request's last step
 
@@ -201,7 +202,7 @@ class Engine:
         before = len(row.gen.token_ids)
         row.gen.stats.record(n)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
-        update = RowUpdate(row.request.id, s, row.gen.token_ids[before:], n, row.gen.finish_reason)
+        update = RowUpdate(row.request.id, s, row.gen.token_ids[before:], row.request.k, n, row.gen.finish_reason)
         if row.gen.finish_reason is not None:
             self.finished[row.request.id] = row.gen
             self.rows[s] = None

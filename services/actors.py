@@ -16,13 +16,19 @@ from services.buffer import BufferEntry, BufferStats, MemoryBuffer, ReplayBuffer
 ACTOR_CPUS = 0.5  # the worker and the learner fit beside the driver on 2 CPUs
 
 
-def init_ray(address: str | None = None) -> bool:
+NAMESPACE = "specloop"  # Ray namespace of the serving actors (named, so API processes find them)
+WORKER_PREFIX = "specloop-worker-"
+LEARNER_NAME = "specloop-learner"
+
+
+def init_ray(address: str | None = None, namespace: str | None = None) -> bool:
     """Join `address` or start a local instance; True when this call started it."""
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING,
-             configure_logging=True)
+    extra = {} if address else {"include_dashboard": False}
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=True,
+             namespace=namespace, **extra)
     return True
 
 
@@ -122,6 +128,59 @@ class WorkerActor:
         return self.worker.stats()
 
 
+@ray.remote(num_cpus=ACTOR_CPUS)
+class ServingActor:
+    """A verifier worker serving a continuous batch: `stream` is an async generator of chunk dicts
+    (a Ray streaming call); cancelling it (the client left) frees the request's slot. Its metrics are
+    served on their own port (`info()["metrics_url"]`), listed by the API for Prometheus."""
+
+    def __init__(self, cfg: dict, buffer_spec: str | None, host=None, prefix: str = "specloop",
+                 name: str = "worker-0", model: str = "specloop", max_queue: int = 64):
+        from services.metrics import WorkerMetrics, serve_metrics
+        from services.serving import ServingConfig, ServingLoop, attach_metrics
+        from services.worker import VerifierWorker, WorkerConfig
+
+        self.buffer_spec = buffer_spec
+        self.buffer = make_buffer(buffer_spec, host, prefix)
+        wcfg = WorkerConfig(**cfg)
+        self.loop = ServingLoop(ServingConfig(wcfg, max_queue, model, name), VerifierWorker(wcfg, self.buffer))
+        self.metrics = WorkerMetrics(worker=name)
+        attach_metrics(self.loop, self.metrics)
+        self.metrics_url = serve_metrics(self.metrics, host=ray.util.get_node_ip_address())
+        self.loop.start()
+
+    async def stream(self, request: dict):
+        from services.protocol import CompletionRequest
+
+        async for chunk in self.loop.stream(CompletionRequest.from_dict(request)):
+            yield chunk.to_dict()
+
+    async def info(self) -> dict:
+        return self.loop.info(self.metrics_url, self.buffer_spec).to_dict()
+
+    async def load(self) -> dict:
+        return self.loop.load().to_dict()
+
+    async def ready(self) -> bool:
+        return self.loop.ready
+
+    async def buffer_stats(self) -> dict | None:
+        from dataclasses import asdict
+
+        return None if self.buffer is None else asdict(self.buffer.stats())
+
+    async def stats(self) -> dict:
+        return self.loop.worker.stats() | {"steps": self.loop.steps}
+
+    async def close(self) -> dict:
+        self.loop.stop()
+        self.loop.worker.drain()
+        self.loop.worker.close()
+        if self.buffer is not None:
+            self.buffer.close()
+        return self.loop.worker.stats()
+
+
 @ray.remote(num_cpus=ACTOR_CPUS, max_concurrency=4)
 class LearnerActor:
     """The learner trains on its own thread; stats/stop calls run beside it (max_concurrency)."""
@@ -137,6 +196,9 @@ class LearnerActor:
     def start(self) -> bool:
         self.service.start()
         return True
+
+    def metrics_url(self) -> str:
+        return self.service.serve_metrics(host=ray.util.get_node_ip_address())
 
     def stats(self) -> dict:
         return self.service.stats()

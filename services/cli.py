@@ -76,6 +76,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     _add_sampling(r)
 
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API: Ray workers, learner, registry, HTTP")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--verifier", type=Path, help="default: the bootstrap cache (trained on first use)")
+    s.add_argument("--drafter", type=Path)
+    s.add_argument("--drafter-kind", default=None, help="pretrained (default with --drafter), sd2, dvi or ngram")
+    s.add_argument("--learner", default="klrl", help="off | kl | klrl | lk")
+    s.add_argument("--ray-address", help="join this Ray cluster (default: start a local instance)")
+    s.add_argument("--workers", type=int, default=1, help="verifier worker actors")
+    s.add_argument("--slots", type=int, default=8, help="continuous-batch slots per worker")
+    s.add_argument("--max-queue", type=int, default=64, help="waiting requests per worker before 503")
+    s.add_argument("--max-context", type=int, default=1024, help="positions per request (prompt + output)")
+    s.add_argument("--registry", type=Path, help="drafter registry folder (default: ~/.cache/specloop/registry)")
+    s.add_argument("--worker-resource", action="append", default=[], metavar="NAME",
+                   help="a Ray custom resource each worker asks for (places workers on chosen nodes)")
+    s.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+
+    a = sub.add_parser("api", help="an extra API process attached to the workers of a running cluster")
+    a.add_argument("--ray-address", default=None, help="the cluster (default: RAY_ADDRESS or the local one)")
+    a.add_argument("--host", default="127.0.0.1")
+    a.add_argument("--port", type=int, default=8000)
+
     d = sub.add_parser("demo", help="the main job: bootstrap models if none are given, then generate")
     d.add_argument("--verifier", type=Path)
     d.add_argument("--drafter", type=Path)
@@ -206,7 +228,37 @@ def cmd_replay(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "replay": cmd_replay, "bootstrap": cmd_bootstrap, "offline": cmd_train_offline, "demo": cmd_demo}
+def cmd_serve(args) -> int:
+    from services.serve import ServeConfig, run_serve
+
+    verifier, drafter = args.verifier, args.drafter
+    if verifier is None:
+        from trainer.bootstrap import ensure_models
+
+        verifier, drafter = ensure_models(args.cache / "models", threads=args.threads)
+    kind = args.drafter_kind or ("pretrained" if drafter else None)
+    if kind is None:
+        raise UsageError("give --drafter DIR and/or --drafter-kind")
+    for flag, value in (("--workers", args.workers), ("--slots", args.slots), ("--max-context", args.max_context)):
+        if value < 1:
+            raise UsageError(f"{flag} must be >= 1")
+    cfg = ServeConfig(verifier=Path(verifier), drafter=None if drafter is None else Path(drafter), kind=kind,
+                      host=args.host, port=args.port, learner=args.learner, ray_address=args.ray_address,
+                      workers=args.workers, slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
+                      registry=args.registry, admin_token=os.environ.get("SPECLOOP_ADMIN_TOKEN") or None,
+                      worker_threads=max(1, args.threads // 2), worker_resources={r: 1 for r in args.worker_resource})
+    if cfg.learner not in ("off", "kl", "klrl", "lk"):
+        raise UsageError(f"unknown learner {cfg.learner!r}; choose off, kl, klrl or lk")
+    return run_serve(cfg)
+
+
+def cmd_api(args) -> int:
+    from services.serve import run_api_process
+
+    return run_api_process(args.ray_address, args.host, args.port, os.environ.get("SPECLOOP_ADMIN_TOKEN") or None)
+
+
+COMMANDS = {"serve": cmd_serve, "api": cmd_api, "generate": cmd_generate, "replay": cmd_replay, "bootstrap": cmd_bootstrap, "offline": cmd_train_offline, "demo": cmd_demo}
 SUBCOMMAND = {"models": "models_command", "train": "train_command"}
 
 

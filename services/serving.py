@@ -225,7 +225,7 @@ class ServingLoop:
         if live is None:
             return
         live.blocks += 1
-        live.drafted += live.request.k
+        live.drafted += u.k
         live.accepted += u.accepted
         live.completion += len(u.new_tokens)
         if self.worker.version != live.versions[-1]:
@@ -247,6 +247,29 @@ class ServingLoop:
             self.worker.abort(rid)
             live.sink(Chunk(rid, error=ErrorInfo(message, "server_error", 500)))
         self.live.clear()
+
+
+def attach_metrics(loop: ServingLoop, metrics) -> None:
+    """Feed a `services.metrics.WorkerMetrics` from every step of `loop`'s worker (one call per step)."""
+    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "records_at": 0.0}
+    metrics.serving(worker.version)
+
+    def on_step(updates: list[RowUpdate], engine) -> None:
+        metrics.blocks(worker.version, [u.k for u in updates], [u.accepted for u in updates])
+        metrics.generated(sum(len(u.new_tokens) for u in updates))
+        metrics.load(len(loop.waiting), engine.running)
+        metrics.step(engine.timing.forward_s, engine.timing.total_s)
+        for s in worker.swaps[seen["swaps"]:]:
+            metrics.swap(s.old, s.new)
+        for _ in worker.rollbacks[seen["rollbacks"]:]:
+            metrics.rollback()
+        seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks))
+        if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:  # buffer stats may be a Redis call
+            seen["records_at"] = time.monotonic()
+            rec = worker.logger.stats()
+            metrics.records(rec["logged"], rec["dropped"])
+
+    worker.on_step.append(on_step)
 
 
 class LocalBackend:

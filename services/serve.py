@@ -1,0 +1,201 @@
+"""`specloop serve` and `specloop api`: the serving system on Ray.
+
+serve: starts a local Ray instance (or joins `--ray-address`), the verifier worker actors (named
+`specloop-worker-<i>` in the Ray namespace "specloop", each asking for a GPU when the cluster has
+one), the learner actor (unless `--learner off`), the registry, and the HTTP API in this process.
+api: an extra API process that attaches to the workers of a running cluster (what sits behind the
+load balancer). Both stop cleanly on SIGINT / SIGTERM; serve also stops the actors it started.
+
+Embedded defaults: Redis from `SPECLOOP_REDIS_URL`, else 127.0.0.1:6379 when it answers, else the
+embedded buffer (said once in the log); models from the flags or the bootstrap cache; the registry
+in `--registry` or the cache folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("specloop.serve")
+LOCAL_REDIS = "redis://127.0.0.1:6379"
+
+
+@dataclass
+class ServeConfig:
+    verifier: Path
+    drafter: Path | None
+    kind: str = "pretrained"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    learner: str = "klrl"  # off | kl | klrl | lk
+    ray_address: str | None = None
+    workers: int = 1
+    slots: int = 8  # continuous-batch slots per worker
+    max_queue: int = 64  # waiting requests per worker before 503
+    max_context: int = 1024
+    registry: Path | None = None
+    redis_url: str | None = None  # None: detect (SPECLOOP_REDIS_URL, then the local Redis, else embedded)
+    admin_token: str | None = None
+    worker_threads: int = 1
+    learner_threads: int = 1
+    worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
+    model_id: str | None = None  # default: the verifier folder's name
+
+
+def detect_redis() -> str | None:
+    """SPECLOOP_REDIS_URL, else the local Redis when it answers, else None (embedded buffer)."""
+    url = os.environ.get("SPECLOOP_REDIS_URL")
+    if url:
+        return url
+    import redis
+
+    client = redis.Redis.from_url(LOCAL_REDIS, socket_connect_timeout=0.5)
+    try:
+        client.ping()
+        return LOCAL_REDIS
+    except redis.RedisError:
+        return None
+    finally:
+        client.close()
+
+
+def registry_prefix(registry: Path) -> str:
+    """Redis key namespace of one registry folder (its versions and its replay stream)."""
+    return "specloop:" + hashlib.sha1(str(registry.resolve()).encode()).hexdigest()[:12]
+
+
+class Deployment:
+    """The actors `serve` starts; `stop()` ends them (and Ray, when this process started it)."""
+
+    def __init__(self, cfg: ServeConfig):
+        import ray
+
+        from services.actors import (LEARNER_NAME, NAMESPACE, WORKER_PREFIX, BufferHost, LearnerActor, ServingActor,
+                                     init_ray)
+
+        self.cfg = cfg
+        self.started_ray = init_ray(cfg.ray_address, NAMESPACE)
+        self._check_free(ray, NAMESPACE, WORKER_PREFIX)
+        redis_url = cfg.redis_url if cfg.redis_url is not None else detect_redis()
+        if redis_url is None:
+            log.warning("no Redis answers (SPECLOOP_REDIS_URL unset, nothing on 127.0.0.1:6379): using the embedded buffer")
+        learning = cfg.learner != "off"
+        self.registry = Path(cfg.registry or Path.home() / ".cache" / "specloop" / "registry").resolve()
+        self.registry.mkdir(parents=True, exist_ok=True)
+        prefix = registry_prefix(self.registry)
+        spec = (redis_url or "memory") if learning else None
+        self.host = BufferHost.options(name="specloop-buffer").remote(100_000) if learning and redis_url is None else None
+        self.learner = None
+        if learning:
+            from trainer.objectives import ObjectiveConfig
+            from trainer.online import LearnerConfig
+
+            lcfg = LearnerConfig(kind=cfg.kind, objective=ObjectiveConfig(name=cfg.learner))
+            self.learner = LearnerActor.options(name=LEARNER_NAME).remote(
+                {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": str(self.registry),
+                 "learner": lcfg.to_dict(), "threads": cfg.learner_threads, "prefix": prefix, "redis_url": redis_url},
+                spec, self.host, prefix)
+            ray.get(self.learner.start.remote())  # seeds the registry with the base version
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        model = cfg.model_id or Path(cfg.verifier).name
+        self.workers = []
+        for i in range(cfg.workers):
+            wcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
+                    "registry": str(self.registry) if learning else None, "threads": cfg.worker_threads,
+                    "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
+                    "max_context": cfg.max_context}
+            actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus, resources=cfg.worker_resources or None)
+            self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
+        ray.get([w.info.remote() for w in self.workers])  # constructed (models loaded)
+
+    @staticmethod
+    def _check_free(ray, namespace: str, prefix: str) -> None:
+        taken = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == namespace and a["name"].startswith(prefix)]
+        if taken:
+            raise RuntimeError(f"this Ray cluster already serves ({', '.join(taken)}): attach with `specloop api` instead")
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        import ray
+
+        deadline = time.monotonic() + timeout
+        while not all(ray.get([w.ready.remote() for w in self.workers])):
+            if time.monotonic() > deadline:
+                raise TimeoutError("workers not ready after a warm-up forward pass")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        import ray
+
+        for w in self.workers:
+            try:
+                ray.get(w.close.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001 - stopping goes on
+                log.warning("worker close: %s", exc)
+        if self.learner is not None:
+            try:
+                ray.get(self.learner.stop.remote(), timeout=30)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("learner stop: %s", exc)
+        for actor in [*self.workers, self.learner, self.host]:
+            if actor is not None:
+                ray.kill(actor)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def _opt(path) -> str | None:
+    return None if path is None else str(path)
+
+
+def build_app(admin_token: str | None):
+    """The API over the cluster's workers (this process must have joined Ray)."""
+    import asyncio
+
+    from drafter.models import load_tokenizer
+    from services.admin import make_admin_router
+    from services.api import create_app
+    from services.cluster import RayBackend
+    from services.metrics import ApiMetrics
+
+    backend = RayBackend()
+    workers = asyncio.run(backend.workers())
+    if not workers:
+        raise RuntimeError("no specloop worker in this Ray cluster: start one with `specloop serve`")
+    info = workers[0]
+    tokenizer = load_tokenizer(info.verifier)
+    return create_app(backend, tokenizer, info.model, info.max_context, make_admin_router(backend, admin_token),
+                      ApiMetrics())
+
+
+def run_serve(cfg: ServeConfig) -> int:
+    from services.api import run_api
+
+    deployment = Deployment(cfg)
+    try:
+        deployment.wait_ready()
+        app = build_app(cfg.admin_token)
+        log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
+                    cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner, deployment.registry)
+        run_api(app, cfg.host, cfg.port)
+    finally:
+        deployment.stop()
+    return 0
+
+
+def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None) -> int:
+    """`specloop api`: attach to a running cluster's workers and serve the API."""
+    import ray
+
+    from services.actors import NAMESPACE, init_ray
+    from services.api import run_api
+
+    init_ray(ray_address or "auto", NAMESPACE)
+    try:
+        run_api(build_app(admin_token), host, port)
+    finally:
+        ray.shutdown()
+    return 0
