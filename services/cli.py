@@ -178,7 +178,7 @@ def cmd_train_offline(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """Embedded defaults: bootstrapped (cached) models, example prompts, speculative vs verifier alone."""
+    """Embedded defaults: bootstrapped (cached) models, `specloop serve`, chat requests through the API."""
     verifier, drafter = args.verifier, args.drafter
     if verifier is None:
         from trainer.bootstrap import ensure_models
@@ -186,17 +186,11 @@ def cmd_demo(args) -> int:
         verifier, drafter = ensure_models(args.cache / "models", args.minutes, args.seed, threads=args.threads)
     if drafter is None:
         raise UsageError("--verifier without --drafter: give both, or neither to bootstrap a pair")
-    from services.generation import RunSummary, run_generate
+    from services.demo import DemoConfig, run_demo
 
-    for label, no_spec in (("verifier alone", True), ("speculative", False)):
-        cfg = _generate_config(args, Path(verifier), Path(drafter), None, no_spec)
-        summary = RunSummary(cfg.draft_len)
-        print(f"\n=== {label} ===", file=sys.stderr)
-        for result in run_generate(cfg, progress=False, summary=summary):
-            if not no_spec:
-                _print_human(result)
-        _print_summary(summary, cfg.draft_len)
-    return 0
+    cfg = DemoConfig(verifier=Path(verifier), drafter=Path(drafter), prompts=args.prompts, registry=args.cache / "registry",
+                     max_tokens=args.max_tokens, temperature=args.temperature, k=args.k, threads=args.threads)
+    return run_demo(cfg)
 
 
 def cmd_replay(args) -> int:

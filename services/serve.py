@@ -172,18 +172,26 @@ def build_app(admin_token: str | None):
 
 
 def run_serve(cfg: ServeConfig) -> int:
-    from services.api import run_api
-
     deployment = Deployment(cfg)
     try:
         deployment.wait_ready()
         app = build_app(cfg.admin_token)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
                     cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner, deployment.registry)
-        run_api(app, cfg.host, cfg.port)
+        serve_until_stopped(app, cfg.host, cfg.port)
     finally:
         deployment.stop()
     return 0
+
+
+def serve_until_stopped(app, host: str, port: int) -> None:
+    """The API until SIGINT / SIGTERM (uvicorn shuts down gracefully, then re-raises the interrupt)."""
+    from services.api import run_api
+
+    try:
+        run_api(app, host, port)
+    except KeyboardInterrupt:
+        log.warning("specloop stopping")
 
 
 def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None) -> int:
@@ -191,11 +199,10 @@ def run_api_process(ray_address: str | None, host: str, port: int, admin_token: 
     import ray
 
     from services.actors import NAMESPACE, init_ray
-    from services.api import run_api
 
     init_ray(ray_address or "auto", NAMESPACE)
     try:
-        run_api(build_app(admin_token), host, port)
+        serve_until_stopped(build_app(admin_token), host, port)
     finally:
         ray.shutdown()
     return 0
