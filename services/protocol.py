@@ -121,7 +121,7 @@ class WorkerInfo:
     model: str  # the model id clients name
     drafter_kind: str
     drafter_version: str
-    max_context: int  # prompt + max_tokens must fit
+    max_context: int  # positions per slot: prompt + max_tokens + 2 k + 2 must fit (k drafts + bonus, twice for rollback room)
     slots: int
     max_queue: int
     registry: str | None = None  # registry folder (operator endpoints)

@@ -1,0 +1,513 @@
+"""services/api.py: the OpenAI-compatible API over a real serving loop (`LocalBackend`, tiny models),
+served by uvicorn on a free port and driven by the official `openai` client and by httpx."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import openai
+import pytest
+import torch
+
+from drafter.models import load_model, load_tokenizer
+from drafter.sampling import SamplingParams
+from drafter.speculative import StopRule, generate
+from services.api import (DEFAULT_MAX_TOKENS, ApiConfig, ApiError, api_server, completion_budget, create_app,
+                          draft_reserve, plan_request)
+from services.generation import final_text
+from services.protocol import Chunk, CompletionRequest, ErrorInfo
+from services.serving import LocalBackend, wait_ready
+from tests.redis_helpers import free_port
+
+torch.set_num_threads(1)
+
+MODEL = "tiny-verifier"
+CHAT = [{"role": "user", "content": "def main():"}]
+TARGETS = ["127.0.0.1:9101", "127.0.0.1:9102"]
+
+
+class Probe:
+    """A Backend around a real one that records the requests it forwards and counts the streams still
+    open. Knobs: `fail_after` (an error chunk after that many token chunks), `alive` / `warm` (False:
+    no worker / not ready, whatever the real backend says)."""
+
+    def __init__(self, inner, fail_after: int | None = None, alive: bool = True, warm: bool = True):
+        self.inner, self.fail_after, self.alive, self.warm = inner, fail_after, alive, warm
+        self.requests: list[CompletionRequest] = []
+        self.open_streams = 0
+
+    async def stream(self, request: CompletionRequest):
+        self.requests.append(request)
+        self.open_streams += 1
+        stream, sent = self.inner.stream(request), 0
+        try:
+            async for chunk in stream:
+                if sent == self.fail_after:
+                    yield Chunk(request.id, error=ErrorInfo("the worker crashed", "server_error", 500))
+                    return
+                yield chunk
+                sent += bool(chunk.token_ids)
+        finally:
+            await stream.aclose()
+            self.open_streams -= 1
+
+    async def workers(self):
+        return await self.inner.workers() if self.alive else []
+
+    async def loads(self):
+        return await self.inner.loads()
+
+    async def ready(self):
+        return self.warm and await self.inner.ready()
+
+    async def buffer_stats(self):
+        return await self.inner.buffer_stats()
+
+    async def metrics_targets(self):
+        return TARGETS
+
+    async def close(self):
+        pass
+
+
+@contextmanager
+def local_backend(pair, **kwargs):
+    """A LocalBackend (a real worker with continuous batching) on the tiny pair, warmed up, closed after."""
+    backend = LocalBackend.open(str(pair[0]), str(pair[1]), "pretrained", model=MODEL, **kwargs)
+    try:
+        assert wait_ready(backend.loop, 30), "the worker did not warm up"
+        yield backend
+    finally:
+        asyncio.run(backend.close())
+
+
+@pytest.fixture(scope="module")
+def local(tiny_pair):
+    with local_backend(tiny_pair, slots=4, max_queue=16) as backend:
+        yield backend
+
+
+@pytest.fixture(scope="module")
+def max_context(local) -> int:
+    return asyncio.run(local.workers())[0].max_context
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_pair):
+    return load_model(tiny_pair[0], torch.device("cpu"))
+
+
+@contextmanager
+def serving(app):
+    """The app on uvicorn (the `run_api` configuration) on a free port, in a thread."""
+    port = free_port()
+    server = api_server(app, "127.0.0.1", port)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def make_app(backend, **kwargs):
+    """The app as `specloop serve` builds it: model id, tokenizer and context from the first worker."""
+    info = asyncio.run(backend.inner.workers() if isinstance(backend, Probe) else backend.workers())[0]
+    return create_app(backend, load_tokenizer(info.verifier), info.model, info.max_context, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def backend(local):
+    return Probe(local)
+
+
+@pytest.fixture(scope="module")
+def url(backend):
+    with serving(make_app(backend)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def greedy_text(verifier, prompt_ids: list[int], max_tokens: int) -> str:
+    """The verifier's own greedy decoding (no speculation): what a lossless server must return."""
+    tok = verifier.tokenizer
+    rule = StopRule(verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
+    gen = generate(verifier.lean, None, [prompt_ids], SamplingParams(0.0, max_tokens=max_tokens), 0, rule)[0]
+    return final_text(tok, gen, ())
+
+
+def chat_ids(verifier, messages) -> list[int]:
+    ids = verifier.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of a server-sent event stream (JSON decoded, except "[DONE]")."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def post_stream(url: str, path: str, body: dict) -> tuple[httpx.Response, list]:
+    with httpx.stream("POST", url + path, json=body, timeout=30) as r:
+        return r, sse_events(r) if r.status_code == 200 else [r.read()]
+
+
+# ------------------------------------------------------------------------------- the openai client
+
+
+def test_chat_completion_with_the_openai_client_returns_the_verifiers_greedy_text(client, verifier):
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=16, temperature=0)
+    assert out.id.startswith("chatcmpl-") and out.object == "chat.completion" and out.model == MODEL
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == greedy_text(verifier, chat_ids(verifier, CHAT), 16)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    u = out.usage
+    assert u.prompt_tokens == len(chat_ids(verifier, CHAT)) and u.total_tokens == u.prompt_tokens + u.completion_tokens
+
+
+def test_streamed_chat_with_the_openai_client_opens_with_the_role_and_joins_to_the_same_text(client):
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stream=True))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_completion_and_its_stream_with_the_openai_client_agree_with_greedy_decoding(client, verifier):
+    prompt = "The quick brown fox"
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0)
+    ids = verifier.tokenizer.encode(prompt, add_special_tokens=False)
+    assert out.id.startswith("cmpl-") and out.object == "text_completion"
+    assert out.choices[0].text == greedy_text(verifier, ids, 10)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == out.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == out.choices[0].finish_reason
+
+
+def test_completion_accepts_a_token_id_prompt(client, verifier):
+    ids = verifier.tokenizer.encode("import os", add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt=ids, max_tokens=6, temperature=0)
+    assert out.choices[0].text == greedy_text(verifier, ids, 6) and out.usage.prompt_tokens == len(ids)
+
+
+def test_an_invalid_parameter_is_a_bad_request_error_for_the_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model=MODEL, messages=CHAT, temperature=2.5)
+    assert exc.value.status_code == 400 and exc.value.body["param"] == "temperature"
+
+
+def test_an_unknown_model_is_a_not_found_error_for_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError) as exc:
+        client.chat.completions.create(model="gpt-4o", messages=CHAT)
+    assert exc.value.body["type"] == "not_found_error" and "gpt-4o" in exc.value.body["message"]
+
+
+# ------------------------------------------------------------------------------------ validation
+
+
+def assert_openai_400(r: httpx.Response, param: str | None = None) -> dict:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+def test_malformed_json_is_a_400_in_openai_shape_never_a_422(url):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        r = httpx.post(url + path, content=b'{"model": "tiny-verifier", "messages": [', timeout=10,
+                       headers={"content-type": "application/json"})
+        assert "not valid JSON" in assert_openai_400(r)["message"]
+    assert_openai_400(httpx.post(url + "/v1/completions", json=["not", "an", "object"], timeout=10))
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": 1.5}, "top_k"),
+    ({"n": 0}, "n"),
+    ({"stream": "sometimes"}, "stream"),
+    ({"stop": 7}, "stop"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"seed": "lucky"}, "seed"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
+    ({"speculative": {"k": 17}}, "speculative.k"),
+    ({"speculative": {"enabled": True, "kk": 3}}, "speculative.kk"),
+    ({"logprobs": True}, "logprobs"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_wrong_parameters_are_400s_naming_the_parameter(url, extra, param):
+    body = {"model": MODEL, "messages": CHAT, **extra}
+    assert_openai_400(httpx.post(url + "/v1/chat/completions", json=body, timeout=10), param)
+
+
+def test_a_missing_model_or_prompt_is_a_400(url):
+    assert_openai_400(httpx.post(url + "/v1/chat/completions", json={"messages": CHAT}, timeout=10), "model")
+    assert_openai_400(httpx.post(url + "/v1/completions", json={"model": MODEL}, timeout=10), "prompt")
+    assert_openai_400(httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [10**6]}, timeout=10),
+                      "prompt")
+
+
+def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(url, verifier, max_context):
+    ids = verifier.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": max_context}
+    msg = assert_openai_400(httpx.post(url + "/v1/completions", json=body, timeout=10), "max_tokens")["message"]
+    assert f"{max_context - draft_reserve(4)} tokens" in msg and f"{len(ids) + max_context} tokens" in msg
+    assert f"{len(ids)} in the prompt" in msg
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [5] * max_context}, timeout=10)
+    assert f"the prompt has {max_context} tokens" in assert_openai_400(r, "prompt")["message"]
+
+
+def test_the_longest_request_that_fits_the_context_is_served(url, max_context):
+    for k, spec in ((4, {"k": 4}), (0, {"enabled": False})):
+        prompt = [5] * (max_context - draft_reserve(k) - 3)
+        body = {"model": MODEL, "prompt": prompt, "temperature": 0, "speculative": spec}
+        out = httpx.post(url + "/v1/completions", json=body, timeout=30).json()  # default max_tokens: the 3 left
+        assert out["usage"]["completion_tokens"] <= 3 and out["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_default_max_tokens_fills_the_context_up_to_a_cap():
+    cfg = ApiConfig(MODEL, 512)
+    usable = 512 - draft_reserve(4)
+    assert completion_budget(10, None, 4, cfg) == DEFAULT_MAX_TOKENS
+    assert completion_budget(usable - 3, None, 4, cfg) == 3
+    assert completion_budget(usable - 3, None, 0, cfg) == 3 + draft_reserve(4) - draft_reserve(0)
+    assert completion_budget(10, usable - 10, 4, cfg) == usable - 10
+    with pytest.raises(ApiError):
+        completion_budget(11, usable - 10, 4, cfg)
+
+
+def test_a_plan_fans_n_choices_out_with_one_seed_and_stream_indices(verifier):
+    cfg, tok = ApiConfig(MODEL, 512), verifier.tokenizer
+    body = {"model": MODEL, "messages": CHAT, "n": 3, "temperature": 0.7, "top_k": -1, "max_completion_tokens": 5,
+            "speculative": {"k": 2, "drafter_version": "v0003"}}
+    plan = plan_request(body, True, cfg, tok)
+    assert [r.stream_index for r in plan.requests] == [0, 1, 2] and len({r.seed for r in plan.requests}) == 1
+    assert all(r.k == 2 and r.drafter_version == "v0003" and r.max_tokens == 5 and r.top_k == 0 for r in plan.requests)
+    assert plan_request(body, True, cfg, tok).requests[0].seed != plan.requests[0].seed  # random per request
+    greedy = plan_request({"model": MODEL, "prompt": "x", "temperature": 0, "speculative": {"enabled": False}},
+                          False, cfg, tok)
+    assert greedy.requests[0].seed == 0 and greedy.requests[0].k == 0
+
+
+# ------------------------------------------------------------------------------ sampling features
+
+
+def test_n_2_returns_two_choices_and_streams_them_by_index(url, backend):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0.9, "seed": 11, "n": 2}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    plain = r.json()
+    assert [c["index"] for c in plain["choices"]] == [0, 1]
+    sent = backend.requests[-2:]
+    assert {q.seed for q in sent} == {11} and sorted(q.stream_index for q in sent) == [0, 1]
+    _, events = post_stream(url, "/v1/chat/completions", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    texts, finishes = {0: "", 1: ""}, {}
+    for e in events[:-1]:
+        (choice,) = e["choices"]
+        texts[choice["index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {c["index"]: c["message"]["content"] for c in plain["choices"]}  # same seed: same draws
+    assert set(finishes) == {0, 1}
+
+
+def test_the_same_seed_samples_the_same_text(client):
+    def sample():
+        out = client.completions.create(model=MODEL, prompt="import", max_tokens=8, temperature=1.0, seed=5)
+        return out.choices[0].text
+    assert sample() == sample()
+
+
+def test_a_stop_string_cuts_the_text_and_finishes_with_stop(client):
+    full = client.completions.create(model=MODEL, prompt="A hash table", max_tokens=24, temperature=0).choices[0].text
+    assert len(full) >= 6, full
+    stop = full[3:5]
+    out = client.completions.create(model=MODEL, prompt="A hash table", max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].text == full[: full.index(stop)] and out.choices[0].finish_reason == "stop"
+
+
+def test_include_usage_sends_a_final_chunk_with_empty_choices_and_usage(url):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    _, events = post_stream(url, "/v1/chat/completions", body)
+    *chunks, last, done = events
+    assert done == "[DONE]" and last["choices"] == [] and all(c["usage"] is None for c in chunks)
+    u = last["usage"]
+    assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] and u["completion_tokens"] >= 1
+    _, plain = post_stream(url, "/v1/chat/completions", {**body, "stream_options": None})
+    assert all("usage" not in c for c in plain[:-1])
+
+
+def test_usage_counts_drafted_and_accepted_tokens_and_the_drafter_version(url):
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 12, "temperature": 0, "speculative": {"k": 3}}
+    on = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+    assert on["usage"]["drafted_tokens"] > 0 and on["usage"]["drafted_tokens"] % 3 == 0
+    assert 0 <= on["usage"]["accepted_tokens"] <= on["usage"]["drafted_tokens"]
+    assert on["usage"]["drafter_version"] == "base"
+    off = httpx.post(url + "/v1/completions", json={**body, "speculative": {"enabled": False}}, timeout=30).json()
+    assert off["usage"]["drafted_tokens"] == 0
+    assert off["choices"][0]["text"] == on["choices"][0]["text"]  # lossless: the drafter changes nothing
+
+
+# -------------------------------------------------------------------------- status endpoints
+
+
+def test_models_lists_the_verifier_with_the_serving_drafter_version(client, url, max_context):
+    (card,) = client.models.list().data
+    assert card.id == MODEL and card.drafter_version == "base"
+    assert httpx.get(f"{url}/v1/models/{MODEL}").json()["max_model_len"] == max_context
+    assert httpx.get(f"{url}/v1/models/nope").status_code == 404
+
+
+def test_health_and_ready_are_200_with_a_warm_live_worker(url):
+    assert httpx.get(url + "/health").json() == {"status": "ok", "workers": 1}
+    assert httpx.get(url + "/ready").status_code == 200
+
+
+def test_health_is_503_and_completions_say_retry_after_when_no_worker_is_alive(tiny_pair):
+    with local_backend(tiny_pair, slots=1) as gone:
+        app = make_app(gone)
+        asyncio.run(gone.close())  # the worker's loop stops: no worker answers
+        with serving(app) as base:
+            r = httpx.get(base + "/health")
+            assert r.status_code == 503 and r.json() == {"status": "unavailable", "workers": 0}
+            assert httpx.get(base + "/ready").status_code == 503
+            r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT}, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["error"]["message"]
+
+
+def test_ready_is_503_until_a_forward_pass_ran(local):
+    with serving(make_app(Probe(local, warm=False))) as base:
+        assert httpx.get(base + "/health").status_code == 200
+        assert httpx.get(base + "/ready").status_code == 503
+
+
+def test_sd_targets_is_prometheus_http_service_discovery(url, local):
+    assert httpx.get(url + "/sd/targets").json() == [{"targets": TARGETS, "labels": {"job": "specloop-actors"}}]
+    with serving(make_app(local)) as base:  # no metrics endpoint behind it: an empty list
+        assert httpx.get(base + "/sd/targets").json() == []
+
+
+def test_metrics_count_requests_and_latencies(local):
+    from prometheus_client import CollectorRegistry
+
+    from services.metrics import ApiMetrics
+
+    metrics = ApiMetrics(CollectorRegistry())
+    with serving(make_app(local, metrics=metrics)) as base:
+        httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0})
+        httpx.post(base + "/v1/completions", json={"model": MODEL})
+        text = httpx.get(base + "/metrics").text
+    assert 'endpoint="/v1/completions"' in text and 'status="200"' in text and 'status="400"' in text
+    assert "time_to_first_token_seconds_count" in text and "e2e_request_latency_seconds_count" in text
+
+
+def test_an_admin_router_is_mounted(local):
+    from fastapi import APIRouter
+
+    router = APIRouter(prefix="/admin")
+    router.get("/ping")(lambda: {"pong": True})
+    with serving(make_app(local, admin_router=router)) as base:
+        assert httpx.get(base + "/admin/ping").json() == {"pong": True}
+
+
+# --------------------------------------------------------------------------- errors and clients
+
+
+def test_an_overloaded_worker_is_a_503_with_retry_after(tiny_pair):
+    with local_backend(tiny_pair, slots=1, max_queue=0) as full, serving(make_app(full)) as base:
+        for stream in (False, True):
+            body = {"model": MODEL, "messages": CHAT, "stream": stream}
+            r = httpx.post(base + "/v1/chat/completions", json=body, timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "overloaded_error"
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as exc:
+            client.completions.create(model=MODEL, prompt="x")
+        assert exc.value.status_code == 503
+
+
+def test_a_worker_refusal_before_the_first_token_is_its_http_status(url):
+    body = {"model": MODEL, "prompt": "x", "speculative": {"drafter_version": "v0042"}}
+    err = assert_openai_400(httpx.post(url + "/v1/completions", json=body, timeout=10))
+    assert "v0042" in err["message"]
+
+
+def test_an_error_after_the_stream_began_is_sent_in_band_then_done(local):
+    with serving(make_app(Probe(local, fail_after=3))) as base:
+        body = {"model": MODEL, "prompt": "def main():", "max_tokens": 12, "temperature": 0, "stream": True,
+                "speculative": {"enabled": False}}
+        r, events = post_stream(base, "/v1/completions", body)
+        assert r.status_code == 200 and events[-1] == "[DONE]"
+        assert len(events) == 3 + 2 and all(e["choices"][0]["text"] for e in events[:3])
+        assert events[-2] == {"error": {"message": "the worker crashed", "type": "server_error", "param": None,
+                                        "code": None}}
+        r = httpx.post(base + "/v1/completions", json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "the worker crashed"
+
+
+def wait_until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@contextmanager
+def slow_steps(backend: LocalBackend, seconds: float):
+    """Every decoding step of the worker takes at least `seconds` more."""
+    def nap(updates, engine):
+        time.sleep(seconds)
+    backend.loop.worker.on_step.append(nap)
+    try:
+        yield
+    finally:
+        backend.loop.worker.on_step.remove(nap)
+
+
+def test_a_client_that_goes_away_frees_its_worker_slot(local):
+    probe = Probe(local)
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 200, "temperature": 0,
+            "speculative": {"enabled": False}}
+
+    def running() -> int:
+        return asyncio.run(local.loads())[0].running
+
+    with slow_steps(local, 0.05), serving(make_app(probe)) as base:
+        with httpx.stream("POST", base + "/v1/completions", json={**body, "stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            assert probe.open_streams == 1 and running() == 1
+        assert wait_until(lambda: probe.open_streams == 0 and running() == 0, 3.0), "a streamed request kept its slot"
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(base + "/v1/completions", json=body, timeout=0.5)
+        assert wait_until(lambda: probe.open_streams == 0 and running() == 0, 3.0), "a plain request kept its slot"
