@@ -1,0 +1,132 @@
+"""The serving loop: concurrent requests stay lossless, the queue is bounded, cancelled requests leave."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from drafter.kinds import build_drafter
+from drafter.models import load_model
+from drafter.sampling import SamplingParams
+from drafter.speculative import StopRule, generate
+from services.protocol import CompletionRequest
+from services.serving import LocalBackend, TextStream, cut_at_stop
+
+
+def _utf8(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_never_streams_part_of_a_stop_string():
+    stream, sent = TextStream(_utf8, stop=("STOP",)), []
+    pieces = [b"hello ", b"wor", b"ld S", b"TO", b"P and more"]
+    for i, piece in enumerate(pieces):
+        sent.append(stream.push(list(piece), final=i == len(pieces) - 1))
+    assert "".join(sent) == "hello world "
+    assert all("S" not in s for s in sent)
+
+
+def test_text_stream_holds_back_an_incomplete_utf8_character():
+    stream = TextStream(_utf8)
+    euro = "€".encode()
+    assert stream.push([ord("a"), euro[0]], final=False) == "a"
+    assert stream.push([euro[1]], final=False) == ""
+    assert stream.push([euro[2]], final=True) == "€"
+
+
+def test_cut_at_stop_cuts_at_the_earliest_stop_string():
+    assert cut_at_stop("abc END x STOP", ("STOP", "END")) == "abc "
+    assert cut_at_stop("abc", ()) == "abc"
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+def _collect(backend, request):
+    async def run():
+        return [c async for c in backend.stream(request)]
+    return run()
+
+
+def test_concurrent_requests_decode_exactly_as_generate_alone(tiny_pair, verifier):
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=3, max_queue=8)
+    prompts = [verifier.tokenizer.encode(t, add_special_tokens=False) for t in ("def main", "hello", "import os", "class A")]
+    requests = [CompletionRequest(f"r{i}", p, max_tokens=10 + i, temperature=0.8 * (i % 2), seed=3, stream_index=i, k=i % 3 + 1)
+                for i, p in enumerate(prompts * 2)]  # 8 requests for 3 slots: they queue, join and leave
+
+    async def all_of_them():
+        return await asyncio.gather(*(_collect(backend, r) for r in requests))
+
+    try:
+        results = asyncio.run(all_of_them())
+    finally:
+        asyncio.run(backend.close())
+    rule = StopRule(verifier.eos_ids)
+    drafter = build_drafter("pretrained", verifier, tiny_pair[1])
+    for r, chunks in zip(requests, results):
+        tokens = [t for c in chunks for t in c.token_ids]
+        alone = generate(verifier.lean, drafter, [r.prompt_ids], r.sampling(), r.k, rule, first_request=r.stream_index)[0]
+        assert tokens == alone.token_ids, r.id  # the same seeded draws as `specloop generate`
+        if r.temperature == 0:  # and at temperature 0, the verifier's own greedy output
+            assert tokens == generate(verifier.lean, None, [r.prompt_ids], r.sampling(), 0, rule)[0].token_ids
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == len(tokens) and usage.drafted_tokens == r.k * usage.blocks
+        assert chunks[-1].finish_reason in ("stop", "length")
+
+
+def test_requests_beyond_the_queue_are_refused_as_overloaded(tiny_pair):
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=1)
+    requests = [CompletionRequest(f"q{i}", [5, 6, 7], max_tokens=40) for i in range(4)]
+
+    async def burst():
+        return await asyncio.gather(*(_collect(backend, r) for r in requests))
+
+    try:
+        results = asyncio.run(burst())
+    finally:
+        asyncio.run(backend.close())
+    refused = [chunks[0].error for chunks in results if chunks[0].error is not None]
+    assert refused and all(e.status == 503 and e.type == "overloaded_error" for e in refused)
+    assert any(chunks[-1].finish_reason == "length" for chunks in results)
+
+
+def test_a_cancelled_request_leaves_its_slot_at_the_next_step(tiny_pair):
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=2, max_queue=4)
+
+    async def start_then_leave():
+        budget = backend.loop.worker.max_context - 3 - 10
+        stream = backend.stream(CompletionRequest("gone", [5, 6, 7], max_tokens=budget))
+        first = await stream.__anext__()
+        assert first.error is None and first.finish_reason is None
+        running = backend.loop.worker.engine.running
+        await stream.aclose()
+        deadline = time.monotonic() + 5
+        while backend.loop.worker.engine.running and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        return running, backend.loop.worker.engine.running
+
+    try:
+        before, after = asyncio.run(start_then_leave())
+    finally:
+        asyncio.run(backend.close())
+    assert (before, after) == (1, 0)
+
+
+def test_a_request_that_does_not_fit_or_names_another_version_is_refused(tiny_pair):
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=1, max_context=64)
+    try:
+        too_long = asyncio.run(_collect(backend, CompletionRequest("long", [5] * 60, max_tokens=8)))
+        other = asyncio.run(_collect(backend, CompletionRequest("v", [5], max_tokens=2, drafter_version="v0009")))
+    finally:
+        asyncio.run(backend.close())
+    assert too_long[0].error.status == 400 and "exceeds the context of 64" in too_long[0].error.message
+    assert other[0].error.status == 400 and other[0].error.param == "speculative.drafter_version"
+
+
+def test_sampling_params_of_a_request_match_its_fields():
+    r = CompletionRequest("x", [1], max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=4, stop=["a"])
+    assert r.sampling() == SamplingParams(0.5, 3, 0.9, 5, ("a",), 4)
+    assert CompletionRequest.from_dict(r.to_dict()) == r
