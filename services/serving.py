@@ -22,8 +22,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from drafter.engine import EngineRequest, RowUpdate
-from services.protocol import Chunk, CompletionRequest, Usage, WorkerInfo, WorkerLoad, invalid, overloaded
+from drafter.engine import Engine, EngineRequest, RowUpdate
+from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage, WorkerInfo, WorkerLoad, invalid, overloaded
 from services.worker import VerifierWorker, WorkerConfig
 
 log = logging.getLogger("specloop.serving")
@@ -78,6 +78,86 @@ class ServingConfig:
     model: str = "specloop"  # the model id clients name
     name: str = "worker-0"
     idle_wait_s: float = 0.05  # how long the loop sleeps when nothing runs or waits
+    version_slots: int = 2  # slots of the engine of each non-serving version that requests name
+    max_versions: int = 2  # such engines kept at once (an idle one makes room for a new one)
+
+
+class VersionEngines:
+    """Engines for requests that name a drafter version other than the serving one (an operator
+    comparing a candidate, a client pinning a version): each its own small slot pool, weights from the
+    registry loaded on the worker's loader thread, no hot swaps, no replay logging (the learner's
+    policy terms use the serving version's records only). Stepped right after the serving engine."""
+
+    def __init__(self, worker: VerifierWorker, slots: int, keep: int):
+        self.worker, self.slots, self.keep = worker, slots, keep
+        self.engines: dict[str, Engine] = {}
+        self.loading: dict[str, object] = {}  # version -> Future of an Engine
+        self.failures: dict[str, str] = {}
+        self.requests: dict[str, str] = {}  # running request id -> version
+
+    def free(self, version: str) -> int | None:
+        """Free slots of the version's engine (0 while it loads), None if it cannot be served."""
+        if version in self.failures:
+            return None
+        if version in self.engines:
+            return len(self.engines[version].free)
+        future = self.loading.get(version)
+        if future is None:
+            if len(self.engines) >= self.keep and not self._evict_idle():
+                return 0
+            self.loading[version] = self.worker.loader.submit(self._build, version)
+            return 0
+        if not future.done():
+            return 0
+        del self.loading[version]
+        try:
+            self.engines[version] = future.result()
+        except Exception as exc:  # noqa: BLE001 - unknown version, unreadable weights
+            self.failures[version] = f"drafter_version {version!r} cannot be served: {exc}"
+            return None
+        return len(self.engines[version].free)
+
+    def failure(self, version: str) -> str:
+        return self.failures.pop(version, f"drafter_version {version!r} cannot be served")
+
+    def _build(self, version: str) -> Engine:
+        w = self.worker
+        weights = w.registry.load_weights(version)
+        return Engine(w.verifier.lean, w.builder.build(weights), self.slots, w.max_context, w.stop_rule)
+
+    def _evict_idle(self) -> bool:
+        idle = [v for v, e in self.engines.items() if not e.running]
+        if idle:
+            del self.engines[idle[0]]
+        return bool(idle)
+
+    @property
+    def running(self) -> int:
+        return sum(e.running for e in self.engines.values())
+
+    def admit(self, version: str, requests: list[EngineRequest]) -> None:
+        self.engines[version].admit(requests)
+        self.requests.update((r.id, version) for r in requests)
+
+    def step(self) -> list[RowUpdate]:
+        updates = []
+        for version, engine in self.engines.items():
+            if engine.running:
+                mine = engine.step()
+                for callback in self.worker.on_step:
+                    callback(mine, engine, version)
+                for u in mine:
+                    if u.finish_reason is not None:
+                        engine.finished.pop(u.id, None)
+                updates += mine
+        return updates
+
+    def abort(self, request_id: str) -> bool:
+        version = self.requests.pop(request_id, None)
+        return version in self.engines and self.engines[version].abort(request_id)
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
 
 
 class ServingLoop:
@@ -88,6 +168,7 @@ class ServingLoop:
         self.waiting: deque[tuple[CompletionRequest, Sink]] = deque()
         self.cancelled: set[str] = set()
         self.live: dict[str, _Live] = {}
+        self.pinned = VersionEngines(worker, cfg.version_slots, cfg.max_versions)  # requests naming another version
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopped = False
@@ -116,9 +197,12 @@ class ServingLoop:
             self.cancelled.add(request_id)
         self.wake.set()
 
+    @property
+    def running(self) -> int:
+        return self.worker.engine.running + self.pinned.running
+
     def load(self) -> WorkerLoad:
-        return WorkerLoad(len(self.waiting), self.worker.engine.running, self.worker.engine.slots,
-                          self.cfg.max_queue, self.worker.version)
+        return WorkerLoad(len(self.waiting), self.running, self.worker.engine.slots, self.cfg.max_queue, self.worker.version)
 
     def info(self, metrics_url: str | None = None, buffer: str | None = None) -> WorkerInfo:
         w = self.worker.cfg
@@ -146,9 +230,9 @@ class ServingLoop:
         self.thread.join(timeout=10)
 
     def _validate(self, r: CompletionRequest) -> Chunk | None:
-        if r.drafter_version not in (None, self.worker.version):
-            return invalid(r.id, f"drafter_version {r.drafter_version!r} is not serving (serving "
-                                 f"{self.worker.version!r}); pin it with `specloop drafter pin`", "speculative.drafter_version")
+        if r.drafter_version is not None and self.worker.registry is None and r.drafter_version != self.worker.version:
+            return invalid(r.id, f"drafter_version {r.drafter_version!r}: this worker has no registry "
+                                 f"(it serves {self.worker.version!r} only)", "speculative.drafter_version")
         if r.k and self.worker.engine.drafter is None:
             return invalid(r.id, "this worker has no drafter: set speculative.enabled false", "speculative")
         need = len(r.prompt_ids) + r.max_tokens + 2 * r.k + 2
@@ -168,12 +252,13 @@ class ServingLoop:
         while not self.stopped:
             self._drop_cancelled()
             self._admit()
-            if not self.worker.engine.running:
+            if not self.running:
                 self.wake.wait(self.cfg.idle_wait_s)
                 self.wake.clear()
                 continue
             try:
-                updates = self.worker.step()
+                updates = self.worker.step() if self.worker.engine.running else []
+                updates += self.pinned.step()
             except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the worker
                 log.exception("step failed")
                 self._fail_all(f"internal error in a decoding step: {exc}")
@@ -198,23 +283,43 @@ class ServingLoop:
             self.waiting = deque(item for item in self.waiting if item[0].id not in gone)
         for rid in gone:
             if self.live.pop(rid, None) is not None:
-                self.worker.abort(rid)
+                self.worker.abort(rid) or self.pinned.abort(rid)
 
     def _admit(self) -> None:
-        free = len(self.worker.engine.free)
+        """Waiting requests into free slots, in arrival order per engine: the serving version's, or the
+        engine of the version a request names (loaded in the background; its requests wait meanwhile)."""
         with self.lock:
-            batch = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
-        if not batch:
+            pending = list(self.waiting)
+        chosen: dict[str | None, list] = {}
+        for r, sink in pending:
+            key = None if r.drafter_version in (None, self.worker.version) else r.drafter_version
+            free = len(self.worker.engine.free) if key is None else self.pinned.free(key)
+            if free is None:  # the version failed to load: refuse its requests
+                chosen.setdefault("refused", []).append((r, sink))
+            elif len(chosen.setdefault(key, [])) < free:
+                chosen[key].append((r, sink))
+        taken = {r.id for batch in chosen.values() for r, _ in batch}
+        if not taken:
             return
+        with self.lock:
+            self.waiting = deque(item for item in self.waiting if item[0].id not in taken)
+        for r, sink in chosen.pop("refused", []):
+            sink(Chunk(r.id, error=ErrorInfo(self.pinned.failure(r.drafter_version), "not_found_error", 404,
+                                             param="speculative.drafter_version")))
+        for key, batch in chosen.items():
+            self._start(key, batch)
+
+    def _start(self, version: str | None, batch: list) -> None:
         try:
-            self.worker.admit([self._engine_request(r) for r, _ in batch])
+            requests = [self._engine_request(r) for r, _ in batch]
+            self.worker.admit(requests) if version is None else self.pinned.admit(version, requests)
         except Exception as exc:  # noqa: BLE001 - e.g. a request that does not fit: refuse it, keep serving
             log.warning("admission failed: %s", exc)
             for r, sink in batch:
                 sink(invalid(r.id, str(exc)))
             return
         for r, sink in batch:
-            self.live[r.id] = _Live(r, sink, TextStream(self.decode, tuple(r.stop)), [self.worker.version])
+            self.live[r.id] = _Live(r, sink, TextStream(self.decode, tuple(r.stop)), [version or self.worker.version])
 
     @staticmethod
     def _engine_request(r: CompletionRequest) -> EngineRequest:
@@ -228,12 +333,13 @@ class ServingLoop:
         live.drafted += u.k
         live.accepted += u.accepted
         live.completion += len(u.new_tokens)
-        if self.worker.version != live.versions[-1]:
+        if u.id not in self.pinned.requests and self.worker.version != live.versions[-1]:  # a hot swap mid-request
             live.versions.append(self.worker.version)
         final = u.finish_reason is not None
         chunk = Chunk(u.id, list(u.new_tokens), live.text.push(u.new_tokens, final), u.finish_reason)
         if final:
             self.worker.engine.finished.pop(u.id, None)
+            self.pinned.forget(u.id)
             del self.live[u.id]
             chunk.usage = Usage(len(live.request.prompt_ids), live.completion, live.drafted, live.accepted,
                                 live.blocks, ",".join(live.versions))
@@ -241,10 +347,8 @@ class ServingLoop:
             live.sink(chunk)
 
     def _fail_all(self, message: str) -> None:
-        from services.protocol import ErrorInfo
-
         for rid, live in list(self.live.items()):
-            self.worker.abort(rid)
+            self.worker.abort(rid) or self.pinned.abort(rid)
             live.sink(Chunk(rid, error=ErrorInfo(message, "server_error", 500)))
         self.live.clear()
 
@@ -254,10 +358,10 @@ def attach_metrics(loop: ServingLoop, metrics) -> None:
     worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "records_at": 0.0}
     metrics.serving(worker.version)
 
-    def on_step(updates: list[RowUpdate], engine) -> None:
-        metrics.blocks(worker.version, [u.k for u in updates], [u.accepted for u in updates])
+    def on_step(updates: list[RowUpdate], engine, version: str) -> None:
+        metrics.blocks(version, [u.k for u in updates], [u.accepted for u in updates])
         metrics.generated(sum(len(u.new_tokens) for u in updates))
-        metrics.load(len(loop.waiting), engine.running)
+        metrics.load(len(loop.waiting), loop.running)
         metrics.step(engine.timing.forward_s, engine.timing.total_s)
         for s in worker.swaps[seen["swaps"]:]:
             metrics.swap(s.old, s.new)

@@ -230,7 +230,7 @@ class VerifierWorker:
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
         self.rows: dict[str, _Row] = {}  # running requests by id
-        self.on_step: list = []  # callables(updates, engine) after every step (metrics)
+        self.on_step: list = []  # callables(updates, engine, version) after every step (metrics)
         self._poll(force=True)
         self._finish_load(wait=True)
 
@@ -256,7 +256,7 @@ class VerifierWorker:
             if u.finish_reason is not None:
                 self.rows.pop(u.id, None)
         for callback in self.on_step:
-            callback(updates, self.engine)
+            callback(updates, self.engine, self.version)
         return updates
 
     def abort(self, request_id: str) -> bool:

@@ -130,3 +130,34 @@ def test_sampling_params_of_a_request_match_its_fields():
     r = CompletionRequest("x", [1], max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=4, stop=["a"])
     assert r.sampling() == SamplingParams(0.5, 3, 0.9, 5, ("a",), 4)
     assert CompletionRequest.from_dict(r.to_dict()) == r
+
+
+def test_a_request_naming_another_version_is_decoded_by_that_version_beside_the_champion(tiny_pair, verifier, tmp_path):
+    from services.registry import Registry
+    from tests.test_worker import base_weights, noisy, publish
+
+    reg = Registry(tmp_path / "registry")
+    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
+    v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.3, seed=1), v1, 0.6)
+    assert reg.promote(v1).promoted and reg.promote(v2).promoted
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=2, max_queue=8, registry=str(tmp_path / "registry"))
+    prompt = verifier.tokenizer.encode("def main", add_special_tokens=False)
+    named = [CompletionRequest(f"n{i}", prompt, max_tokens=12, k=3, temperature=0.9, seed=i, drafter_version=v)
+             for i, v in enumerate([v1, v2, None, v1])]
+
+    async def together():
+        return await asyncio.gather(*(_collect(backend, r) for r in named),
+                                    _collect(backend, CompletionRequest("bad", prompt, max_tokens=2, drafter_version="v0077")))
+
+    try:
+        *results, unknown = asyncio.run(together())
+    finally:
+        asyncio.run(backend.close())
+    builder = backend.loop.worker.builder
+    rule = StopRule(verifier.eos_ids)
+    for r, chunks in zip(named, results):
+        version = r.drafter_version or v2
+        assert chunks[-1].usage.drafter_version == version
+        alone = generate(verifier.lean, builder.build(reg.load_weights(version)), [r.prompt_ids], r.sampling(), r.k, rule)[0]
+        assert [t for c in chunks for t in c.token_ids] == alone.token_ids
+    assert unknown[0].error.status == 404 and unknown[0].error.param == "speculative.drafter_version"
