@@ -11,6 +11,11 @@ Publishing, every `publish_every` updates: the candidate's simulated acceptance 
 champion's are measured on the same held-out records; the registry publishes the candidate and
 promotes it through its gate (pinned, non-finite weights or lower acceptance: refused, logged).
 A candidate with non-finite weights also resets the learner to the champion's weights.
+
+Metrics (`services.metrics.LearnerMetrics`, one registry per service; `serve_metrics()` exposes it
+over HTTP): per update the loss, the lag in promoted versions of the newest record ingested and
+its age (from its buffer entry id, "ms-seq"); stale records; the buffer's depth and pending
+entries (read at most every `BUFFER_STATS_EVERY_S`); publishes, promotions and refusals.
 """
 from __future__ import annotations
 
@@ -23,11 +28,13 @@ import torch
 
 from drafter.models import load_model
 from services.buffer import ReplayBuffer
+from services.metrics import LearnerMetrics, serve_metrics
 from services.registry import Registry
 from trainer.online import LearnerConfig, OnlineLearner, is_finite, serving_student
 from trainer.records import RecordError, decode
 
 log = logging.getLogger("specloop.learner")
+BUFFER_STATS_EVERY_S = 1.0
 
 
 @dataclass
@@ -48,7 +55,7 @@ class LearnerServiceConfig:
 
 
 class LearnerService:
-    def __init__(self, cfg: LearnerServiceConfig, buffer: ReplayBuffer):
+    def __init__(self, cfg: LearnerServiceConfig, buffer: ReplayBuffer, metrics: LearnerMetrics | None = None):
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.learner.seed)
         self.cfg, self.buffer = cfg, buffer
@@ -65,6 +72,12 @@ class LearnerService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
+        self.metrics = metrics if metrics is not None else LearnerMetrics()
+        self.metrics_url: str | None = None
+        self._served: dict[str, int] = {}  # promoted versions, in order (lag_versions)
+        self._newest: tuple[str, float] | None = None  # (drafter version, append time) of the newest record
+        self._stale_seen = 0
+        self._buffer_polled = float("-inf")
         self._resume_or_seed()
         self._claim()
 
@@ -76,13 +89,13 @@ class LearnerService:
         if versions:
             newest = versions[-1]
             self.learner.load_weights(self.registry.load_weights(newest.id))
-            self.learner.published(self.registry.champion() or newest.id)
+            self._now_serving(self.registry.champion() or newest.id)
             log.info("learner resumes from %s", newest.id)
             return
         info = self.registry.publish(self.learner.weights(), parent=None, learner_step=0, objective="base",
                                      loss=None, sim_acceptance=None, kind=self.cfg.learner.kind)
         self.registry.promote(info.id, force=True)
-        self.learner.published(info.id)
+        self._now_serving(info.id)
 
     def _claim(self) -> None:
         """Take over entries a dead learner read but never acknowledged."""
@@ -104,8 +117,10 @@ class LearnerService:
                 break
             if "loss" in info:
                 self.losses.append(info["loss"])
+                self._observe_update(info["loss"])
             if self.learner.should_publish():
                 self.publish()
+        self._observe_buffer()
         return info
 
     def _ingest(self, entries) -> None:
@@ -117,6 +132,8 @@ class LearnerService:
             except RecordError as exc:
                 self.bad_records += 1
                 log.warning("dropped replay entry %s: %s", entry.id, exc)
+                continue
+            self._newest = (records[-1].drafter_version, _appended_at(entry.id))
         self.learner.ingest(records)
 
     def publish(self) -> dict:
@@ -132,8 +149,10 @@ class LearnerService:
             extra={"baseline": {"version": champion, "sim_acceptance": baseline}, "records_seen": self.learner.seen},
         )
         result = self.registry.promote(info.id)
+        self.metrics.published(info.id)
+        self.metrics.promotion(refused=not result.promoted)
         if result.promoted:
-            self.learner.published(info.id)
+            self._now_serving(info.id)
         if not finite and champion:
             self.learner.load_weights(self._champion_weights(champion))
         self.buffer.ack(self.unacked)  # the version that used them is on disk
@@ -143,6 +162,40 @@ class LearnerService:
                  "time": time.time()}
         self.published.append(event)
         return event
+
+    def _now_serving(self, version: str) -> None:
+        """A version with the learner's current weights was promoted: its records are on-policy."""
+        self.learner.published(version)
+        self._served.setdefault(version, len(self._served))
+
+    # -- metrics
+
+    def _observe_update(self, loss: float) -> None:
+        """Loss, lag and record age of one update, and the records it skipped as stale."""
+        version, appended = self._newest or (None, time.time())
+        newest = len(self._served) - 1
+        lag = newest - self._served.get(version, -1)  # a version never promoted here counts as older than all
+        self.metrics.update(loss, lag, max(0.0, time.time() - appended))
+        self.metrics.stale(self.learner.stale_skipped - self._stale_seen)
+        self._stale_seen = self.learner.stale_skipped
+
+    def _observe_buffer(self) -> None:
+        now = time.monotonic()
+        if now - self._buffer_polled < BUFFER_STATS_EVERY_S:
+            return
+        self._buffer_polled = now
+        try:
+            stats = self.buffer.stats()
+        except Exception as exc:  # a buffer that cannot answer now never stops training
+            log.debug("buffer stats unavailable: %s", exc)
+            return
+        self.metrics.buffer(stats.depth, stats.pending)
+
+    def serve_metrics(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve the learner's metrics over HTTP (once); "host:port" for Prometheus to scrape."""
+        if self.metrics_url is None:
+            self.metrics_url = serve_metrics(self.metrics, host, port)
+        return self.metrics_url
 
     def _champion_weights(self, champion: str) -> dict:
         if self._champion is None or self._champion[0] != champion:
@@ -173,4 +226,13 @@ class LearnerService:
 
     def stats(self) -> dict:
         return {"learner": self.learner.stats(), "published": list(self.published), "unacked": len(self.unacked),
-                "bad_records": self.bad_records, "champion": self.registry.champion(), "error": self.error}
+                "bad_records": self.bad_records, "champion": self.registry.champion(), "error": self.error,
+                "metrics_url": self.metrics_url}
+
+
+def _appended_at(entry_id: str) -> float:
+    """The time a buffer entry was appended, from its id "ms-seq" (now when the id is not one)."""
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000
+    except ValueError:
+        return time.time()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from uuid import uuid4
 
+import httpx
 import pytest
 import redis
 import torch
@@ -19,6 +20,7 @@ from tests.redis_helpers import REDIS_URL, needs_redis
 from tests.tiny import TEXT
 from trainer.objectives import ObjectiveConfig
 from trainer.online import LearnerConfig
+from trainer.records import decode
 
 PUBLISH_EVERY = 5
 BATCH = 8
@@ -212,3 +214,31 @@ def test_a_malformed_payload_is_counted_and_acknowledged_and_never_stops_the_lea
     service.publish()  # acks whatever the thread read after its last publish
     assert buffer.stats().pending == 0
     assert buffer.claim_stale("another-learner", 0) == []  # nothing left to retry
+
+
+def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_metrics(tiny_pair, tmp_path, payloads):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.metrics import stop_metrics
+
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    service = make_service(tiny_pair, tmp_path / "registry", buffer)
+    step_until(service, lambda: len(service.published) == 1)
+    address = service.serve_metrics()
+    try:
+        assert service.serve_metrics() == address == service.stats()["metrics_url"]
+        text = httpx.get(f"http://{address}/metrics", timeout=5).text
+    finally:
+        stop_metrics(address)
+    values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    assert values["specloop:learner_updates_total"] == PUBLISH_EVERY
+    assert values["specloop:learner_loss"] == pytest.approx(service.losses[-1])
+    drafted_by = decode(payloads[-1]).drafter_version  # a worker without a registry: "base", older than v0001
+    assert values["specloop:learner_lag_versions"] == (0 if drafted_by == "v0001" else 1)
+    assert values["specloop:learner_record_age_seconds_count"] == PUBLISH_EVERY
+    assert values["specloop:buffer_depth"] == len(payloads)
+    assert values["specloop:learner_versions_published_total"] == 1
+    assert values["specloop:promotions_total"] + values["specloop:promotion_refusals_total"] == 1
+    assert values["specloop:promotions_total"] == service.published[0]["promoted"]

@@ -1,0 +1,424 @@
+"""Prometheus metrics of every specloop process: the verifier worker, the learner and the HTTP API.
+
+Names follow vLLM, prefixed `specloop:`. Counters only for what is counted; every rate is taken
+in PromQL. The statistics of verified blocks (`BlockStats`) are plain Python, kept apart from
+the exporters (`WorkerMetrics`, `LearnerMetrics`, `ApiMetrics`), which own a `CollectorRegistry`
+each (a new one per instance unless one is passed, so tests and co-hosted components never
+collide; the three may share one registry: their names are disjoint).
+
+Speculative decoding (worker, labelled `drafter_version`; a block drafts k tokens and the
+verifier accepts n ∈ [0, k] of them; a k = 0 block drafts nothing and counts no draft):
+
+    specloop:spec_decode_num_drafts_total                       blocks with k > 0
+    specloop:spec_decode_num_draft_tokens_total                 Σ k
+    specloop:spec_decode_num_accepted_tokens_total              Σ n
+    specloop:spec_decode_num_accepted_tokens_per_pos_total{position}   blocks with n > position (0-based)
+
+Derived rates (`$__rate_interval` in Grafana):
+
+    # acceptance rate α = accepted / drafted
+    sum by (drafter_version) (rate(specloop:spec_decode_num_accepted_tokens_total[$__rate_interval]))
+      / sum by (drafter_version) (rate(specloop:spec_decode_num_draft_tokens_total[$__rate_interval]))
+
+    # mean acceptance length τ = 1 + accepted / drafts (block efficiency)
+    1 + sum by (drafter_version) (rate(specloop:spec_decode_num_accepted_tokens_total[$__rate_interval]))
+      / sum by (drafter_version) (rate(specloop:spec_decode_num_drafts_total[$__rate_interval]))
+
+    # per-position acceptance P(position i accepted)
+    sum by (drafter_version, position) (rate(specloop:spec_decode_num_accepted_tokens_per_pos_total[$__rate_interval]))
+      / on (drafter_version) group_left
+      sum by (drafter_version) (rate(specloop:spec_decode_num_drafts_total[$__rate_interval]))
+
+    # tokens/s committed by the workers; tokens/s sent to clients by the API
+    sum(rate(specloop:generation_tokens_total[$__rate_interval]))
+    sum(rate(specloop:completion_tokens_total[$__rate_interval]))
+
+    # share of a worker step spent in forward passes (the rest is Python scheduling)
+    sum(rate(specloop:step_forward_seconds_sum[$__rate_interval])) / sum(rate(specloop:step_seconds_sum[$__rate_interval]))
+
+    # latency quantiles, e.g. TTFT p99
+    histogram_quantile(0.99, sum by (le) (rate(specloop:time_to_first_token_seconds_bucket[$__rate_interval])))
+
+Worker (`WorkerMetrics`): the counters above, `specloop:generation_tokens_total`, gauges
+`specloop:num_requests_waiting` / `specloop:num_requests_running`, histograms
+`specloop:step_forward_seconds` / `specloop:step_seconds`, `specloop:drafter_swaps_total`,
+`specloop:drafter_rollbacks_total`, `specloop:drafter_info{drafter_version}` (1 for the serving
+version), `specloop:worker_info{worker}`, `specloop:replay_records_logged_total`,
+`specloop:replay_records_dropped_total`.
+
+Learner (`LearnerMetrics`): `specloop:learner_updates_total`, `specloop:learner_loss`,
+`specloop:learner_lag_versions`, `specloop:learner_record_age_seconds`, `specloop:buffer_depth`,
+`specloop:buffer_pending`, `specloop:learner_versions_published_total`,
+`specloop:promotions_total`, `specloop:promotion_refusals_total`,
+`specloop:learner_stale_records_total`.
+
+API (`ApiMetrics`): `specloop:http_requests_total{endpoint,status}`,
+`specloop:time_to_first_token_seconds`, `specloop:time_per_output_token_seconds`,
+`specloop:e2e_request_latency_seconds`, `specloop:completion_tokens_total`.
+
+Each worker and learner process serves its registry with `serve_metrics` on its own port; the API
+lists those addresses at `GET /sd/targets` for Prometheus's HTTP service discovery.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+
+PREFIX = "specloop:"
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+AGE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
+MAX_VERSIONS = 16  # drafter versions whose spec-decode series a worker keeps (older ones are removed)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+@dataclass
+class BlockStats:
+    """Counts over verified blocks of one drafter version (no Prometheus here)."""
+
+    drafts: int = 0  # blocks with k > 0
+    draft_tokens: int = 0  # Σ k
+    accepted_tokens: int = 0  # Σ n
+    accepted_per_pos: list[int] = field(default_factory=list)  # [max k]: blocks with n > i
+
+    def observe(self, k: int, accepted: int) -> None:
+        """One block: k drafted tokens, `accepted` of them accepted."""
+        if not 0 <= accepted <= k:
+            raise ValueError(f"a block accepts 0..k tokens: k={k}, accepted={accepted}")
+        if k == 0:
+            return
+        self.drafts += 1
+        self.draft_tokens += k
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_pos) < k:
+            self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    @classmethod
+    def of(cls, k: Iterable[int], accepted: Iterable[int]) -> "BlockStats":
+        """The statistics of many blocks (one engine step's rows)."""
+        k, accepted = list(k), list(accepted)
+        if len(k) != len(accepted):
+            raise ValueError(f"{len(k)} draft lengths for {len(accepted)} accepted counts")
+        stats = cls()
+        for k_i, n_i in zip(k, accepted):
+            stats.observe(k_i, n_i)
+        return stats
+
+    def acceptance_rate(self) -> float | None:
+        """α = accepted / drafted."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def mean_acceptance_length(self) -> float | None:
+        """τ = 1 + accepted / drafts."""
+        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+
+
+class _Totals:
+    """A collector of counters that are set to absolute totals counted elsewhere (the replay logger's)."""
+
+    def __init__(self, names: dict[str, str]):
+        self.names = names  # name without _total -> help
+        self.values = dict.fromkeys(names, 0.0)
+
+    def set(self, name: str, value: float) -> None:
+        self.values[name] = float(value)
+
+    def describe(self):
+        return [CounterMetricFamily(n, h) for n, h in self.names.items()]
+
+    def collect(self):
+        for name, doc in self.names.items():
+            yield CounterMetricFamily(name, doc, value=self.values[name])
+
+
+# ----------------------------------------------------------------------------- exporters
+
+
+class _Exporter:
+    """A registry of our own and its exposition."""
+
+    def __init__(self, registry: CollectorRegistry | None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+
+    def render(self) -> tuple[bytes, str]:
+        """(the text exposition, its content type): the body of a `/metrics` answer. Always the text
+        format, never OpenMetrics (see `_MetricsHandler`: colons in names would be lost)."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+
+class _VersionSeries:
+    """The spec-decode counter children of one drafter version, looked up once."""
+
+    def __init__(self, m: "WorkerMetrics", version: str):
+        self.version, self.m = version, m
+        self.drafts = m.num_drafts.labels(version)
+        self.draft_tokens = m.num_draft_tokens.labels(version)
+        self.accepted = m.num_accepted_tokens.labels(version)
+        self.per_pos: list = []
+
+    def add(self, stats: BlockStats) -> None:
+        self.drafts.inc(stats.drafts)
+        self.draft_tokens.inc(stats.draft_tokens)
+        self.accepted.inc(stats.accepted_tokens)
+        while len(self.per_pos) < len(stats.accepted_per_pos):  # every drafted position exists, even at 0
+            self.per_pos.append(self.m.accepted_per_pos.labels(self.version, str(len(self.per_pos))))
+        for child, count in zip(self.per_pos, stats.accepted_per_pos):
+            if count:
+                child.inc(count)
+
+    def remove(self) -> None:
+        for metric in (self.m.num_drafts, self.m.num_draft_tokens, self.m.num_accepted_tokens):
+            metric.remove(self.version)
+        for i in range(len(self.per_pos)):
+            self.m.accepted_per_pos.remove(self.version, str(i))
+
+
+class WorkerMetrics(_Exporter):
+    """What a verifier worker exports: spec-decode counters, load, step times, swaps, replay logging."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, worker: str = "worker-0"):
+        super().__init__(registry)
+        self.worker = worker
+        v = ("drafter_version",)
+        self.num_drafts = self._counter("spec_decode_num_drafts", "Verified blocks that drafted (k > 0).", v)
+        self.num_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Drafted tokens (sum of k).", v)
+        self.num_accepted_tokens = self._counter("spec_decode_num_accepted_tokens", "Accepted drafted tokens.", v)
+        self.accepted_per_pos = self._counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Blocks whose draft at this 0-based position was accepted.",
+            v + ("position",))
+        self.generation_tokens = self._counter("generation_tokens", "Tokens committed to requests by the worker.")
+        self.waiting = self._gauge("num_requests_waiting", "Requests queued for a slot.")
+        self.running = self._gauge("num_requests_running", "Requests holding a slot.")
+        self.step_forward = self._histogram("step_forward_seconds", "Forward-pass time of one engine step.",
+                                            STEP_BUCKETS)
+        self.step_total = self._histogram("step_seconds", "Wall time of one engine step.", STEP_BUCKETS)
+        self.swaps = self._counter("drafter_swaps", "Drafter versions swapped in while serving.")
+        self.rollbacks = self._counter("drafter_rollbacks", "Automatic rollbacks to the previous drafter version.")
+        self.drafter_info = self._gauge("drafter_info", "1 for the drafter version that serves.", v)
+        self._gauge("worker_info", "1, labelled with the worker's name.", ("worker",)).labels(worker).set(1)
+        self.totals = _Totals({PREFIX + "replay_records_logged": "Replay records handed to the buffer.",
+                               PREFIX + "replay_records_dropped": "Replay records dropped (buffer or queue full)."})
+        self.registry.register(self.totals)
+        self._versions: OrderedDict[str, _VersionSeries] = OrderedDict()
+        self._serving: str | None = None
+        self._lock = threading.Lock()
+
+    # -- speculative decoding
+
+    def block(self, version: str, k: int, accepted: int) -> None:
+        """One row's verified block: k drafted, `accepted` accepted (k = 0: no draft, nothing counted).
+        Tokens are counted by `generated`, once per committed token, for every k."""
+        self.blocks(version, [k], [accepted])
+
+    def blocks(self, version: str, k: list[int], accepted: list[int]) -> None:
+        """Many rows' blocks of one engine step, all drafted by `version`: one inc per label set."""
+        stats = BlockStats.of(k, accepted)
+        if stats.drafts:
+            self._series(version).add(stats)
+
+    def observe(self, version: str, stats: BlockStats) -> None:
+        """Blocks already aggregated by the caller."""
+        if stats.drafts:
+            self._series(version).add(stats)
+
+    def _series(self, version: str) -> _VersionSeries:
+        with self._lock:
+            series = self._versions.get(version)
+            if series is None:
+                series = self._versions[version] = _VersionSeries(self, version)
+                self._evict()
+            return series
+
+    def _evict(self) -> None:
+        """Keep the series of the newest MAX_VERSIONS versions (never the serving one's)."""
+        while len(self._versions) > MAX_VERSIONS:
+            oldest = next(v for v in self._versions if v != self._serving)
+            self._versions.pop(oldest).remove()
+
+    # -- tokens, load, step time
+
+    def generated(self, tokens: int) -> None:
+        """Tokens committed to requests (what clients receive, prefill's first token included)."""
+        self.generation_tokens.inc(tokens)
+
+    def load(self, queued: int, running: int) -> None:
+        self.waiting.set(queued)
+        self.running.set(running)
+
+    def step(self, seconds_forward: float, seconds_total: float) -> None:
+        """One engine step: time in forward passes (drafter + verifier) and its wall time."""
+        self.step_forward.observe(seconds_forward)
+        self.step_total.observe(seconds_total)
+
+    # -- drafter versions
+
+    def serving(self, version: str) -> None:
+        """Mark the version that serves, without counting a swap (start-up). Its spec-decode counters
+        are exported at 0 from now on: rate() misses whatever a series counted before its first scrape."""
+        with self._lock:
+            if self._serving is not None and self._serving != version:
+                self._remove_info(self._serving)
+            self._serving = version
+        self.drafter_info.labels(version).set(1)
+        self._series(version)
+
+    def swap(self, old: str, new: str) -> None:
+        """The worker swapped drafter `old` out for `new` between two steps."""
+        self.swaps.inc()
+        self._remove_info(old)
+        self.serving(new)
+
+    def _remove_info(self, version: str) -> None:
+        try:
+            self.drafter_info.remove(version)
+        except KeyError:
+            pass
+
+    def rollback(self) -> None:
+        self.rollbacks.inc()
+
+    # -- replay logging
+
+    def records(self, logged_total: int, dropped_total: int) -> None:
+        """The replay logger's running totals (absolute values, not increments)."""
+        self.totals.set(PREFIX + "replay_records_logged", logged_total)
+        self.totals.set(PREFIX + "replay_records_dropped", dropped_total)
+
+
+class LearnerMetrics(_Exporter):
+    """What the learner exports: updates, loss, staleness, buffer depth, publishing and the gate."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
+        self.updates = self._counter("learner_updates", "Optimizer steps taken by the learner.")
+        self.loss = self._gauge("learner_loss", "Loss of the learner's last update.")
+        self.lag = self._gauge("learner_lag_versions",
+                               "Versions between the newest records trained on and the newest published version.")
+        self.record_age = self._histogram("learner_record_age_seconds",
+                                          "Age of the newest record at each update (append to training).",
+                                          AGE_BUCKETS)
+        self.depth = self._gauge("buffer_depth", "Entries held by the replay buffer.")
+        self.pending = self._gauge("buffer_pending", "Replay entries delivered but not acknowledged.")
+        self.versions_published = self._counter("learner_versions_published", "Versions the learner published.")
+        self.promotions = self._counter("promotions", "Published versions promoted to champion.")
+        self.refusals = self._counter("promotion_refusals", "Published versions the gate refused.")
+        self.stale_records = self._counter("learner_stale_records",
+                                           "Records used for distillation only: drafted by a stale version.")
+
+    def update(self, loss: float, lag_versions: int, record_age_s: float) -> None:
+        """One optimizer step."""
+        self.updates.inc()
+        self.loss.set(loss)
+        self.lag.set(lag_versions)
+        self.record_age.observe(record_age_s)
+
+    def buffer(self, depth: int, pending: int) -> None:
+        self.depth.set(depth)
+        self.pending.set(pending)
+
+    def published(self, version: str) -> None:
+        self.versions_published.inc()
+
+    def promotion(self, refused: bool) -> None:
+        (self.refusals if refused else self.promotions).inc()
+
+    def stale(self, n: int) -> None:
+        if n:
+            self.stale_records.inc(n)
+
+
+class ApiMetrics(_Exporter):
+    """What an API replica exports: requests by endpoint and status, latencies, tokens sent."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
+        self.requests = self._counter("http_requests", "HTTP requests answered.", ("endpoint", "status"))
+        self.ttft_s = self._histogram("time_to_first_token_seconds", "Time to the first token.", LATENCY_BUCKETS)
+        self.tpot_s = self._histogram("time_per_output_token_seconds", "Time per output token after the first.",
+                                      LATENCY_BUCKETS)
+        self.e2e_s = self._histogram("e2e_request_latency_seconds", "Request latency, end to end.", LATENCY_BUCKETS)
+        self.completion_tokens = self._counter("completion_tokens", "Completion tokens sent to clients.")
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def ttft(self, seconds: float) -> None:
+        self.ttft_s.observe(seconds)
+
+    def tpot(self, seconds: float) -> None:
+        self.tpot_s.observe(seconds)
+
+    def e2e(self, seconds: float) -> None:
+        self.e2e_s.observe(seconds)
+
+    def generated(self, n: int) -> None:
+        self.completion_tokens.inc(n)
+
+
+# ----------------------------------------------------------------------------- HTTP endpoint
+
+_servers: dict[str, ThreadingHTTPServer] = {}  # address -> server (stop_metrics)
+
+
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics: the text format (0.0.4) whatever the scraper accepts. prometheus_client's own
+    server negotiates OpenMetrics with Prometheus, and its OpenMetrics encoder writes `specloop:x`
+    samples as `specloop_x` (client_python issue #1177): every `specloop:` query would come back empty."""
+
+    registry: CollectorRegistry
+
+    def do_GET(self):
+        if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+            self.send_error(404)
+            return
+        body = generate_latest(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def serve_metrics(registry_or_metrics, host: str = "127.0.0.1", port: int = 0) -> str:
+    """Serve a registry (or an exporter's) at http://host:port/metrics on a daemon thread; returns the
+    "host:port" bound (port 0: a free one). A wildcard host is advertised as this machine's name."""
+    registry = getattr(registry_or_metrics, "registry", registry_or_metrics)
+    handler = type("MetricsHandler", (_MetricsHandler,), {"registry": registry})
+    server = ThreadingHTTPServer((host, port), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    advertised = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    address = f"{advertised}:{server.server_address[1]}"
+    _servers[address] = server
+    return address
+
+
+def stop_metrics(address: str) -> None:
+    """Stop a server started by `serve_metrics`."""
+    server = _servers.pop(address, None)
+    if server is not None:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,322 @@
+"""The Grafana dashboard and the alert rules: the committed JSON is a fresh build of
+dashboards/build.py, every panel queries Prometheus through the `${datasource}` variable, the
+alert rules pass promtool, and every panel's PromQL returns data from a real Prometheus scraping
+specloop metrics: exporters fed with known counts (checking the numbers the queries derive), and a
+real `specloop serve` under chat traffic."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dashboards import build
+from services.metrics import ApiMetrics, LearnerMetrics, WorkerMetrics, serve_metrics, stop_metrics
+from tests.prometheus_helpers import PROMTOOL, ThrowawayPrometheus, free_port, needs_prometheus, needs_promtool, wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "dashboards" / "specloop.json"
+RULES = ROOT / "deploy" / "prometheus"
+RATE_INTERVAL = "15s"
+SPECLOOP = ROOT / ".venv" / "bin" / "specloop"
+
+
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panel_queries(board: dict) -> list[tuple[str, str]]:
+    """(panel title, PromQL with $__rate_interval filled in) of every panel target."""
+    return [(p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
+            for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def annotation_queries(board: dict) -> list[tuple[str, str]]:
+    return [(a["name"], a["expr"].replace("$__rate_interval", RATE_INTERVAL)) for a in board["annotations"]["list"]]
+
+
+# ---------------------------------------------------------------- the JSON and the rules
+
+
+def test_the_committed_dashboard_json_is_a_fresh_build():
+    assert DASHBOARD.read_text() == build.render(), "run: python dashboards/build.py"
+
+
+def test_every_panel_queries_prometheus_through_the_datasource_variable():
+    board = dashboard()
+    assert [v["name"] for v in board["templating"]["list"] if v["type"] == "datasource"] == ["datasource"]
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
+    for p in panels:
+        assert p["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
+        assert p["targets"] and all(t["expr"] and t["datasource"]["uid"] == "${datasource}" for t in p["targets"])
+    for a in board["annotations"]["list"]:
+        assert a["datasource"]["uid"] == "${datasource}" and "specloop:drafter_" in a["expr"]
+    exprs = " ".join(q for _, q in panel_queries(board))
+    for metric in ("spec_decode_num_accepted_tokens_per_pos_total", "generation_tokens_total",
+                   "time_to_first_token_seconds", "time_per_output_token_seconds", "num_requests_waiting",
+                   "learner_loss", "learner_lag_versions", "buffer_depth", "replay_records_dropped_total",
+                   "step_forward_seconds"):
+        assert f"specloop:{metric}" in exprs
+
+
+@needs_promtool
+def test_the_alert_rules_pass_promtool_and_their_unit_tests():
+    check = subprocess.run([PROMTOOL, "check", "rules", "alerts.yml"], cwd=RULES, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    unit = subprocess.run([PROMTOOL, "test", "rules", "alerts_test.yml"], cwd=RULES, capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+# ---------------------------------------------------------------- exporters fed with known counts
+
+
+class _ApiHandler(BaseHTTPRequestHandler):
+    """GET /metrics (the API's registry) and GET /sd/targets (the worker's and learner's endpoints)."""
+
+    api: ApiMetrics
+    targets: list[str]
+
+    def do_GET(self):
+        if self.path == "/metrics":
+            body, content_type = self.api.render()
+        elif self.path == "/sd/targets":
+            body, content_type = json.dumps([{"targets": self.targets}]).encode(), "application/json"
+        else:
+            self.send_error(404)
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class FakeSpecloop:
+    """Worker, learner and API exporters on three ports, fed every 50 ms with known counts:
+    drafter v0001 accepts 2 of 4 drafts per block (α 0.5, τ 3), v0002 3 of 4 (after a swap)."""
+
+    def __init__(self):
+        self.worker, self.learner, self.api = WorkerMetrics(worker="worker-0"), LearnerMetrics(), ApiMetrics()
+        self.endpoints = [serve_metrics(self.worker), serve_metrics(self.learner)]
+        handler = type("Handler", (_ApiHandler,), {"api": self.api, "targets": self.endpoints})
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.address = f"127.0.0.1:{self.http.server_address[1]}"
+        self.version, self.stop = "v0001", threading.Event()
+        self.worker.serving(self.version)
+        self.thread = threading.Thread(target=self._feed, daemon=True)
+
+    def start(self) -> "FakeSpecloop":
+        self.thread.start()
+        return self
+
+    def swap(self) -> None:
+        """Swap v0002 in (and count a rollback, so that both annotations have an event)."""
+        self.worker.swap(self.version, "v0002")
+        self.worker.rollback()
+        self.version = "v0002"
+
+    def _feed(self) -> None:
+        logged = 0
+        while not self.stop.wait(0.05):
+            accepted = 2 if self.version == "v0001" else 3
+            self.worker.blocks(self.version, [4, 4, 4, 4], [accepted] * 4)
+            self.worker.generated(4 * (accepted + 1))
+            self.worker.load(queued=2, running=4)
+            self.worker.step(0.008, 0.010)
+            logged += 4
+            self.worker.records(logged, logged // 100)
+            self.learner.update(loss=0.4, lag_versions=1, record_age_s=1.5)
+            self.learner.buffer(depth=logged, pending=8)
+            self.learner.stale(1)
+            self.api.request("/v1/chat/completions", 200)
+            self.api.ttft(0.02)
+            self.api.tpot(0.004)
+            self.api.e2e(0.3)
+            self.api.generated(16)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.http.shutdown()
+        for address in self.endpoints:
+            stop_metrics(address)
+
+
+@pytest.fixture
+def fake_specloop():
+    fake = FakeSpecloop().start()
+    yield fake
+    fake.close()
+
+
+def last_value(result: list[dict], **labels) -> float:
+    [match] = [r for r in result if all(r["metric"].get(k) == v for k, v in labels.items())]
+    return float(match["value"][1])
+
+
+@needs_prometheus
+def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fake_specloop):
+    prom = ThrowawayPrometheus(tmp_path, [fake_specloop.address], [f"http://{fake_specloop.address}/sd/targets"]).start()
+    try:
+        prom.wait_for_targets(3)
+        prom.wait_for_samples("specloop:spec_decode_num_drafts_total", 4)
+        fake_specloop.swap()
+        prom.wait_for_samples('specloop:spec_decode_num_drafts_total{drafter_version="v0002"}', 4)
+        board = dashboard()
+        for title, expr in panel_queries(board):
+            assert prom.query(expr), f"{title}: no data for {expr}"
+        for name, expr in annotation_queries(board):
+            assert prom.query(expr), f"annotation {name}: no data for {expr}"
+
+        acceptance = prom.query(build.ACCEPTANCE_RATE.replace("$__rate_interval", "1m"))
+        assert last_value(acceptance, drafter_version="v0001") == pytest.approx(0.5, abs=0.02)
+        assert last_value(acceptance, drafter_version="v0002") == pytest.approx(0.75, abs=0.02)
+        tau = prom.query(build.MEAN_ACCEPTANCE_LENGTH.replace("$__rate_interval", "1m"))
+        assert last_value(tau, drafter_version="v0001") == pytest.approx(3.0, abs=0.05)
+        per_pos = prom.query(build.PER_POSITION.replace("$__rate_interval", "1m"))
+        assert [round(last_value(per_pos, drafter_version="v0002", position=str(i)), 2) for i in range(4)] == \
+            [1.0, 1.0, 1.0, 0.0]
+        step = prom.query(build.STEP_FORWARD.replace("$__rate_interval", "1m"))
+        assert float(step[0]["value"][1]) == pytest.approx(0.008)
+        assert last_value(prom.query("max by (drafter_version) (specloop:drafter_info)"), drafter_version="v0002") == 1
+    finally:
+        prom.stop()
+
+
+# ---------------------------------------------------------------- a real `specloop serve` under traffic
+
+
+class SpecloopServe:
+    """`specloop serve` over the tiny pair (API, worker and klrl learner), in its own process group."""
+
+    def __init__(self, tmp_path: Path, verifier: Path, drafter: Path):
+        self.dir, self.port = tmp_path, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.registry = tmp_path / "registry"  # its own registry (and Redis key prefix, when Redis answers)
+        self.cmd = [str(SPECLOOP), "--threads", "1", "serve", "--verifier", str(verifier), "--drafter", str(drafter),
+                    "--port", str(self.port), "--learner", "klrl", "--registry", str(self.registry)]
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 300.0) -> "SpecloopServe":
+        self.log = open(self.dir / "serve.log", "wb")
+        self.proc = subprocess.Popen(self.cmd, cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        wait_until(self._ready, timeout, lambda: f"specloop serve not ready: {self.logs()}")
+        self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        return self
+
+    def _ready(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"specloop serve exited {self.proc.returncode}: {self.logs()}")
+        try:
+            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def logs(self) -> str:
+        return (self.dir / "serve.log").read_text(errors="replace")[-4000:]
+
+    def chat(self, client: httpx.Client, i: int) -> None:
+        """One chat request: greedy or sampled, streamed or not."""
+        body = {"model": self.model, "messages": [{"role": "user", "content": f"Tell me about the number {i}."}],
+                "max_tokens": 24, "temperature": 0.0 if i % 2 else 0.8, "seed": i, "stream": i % 3 == 0}
+        reply = client.post(f"{self.url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+
+    def traffic(self, stop: threading.Event, errors: list) -> None:
+        with httpx.Client() as client:
+            i = 0
+            while not stop.is_set():
+                try:
+                    self.chat(client, i)
+                except Exception as exc:  # reported by the test
+                    errors.append(repr(exc))
+                i += 1
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+        self._forget_redis_keys()
+
+    def _forget_redis_keys(self) -> None:
+        """Delete the replay stream and registry keys serve kept in the local Redis, if it used one."""
+        import redis
+
+        from services.serve import detect_redis, registry_prefix
+
+        url = detect_redis()
+        if url is None:
+            return
+        client = redis.Redis.from_url(url)
+        try:
+            keys = list(client.scan_iter(f"{registry_prefix(self.registry)}*"))
+            if keys:
+                client.delete(*keys)
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def specloop_under_traffic(tiny_pair, tmp_path):
+    """A running `specloop serve` with two clients sending chat requests until the test ends."""
+    serve = SpecloopServe(tmp_path, *tiny_pair).start()
+    stop, errors = threading.Event(), []
+    clients = [threading.Thread(target=serve.traffic, args=(stop, errors), daemon=True) for _ in range(2)]
+    for c in clients:
+        c.start()
+    try:
+        yield serve, errors
+    finally:
+        stop.set()
+        for c in clients:
+            c.join(timeout=90)
+        serve.stop()
+
+
+def finite(result: list[dict]) -> list[float]:
+    return [v for r in result if math.isfinite(v := float(r["value"][1]))]
+
+
+@needs_prometheus
+def test_every_panel_query_returns_data_from_a_real_specloop_serve_under_traffic(tmp_path, specloop_under_traffic):
+    serve, errors = specloop_under_traffic
+    sd = httpx.get(f"{serve.url}/sd/targets", timeout=10).json()
+    discovered = [t for group in sd for t in group["targets"]]
+    assert len(discovered) >= 2, f"/sd/targets should list the worker and the learner: {sd}"
+    prom = ThrowawayPrometheus(tmp_path, [f"127.0.0.1:{serve.port}"], [f"{serve.url}/sd/targets"]).start()
+    try:
+        prom.wait_for_targets(1 + len(discovered), timeout=60)
+        for metric in ("specloop:spec_decode_num_drafts_total", "specloop:http_requests_total",
+                       "specloop:learner_updates_total"):
+            prom.wait_for_samples(metric, 4, timeout=90)
+        board = dashboard()
+        empty = [f"{title}: {expr}" for title, expr in panel_queries(board) if not prom.query(expr)]
+        assert not empty, "panels without data:\n" + "\n".join(empty) + f"\nserve log: {serve.logs()}"
+        for _, expr in annotation_queries(board):
+            prom.query(expr)  # valid PromQL; a swap may or may not have happened yet
+        assert all(0 <= a <= 1 for a in finite(prom.query(build.ACCEPTANCE_RATE.replace("$__rate_interval", "1m"))))
+        tokens = prom.query(f"sum(rate(specloop:generation_tokens_total[{RATE_INTERVAL}]))")
+        assert finite(tokens) and finite(tokens)[0] > 0
+    finally:
+        prom.stop()
+    assert not errors, errors[:5]
