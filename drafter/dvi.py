@@ -94,6 +94,7 @@ class DVIDrafter:
     """Drafts with the verifier's first s layers and the draft head, on the verifier's own cache."""
 
     kind = "dvi"
+    row_state: tuple[str, ...] = ("cache", "last")  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
 
     def __init__(self, verifier: LeanDecoder, head: DraftHead):

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drafter.decoder import LeanDecoder, prefill_rows
-from drafter.proposer import Drafter, VerifierView, emitted_tokens
+from drafter.decoder import KVCache, LeanDecoder, prefill_rows
+from drafter.proposer import Drafter, VerifierView, emitted_tokens, narrow_rows, widen_rows
 from drafter.rejection import rejection_sample
 from drafter.sampling import RowParams, SamplingParams, make_generators
 from drafter.speculative import Generation, RequestStats, Sampler, StepHooks, StopRule, speculative_step
@@ -147,23 +147,32 @@ class Engine:
     # -- one step
 
     def step(self) -> list[RowUpdate]:
-        """One speculative step over every running request."""
+        """One speculative step over every running request, on the pool's occupied prefix: rows [0, m)
+        with m = 1 + the highest occupied slot (admission fills the lowest free slots first), so a
+        half-empty pool costs what its running requests cost."""
         t0 = time.perf_counter()
         live = [s for s, r in enumerate(self.rows) if r is not None]
         if not live:
             return []
-        ks = [r.request.k if r is not None else 0 for r in self.rows]
+        m = live[-1] + 1
+        rows = self.rows[:m]
+        ks = [r.request.k if r is not None else 0 for r in rows]
         kmax = max(ks[s] for s in live)
-        active = torch.tensor([r is not None for r in self.rows])
+        active = torch.tensor([r is not None for r in rows])
         drafter, on_trace = self._hooked(kmax)
-        params, limit = self._params(live, ks, kmax)
-        uniforms = None if params.greedy else self._uniforms(kmax)
+        params, limit = self._params(rows, live, ks, kmax)
+        uniforms = None if params.greedy else self._uniforms(rows, kmax)
+        cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
+        narrowed = narrow_rows(drafter, m) if kmax and m < self.slots else drafter
         t1 = time.perf_counter()
-        outcome = speculative_step(self.verifier, self.cache, self.last, drafter, kmax, params, uniforms,
+        outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
                                    active, self.sampler, on_trace, limit)
         t2 = time.perf_counter()
+        if narrowed is not drafter:
+            widen_rows(drafter, narrowed, m)
+        self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         updates = [self._commit(s, outcome) for s in live]
-        self.last = outcome.last_tokens
+        self.last[:m] = outcome.last_tokens
         self.timing = StepTiming(forward_s=t2 - t1, total_s=time.perf_counter() - t0)
         return updates
 
@@ -174,19 +183,21 @@ class Engine:
         self.drafter = self.hooks.swap(self.drafter, histories)
         return self.drafter, self.hooks.traced(histories)
 
-    def _params(self, live: list[int], ks: list[int], kmax: int):
+    @staticmethod
+    def _params(rows: list, live: list[int], ks: list[int], kmax: int):
         """One SamplingParams when every live row shares the transform (the scalar path), else RowParams;
         per-row k limits only when live rows' k differ."""
-        first = self.rows[live[0]].request.params
+        first = rows[live[0]].request.params
         key = lambda p: (p.temperature, p.top_k, p.top_p)  # noqa: E731
-        shared = all(key(self.rows[s].request.params) == key(first) for s in live)
-        params = first if shared else RowParams(tuple(r.request.params if r is not None else first for r in self.rows))
+        shared = all(key(rows[s].request.params) == key(first) for s in live)
+        params = first if shared else RowParams(tuple(r.request.params if r is not None else first for r in rows))
         same_k = all(ks[s] == kmax for s in live)
-        return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, self.rows)])
+        return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, rows)])
 
-    def _uniforms(self, kmax: int) -> torch.Tensor:
-        u = torch.full((self.slots, 2 * kmax + 1), 0.5)
-        for s, row in enumerate(self.rows):
+    @staticmethod
+    def _uniforms(rows: list, kmax: int) -> torch.Tensor:
+        u = torch.full((len(rows), 2 * kmax + 1), 0.5)
+        for s, row in enumerate(rows):
             if row is None or row.generator is None:
                 continue
             k = row.request.k

@@ -33,6 +33,7 @@ class NgramDrafter:
     """Deterministic drafts (q is one-hot on the drafted token), so sampling stays lossless."""
 
     kind = "ngram"
+    row_state: tuple[str, ...] = ("history",)  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
     record_layers: tuple[int, ...] = ()
 

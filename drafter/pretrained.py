@@ -17,6 +17,7 @@ class PretrainedDrafter:
     """
 
     kind = "pretrained"
+    row_state: tuple[str, ...] = ("cache", "pending")  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
     record_layers: tuple[int, ...] = ()
 

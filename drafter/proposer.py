@@ -5,6 +5,7 @@ speculative step never knows which one it drives.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,6 +47,7 @@ class Drafter(Protocol):
     kind: str
     verifier_layers: tuple[int, ...]  # hidden states it needs from the verifier (SD² steering)
     record_layers: tuple[int, ...]  # residual streams a replay record needs to recompute its forward (DVI)
+    row_state: tuple[str, ...]  # attributes holding per-row state (batch dim 0): see narrow_rows
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         """Begin a batch: remember (or prefill) each row's prompt; capacity bounds its length."""
@@ -58,6 +60,40 @@ class Drafter(Protocol):
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         """Take the verifier's verdict; rows where active [B] is False are finished."""
+
+
+def narrow_rows(drafter, m: int):
+    """A shallow copy of `drafter` that sees only batch rows [0, m) of its per-row state (the fields
+    named in its `row_state`): a step over the occupied prefix of a slot pool costs what m rows cost.
+    KV caches and tensors are views (in-place writes reach the pool); `widen_rows` writes back what
+    the step rebound (cache lengths, lists, tensors)."""
+    view = copy.copy(drafter)
+    for name in drafter.row_state:
+        setattr(view, name, _narrow(getattr(drafter, name), m))
+    return view
+
+
+def widen_rows(drafter, view, m: int) -> None:
+    for name in drafter.row_state:
+        _widen(getattr(drafter, name), getattr(view, name), m)
+
+
+def _narrow(value, m: int):
+    if isinstance(value, KVCache):
+        return KVCache([k[:m] for k in value.keys], [v[:m] for v in value.values], value.lens[:m].clone())
+    if isinstance(value, dict):
+        return {key: t[:m] for key, t in value.items()}
+    return value[:m]  # list (a copy of the first m entries) or tensor (a view)
+
+
+def _widen(pool, view, m: int) -> None:
+    if isinstance(pool, KVCache):
+        pool.lens[:m] = view.lens
+    elif isinstance(pool, dict):
+        for key, t in view.items():
+            pool[key][:m] = t
+    else:
+        pool[:m] = view
 
 
 def stack_proposal(steps: list["Choice"], params: SamplingParams) -> Proposal:

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/redis.sh
+bash scripts/system-deps.sh  # nginx, prometheus, docker-compose for the deploy tests
 exec .venv/bin/python -m pytest "$@"

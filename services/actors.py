@@ -162,6 +162,8 @@ class ServingActor:
         return self.loop.load().to_dict()
 
     async def ready(self) -> bool:
+        if self.loop.failure is not None:
+            raise RuntimeError(self.loop.failure)
         return self.loop.ready
 
     async def buffer_stats(self) -> dict | None:

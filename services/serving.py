@@ -173,6 +173,7 @@ class ServingLoop:
         self.wake = threading.Event()
         self.stopped = False
         self.ready = False
+        self.failure: str | None = None  # why the loop thread ended early
         self.steps = 0
         self.thread = threading.Thread(target=self._run, name="serving-loop", daemon=True)
 
@@ -248,7 +249,12 @@ class ServingLoop:
     # -- the loop thread
 
     def _run(self) -> None:
-        self._warm_up()
+        try:
+            self._warm_up()
+        except Exception as exc:  # noqa: BLE001 - said by ready() at once, not after a timeout
+            log.exception("warm-up failed")
+            self.failure = f"the worker's warm-up forward pass failed: {type(exc).__name__}: {exc}"
+            return
         while not self.stopped:
             self._drop_cancelled()
             self._admit()
