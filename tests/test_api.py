@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from contextlib import contextmanager
 
@@ -16,12 +15,12 @@ import torch
 from drafter.models import load_model, load_tokenizer
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
-from services.api import (DEFAULT_MAX_TOKENS, ApiConfig, ApiError, api_server, completion_budget, create_app,
+from tests.admin_helpers import serving
+from services.api import (DEFAULT_MAX_TOKENS, ApiConfig, ApiError, completion_budget, create_app,
                           draft_reserve, plan_request)
 from services.generation import final_text
 from services.protocol import Chunk, CompletionRequest, ErrorInfo
 from services.serving import LocalBackend, wait_ready
-from tests.redis_helpers import free_port
 
 torch.set_num_threads(1)
 
@@ -99,24 +98,6 @@ def max_context(local) -> int:
 @pytest.fixture(scope="module")
 def verifier(tiny_pair):
     return load_model(tiny_pair[0], torch.device("cpu"))
-
-
-@contextmanager
-def serving(app):
-    """The app on uvicorn (the `run_api` configuration) on a free port, in a thread."""
-    port = free_port()
-    server = api_server(app, "127.0.0.1", port)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def make_app(backend, **kwargs):
@@ -485,7 +466,7 @@ def wait_until(cond, timeout: float) -> bool:
 @contextmanager
 def slow_steps(backend: LocalBackend, seconds: float):
     """Every decoding step of the worker takes at least `seconds` more."""
-    def nap(updates, engine):
+    def nap(updates, engine, version):
         time.sleep(seconds)
     backend.loop.worker.on_step.append(nap)
     try:
