@@ -43,6 +43,7 @@ def quantile(q: float, histogram: str) -> str:
 SPEC = "specloop:spec_decode_num_"
 ACCEPTED = rate(SPEC + "accepted_tokens_total", "drafter_version")
 ACCEPTANCE_RATE = f"{ACCEPTED}\n  / {rate(SPEC + 'draft_tokens_total', 'drafter_version')}"
+ACCEPTANCE_ALL = f"{rate(SPEC + 'accepted_tokens_total')}\n  / {rate(SPEC + 'draft_tokens_total')}"
 MEAN_ACCEPTANCE_LENGTH = f"1 + {ACCEPTED}\n  / {rate(SPEC + 'drafts_total', 'drafter_version')}"
 PER_POSITION = (f"{rate(SPEC + 'accepted_tokens_per_pos_total', 'drafter_version, position')}\n"
                 f"  / on (drafter_version) group_left\n  {rate(SPEC + 'drafts_total', 'drafter_version')}")
@@ -73,8 +74,9 @@ class Panel:
 ROWS: list[tuple[str, list[Panel]]] = [
     ("Speculative decoding", [
         Panel("Acceptance rate α by drafter version",
-              "Accepted / drafted tokens. A healthy drafter accepts ≥ 0.55 per token (dashed line).",
-              [(ACCEPTANCE_RATE, "{{drafter_version}}")], unit="percentunit", min=0, max=1,
+              "Accepted / drafted tokens. A healthy drafter accepts ≥ 0.55 per token (dashed line). "
+              "'all versions' reads through hot swaps, when each version's line lives only seconds.",
+              [(ACCEPTANCE_RATE, "{{drafter_version}}"), (ACCEPTANCE_ALL, "all versions")], unit="percentunit", min=0, max=1,
               threshold=HEALTHY_ACCEPTANCE),
         Panel("Mean acceptance length τ by drafter version",
               "1 + accepted / drafts: tokens per verifier pass. Near 1.0 while traffic flows is the silent "
