@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--slots", type=int, default=8, help="continuous-batch slots per worker")
     s.add_argument("--max-queue", type=int, default=64, help="waiting requests per worker before 503")
     s.add_argument("--max-context", type=int, default=1024, help="positions per request (prompt + output)")
-    s.add_argument("--registry", type=Path, help="drafter registry folder (default: ~/.cache/specloop/registry)")
+    s.add_argument("--registry", type=Path, help="drafter registry folder (default: one per model pair under ~/.cache/specloop/registry)")
     s.add_argument("--worker-resource", action="append", default=[], metavar="NAME",
                    help="a Ray custom resource each worker asks for (places workers on chosen nodes)")
     s.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from services.prompts import load_prompts
+from services.serve import default_registry
 
 READY_TIMEOUT_S = 300.0
 
@@ -25,7 +26,7 @@ class DemoConfig:
     verifier: Path
     drafter: Path
     prompts: Path
-    registry: Path
+    registry: Path  # root: one registry per model pair below it
     max_tokens: int = 64
     temperature: float = 0.0
     k: int = 4
@@ -41,7 +42,8 @@ def free_port() -> int:
 
 def start_server(cfg: DemoConfig, port: int) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "services.cli", "--threads", str(cfg.threads), "serve", "--port", str(port),
-           "--verifier", str(cfg.verifier), "--drafter", str(cfg.drafter), "--registry", str(cfg.registry)]
+           "--verifier", str(cfg.verifier), "--drafter", str(cfg.drafter), "--registry",
+           str(default_registry(cfg.registry, cfg.verifier, cfg.drafter, "pretrained"))]
     return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
 
 

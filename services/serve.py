@@ -62,6 +62,13 @@ def detect_redis() -> str | None:
         client.close()
 
 
+def default_registry(root: Path, verifier: Path, drafter: Path | None, kind: str) -> Path:
+    """One registry folder per (verifier, drafter, kind) under `root`: versions trained from one
+    drafter never serve another."""
+    key = "|".join([str(Path(verifier).resolve()), str(Path(drafter).resolve()) if drafter else "-", kind])
+    return Path(root) / hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
 def registry_prefix(registry: Path) -> str:
     """Redis key namespace of one registry folder (its versions and its replay stream)."""
     return "specloop:" + hashlib.sha1(str(registry.resolve()).encode()).hexdigest()[:12]
@@ -83,7 +90,8 @@ class Deployment:
         if redis_url is None:
             log.warning("no Redis answers (SPECLOOP_REDIS_URL unset, nothing on 127.0.0.1:6379): using the embedded buffer")
         learning = cfg.learner != "off"
-        self.registry = Path(cfg.registry or Path.home() / ".cache" / "specloop" / "registry").resolve()
+        self.registry = Path(cfg.registry or default_registry(Path.home() / ".cache" / "specloop" / "registry",
+                                                              cfg.verifier, cfg.drafter, cfg.kind)).resolve()
         self.registry.mkdir(parents=True, exist_ok=True)
         prefix = registry_prefix(self.registry)
         spec = (redis_url or "memory") if learning else None

@@ -101,15 +101,6 @@ def test_the_installed_console_script_runs(tiny_pair, tmp_path):
     assert bad.returncode == 2
 
 
-def test_demo_serves_the_examples_through_the_api_and_stops_the_server(tiny_pair, tmp_path, capsys):
-    code, out, err = _run(["--threads", "1", "demo", "--verifier", tiny_pair[0], "--drafter", tiny_pair[1],
-                           "--max-tokens", 6, "--cache", tmp_path], capsys)
-    assert code == 0
-    assert "6 chat requests" in err and "τ=" in err and "α=" in err
-    assert "specloop serve stopped (exit code 0)" in err
-    assert out.count("── ") == 6  # every example prompt answered once
-
-
 def test_demo_needs_both_models_or_neither(tiny_pair, capsys):
     code, _, err = _run(["demo", "--verifier", tiny_pair[0]], capsys)
     assert code == 2 and "give both" in err

@@ -8,7 +8,6 @@ import pytest
 
 from drafter.kinds import build_drafter
 from drafter.models import load_model
-from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from services.protocol import CompletionRequest
 from services.serving import LocalBackend, TextStream, cut_at_stop
@@ -124,12 +123,6 @@ def test_a_request_that_does_not_fit_or_names_another_version_is_refused(tiny_pa
         asyncio.run(backend.close())
     assert too_long[0].error.status == 400 and "exceeds the context of 64" in too_long[0].error.message
     assert other[0].error.status == 400 and other[0].error.param == "speculative.drafter_version"
-
-
-def test_sampling_params_of_a_request_match_its_fields():
-    r = CompletionRequest("x", [1], max_tokens=5, temperature=0.5, top_k=3, top_p=0.9, seed=4, stop=["a"])
-    assert r.sampling() == SamplingParams(0.5, 3, 0.9, 5, ("a",), 4)
-    assert CompletionRequest.from_dict(r.to_dict()) == r
 
 
 def test_a_request_naming_another_version_is_decoded_by_that_version_beside_the_champion(tiny_pair, verifier, tmp_path):

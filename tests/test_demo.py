@@ -1,0 +1,29 @@
+"""`specloop demo`, the main job: serve, chat through the API, print, stop."""
+from __future__ import annotations
+
+from services.cli import main
+from services.demo import summary
+
+
+def _run(argv, capsys):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_demo_serves_the_examples_through_the_api_and_stops_the_server(tiny_pair, tmp_path, capsys):
+    code, out, err = _run(["--threads", "1", "demo", "--verifier", tiny_pair[0], "--drafter", tiny_pair[1],
+                           "--max-tokens", 6, "--cache", tmp_path], capsys)
+    assert code == 0
+    assert "6 chat requests" in err and "τ=" in err and "α=" in err
+    assert "specloop serve stopped (exit code 0)" in err
+    assert out.count("── ") == 6  # every example prompt answered once
+
+
+
+def test_summary_reports_acceptance_rate_and_block_efficiency_from_usage():
+    usage = [{"completion_tokens": 10, "drafted_tokens": 8, "accepted_tokens": 6, "drafter_version": "v0001"},
+             {"completion_tokens": 6, "drafted_tokens": 4, "accepted_tokens": 1, "drafter_version": "v0002"}]
+    line = summary([{"usage": u} for u in usage], 2.0, k=4)
+    assert "16 tokens in 2.00 s = 8.0 tokens/s" in line
+    assert "α=0.583" in line and "τ=3.333" in line and "v0001, v0002" in line
