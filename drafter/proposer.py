@@ -75,7 +75,7 @@ def narrow_rows(drafter, m: int):
 
 def widen_rows(drafter, view, m: int) -> None:
     for name in drafter.row_state:
-        _widen(getattr(drafter, name), getattr(view, name), m)
+        setattr(drafter, name, _widen(getattr(drafter, name), getattr(view, name), m))
 
 
 def _narrow(value, m: int):
@@ -86,14 +86,18 @@ def _narrow(value, m: int):
     return value[:m]  # list (a copy of the first m entries) or tensor (a view)
 
 
-def _widen(pool, view, m: int) -> None:
+def _widen(pool, view, m: int):
+    """The pool's state with rows [0, m) taken from the view. Tensors are rebuilt, never written in
+    place: the pool's may be inference tensors (made inside a forward pass)."""
     if isinstance(pool, KVCache):
-        pool.lens[:m] = view.lens
-    elif isinstance(pool, dict):
-        for key, t in view.items():
-            pool[key][:m] = t
-    else:
+        pool.lens = torch.cat([view.lens, pool.lens[m:]])
+        return pool
+    if isinstance(pool, dict):
+        return {key: torch.cat([view[key], t[m:]]) for key, t in pool.items()}
+    if isinstance(pool, list):
         pool[:m] = view
+        return pool
+    return torch.cat([view, pool[m:]])
 
 
 def stack_proposal(steps: list["Choice"], params: SamplingParams) -> Proposal:
