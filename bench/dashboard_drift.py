@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import queue
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,12 +34,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from machine import machine_info  # noqa: E402
-from tests.prometheus_helpers import PROMETHEUS, ThrowawayPrometheus, free_port, wait_until  # noqa: E402
+from services.launch import ServeProcess  # noqa: E402
+from tests.prometheus_helpers import PROMETHEUS, ThrowawayPrometheus  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 OUT = ROOT / "bench" / "results"
 DASHBOARD = ROOT / "dashboards" / "specloop.json"
-SPECLOOP = ROOT / ".venv" / "bin" / "specloop"
 ACCEPTANCE_TITLE = "Acceptance rate α by drafter version"
 TAU_TITLE = "Mean acceptance length τ by drafter version"
 WINDOW = 50  # requests in the "start of code" / "end of code" client-side figures
@@ -66,70 +63,10 @@ def dashboard_queries(rate_interval: str) -> dict:
 # ----------------------------------------------------------------------------- serve
 
 
-class Serve:
-    """`specloop --threads N serve` in its own process group; SIGINT stops it."""
-
-    def __init__(self, work: Path, args):
-        self.dir, self.port = work, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.registry = (work / "registry").resolve()
-        self.cmd = [str(SPECLOOP), "--threads", str(args.threads), "serve", "--verifier", str(args.verifier),
-                    "--drafter", str(args.drafter), "--learner", args.learner, "--registry", str(self.registry),
-                    "--port", str(self.port)]
-        self.proc: subprocess.Popen | None = None
-        self.redis_url: str | None = None
-
-    def start(self, timeout: float = 300.0) -> "Serve":
-        from services.serve import detect_redis
-
-        self.redis_url = detect_redis()  # what serve will pick (the same rule), for the clean-up
-        self.log = open(self.dir / "serve.log", "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        wait_until(self._ready, timeout, lambda: f"specloop serve not ready: {self.logs()}")
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        return self
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"specloop serve exited {self.proc.returncode}: {self.logs()}")
-        try:
-            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def logs(self) -> str:
-        return (self.dir / "serve.log").read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        self.forget_redis_keys()
-
-    def forget_redis_keys(self) -> None:
-        """Delete the replay stream and registry keys serve kept in Redis under this registry's prefix."""
-        if self.redis_url is None:
-            return
-        import redis
-
-        from services.serve import registry_prefix
-
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            keys = list(client.scan_iter(f"{registry_prefix(self.registry)}*"))
-            if keys:
-                client.delete(*keys)
-            self.redis_keys_deleted = len(keys)
-        finally:
-            client.close()
+def make_serve(work: Path, args) -> ServeProcess:
+    """`specloop --threads N serve` with its own registry, logging to work/serve.log; SIGINT stops it."""
+    flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", args.learner]
+    return ServeProcess(flags, threads=args.threads, registry=work / "registry", log=work / "serve.log", cwd=work)
 
 
 # ----------------------------------------------------------------------------- traffic
@@ -394,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     queries = dashboard_queries(args.rate_interval)
 
     work = Path(tempfile.mkdtemp(prefix="specloop-dashboard-drift-"))
-    serve, prom = Serve(work, args), None
+    serve, prom = make_serve(work, args), None
     try:
         t_launch = time.time()
         serve.start()
@@ -457,9 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if prom is not None:
             prom.stop()
-        serve.stop()
-        print(f"serve stopped (rc {serve.proc.returncode if serve.proc else None}); Redis keys deleted: "
-              f"{getattr(serve, 'redis_keys_deleted', 0)}", file=sys.stderr)
+        code = serve.stop()
+        print(f"serve stopped (rc {code}); Redis keys deleted: {serve.forget_redis_keys()}", file=sys.stderr)
         if args.keep:
             print(f"kept {work}", file=sys.stderr)
         else:

@@ -4,9 +4,6 @@ the acceptance statistics, and stop the server cleanly."""
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from services.launch import ServeProcess
 from services.prompts import load_prompts
 from services.serve import default_registry
 
@@ -32,45 +30,6 @@ class DemoConfig:
     k: int = 4
     clients: int = 4  # concurrent requests (they share the worker's continuous batch)
     threads: int = 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(cfg: DemoConfig, port: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "services.cli", "--threads", str(cfg.threads), "serve", "--port", str(port),
-           "--verifier", str(cfg.verifier), "--drafter", str(cfg.drafter), "--registry",
-           str(default_registry(cfg.registry, cfg.verifier, cfg.drafter, "pretrained"))]
-    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"specloop serve exited with code {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"specloop serve was not ready after {timeout:.0f} s")
-
-
-def stop_server(proc: subprocess.Popen) -> int:
-    """SIGINT (what Ctrl-C sends): the server stops its actors and Ray, then exits."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def chat(url: str, model: str, messages: list[dict], cfg: DemoConfig) -> dict:
@@ -100,14 +59,12 @@ def summary(replies: list[dict], seconds: float, k: int) -> str:
 
 def run_demo(cfg: DemoConfig) -> int:
     records = load_prompts(cfg.prompts)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env_note = os.environ.get("SPECLOOP_REDIS_URL", "auto")
-    print(f"starting specloop serve on {url} (Redis: {env_note}) ...", file=sys.stderr)
-    proc = start_server(cfg, port)
+    server = ServeProcess(["--verifier", cfg.verifier, "--drafter", cfg.drafter], threads=cfg.threads,
+                          registry=default_registry(cfg.registry, cfg.verifier, cfg.drafter, "pretrained"))
+    url = server.url
+    print(f"starting specloop serve on {url} (Redis: {os.environ.get('SPECLOOP_REDIS_URL', 'auto')}) ...", file=sys.stderr)
     try:
-        wait_ready(url, proc)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        model = server.start(READY_TIMEOUT_S).model
         t0 = time.perf_counter()
         with ThreadPoolExecutor(cfg.clients) as pool:
             replies = list(pool.map(lambda r: chat(url, model, as_messages(r), cfg), records))
@@ -118,6 +75,6 @@ def run_demo(cfg: DemoConfig) -> int:
             print(reply["choices"][0]["message"]["content"])
         print(summary(replies, seconds, cfg.k), file=sys.stderr)
     finally:
-        code = stop_server(proc)
+        code = server.stop(timeout=60)
         print(f"specloop serve stopped (exit code {code})", file=sys.stderr)
     return 0

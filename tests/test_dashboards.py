@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -19,14 +16,14 @@ import httpx
 import pytest
 
 from dashboards import build
+from services.launch import ServeProcess
 from services.metrics import ApiMetrics, LearnerMetrics, WorkerMetrics, serve_metrics, stop_metrics
-from tests.prometheus_helpers import PROMTOOL, ThrowawayPrometheus, free_port, needs_prometheus, needs_promtool, wait_until
+from tests.prometheus_helpers import PROMTOOL, ThrowawayPrometheus, needs_prometheus, needs_promtool
 
 ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "dashboards" / "specloop.json"
 RULES = ROOT / "deploy" / "prometheus"
 RATE_INTERVAL = "15s"
-SPECLOOP = ROOT / ".venv" / "bin" / "specloop"
 
 
 def dashboard() -> dict:
@@ -198,35 +195,13 @@ def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fa
 # ---------------------------------------------------------------- a real `specloop serve` under traffic
 
 
-class SpecloopServe:
-    """`specloop serve` over the tiny pair (API, worker and klrl learner), in its own process group."""
+class SpecloopServe(ServeProcess):
+    """`specloop serve` over the tiny pair (API, worker and klrl learner), with its own registry (and
+    Redis key prefix, when Redis answers), deleted from Redis when it stops."""
 
     def __init__(self, tmp_path: Path, verifier: Path, drafter: Path):
-        self.dir, self.port = tmp_path, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.registry = tmp_path / "registry"  # its own registry (and Redis key prefix, when Redis answers)
-        self.cmd = [str(SPECLOOP), "--threads", "1", "serve", "--verifier", str(verifier), "--drafter", str(drafter),
-                    "--port", str(self.port), "--learner", "klrl", "--registry", str(self.registry)]
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 300.0) -> "SpecloopServe":
-        self.log = open(self.dir / "serve.log", "wb")
-        self.proc = subprocess.Popen(self.cmd, cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        wait_until(self._ready, timeout, lambda: f"specloop serve not ready: {self.logs()}")
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
-        return self
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"specloop serve exited {self.proc.returncode}: {self.logs()}")
-        try:
-            return httpx.get(f"{self.url}/ready", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def logs(self) -> str:
-        return (self.dir / "serve.log").read_text(errors="replace")[-4000:]
+        super().__init__(["--verifier", verifier, "--drafter", drafter, "--learner", "klrl"], threads=1,
+                         registry=tmp_path / "registry", log=tmp_path / "serve.log", cwd=tmp_path)
 
     def chat(self, client: httpx.Client, i: int) -> None:
         """One chat request: greedy or sampled, streamed or not."""
@@ -246,34 +221,8 @@ class SpecloopServe:
                 i += 1
 
     def stop(self) -> None:
-        if self.proc is None:
-            return
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-        self._forget_redis_keys()
-
-    def _forget_redis_keys(self) -> None:
-        """Delete the replay stream and registry keys serve kept in the local Redis, if it used one."""
-        import redis
-
-        from services.serve import detect_redis, registry_prefix
-
-        url = detect_redis()
-        if url is None:
-            return
-        client = redis.Redis.from_url(url)
-        try:
-            keys = list(client.scan_iter(f"{registry_prefix(self.registry)}*"))
-            if keys:
-                client.delete(*keys)
-        finally:
-            client.close()
+        super().stop(timeout=60)
+        self.forget_redis_keys()
 
 
 @pytest.fixture
