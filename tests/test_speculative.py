@@ -99,8 +99,7 @@ def make_drafter(kind, pair):
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "ngram", "sd2", "dvi"])
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("k,batch", [(1, 1), (4, 1), (1, 4), (4, 4), (8, 4)])  # k = 8 batched only: CI time
 def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs, accepted = [], 0
