@@ -28,7 +28,8 @@ import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 from services.buffer import MemoryBuffer, open_buffer  # noqa: E402
 from services.prompts import encode, load_prompts  # noqa: E402
-from services.worker import ServeRequest, VerifierWorker, WorkerConfig  # noqa: E402
+from services.protocol import CompletionRequest  # noqa: E402
+from services.worker import VerifierWorker, WorkerConfig  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 OUT = ROOT / "bench" / "results"
@@ -60,7 +61,7 @@ def main() -> None:
         for i, ids in enumerate(prompts):
             outs = {}
             for mode in (list(workers) if (rnd + i) % 2 == 0 else list(reversed(workers))):
-                r = workers[mode].serve(ServeRequest(i, str(i), ids, max_tokens=args.max_tokens))
+                r = workers[mode].serve(CompletionRequest(str(i), ids, max_tokens=args.max_tokens, stream_index=i))
                 per_block[mode].append(r["seconds"] / r["blocks"])
                 outs[mode] = r["token_ids"]
             if len({tuple(t) for t in outs.values()}) != 1:

@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from machine import machine_info  # noqa: E402
 from services.prompts import encode, load_prompts  # noqa: E402
 from services.registry import Registry  # noqa: E402
-from services.worker import ServeRequest, VerifierWorker, WorkerConfig  # noqa: E402
+from services.protocol import CompletionRequest  # noqa: E402
+from services.worker import VerifierWorker, WorkerConfig  # noqa: E402
 from trainer.online import serving_student  # noqa: E402
 from drafter.models import load_model  # noqa: E402
 
@@ -82,9 +83,9 @@ def main() -> None:
     tokens = {m: 0 for m in modes}
     seconds = {m: 0.0 for m in modes}
     for i, ids_ in enumerate(prompts):
-        want = reference.serve(ServeRequest(i, str(i), ids_, max_tokens=args.max_tokens, k=0))["token_ids"]
+        want = reference.serve(CompletionRequest(str(i), ids_, max_tokens=args.max_tokens, k=0, stream_index=i))["token_ids"]
         for mode in (modes if i % 2 == 0 else modes[::-1]):
-            r = workers[mode].serve(ServeRequest(i, str(i), ids_, max_tokens=args.max_tokens))
+            r = workers[mode].serve(CompletionRequest(str(i), ids_, max_tokens=args.max_tokens, stream_index=i))
             if r["token_ids"] != want:
                 raise SystemExit(f"{mode}: output differs from the frozen drafter's (lossless broken)")
             tokens[mode] += len(r["token_ids"])

@@ -108,9 +108,9 @@ class WorkerActor:
         self.worker = VerifierWorker(WorkerConfig(**cfg), self.buffer)
 
     def serve(self, request: dict) -> dict:
-        from services.worker import ServeRequest
+        from services.protocol import CompletionRequest
 
-        return self.worker.serve(ServeRequest(**request))
+        return self.worker.serve(CompletionRequest.from_dict(request))
 
     def stats(self) -> dict:
         return self.worker.stats()

@@ -117,7 +117,7 @@ class Replay:
     def requests(self) -> Iterator[dict]:
         c = self.cfg
         for r in self.traffic:
-            yield {"index": r.index, "id": r.id, "prompt_ids": r.prompt_ids, "max_tokens": c.max_tokens, "k": c.k,
+            yield {"stream_index": r.index, "id": r.id, "prompt_ids": r.prompt_ids, "max_tokens": c.max_tokens, "k": c.k,
                    "temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p, "seed": c.seed}
 
     def run(self, progress: bool = True) -> Iterator[dict]:

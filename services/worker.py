@@ -38,9 +38,9 @@ from drafter.engine import Engine, EngineRequest, RowUpdate
 from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
 from drafter.proposer import Drafter
-from drafter.sampling import SamplingParams
 from drafter.speculative import StepTrace, StopRule
 from services.buffer import ReplayBuffer
+from services.protocol import CompletionRequest
 from services.registry import Registry, RegistryError
 from trainer.online import is_finite
 from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, records_from_snapshot, snapshot
@@ -74,21 +74,6 @@ class WorkerConfig:
         if self.swap_cache not in ("keep", "recompute"):
             raise ValueError(f"swap_cache must be 'keep' or 'recompute', not {self.swap_cache!r}")
 
-
-@dataclass
-class ServeRequest:
-    index: int
-    id: str
-    prompt_ids: list[int]
-    max_tokens: int = 64
-    k: int = 4
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, (), self.seed)
 
 
 @dataclass
@@ -263,15 +248,16 @@ class VerifierWorker:
         self.rows.pop(request_id, None)
         return self.engine.abort(request_id)
 
-    def serve(self, request: ServeRequest) -> dict:
-        """Decode one request to completion (replay: one at a time); the replay contract's JSON object."""
+    def serve(self, request: CompletionRequest) -> dict:
+        """Decode one request to completion (replay: one at a time); the replay contract's JSON object,
+        whose "index" is the request's stream index (its place in the traffic)."""
         t0 = time.perf_counter()
-        self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.index)])
+        self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.stream_index)])
         row = self.rows[request.id]
         while request.id not in self.engine.finished:
             self.step()
         gen = self.engine.finished.pop(request.id)
-        return {"index": request.index, "id": request.id, "drafter_version": self.version,
+        return {"index": request.stream_index, "id": request.id, "drafter_version": self.version,
                 "drafter_versions": row.versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
                 "block_efficiency": gen.stats.block_efficiency, "token_ids": gen.token_ids,
                 "text": self.verifier.tokenizer.decode(gen.token_ids, skip_special_tokens=True),

@@ -15,7 +15,8 @@ import torch
 from services.buffer import MemoryBuffer, RedisStreamBuffer
 from services.learner import LearnerService, LearnerServiceConfig
 from services.registry import Registry
-from services.worker import ServeRequest, VerifierWorker, WorkerConfig
+from services.protocol import CompletionRequest
+from services.worker import VerifierWorker, WorkerConfig
 from tests.redis_helpers import REDIS_URL, needs_redis
 from tests.tiny import TEXT
 from trainer.objectives import ObjectiveConfig
@@ -35,7 +36,7 @@ def payloads(tiny_pair) -> list[bytes]:
     tok = worker.verifier.tokenizer
     prompts = [tok.encode(text[start : start + 20]) for text in TEXT for start in (0, 15, 30)]
     for i, ids in enumerate(prompts):
-        worker.serve(ServeRequest(i, f"p{i}", ids, max_tokens=32, k=4))
+        worker.serve(CompletionRequest(f"p{i}", ids, max_tokens=32, k=4, stream_index=i))
     worker.close()
     out = [e.payload for e in buffer.read("collect", 100_000)]
     assert len(out) >= 60

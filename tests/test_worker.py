@@ -13,7 +13,8 @@ from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from services.buffer import MemoryBuffer
 from services.registry import Registry
-from services.worker import AcceptanceMonitor, ServeRequest, VerifierWorker, WorkerConfig
+from services.protocol import CompletionRequest
+from services.worker import AcceptanceMonitor, VerifierWorker, WorkerConfig
 from tests.stats import chi2_pvalue, exact_marginals
 from tests.tiny import TEXT, build_model, llama_config
 from trainer.records import decode
@@ -182,19 +183,19 @@ def start_worker(tiny_pair, root, drafter_dir=None, buffer=None, **cfg) -> Verif
     return VerifierWorker(config, buffer)
 
 
-def requests(verifier, start: int = 0) -> list[ServeRequest]:
+def requests(verifier, start: int = 0) -> list[CompletionRequest]:
     tok = verifier.tokenizer
     texts = [text[s : s + 24] for text in TEXT for s in (0, 17)]
-    return [ServeRequest(start + i, f"r{start + i}", tok.encode(t), max_tokens=MAX_TOKENS, k=K)
+    return [CompletionRequest(f"r{start + i}", tok.encode(t), max_tokens=MAX_TOKENS, k=K, stream_index=start + i)
             for i, t in enumerate(texts)]
 
 
-def verifier_alone(worker: VerifierWorker, reqs: list[ServeRequest]) -> list[list[int]]:
+def verifier_alone(worker: VerifierWorker, reqs: list[CompletionRequest]) -> list[list[int]]:
     return [generate(worker.verifier.lean, None, [r.prompt_ids], r.sampling(), 0, worker.stop_rule)[0].token_ids
             for r in reqs]
 
 
-def serve_all(worker: VerifierWorker, reqs: list[ServeRequest]) -> list[dict]:
+def serve_all(worker: VerifierWorker, reqs: list[CompletionRequest]) -> list[dict]:
     return [worker.serve(r) for r in reqs]
 
 
