@@ -80,7 +80,9 @@ def warp(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tens
 
 
 def _warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
-    out = torch.softmax(logits.float(), dim=-1)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    greedy = params.greedy_rows.to(logits.device)
+    out[greedy] = torch.softmax(logits[greedy].float(), dim=-1)
     for group, rows in params.groups().items():
         out[rows.to(logits.device)] = warp(logits[rows.to(logits.device)], group)
     return out

@@ -86,18 +86,9 @@ class ServeProcess:
         """Delete what serve kept in Redis under its registry's prefix (a throwaway run); the count."""
         if self.redis_url is None or self.registry is None:
             return 0
-        import redis
+        from services.registry import forget_namespace, redis_namespace
 
-        from services.serve import registry_prefix
-
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            keys = list(client.scan_iter(match=f"{registry_prefix(self.registry)}:*"))
-            return client.delete(*keys) if keys else 0
-        except redis.RedisError:
-            return 0
-        finally:
-            client.close()
+        return forget_namespace(self.redis_url, redis_namespace(self.registry))
 
     def __enter__(self) -> "ServeProcess":
         return self.start()

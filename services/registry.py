@@ -36,6 +36,7 @@ floats are written as the strings "nan", "inf", "-inf").
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import math
@@ -566,3 +567,23 @@ class Registry:
             return f"{info.id} is the first champion"
         best = self._champion_acceptance(info, state.champion)
         return f"{info.id} sim_acceptance {_fmt(info.sim_acceptance)} >= champion {state.champion} {_fmt(best)}"
+
+
+def redis_namespace(folder: str | Path, base: str = "specloop") -> str:
+    """The Redis key namespace of one registry folder: its version metadata and its replay stream
+    (a reused folder resumes both)."""
+    return f"{base}:{hashlib.sha1(str(Path(folder).resolve()).encode()).hexdigest()[:12]}"
+
+
+def forget_namespace(redis_url: str, namespace: str) -> int:
+    """Delete every key under `namespace` (a throwaway run's stream and metadata); how many."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*"))
+        return client.delete(*keys) if keys else 0
+    except redis.RedisError:
+        return 0
+    finally:
+        client.close()

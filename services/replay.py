@@ -7,7 +7,6 @@ Results come back in request order as the replay contract's JSON objects.
 """
 from __future__ import annotations
 
-import hashlib
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ from tqdm import tqdm
 
 from drafter.models import load_tokenizer
 from services.buffer import check_spec
+from services.registry import forget_namespace, redis_namespace
 from services.prompts import encode, load_prompts
 from trainer.objectives import ObjectiveConfig
 from trainer.online import LearnerConfig
@@ -99,7 +99,7 @@ class Replay:
         spec = cfg.buffer if learning else None
         redis_url = cfg.buffer if cfg.buffer.startswith("redis://") else None  # registry metadata beside the buffer
         # one namespace per registry folder: its versions, its replay stream (a reused --registry resumes both)
-        self.namespace = registry_prefix = f"{cfg.redis_prefix}:{hashlib.sha1(str(Path(self.registry).resolve()).encode()).hexdigest()[:12]}"
+        self.namespace = registry_prefix = redis_namespace(self.registry, cfg.redis_prefix)
         self.learner = None
         if learning:
             lcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": self.registry,
@@ -152,22 +152,8 @@ class Replay:
         if self.started_ray:
             ray.shutdown()
         if self.cfg.registry is None and self.cfg.buffer.startswith("redis://"):
-            self._forget_redis_keys()  # a throwaway run: its temporary registry goes, so do its stream and metadata
+            forget_namespace(self.cfg.buffer, self.namespace)  # a throwaway run: its temporary registry goes, so do its stream and metadata
         return summary
-
-
-    def _forget_redis_keys(self) -> None:
-        import redis
-
-        client = redis.Redis.from_url(self.cfg.buffer)
-        try:
-            keys = list(client.scan_iter(match=f"{self.namespace}:*"))
-            if keys:
-                client.delete(*keys)
-        except redis.RedisError:
-            pass
-        finally:
-            client.close()
 
 
 def _opt(path) -> str | None:

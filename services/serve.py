@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.registry import redis_namespace
+
 log = logging.getLogger("specloop.serve")
 LOCAL_REDIS = "redis://127.0.0.1:6379"
 
@@ -69,11 +71,6 @@ def default_registry(root: Path, verifier: Path, drafter: Path | None, kind: str
     return Path(root) / hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
-def registry_prefix(registry: Path) -> str:
-    """Redis key namespace of one registry folder (its versions and its replay stream)."""
-    return "specloop:" + hashlib.sha1(str(registry.resolve()).encode()).hexdigest()[:12]
-
-
 class Deployment:
     """The actors `serve` starts; `stop()` ends them (and Ray, when this process started it)."""
 
@@ -93,7 +90,7 @@ class Deployment:
         self.registry = Path(cfg.registry or default_registry(Path.home() / ".cache" / "specloop" / "registry",
                                                               cfg.verifier, cfg.drafter, cfg.kind)).resolve()
         self.registry.mkdir(parents=True, exist_ok=True)
-        prefix = registry_prefix(self.registry)
+        prefix = redis_namespace(self.registry)
         spec = (redis_url or "memory") if learning else None
         self.host = BufferHost.options(name="specloop-buffer").remote(100_000) if learning and redis_url is None else None
         self.learner = None

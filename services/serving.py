@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
 from drafter.engine import Engine, EngineRequest, RowUpdate
@@ -296,20 +296,21 @@ class ServingLoop:
         engine of the version a request names (loaded in the background; its requests wait meanwhile)."""
         with self.lock:
             pending = list(self.waiting)
-        chosen: dict[str | None, list] = {}
+        chosen: dict[str | None, list] = {}  # engine (None: the serving version's) -> requests
+        refused = []
         for r, sink in pending:
             key = None if r.drafter_version in (None, self.worker.version) else r.drafter_version
             free = len(self.worker.engine.free) if key is None else self.pinned.free(key)
             if free is None:  # the version failed to load: refuse its requests
-                chosen.setdefault("refused", []).append((r, sink))
+                refused.append((r, sink))
             elif len(chosen.setdefault(key, [])) < free:
                 chosen[key].append((r, sink))
-        taken = {r.id for batch in chosen.values() for r, _ in batch}
+        taken = {r.id for batch in [*chosen.values(), refused] for r, _ in batch}
         if not taken:
             return
         with self.lock:
             self.waiting = deque(item for item in self.waiting if item[0].id not in taken)
-        for r, sink in chosen.pop("refused", []):
+        for r, sink in refused:
             sink(Chunk(r.id, error=ErrorInfo(self.pinned.failure(r.drafter_version), "not_found_error", 404,
                                              param="speculative.drafter_version")))
         for key, batch in chosen.items():
@@ -410,7 +411,7 @@ class LocalBackend:
 
     async def buffer_stats(self) -> dict | None:
         buffer = self.loop.worker.logger.buffer if self.loop.worker.logger is not None else None
-        return None if buffer is None else buffer_stats_dict(buffer.stats())
+        return None if buffer is None else asdict(buffer.stats())
 
     async def metrics_targets(self) -> list[str]:
         return [self.metrics_url] if self.metrics_url else []
@@ -418,12 +419,6 @@ class LocalBackend:
     async def close(self) -> None:
         self.loop.stop()
         self.loop.worker.close()
-
-
-def buffer_stats_dict(stats) -> dict:
-    from dataclasses import asdict
-
-    return asdict(stats)
 
 
 def wait_ready(loop: ServingLoop, timeout: float = 60.0) -> bool:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.registry import PromotionResult, Registry, RegistryError, VersionInfo
+from tests.redis_helpers import needs_redis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -408,3 +409,30 @@ def test_versions_stay_readable_and_ids_unique_when_redis_metadata_is_lost(tmp_p
         keys = list(client.scan_iter(f"{prefix}:*"))
         if keys:
             client.delete(*keys)
+
+
+def test_a_registry_folder_has_one_stable_redis_namespace(tmp_path):
+    from services.registry import redis_namespace
+
+    assert redis_namespace(tmp_path) == redis_namespace(tmp_path / ".")
+    assert redis_namespace(tmp_path).startswith("specloop:") and redis_namespace(tmp_path, "other").startswith("other:")
+    assert redis_namespace(tmp_path) != redis_namespace(tmp_path / "x")
+
+
+@needs_redis
+def test_forgetting_a_namespace_deletes_its_keys_and_only_those(tmp_path):
+    import redis
+
+    from services.registry import forget_namespace, redis_namespace
+
+    url = "redis://127.0.0.1:6379"
+    mine, other = redis_namespace(tmp_path, "sltest-forget"), redis_namespace(tmp_path / "o", "sltest-forget")
+    client = redis.Redis.from_url(url)
+    try:
+        client.set(f"{mine}:a", 1), client.set(f"{mine}:b:c", 2), client.set(f"{other}:a", 3)
+        assert forget_namespace(url, mine) == 2
+        assert client.get(f"{mine}:a") is None and client.get(f"{other}:a") == b"3"
+        assert forget_namespace(url, mine) == 0
+    finally:
+        client.delete(f"{other}:a")
+        client.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.cli import main
-from services.serve import LOCAL_REDIS, default_registry, detect_redis, registry_prefix
+from services.serve import LOCAL_REDIS, default_registry, detect_redis
 from tests.redis_helpers import free_port
 
 
@@ -32,11 +32,6 @@ def test_each_model_pair_gets_its_own_registry_folder(tmp_path):
     others = {default_registry(tmp_path, Path("v"), Path("d2"), "pretrained"),
               default_registry(tmp_path, Path("v"), Path("d1"), "sd2"), default_registry(tmp_path, Path("v"), None, "dvi")}
     assert a not in others and len(others) == 3
-
-
-def test_registry_prefix_is_stable_and_namespaced(tmp_path):
-    assert registry_prefix(tmp_path) == registry_prefix(tmp_path / "." )
-    assert registry_prefix(tmp_path).startswith("specloop:") and registry_prefix(tmp_path) != registry_prefix(tmp_path / "x")
 
 
 def test_serve_refuses_bad_flags_with_exit_code_2(tiny_pair, capsys):
