@@ -18,6 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drafter.quant import linear
+from drafter.vocab import expand
+
 SUPPORTED_ACT = {"silu", "swish"}
 
 
@@ -45,7 +48,7 @@ class ForwardOut:
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden]
+    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden] (the linears: raw tensors, or drafter.quant weight objects)
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3-style per-head RMSNorm weights [D]
     k_norm: torch.Tensor | None
@@ -96,9 +99,19 @@ class LeanDecoder:
         self.lm_head = hf_model.lm_head.weight.detach()
         self.layers = [self._fuse(layer) for layer in base.layers]
         self.device = self.embed.device
-        self.dtype = self.embed.dtype
+        self.dtype = self.embed.dtype  # activations, KV cache, RoPE tables (drafter.quant may change it)
+        self.quant = None  # drafter.quant.QuantSpec once quantize_decoder prepared the linears
+        self.vocab_ids: torch.Tensor | None = None  # FR-Spec draft vocabulary: the LM head holds these rows only
         n = max_positions or int(getattr(cfg, "max_position_embeddings", 4096))
         self.cos, self.sin = self._rope_tables(base, n)
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Score only the vocabulary rows `ids` (sorted; drafter.vocab): forward's logits are still
+        [.., vocab_size], -inf outside them. Before quantizing: the smaller head is what gets packed."""
+        if self.quant is not None or self.vocab_ids is not None:
+            raise ValueError("restrict the vocabulary once, before quantize_decoder")
+        self.lm_head = self.lm_head[ids.to(self.lm_head.device)]
+        self.vocab_ids = ids.to(self.device)
 
     @property
     def num_layers(self) -> int:
@@ -179,10 +192,11 @@ class LeanDecoder:
                 hidden[i] = x
         return x
 
-    def logits(self, x: torch.Tensor, norm: torch.Tensor | None = None, head: torch.Tensor | None = None):
-        """Final RMSNorm and LM head (defaults: the model's own)."""
+    def logits(self, x: torch.Tensor, norm: torch.Tensor | None = None, head=None):
+        """Final RMSNorm and LM head (defaults: the model's own); `head` is a raw [V, hidden] tensor or a
+        drafter.quant weight object."""
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm if norm is None else norm, self.eps)
-        return F.linear(x, self.lm_head if head is None else head)
+        return linear(x, self.lm_head if head is None else head)
 
     @torch.inference_mode()
     def forward(
@@ -203,13 +217,16 @@ class LeanDecoder:
         if last_only:
             x = last_valid(x, n_new)
         cache.lens = cache.lens + n_new
-        return ForwardOut(logits=self.logits(x), hidden=hidden)
+        logits = self.logits(x)
+        if self.vocab_ids is not None:
+            logits = expand(logits, self.vocab_ids, self.vocab_size)
+        return ForwardOut(logits=logits, hidden=hidden)
 
     def _layer(self, w: _Layer, x, kc, vc, at: "StepPositions", up_bias):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
-        qkv = F.linear(h, w.qkv, w.qkv_bias)
+        qkv = linear(h, w.qkv, w.qkv_bias)
         q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if w.q_norm is not None:
@@ -226,12 +243,12 @@ class LeanDecoder:
             scale=self.scaling,
             enable_gqa=H != Hkv,
         )  # [B, H, T, D]
-        x = x + F.linear(att.transpose(1, 2).reshape(B, T, H * D), w.o)
+        x = x + linear(att.transpose(1, 2).reshape(B, T, H * D), w.o)
         h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-        gate, up = F.linear(h, w.gate_up).chunk(2, dim=-1)
+        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
         if up_bias is not None:
             up = up + up_bias[:, None]
-        return x + F.linear(F.silu(gate) * up, w.down)
+        return x + linear(F.silu(gate) * up, w.down)
 
 
 @dataclass

@@ -22,9 +22,11 @@ from torch import nn
 
 from drafter.decoder import LeanDecoder
 from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
+from drafter.quant import quantize_like
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 from drafter.sd2 import MANIFEST
+from drafter.vocab import expand
 
 HEAD_FILE = "dvi_head.safetensors"
 
@@ -63,6 +65,10 @@ class DraftHead(nn.Module):
         x = nn.functional.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.eps)
         return self.head(x)
 
+    def merged_weight(self) -> torch.Tensor:
+        """The LM head with the LoRA delta added, differentiable (training over a draft vocabulary)."""
+        return self.head.base_layer.weight + self.head.get_delta_weight("default")
+
     def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm weight, LM head weight with the LoRA delta folded in) for inference."""
         with torch.no_grad():
@@ -97,13 +103,15 @@ class DVIDrafter:
     row_state: tuple[str, ...] = ("cache", "last")  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
 
-    def __init__(self, verifier: LeanDecoder, head: DraftHead):
+    def __init__(self, verifier: LeanDecoder, head: DraftHead, vocab: torch.Tensor | None = None):
         self.lean = verifier
         self.layers = range(head.cfg.layers)
         self.record_layers = (head.cfg.layers - 1,)  # the head's input: the residual stream after layer s
         norm, weight = head.merged()
+        self.vocab = None if vocab is None else vocab.to(verifier.device)  # FR-Spec subset (drafter.vocab)
         self.norm = norm.to(verifier.device, verifier.dtype)
-        self.head = weight.to(verifier.device, verifier.dtype)
+        weight = weight if vocab is None else weight[vocab.to(weight.device)]
+        self.head = quantize_like(verifier, weight)  # the verifier's weight format (drafter.quant)
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         self.cache = view.cache
@@ -121,6 +129,8 @@ class DVIDrafter:
             at = self.lean.positions(self.cache, 1)
             x = self.lean.run_layers(self.cache, at, self.lean.embed_tokens(tokens), self.layers)
             logits = self.lean.logits(x, self.norm, self.head)[:, -1]
+            if self.vocab is not None:
+                logits = expand(logits, self.vocab, self.lean.vocab_size)
             steps.append(choose(logits, params, None if uniforms is None else uniforms[:, i]))
             self.cache.lens = self.cache.lens + 1
             tokens = steps[-1].token[:, None]

@@ -18,7 +18,8 @@ from drafter.models import LoadedModel, ModelError, check_same_vocabulary, load_
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
 from drafter.proposer import Drafter
-from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, steering_for
+from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, read_manifest, steering_for
+from drafter.vocab import load_vocab
 
 DRAFTER_KINDS = ("pretrained", "ngram", "sd2", "dvi")
 NEEDS_DIR = {"pretrained", "sd2"}
@@ -28,6 +29,19 @@ def read_checkpoint_kind(path: Path) -> str | None:
     """The kind in a trained checkpoint's manifest, or None for a plain model directory."""
     manifest = Path(path) / MANIFEST
     return json.loads(manifest.read_text())["kind"] if manifest.is_file() else None
+
+
+def resolve_kind(explicit: str | None, drafter_dir: str | Path | None) -> str | None:
+    """The drafter kind to build: the checkpoint manifest's when there is one (an explicit kind that
+    disagrees is an error, except "pretrained", which takes an SD² checkpoint's LM alone), else the
+    explicit one, else "pretrained" for a plain model directory, else None (no drafter given)."""
+    found = None if drafter_dir is None or not Path(drafter_dir).is_dir() else read_checkpoint_kind(drafter_dir)
+    if explicit is not None and explicit not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind {explicit!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+    if found is not None and explicit is not None and explicit != found and not (explicit == "pretrained" and found == "sd2"):
+        raise ModelError(f"{drafter_dir} holds a {found!r} drafter (its manifest.json says so), not {explicit!r}: "
+                         f"drop --drafter-kind or pass {found!r}")
+    return explicit or found or ("pretrained" if drafter_dir is not None else None)
 
 
 def drafter_lm_dir(path: Path) -> Path:
@@ -62,9 +76,10 @@ class DrafterBuilder:
         if kind in NEEDS_DIR and drafter_dir is None:
             raise ValueError(f"drafter kind {kind!r} needs --drafter DIR")
         found = None if drafter_dir is None else read_checkpoint_kind(drafter_dir)
-        if found is not None and found != kind and not (kind == "pretrained" and found == "sd2"):
-            raise ModelError(f"{drafter_dir} holds a {found!r} checkpoint, not {kind!r}")
+        resolve_kind(kind, drafter_dir)  # refuses a kind the checkpoint's manifest contradicts
         self.kind, self.verifier = kind, verifier
+        manifest = read_manifest(drafter_dir) if found is not None else {}
+        self.vocab = load_vocab(drafter_dir, manifest, verifier.vocab_size) if kind != "ngram" else None
         self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
         self.steering = self.head = None
         if kind == "sd2":
@@ -77,7 +92,9 @@ class DrafterBuilder:
         if self.kind == "ngram":
             return NgramDrafter(self.verifier.vocab_size)
         if self.kind == "dvi":
-            return DVIDrafter(self.verifier.lean, head)
+            return DVIDrafter(self.verifier.lean, head, self.vocab)
+        if self.vocab is not None:
+            lean.restrict_vocab(self.vocab)
         return PretrainedDrafter(lean) if self.kind == "pretrained" else SteeredDrafter(lean, steering)
 
     def build(self, weights: dict | None = None) -> Drafter:

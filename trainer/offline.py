@@ -32,7 +32,8 @@ from tqdm import tqdm
 from drafter.models import load_model
 from trainer.data import ConversationSource, GeneratedSet, GenerationSpec, WindowStream, code_documents, conversation_ids
 from trainer.losses import LOSSES, distribution_loss, expected_acceptance
-from trainer.students import METHODS, build_student, verifier_targets
+from drafter.vocab import save_vocab
+from trainer.students import METHODS, build_student, teacher_autocast, verifier_targets
 
 DATA_MODES = ("teacher-forced", "generated", "code")  # code: the standard library's non-test source, raw
 KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi"}
@@ -75,6 +76,9 @@ class OfflineConfig:
     gen_k: int = 0  # speculation while generating (0: the verifier alone, fastest on CPU at batch >= 8)
     gen_max_tokens: int = 128  # new tokens per generated sequence
     gen_max_prompt_tokens: int = 64  # longer first turns are skipped
+    draft_vocab: str | None = None  # FR-Spec: a draft_vocab.safetensors file; the loss scores its rows only
+    freeze_embeddings: bool = False  # distill / sd2: keep the drafter's embeddings (and tied head) fixed
+    teacher_dtype: str = "fp32"  # the frozen verifier's forward: fp32, bf16, or auto (bf16 where the CPU has it)
     conversations: list | None = field(default=None, repr=False)  # in-memory conversations (tests) instead of ShareGPT
 
     def validate(self) -> None:
@@ -93,6 +97,8 @@ class OfflineConfig:
         need(self.batch_size >= 1 and self.seq_len >= 2, "--batch-size must be >= 1 and --seq-len >= 2")
         need(self.checkpoint_every >= 1, "--checkpoint-every must be >= 1")
         need(self.gen_batch >= 1 and self.gen_k >= 0, "--gen-batch must be >= 1 and --gen-k >= 0")
+        need(self.teacher_dtype in ("fp32", "bf16", "auto"), "--teacher-dtype must be fp32, bf16 or auto")
+        need(self.draft_vocab is None or Path(self.draft_vocab).is_file(), f"--draft-vocab {self.draft_vocab}: no such file")
         need(self.steer_layers is None or len(set(self.steer_layers)) == 3,
              "--steer-layers needs three distinct layers")
 
@@ -143,9 +149,10 @@ class OfflineTrainer:
         self.verifier.hf.requires_grad_(False).eval()
         self.device = self.verifier.lean.device
         self.generator = torch.Generator().manual_seed(cfg.seed)  # SD² offsets
+        self.vocab = None if cfg.draft_vocab is None else load_file(cfg.draft_vocab)["ids"].to(torch.long)
         self.student = build_student(cfg.method, self.verifier, cfg.drafter, k=cfg.k, dvi_layers=cfg.dvi_layers,
                                      steer_layers=cfg.steer_layers, generator=self.generator,
-                                     device=self.device)
+                                     device=self.device, vocab=self.vocab, freeze_embeddings=cfg.freeze_embeddings)
         self.params = self.student.trainable()
         self.optimizer = self._build_optimizer()
         self.schedule = Schedule(cfg.warmup_steps, cfg.min_lr_ratio, cfg.max_steps,
@@ -203,7 +210,9 @@ class OfflineTrainer:
 
     def _forward(self, input_ids: torch.Tensor):
         ids = input_ids.to(self.device)
-        p_logits, residuals = verifier_targets(self.verifier.hf, ids, self.student.verifier_layers)  # [B, T, V]
+        with teacher_autocast(self.device, self.cfg.teacher_dtype):
+            p_logits, residuals = verifier_targets(self.verifier.hf, ids, self.student.verifier_layers, self.vocab)
+        residuals = {i: r.float() for i, r in residuals.items()}
         q_logits = self.student.logits(ids, residuals)  # [B, T, V]
         return p_logits, q_logits
 
@@ -314,7 +323,10 @@ class OfflineTrainer:
 
     def export(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        self.student.export(self.out, self.manifest_extra())
+        extra = self.manifest_extra()
+        if self.vocab is not None:
+            extra["draft_vocab"] = save_vocab(self.out, self.vocab)
+        self.student.export(self.out, extra)
 
     def save_checkpoint(self) -> None:
         """Trainable parameters, optimizer, schedule position, RNG and data position: safetensors + JSON."""
@@ -426,6 +438,11 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gen-batch", type=int, default=d.gen_batch)
     parser.add_argument("--gen-k", type=int, default=d.gen_k, help="draft length while generating (0: verifier alone)")
     parser.add_argument("--gen-max-tokens", type=int, default=d.gen_max_tokens)
+    parser.add_argument("--draft-vocab", type=Path, help="FR-Spec draft vocabulary (draft_vocab.safetensors): "
+                        "train over its rows only and draft over them when served")
+    parser.add_argument("--freeze-embeddings", action="store_true", help="distill / sd2: keep embeddings fixed")
+    parser.add_argument("--teacher-dtype", choices=("fp32", "bf16", "auto"), default=d.teacher_dtype,
+                        help="the verifier's forward (auto: bf16 where the CPU has native bf16)")
 
 
 def config_from_args(args: argparse.Namespace) -> OfflineConfig:
@@ -440,4 +457,5 @@ def config_from_args(args: argparse.Namespace) -> OfflineConfig:
         dvi_layers=args.dvi_layers, steer_layers=None if args.steer_layers is None else tuple(args.steer_layers),
         resume=args.resume, checkpoint_every=args.checkpoint_every, data_cache=opt(args.data_cache),
         gen_batch=args.gen_batch, gen_k=args.gen_k, gen_max_tokens=args.gen_max_tokens,
+        draft_vocab=opt(args.draft_vocab), freeze_embeddings=args.freeze_embeddings, teacher_dtype=args.teacher_dtype,
     )

@@ -36,9 +36,29 @@ from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
 METHODS = ("distill", "sd2", "sd2-frozen", "dvi")  # what `build_student` builds
 
 
+def head_logits(hf, input_ids: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """A causal LM's logits [B, T, V], or [B, T, |vocab|] over a draft vocabulary's rows only (FR-Spec:
+    the LM head is the largest matrix of a small model; scoring the subset skips most of it)."""
+    if vocab is None:
+        return hf(input_ids=input_ids, use_cache=False).logits
+    hidden = hf.model(input_ids=input_ids, use_cache=False).last_hidden_state
+    return torch.nn.functional.linear(hidden, hf.lm_head.weight[vocab.to(hidden.device)])
+
+
+def teacher_autocast(device: torch.device, dtype: str):
+    """bf16 autocast for the frozen verifier's forward when asked ("bf16"), or when "auto" and the
+    CPU has native bf16 dot products (AVX512-BF16 / AMX); fp32 otherwise."""
+    from drafter.quant import native_bf16
+
+    use = dtype == "bf16" or (dtype == "auto" and (device.type == "cuda" or native_bf16()))
+    return torch.autocast(device.type, dtype=torch.bfloat16) if use else nullcontext()
+
+
 @torch.no_grad()
-def verifier_targets(verifier_hf, input_ids: torch.Tensor, layers: tuple[int, ...] = ()):
-    """(logits [B, T, V] float32, {i: residual stream after 0-based layer i, [B, T, d]}).
+def verifier_targets(verifier_hf, input_ids: torch.Tensor, layers: tuple[int, ...] = (),
+                     vocab: torch.Tensor | None = None):
+    """(logits [B, T, V] float32, {i: residual stream after 0-based layer i, [B, T, d]}); with
+    `vocab`, logits over those rows only ([B, T, |vocab|]).
 
     The residual after layer i is HF's `hidden_states[i + 1]` for i < L − 1; HF's last entry is
     taken after the final norm, so the streams are read from the decoder layers' outputs, which
@@ -53,7 +73,7 @@ def verifier_targets(verifier_hf, input_ids: torch.Tensor, layers: tuple[int, ..
 
     handles = [verifier_hf.model.layers[i].register_forward_hook(keeper(i)) for i in sorted(set(layers))]
     try:
-        logits = verifier_hf(input_ids=input_ids, use_cache=False).logits.float()  # [B, T, V]
+        logits = head_logits(verifier_hf, input_ids, vocab).float()  # [B, T, V]
     finally:
         for h in handles:
             h.remove()
@@ -69,6 +89,7 @@ class Student:
 
     kind: str
     verifier_layers: tuple[int, ...] = ()
+    vocab: torch.Tensor | None = None  # FR-Spec draft vocabulary: logits over these rows only
 
     def trainable(self) -> list[tuple[str, nn.Parameter, str]]:
         raise NotImplementedError
@@ -84,6 +105,14 @@ def _lm_params(lm) -> list[tuple[str, nn.Parameter, str]]:
     return [(f"lm.{n}", p, "lm") for n, p in lm.named_parameters() if p.requires_grad]
 
 
+def _freeze_embeddings(hf, freeze: bool) -> None:
+    """Keep the token embeddings (and an LM head tied to them) fixed: on a small model they are
+    most of the parameters, and a few minutes of training moves the layers more usefully."""
+    if freeze:
+        hf.get_input_embeddings().weight.requires_grad_(False)
+        hf.lm_head.weight.requires_grad_(False)
+
+
 def _save_lm(lm: LoadedModel, out: Path) -> None:
     (out / "drafter").mkdir(parents=True, exist_ok=True)
     lm.hf.save_pretrained(out / "drafter")
@@ -95,15 +124,16 @@ class DistillStudent(Student):
 
     kind = "pretrained"
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, freeze_embeddings: bool = False):
         self.lm = lm
         lm.hf.requires_grad_(True).train()
+        _freeze_embeddings(lm.hf, freeze_embeddings)
 
     def trainable(self):
         return _lm_params(self.lm.hf)
 
     def logits(self, input_ids, residuals):
-        return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+        return head_logits(self.lm.hf, input_ids, self.vocab)  # [B, T, V]
 
     def export(self, out, extra):
         _save_lm(self.lm, out)
@@ -121,10 +151,12 @@ class SteeredStudent(Student):
 
     kind = "sd2"
 
-    def __init__(self, lm: LoadedModel, steering, k: int, train_lm: bool, generator: torch.Generator):
+    def __init__(self, lm: LoadedModel, steering, k: int, train_lm: bool, generator: torch.Generator,
+                 freeze_embeddings: bool = False):
         self.lm, self.steering, self.k, self.train_lm, self.generator = lm, steering, k, train_lm, generator
         self.verifier_layers = tuple(steering.cfg.layers)
         lm.hf.requires_grad_(train_lm).train(train_lm)
+        _freeze_embeddings(lm.hf, freeze_embeddings)
         steering.train()
         self._bias: torch.Tensor | None = None  # [L_draft, B, T, I] during a forward
         for layer, block in enumerate(lm.hf.model.layers):
@@ -156,7 +188,7 @@ class SteeredStudent(Student):
         """Drafter logits [B, T, V] steered at each position by already-gathered verifier features
         `feats` [B, T, 3, d_verifier] (no offsets drawn here)."""
         with self.steered(feats):
-            return self.lm.hf(input_ids=input_ids, use_cache=False).logits  # [B, T, V]
+            return head_logits(self.lm.hf, input_ids, self.vocab)  # [B, T, V]
 
     @contextmanager
     def steered(self, feats: torch.Tensor):
@@ -185,14 +217,28 @@ class DVIStudent(Student):
         return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters() if p.requires_grad]
 
     def logits(self, input_ids, residuals):
-        return self.head(residuals[self.verifier_layers[0]])  # [B, T, V]
+        hidden = residuals[self.verifier_layers[0]]
+        if self.vocab is None:
+            return self.head(hidden)  # [B, T, V]
+        x = nn.functional.rms_norm(hidden, (hidden.shape[-1],), self.head.norm, self.head.eps)
+        return nn.functional.linear(x, self.head.merged_weight()[self.vocab.to(x.device)])
 
     def export(self, out, extra):
         self.head.save(out, extra)
 
 
 def build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | None, *, k: int, dvi_layers: int,
-                  steer_layers, generator: torch.Generator, device) -> Student:
+                  steer_layers, generator: torch.Generator, device, vocab: torch.Tensor | None = None,
+                  freeze_embeddings: bool = False) -> Student:
+    """`_build_student` with logits over the draft vocabulary `vocab` (None: the full vocabulary)."""
+    student = _build_student(method, verifier, drafter_dir, k=k, dvi_layers=dvi_layers, steer_layers=steer_layers,
+                             generator=generator, device=device, freeze_embeddings=freeze_embeddings)
+    student.vocab = vocab
+    return student
+
+
+def _build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | None, *, k: int, dvi_layers: int,
+                   steer_layers, generator: torch.Generator, device, freeze_embeddings: bool) -> Student:
     """The student of `method` (distill, sd2, sd2-frozen or dvi) against `verifier`.
 
     distill / sd2 / sd2-frozen start from the drafter LM in `drafter_dir`; dvi ignores it and puts
@@ -208,7 +254,7 @@ def build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | 
     lm = load_model(drafter_dir, device=device, dtype=torch.float32)  # trained in fp32
     check_same_vocabulary(verifier, lm)
     if method == "distill":
-        return DistillStudent(lm)
+        return DistillStudent(lm, freeze_embeddings)
     layers = steer_layers or default_steer_layers(verifier.hf.config.num_hidden_layers)
     steering = steering_for(verifier.hf.config, lm.hf.config, tuple(layers)).to(device)
-    return SteeredStudent(lm, steering, k, method == "sd2", generator)
+    return SteeredStudent(lm, steering, k, method == "sd2", generator, freeze_embeddings)

