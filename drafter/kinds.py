@@ -17,6 +17,7 @@ from drafter.decoder import LeanDecoder
 from drafter.models import LoadedModel, ModelError, check_same_vocabulary, load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
+from drafter.quant import quantize_decoder, resolve_mode
 from drafter.proposer import Drafter
 from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, read_manifest, steering_for
 from drafter.vocab import load_vocab
@@ -51,14 +52,15 @@ def drafter_lm_dir(path: Path) -> Path:
 
 
 def _load_lm(verifier: LoadedModel, path: Path) -> LoadedModel:
-    model = load_model(drafter_lm_dir(path), device=verifier.lean.device, dtype=verifier.lean.dtype)
+    model = load_model(drafter_lm_dir(path), device=verifier.lean.device, dtype=verifier.hf.dtype)
     check_same_vocabulary(verifier, model)
     return model
 
 
-def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None) -> Drafter:
-    """A drafter of `kind` paired with `verifier`; refuses unknown kinds and mismatched vocabularies."""
-    return DrafterBuilder(kind, verifier, drafter_dir).base
+def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None) -> Drafter:
+    """A drafter of `kind` paired with `verifier`; refuses unknown kinds and mismatched vocabularies.
+    `weights`: the weight mode of a drafter LM of its own (drafter.quant; None: as loaded)."""
+    return DrafterBuilder(kind, verifier, drafter_dir, weights).base
 
 
 class DrafterBuilder:
@@ -70,7 +72,7 @@ class DrafterBuilder:
     base. Building copies the base modules, so the serving drafter is never written in place.
     """
 
-    def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None):
+    def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None):
         if kind not in DRAFTER_KINDS:
             raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
         if kind in NEEDS_DIR and drafter_dir is None:
@@ -78,6 +80,7 @@ class DrafterBuilder:
         found = None if drafter_dir is None else read_checkpoint_kind(drafter_dir)
         resolve_kind(kind, drafter_dir)  # refuses a kind the checkpoint's manifest contradicts
         self.kind, self.verifier = kind, verifier
+        self.weights = None if weights is None else resolve_mode(weights, verifier.lean.device, role="drafter")
         manifest = read_manifest(drafter_dir) if found is not None else {}
         self.vocab = load_vocab(drafter_dir, manifest, verifier.vocab_size) if kind != "ngram" else None
         self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
@@ -93,8 +96,10 @@ class DrafterBuilder:
             return NgramDrafter(self.verifier.vocab_size)
         if self.kind == "dvi":
             return DVIDrafter(self.verifier.lean, head, self.vocab)
-        if self.vocab is not None:
+        if self.vocab is not None and lean.vocab_ids is None:
             lean.restrict_vocab(self.vocab)
+        if self.weights is not None and lean.quant is None:
+            quantize_decoder(lean, self.weights)  # after the restriction: the smaller head is packed
         return PretrainedDrafter(lean) if self.kind == "pretrained" else SteeredDrafter(lean, steering)
 
     def build(self, weights: dict | None = None) -> Drafter:

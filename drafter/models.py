@@ -66,7 +66,11 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(path)
 
 
-def load_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
+def load_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None,
+               weights: str | None = None) -> LoadedModel:
+    """The Hugging Face model (in `dtype`: it owns the weights, the learner trains it) and its lean
+    inference view, converted to the weight mode `weights` (drafter.quant: fp32, bf16, int8, int4 or
+    auto; None leaves it in `dtype`)."""
     path = Path(path)
     _require_dir(path)
     device = device or default_device()
@@ -77,7 +81,12 @@ def load_model(path: str | Path, device: torch.device | None = None, dtype: torc
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
     hf.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(path=path, hf=hf, lean=LeanDecoder(hf), tokenizer=tokenizer)
+    lean = LeanDecoder(hf)
+    if weights is not None:
+        from drafter.quant import quantize_decoder, resolve_mode
+
+        quantize_decoder(lean, resolve_mode(weights, device))
+    return LoadedModel(path=path, hf=hf, lean=lean, tokenizer=tokenizer)
 
 
 def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:

@@ -269,6 +269,11 @@ def activation_dtype(mode: str) -> torch.dtype:
     return min(timings, key=timings.get)
 
 
+def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str = "verifier") -> str:
+    """`mode` itself, or `default_mode` for "auto" / None."""
+    return default_mode(device, role) if mode in (None, "auto") else check_mode(mode)
+
+
 def default_mode(device: torch.device | str = "cpu", role: str = "verifier") -> str:
     """The sensible weight dtype mode here, for a `role` of "verifier" or "drafter".
 

@@ -142,7 +142,7 @@ class SteeredDrafter(PretrainedDrafter):
     @torch.inference_mode()
     def block_bias(self, steer: torch.Tensor) -> list[torch.Tensor]:
         """W_s g per drafter layer, [B, intermediate] each: once per block, reused for all k drafts."""
-        return list(self.steering.up_bias(self.steering.vector(steer)))
+        return list(self.steering.up_bias(self.steering.vector(steer.to(self.lean.dtype))))
 
     def block_inputs(self) -> torch.Tensor:
         return torch.stack([self._features[i] for i in self.verifier_layers], dim=1)  # [B, 3, d_verifier]

@@ -32,6 +32,15 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_weights(p)
+
+
+def _add_weights(p: argparse.ArgumentParser) -> None:
+    modes = ("auto", "fp32", "bf16", "int8", "int4")
+    p.add_argument("--weights", choices=modes, default="auto", help="the verifier's weight mode (auto: int8 with "
+                   "bf16 activations where the CPU has native bf16, else fp32; bf16 on CUDA)")
+    p.add_argument("--drafter-weights", choices=modes, default="auto",
+                   help="a drafter LM's weight mode (auto: int4 where the CPU has native bf16)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--worker-resource", action="append", default=[], metavar="NAME",
                    help="a Ray custom resource each worker asks for (places workers on chosen nodes)")
     s.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    _add_weights(s)
 
     a = sub.add_parser("api", help="an extra API process attached to the workers of a running cluster")
     a.add_argument("--ray-address", default=None, help="the cluster (default: RAY_ADDRESS or the local one)")
@@ -136,6 +146,8 @@ def _generate_config(args, verifier: Path, drafter: Path | None, kind: str | Non
         stop=tuple(args.stop),
         no_speculation=no_spec,
         limit=getattr(args, "limit", None),
+        weights=args.weights,
+        drafter_weights=args.drafter_weights,
     )
 
 
@@ -227,7 +239,8 @@ def cmd_replay(args) -> int:
                        learner=args.learner, buffer=args.buffer, max_tokens=args.max_tokens, k=args.k,
                        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                        registry=args.registry, ray_address=args.ray_address, learner_overrides=overrides,
-                       worker_overrides={"swap_cache": args.swap_cache})
+                       worker_overrides={"swap_cache": args.swap_cache, "weights": args.weights,
+                                         "drafter_weights": args.drafter_weights})
     for path in cfg.prompts:
         if not path.is_file():
             raise UsageError(f"prompt file not found: {path}")
@@ -261,7 +274,8 @@ def cmd_serve(args) -> int:
                       host=args.host, port=args.port, learner=args.learner, ray_address=args.ray_address,
                       workers=args.workers, slots=args.slots, max_queue=args.max_queue, max_context=args.max_context,
                       registry=args.registry, admin_token=os.environ.get("SPECLOOP_ADMIN_TOKEN") or None,
-                      worker_threads=max(1, args.threads // 2), worker_resources={r: 1 for r in args.worker_resource})
+                      worker_threads=max(1, args.threads // 2), worker_resources={r: 1 for r in args.worker_resource},
+                      weights=args.weights, drafter_weights=args.drafter_weights)
     if cfg.learner not in ("off", "kl", "klrl", "lk"):
         raise UsageError(f"unknown learner {cfg.learner!r}; choose off, kl, klrl or lk")
     return run_serve(cfg)

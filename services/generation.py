@@ -31,6 +31,8 @@ class GenerateConfig:
     stop: tuple[str, ...] = ()
     no_speculation: bool = False
     limit: int | None = None
+    weights: str = "fp32"  # the verifier's weight mode (drafter.quant)
+    drafter_weights: str = "fp32"
 
     def __post_init__(self):
         if self.k < 1:
@@ -88,8 +90,8 @@ def final_text(tokenizer, gen: Generation, stop: tuple[str, ...]) -> str:
 
 def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary | None = None) -> Iterator[dict]:
     """Yield one result dict per prompt, in file order (the `--json` contract of DESIGN.md)."""
-    verifier = load_model(cfg.verifier)
-    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter)
+    verifier = load_model(cfg.verifier, weights=cfg.weights)
+    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter, cfg.drafter_weights)
     records = load_prompts(cfg.prompts, cfg.limit)
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer

@@ -45,6 +45,8 @@ class ServeConfig:
     learner_threads: int = 1
     worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
     model_id: str | None = None  # default: the verifier folder's name
+    weights: str = "auto"  # the verifier's weight mode (drafter.quant; auto: the CPU's default)
+    drafter_weights: str = "auto"
 
 
 def detect_redis() -> str | None:
@@ -111,7 +113,7 @@ class Deployment:
             wcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
                     "registry": str(self.registry) if learning else None, "threads": cfg.worker_threads,
                     "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
-                    "max_context": cfg.max_context}
+                    "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights}
             actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus, resources=cfg.worker_resources or None)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
         ray.get([w.info.remote() for w in self.workers])  # constructed (models loaded)

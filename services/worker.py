@@ -69,6 +69,8 @@ class WorkerConfig:
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
     slots: int = 1  # cache slots of the continuous batch (requests decoded together)
     max_context: int = 1024  # positions per slot: prompt + max_tokens + 2 k + 2 (capped by the model)
+    weights: str = "fp32"  # the verifier's weight mode (drafter.quant: fp32, bf16, int8, int4, auto)
+    drafter_weights: str = "fp32"  # a drafter LM's own weight mode (pretrained / sd2)
 
     def __post_init__(self):
         if self.swap_cache not in ("keep", "recompute"):
@@ -194,10 +196,10 @@ class VerifierWorker:
     def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
-        self.verifier = load_model(cfg.verifier)
+        self.verifier = load_model(cfg.verifier, weights=cfg.weights)
         tok = self.verifier.tokenizer
         self.stop_rule = StopRule(self.verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
-        self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter)
+        self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights)
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
         self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
         self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule, hooks=self)

@@ -163,6 +163,8 @@ class FetchConfig:
     drafter_layers: tuple[int, ...] = (0, 1)  # the verifier layers a depth-pruned drafter keeps
     method: str = "sd2"  # offline method for the drafter (sd2 or distill)
     vocab_size: int = 8192  # FR-Spec draft vocabulary
+    vocab_conversations: int = 2000  # ShareGPT conversations counted for it
+    vocab_code_files: int = 150  # standard-library files counted for it
     threads: int = 2
     check: bool = True
 
@@ -202,7 +204,8 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
 
     vocab = out / "draft_vocab.safetensors"
     if not vocab.is_file():
-        build_draft_vocab(verifier, vocab, cfg.vocab_size)
+        build_draft_vocab(verifier, vocab, cfg.vocab_size, conversations=cfg.vocab_conversations,
+                          code_files=cfg.vocab_code_files)
     base = out / "drafter-base"
     if not (base / "config.json").is_file():
         prune_depth(verifier, base, list(cfg.drafter_layers))
