@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API: Ray workers, learner, registry, HTTP")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--verifier", type=Path, help="default: the bootstrap cache (trained on first use)")
+    s.add_argument("--verifier", type=Path, help="default: the fetched real pair (specloop models fetch, on first use)")
     s.add_argument("--drafter", type=Path)
     s.add_argument("--drafter-kind", default=None, help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or ngram")
     s.add_argument("--learner", default="klrl", help="off | kl | klrl | lk")
@@ -114,11 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host", default="127.0.0.1")
     a.add_argument("--port", type=int, default=8000)
 
-    d = sub.add_parser("demo", help="the main job: bootstrap models if none are given, then generate")
+    d = sub.add_parser("demo", help="the main job: fetch the real pair if no models are given, serve, chat")
     d.add_argument("--verifier", type=Path)
     d.add_argument("--drafter", type=Path)
     d.add_argument("--prompts", type=Path, default=EXAMPLES)
-    d.add_argument("--minutes", type=float, default=4.0, help="bootstrap budget when no models are given")
+    d.add_argument("--minutes", type=float, default=4.0,
+                   help="bootstrap budget when no models are given and the real model's package cannot be had")
     d.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     _add_sampling(d)
     return parser
@@ -218,11 +219,11 @@ def cmd_demo(args) -> int:
     """Embedded defaults: bootstrapped (cached) models, `specloop serve`, chat requests through the API."""
     verifier, drafter = args.verifier, args.drafter
     if verifier is None:
-        from trainer.bootstrap import ensure_models
+        from trainer.fetch import default_pair
 
-        verifier, drafter = ensure_models(args.cache / "models", args.minutes, args.seed, threads=args.threads)
+        verifier, drafter = default_pair(args.cache, args.threads, args.minutes, args.seed)
     if drafter is None:
-        raise UsageError("--verifier without --drafter: give both, or neither to bootstrap a pair")
+        raise UsageError("--verifier without --drafter: give both, or neither for the default (fetched) pair")
     from services.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(verifier=Path(verifier), drafter=Path(drafter), prompts=args.prompts, registry=args.cache / "registry",
@@ -263,9 +264,9 @@ def cmd_serve(args) -> int:
 
     verifier, drafter = args.verifier, args.drafter
     if verifier is None:
-        from trainer.bootstrap import ensure_models
+        from trainer.fetch import default_pair
 
-        verifier, drafter = ensure_models(args.cache / "models", threads=args.threads)
+        verifier, drafter = default_pair(args.cache, args.threads)
     kind = _kind(args.drafter_kind, drafter)
     for flag, value in (("--workers", args.workers), ("--slots", args.slots), ("--max-context", args.max_context)):
         if value < 1:

@@ -28,13 +28,14 @@ class DemoConfig:
     max_tokens: int = 64
     temperature: float = 0.0
     k: int = 4
-    clients: int = 4  # concurrent requests (they share the worker's continuous batch)
+    clients: int = 1  # concurrent requests (they share the worker's continuous batch)
     threads: int = 2
+    compare: bool = True  # also decode every request with speculation off, and print the speed-up
 
 
-def chat(url: str, model: str, messages: list[dict], cfg: DemoConfig) -> dict:
+def chat(url: str, model: str, messages: list[dict], cfg: DemoConfig, speculate: bool = True) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-            "speculative": {"enabled": True, "k": cfg.k}}
+            "speculative": {"enabled": speculate, "k": cfg.k}}
     reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     reply.raise_for_status()
     return reply.json()
@@ -57,23 +58,43 @@ def summary(replies: list[dict], seconds: float, k: int) -> str:
             f"drafted {drafted}, accepted {accepted}: α={alpha:.3f}, τ={tau:.3f}; drafter version(s) {', '.join(versions)}")
 
 
+def timed_round(url: str, model: str, records: list, cfg: DemoConfig, speculate: bool) -> tuple[list[dict], float]:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(cfg.clients) as pool:
+        replies = list(pool.map(lambda r: chat(url, model, as_messages(r), cfg, speculate), records))
+    return replies, time.perf_counter() - t0
+
+
+def comparison(plain: list[dict], plain_s: float, spec: list[dict], spec_s: float) -> str:
+    same = all(a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+               for a, b in zip(plain, spec))
+    rate = lambda replies, s: sum(r["usage"]["completion_tokens"] for r in replies) / s  # noqa: E731
+    note = "identical answers" if same else "answers differ (expected only at temperature > 0)"
+    return (f"verifier alone: {rate(plain, plain_s):.1f} tokens/s; with speculation: {rate(spec, spec_s):.1f} tokens/s "
+            f"= {rate(spec, spec_s) / rate(plain, plain_s):.2f}x ({note})")
+
+
 def run_demo(cfg: DemoConfig) -> int:
+    from drafter.kinds import resolve_kind
+
     records = load_prompts(cfg.prompts)
+    kind = resolve_kind(None, cfg.drafter)
     server = ServeProcess(["--verifier", cfg.verifier, "--drafter", cfg.drafter], threads=cfg.threads,
-                          registry=default_registry(cfg.registry, cfg.verifier, cfg.drafter, "pretrained"))
+                          registry=default_registry(cfg.registry, cfg.verifier, cfg.drafter, kind))
     url = server.url
     print(f"starting specloop serve on {url} (Redis: {os.environ.get('SPECLOOP_REDIS_URL', 'auto')}) ...", file=sys.stderr)
     try:
         model = server.start(READY_TIMEOUT_S).model
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(cfg.clients) as pool:
-            replies = list(pool.map(lambda r: chat(url, model, as_messages(r), cfg), records))
-        seconds = time.perf_counter() - t0
+        if cfg.compare:
+            plain, plain_s = timed_round(url, model, records, cfg, speculate=False)
+        replies, seconds = timed_round(url, model, records, cfg, speculate=True)
         for record, reply in zip(records, replies):
             u = reply["usage"]
             print(f"── {record.id}  ({u['completion_tokens']} tokens, accepted {u['accepted_tokens']}/{u['drafted_tokens']} drafts)")
             print(reply["choices"][0]["message"]["content"])
         print(summary(replies, seconds, cfg.k), file=sys.stderr)
+        if cfg.compare:
+            print(comparison(plain, plain_s, replies, seconds), file=sys.stderr)
     finally:
         code = server.stop(timeout=60)
         print(f"specloop serve stopped (exit code {code})", file=sys.stderr)

