@@ -235,20 +235,36 @@ class LeanDecoder:
         q, k = _rope(q, at.cos, at.sin), _rope(k, at.cos, at.sin)
         kc[at.rows, at.pos] = k
         vc[at.rows, at.pos] = v
-        att = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            kc[:, : at.max_len].transpose(1, 2),
-            vc[:, : at.max_len].transpose(1, 2),
-            attn_mask=at.mask,
-            scale=self.scaling,
-            enable_gqa=H != Hkv,
-        )  # [B, H, T, D]
+        if 1 < T <= ROW_EXACT_MAX:  # a verify pass: each query as the one-token step would attend
+            att = torch.cat([self._attend(q[:, t : t + 1], kc, vc, at.mask[..., t : t + 1, :], at.max_len - T + 1 + t)
+                             for t in range(T)], dim=2)
+        else:
+            att = self._attend(q, kc, vc, at.mask, at.max_len)  # [B, H, T, D]
         x = x + linear(att.transpose(1, 2).reshape(B, T, H * D), w.o)
         h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
         gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
         if up_bias is not None:
             up = up + up_bias[:, None]
         return x + linear(F.silu(gate) * up, w.down)
+
+
+    def _attend(self, q, kc, vc, mask, length: int) -> torch.Tensor:
+        """Attention of q [B, T, H, D] over the first `length` cached positions → [B, H, T, D]."""
+        return F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            kc[:, :length].transpose(1, 2),
+            vc[:, :length].transpose(1, 2),
+            attn_mask=mask[..., :length],
+            scale=self.scaling,
+            enable_gqa=self.n_heads != self.n_kv,
+        )
+
+
+# Verify passes of up to this many tokens attend query by query, each exactly as the one-token
+# decoding step at that position would: the attention kernels block the keys and the softmax
+# differently for 1 and for T queries, and in bf16 that rounding difference flips near-tied argmaxes
+# (the linears, norms and element-wise ops are already row-invariant). Costs T small calls per layer.
+ROW_EXACT_MAX = 16
 
 
 @dataclass

@@ -67,7 +67,7 @@ def rejection_sample(
     p_d = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k] p_i(d_i)
     q_d = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k] q_i(d_i)
     n = _capped(_leading_true(uniforms[:, :k] * q_d < p_d), limit)  # accept iff u < p/q
-    rows = torch.arange(B)
+    rows = torch.arange(B, device=n.device)
     p_n = target_probs[rows, n]  # [B, V]
     q_n = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)[rows, n]  # q_k := 0
     if limit is not None:  # all of a row's own k accepted: a bonus, drawn from p alone

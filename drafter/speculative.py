@@ -44,17 +44,23 @@ def speculative_step(
     on_trace: Callable[[StepTrace], None] | None = None,  # replay logging; None costs nothing
     limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
 ) -> BlockOutcome:
-    u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:])
+    dev = verifier.device
+    u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:].to(dev))
     if k:
         proposal = drafter.propose(k, params, u_draft)
+        proposal.tokens = proposal.tokens.to(dev)  # host-side drafters (n-gram) draft on the CPU
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
-        proposal = Proposal(last.new_zeros(len(last), 0), torch.zeros(len(last), 0, verifier.vocab_size, device=verifier.device))
+        proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
+                            torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
+    if proposal.probs is not None:
+        proposal.probs = proposal.probs.to(dev)
     start = cache.lens
     record = tuple(drafter.record_layers) if k and on_trace else ()
     capture = tuple(drafter.verifier_layers) + record if k else ()
-    out = verifier.forward(cache, torch.cat([last[:, None], proposal.tokens], dim=1), capture=capture)
+    out = verifier.forward(cache, torch.cat([last[:, None].to(dev), proposal.tokens], dim=1), capture=capture)
     logits = out.logits  # [B, k+1, V]
-    outcome = accept(proposal, logits, params, u_accept, sampler, limit)
+    verdict = accept(proposal, logits, params, u_accept, sampler, limit)
+    outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu())  # the host commits and rolls back
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if k:
@@ -81,8 +87,7 @@ def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | Ro
 
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
     """layer -> [B, hidden] at block index n: the position whose output is the emitted token."""
-    rows = torch.arange(len(n))
-    return {i: h[rows, n.to(h.device)] for i, h in hidden.items()}
+    return {i: h[torch.arange(len(n), device=h.device), n.to(h.device)] for i, h in hidden.items()}
 
 
 class StepHooks(Protocol):
