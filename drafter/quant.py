@@ -26,7 +26,6 @@ Measurements and the choice of default: `default_mode`. The int kernels' fp32-ac
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,35 +237,15 @@ def native_bf16() -> bool:
     return "BF16" in capability or "AMX" in capability
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
-@functools.lru_cache(maxsize=None)
 def activation_dtype(mode: str) -> torch.dtype:
-    """The activation dtype for `mode`: fp32 → fp32, bf16 → bf16; for int8 / int4 whichever of bf16
-    and fp32 runs that kernel faster here, timed once per process on a decode-sized product
-    (a few milliseconds). On the development CPU bf16 wins by 10-50x: the fp32-activation paths of
-    these kernels are not vectorized."""
+    """The activation dtype for `mode`: fp32 → fp32, bf16 → bf16; int8 / int4 → bf16 where the CPU has
+    native bf16, else fp32. Fixed by the CPU, never timed: two processes serving one model must run
+    the same verifier. (Measured on the development CPU: with bf16 activations these kernels run
+    10-50x faster than with fp32 ones, whose paths are not vectorized.)"""
     check_mode(mode)
     if mode in ("fp32", "bf16"):
         return torch.float32 if mode == "fp32" else torch.bfloat16
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(512, 512, generator=g) * 0.02
-    x = torch.randn(1, 512, generator=g)
-    timings = {}
-    for dt in (torch.bfloat16, torch.float32):
-        lin = Int8Weight(w, act_dtype=dt) if mode == "int8" else Int4Weight(w, act_dtype=dt)
-        xd = x.to(dt)
-        timings[dt] = _time(lambda: lin(xd), 20)
-    return min(timings, key=timings.get)
+    return torch.bfloat16 if native_bf16() else torch.float32
 
 
 def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str = "verifier") -> str:
