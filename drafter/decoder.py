@@ -235,8 +235,9 @@ class LeanDecoder:
         q, k = _rope(q, at.cos, at.sin), _rope(k, at.cos, at.sin)
         kc[at.rows, at.pos] = k
         vc[at.rows, at.pos] = v
-        if 1 < T <= ROW_EXACT_MAX and self.dtype != torch.float32:  # a verify pass: each query as the one-token step would attend
-            att = self._attend_rows(q, kc, vc, at)
+        if 1 < T <= ROW_EXACT_MAX and self.dtype != torch.float32:  # a verify pass: query by query
+            att = torch.cat([self._attend(q[:, t : t + 1], kc, vc, at.mask[..., t : t + 1, :], at.max_len - T + 1 + t)
+                             for t in range(T)], dim=2)
         else:
             att = self._attend(q, kc, vc, at.mask, at.max_len)  # [B, H, T, D]
         x = x + linear(att.transpose(1, 2).reshape(B, T, H * D), w.o)
@@ -259,27 +260,15 @@ class LeanDecoder:
         )
 
 
-    def _attend_rows(self, q, kc, vc, at: "StepPositions") -> torch.Tensor:
-        """T queries as T one-query attentions in one call: query t of row b becomes batch entry
-        (b, t) with its own copy of the row's keys and its causal mask → [B, H, T, D]."""
-        B, T, H, D = q.shape
-        L = at.max_len
-        keys = kc[:, None, :L].expand(B, T, L, *kc.shape[2:]).reshape(B * T, L, *kc.shape[2:])
-        values = vc[:, None, :L].expand(B, T, L, *vc.shape[2:]).reshape(B * T, L, *vc.shape[2:])
-        mask = at.mask[:, 0].reshape(B * T, 1, 1, L)  # [B, 1, T, L] → one query row per entry
-        att = F.scaled_dot_product_attention(q.reshape(B * T, 1, H, D).transpose(1, 2), keys.transpose(1, 2),
-                                             values.transpose(1, 2), attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=self.n_heads != self.n_kv)  # [B T, H, 1, D]
-        return att.reshape(B, T, H, D).transpose(1, 2)
 
-
-# Verify passes of up to this many tokens attend, in reduced-precision modes, query by query (one
-# batched call, one query per entry), each exactly as the one-token decoding step at that position
-# would: the CPU attention kernel rounds 1 and T queries differently, and in bf16 that flips
-# near-tied argmaxes (measured on SmolLM2 int8: 8 of 12 prompts diverged). The linears, norms and
-# element-wise ops are already row-invariant, so int8 / int4 speculative output is then bit-identical
-# to the verifier decoding alone. fp32 keeps one call (its differences are ~1e-6 and never flipped a
-# token in the suites). Cost on SmolLM2 int8: the T=5 pass goes from 1.23 to ~1.95 one-token steps.
+# Verify passes of up to this many tokens attend, in reduced-precision modes, query by query: query
+# t makes exactly the call the one-token decoding step at its position makes (the same keys, the
+# same length; with one call for all T queries, or with a common length and a masked tail, the CPU
+# kernel groups the softmax sums differently, and in bf16 that rounding flips near-tied argmaxes:
+# on SmolLM2 int8, 8 of 12 greedy outputs diverged). The linears, norms and element-wise ops are
+# row-invariant already, so int8 / int4 speculative output is then the verifier's alone, bit for bit
+# at batch 1. fp32 keeps one call (its differences are ~1e-6 and never flipped a token in the
+# suites). Cost on SmolLM2 int8: the 5-token pass goes from ~1.25 to ~2.1 one-token steps.
 ROW_EXACT_MAX = 16
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from services.cli import main
-from services.demo import summary
+from services.demo import comparison, summary
 
 
 def _run(argv, capsys):
@@ -18,6 +18,14 @@ def test_demo_serves_the_examples_through_the_api_and_stops_the_server(tiny_pair
     assert "6 chat requests" in err and "τ=" in err and "α=" in err
     assert "specloop serve stopped (exit code 0)" in err
     assert out.count("── ") == 6  # every example prompt answered once
+    assert "verifier alone:" in err and "with speculation:" in err and "identical answers" in err
+
+
+def test_comparison_reports_the_speed_up_and_whether_answers_match():
+    reply = lambda text, n: {"choices": [{"message": {"content": text}}], "usage": {"completion_tokens": n}}  # noqa: E731
+    line = comparison([reply("a", 10)], 2.0, [reply("a", 10)], 1.0)
+    assert "5.0 tokens/s" in line and "10.0 tokens/s" in line and "2.00x" in line and "identical answers" in line
+    assert "answers differ" in comparison([reply("a", 10)], 2.0, [reply("b", 10)], 1.0)
 
 
 
