@@ -9,7 +9,7 @@ from tests.tiny import make_model, make_tokenizer
 def test_models_load_in_fp32_on_cpu(tiny_pair):
     m = load_model(tiny_pair[0], device=torch.device("cpu"))
     assert m.lean.dtype == torch.float32 and m.vocab_size == len(m.tokenizer)
-    assert default_dtype(torch.device("cuda")) == torch.bfloat16
+    assert default_dtype(torch.device("cuda")) == torch.float32  # bf16 there is not greedy-lossless
 
 
 def test_a_pair_with_different_vocabularies_is_refused(tiny_pair, tmp_path):
