@@ -227,8 +227,8 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> d
     from drafter.sampling import SamplingParams
     from drafter.speculative import StopRule, generate
 
-    v = load_model(verifier_dir)
-    d = build_drafter(resolve_kind(None, drafter_dir), v, drafter_dir)
+    v = load_model(verifier_dir, weights="auto")  # as served by default
+    d = build_drafter(resolve_kind(None, drafter_dir), v, drafter_dir, weights="auto")
     prompt = v.tokenizer.apply_chat_template([{"role": "user", "content": "What is a list in Python?"}],
                                              add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
