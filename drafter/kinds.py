@@ -19,17 +19,32 @@ from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
 from drafter.quant import quantize_decoder, resolve_mode
 from drafter.proposer import Drafter
-from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, read_manifest, steering_for
+from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, steering_for
 from drafter.vocab import load_vocab
 
 DRAFTER_KINDS = ("pretrained", "ngram", "sd2", "dvi")
 NEEDS_DIR = {"pretrained", "sd2"}
 
 
+def read_checkpoint_manifest(path: str | Path | None) -> dict:
+    """A trained checkpoint's manifest, or {} for a plain model directory (or none)."""
+    manifest = None if path is None else Path(path) / MANIFEST
+    return json.loads(manifest.read_text()) if manifest is not None and manifest.is_file() else {}
+
+
 def read_checkpoint_kind(path: Path) -> str | None:
     """The kind in a trained checkpoint's manifest, or None for a plain model directory."""
-    manifest = Path(path) / MANIFEST
-    return json.loads(manifest.read_text())["kind"] if manifest.is_file() else None
+    return read_checkpoint_manifest(path).get("kind")
+
+
+def _check_kind(explicit: str | None, found: str | None, drafter_dir) -> None:
+    """Refuse an unknown kind, and one the checkpoint's manifest contradicts ("pretrained" may take an
+    SD² checkpoint's LM alone)."""
+    if explicit is not None and explicit not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind {explicit!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+    if found is not None and explicit is not None and explicit != found and not (explicit == "pretrained" and found == "sd2"):
+        raise ModelError(f"{drafter_dir} holds a {found!r} drafter (its manifest.json says so), not {explicit!r}: "
+                         f"drop --drafter-kind or pass {found!r}")
 
 
 def resolve_kind(explicit: str | None, drafter_dir: str | Path | None) -> str | None:
@@ -37,11 +52,7 @@ def resolve_kind(explicit: str | None, drafter_dir: str | Path | None) -> str | 
     disagrees is an error, except "pretrained", which takes an SD² checkpoint's LM alone), else the
     explicit one, else "pretrained" for a plain model directory, else None (no drafter given)."""
     found = None if drafter_dir is None or not Path(drafter_dir).is_dir() else read_checkpoint_kind(drafter_dir)
-    if explicit is not None and explicit not in DRAFTER_KINDS:
-        raise ValueError(f"unknown drafter kind {explicit!r}; choose one of {', '.join(DRAFTER_KINDS)}")
-    if found is not None and explicit is not None and explicit != found and not (explicit == "pretrained" and found == "sd2"):
-        raise ModelError(f"{drafter_dir} holds a {found!r} drafter (its manifest.json says so), not {explicit!r}: "
-                         f"drop --drafter-kind or pass {found!r}")
+    _check_kind(explicit, found, drafter_dir)
     return explicit or found or ("pretrained" if drafter_dir is not None else None)
 
 
@@ -73,15 +84,14 @@ class DrafterBuilder:
     """
 
     def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None):
-        if kind not in DRAFTER_KINDS:
-            raise ValueError(f"unknown drafter kind {kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
+        _check_kind(kind, None, drafter_dir)
         if kind in NEEDS_DIR and drafter_dir is None:
             raise ValueError(f"drafter kind {kind!r} needs --drafter DIR")
-        found = None if drafter_dir is None else read_checkpoint_kind(drafter_dir)
-        resolve_kind(kind, drafter_dir)  # refuses a kind the checkpoint's manifest contradicts
+        manifest = read_checkpoint_manifest(drafter_dir)  # read once: kind, draft vocabulary
+        found = manifest.get("kind")
+        _check_kind(kind, found, drafter_dir)
         self.kind, self.verifier = kind, verifier
         self.weights = None if weights is None else resolve_mode(weights, verifier.lean.device, role="drafter")
-        manifest = read_manifest(drafter_dir) if found is not None else {}
         self.vocab = load_vocab(drafter_dir, manifest, verifier.vocab_size) if kind != "ngram" else None
         self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
         self.steering = self.head = None
