@@ -58,8 +58,32 @@ class _Layer:
     down: torch.Tensor
 
 
-def _weight(linear) -> torch.Tensor:
-    return linear.weight.detach()
+def _tensor(module, name: str) -> torch.Tensor | None:
+    """The detached tensor at dotted `name` under `module` ("self_attn.q_proj.bias"), or None where the
+    module has none (no such submodule, or a None bias)."""
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module.detach()
+
+
+def fuse_layer(get) -> _Layer:
+    """One decoder layer's inference weights, q|k|v and gate|up concatenated (copies; the rest as
+    given). `get(name)` returns the tensor of the layer's parameter `name` ("self_attn.q_proj.weight",
+    names as in a Hugging Face Llama / Qwen2 / Qwen3 layer), or None where the layer has none."""
+    biases = [get(f"self_attn.{p}_proj.bias") for p in "qkv"]
+    return _Layer(
+        in_norm=get("input_layernorm.weight"),
+        qkv=torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]),
+        qkv_bias=None if biases[0] is None else torch.cat(biases),
+        q_norm=get("self_attn.q_norm.weight"),
+        k_norm=get("self_attn.k_norm.weight"),
+        o=get("self_attn.o_proj.weight"),
+        post_norm=get("post_attention_layernorm.weight"),
+        gate_up=torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]),
+        down=get("mlp.down_proj.weight"),
+    )
 
 
 def _check_structure(hf_model) -> None:
@@ -83,9 +107,39 @@ class LeanDecoder:
 
     def __init__(self, hf_model, max_positions: int | None = None):
         _check_structure(hf_model)
-        cfg = hf_model.config
         base = hf_model.model
-        attn0 = base.layers[0].self_attn
+        self._describe(hf_model)
+        self.embed = base.embed_tokens.weight.detach()
+        self.final_norm = base.norm.weight.detach()
+        self.lm_head = hf_model.lm_head.weight.detach()
+        self.layers = [self._fuse(layer) for layer in base.layers]
+        self._finish(base.rotary_emb, max_positions)
+
+    @classmethod
+    def from_parts(cls, skeleton, embed: torch.Tensor, final_norm: torch.Tensor, lm_head, layers: list[_Layer],
+                   rotary, max_positions: int | None = None) -> "LeanDecoder":
+        """A decoder of `skeleton`'s architecture over weights prepared elsewhere, without the module
+        that would own them: drafter.models streams a checkpoint into it tensor by tensor.
+
+        `skeleton`: the Hugging Face module, typically on the meta device (only its config and structure
+        are read: head_dim, scaling, vocabulary rows); `embed`, `final_norm`, `lm_head` as `__init__`
+        takes them from a module (`lm_head` may already be a drafter.quant weight object); `layers`:
+        `fuse_layer` results (an empty list may be filled afterwards, e.g. by
+        `quantize_decoder(..., layers=...)`); `rotary`: the model's rotary-embedding module, on the
+        decoder's device. Activations, cache and RoPE tables take `embed`'s dtype, as in `__init__`."""
+        _check_structure(skeleton)
+        self = cls.__new__(cls)
+        self._describe(skeleton)
+        self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
+        self.layers = layers
+        self._finish(rotary, max_positions)
+        return self
+
+    def _describe(self, hf_model) -> None:
+        """Shapes and constants of the architecture (read from the config and the first attention
+        module: a module on the meta device will do)."""
+        cfg = hf_model.config
+        attn0 = hf_model.model.layers[0].self_attn
         self.config = cfg
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
@@ -94,16 +148,14 @@ class LeanDecoder:
         self.eps = float(cfg.rms_norm_eps)
         self.hidden_size = cfg.hidden_size
         self.vocab_size = hf_model.lm_head.weight.shape[0]
-        self.embed = base.embed_tokens.weight.detach()
-        self.final_norm = base.norm.weight.detach()
-        self.lm_head = hf_model.lm_head.weight.detach()
-        self.layers = [self._fuse(layer) for layer in base.layers]
+
+    def _finish(self, rotary, max_positions: int | None) -> None:
         self.device = self.embed.device
         self.dtype = self.embed.dtype  # activations, KV cache, RoPE tables (drafter.quant may change it)
         self.quant = None  # drafter.quant.QuantSpec once quantize_decoder prepared the linears
         self.vocab_ids: torch.Tensor | None = None  # FR-Spec draft vocabulary: the LM head holds these rows only
-        n = max_positions or int(getattr(cfg, "max_position_embeddings", 4096))
-        self.cos, self.sin = self._rope_tables(base, n)
+        n = max_positions or int(getattr(self.config, "max_position_embeddings", 4096))
+        self.cos, self.sin = self._rope_tables(rotary, n)
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Score only the vocabulary rows `ids` (sorted; drafter.vocab): forward's logits are still
@@ -118,35 +170,20 @@ class LeanDecoder:
         return len(self.layers)
 
     def _fuse(self, layer) -> _Layer:
-        a, m = layer.self_attn, layer.mlp
-        biases = [p.bias for p in (a.q_proj, a.k_proj, a.v_proj)]
-        qkv_bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        q_norm = getattr(a, "q_norm", None)
-        k_norm = getattr(a, "k_norm", None)
-        return _Layer(
-            in_norm=layer.input_layernorm.weight.detach(),
-            qkv=torch.cat([_weight(a.q_proj), _weight(a.k_proj), _weight(a.v_proj)]),
-            qkv_bias=qkv_bias,
-            q_norm=None if q_norm is None else q_norm.weight.detach(),
-            k_norm=None if k_norm is None else k_norm.weight.detach(),
-            o=_weight(a.o_proj),
-            post_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=torch.cat([_weight(m.gate_proj), _weight(m.up_proj)]),
-            down=_weight(m.down_proj),
-        )
+        return fuse_layer(lambda name: _tensor(layer, name))
 
-    def _rope_tables(self, base, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_tables(self, rotary, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [0, n) from the model's own rotary module (any rope type it knows)."""
         pos = torch.arange(n, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
         with torch.no_grad():
-            cos, sin = base.rotary_emb(probe, pos)
+            cos, sin = rotary(probe, pos)
         return cos[0].to(self.dtype), sin[0].to(self.dtype)  # [n, D]
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
-        if capacity > self.cos.shape[0]:
+        if capacity > _round_up(self.cos.shape[0], KEY_BLOCK):  # positions() guards the table's own end
             raise ValueError(f"sequence of {capacity} positions exceeds the model's {self.cos.shape[0]}")
-        shape = (batch, capacity, self.n_kv, self.head_dim)
+        shape = (batch, _round_up(capacity, KEY_BLOCK), self.n_kv, self.head_dim)  # whole key blocks
         mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
         return KVCache(
             keys=[mk() for _ in self.layers],
@@ -155,17 +192,20 @@ class LeanDecoder:
         )
 
     def positions(self, cache: KVCache, T: int) -> "StepPositions":
-        """Where T new tokens per row go: row b writes positions lens[b] .. lens[b] + T - 1."""
+        """Where T new tokens per row go: row b writes positions lens[b] .. lens[b] + T - 1. Keys are
+        attended in whole blocks of KEY_BLOCK (`exact_attention`), the tail masked."""
         B = cache.lens.shape[0]
         max_len = int(cache.lens.max()) + T
-        if max_len > cache.capacity:
-            raise ValueError(f"KV cache of {cache.capacity} positions is full")
+        if max_len > min(cache.capacity, self.cos.shape[0]):
+            raise ValueError(f"KV cache of {min(cache.capacity, self.cos.shape[0])} positions is full")
         pos = (cache.lens[:, None] + torch.arange(T)[None]).to(self.device, non_blocking=True)  # [B, T]
-        keys = torch.arange(max_len, device=self.device)
+        blocks = _round_up(max_len, KEY_BLOCK)
+        rep = self.n_heads // self.n_kv
+        query_pos = pos[:, None, :].expand(B, rep, T).reshape(B, 1, rep * T, 1)  # rows ordered (head in group, t)
         return StepPositions(
             rows=torch.arange(B, device=self.device)[:, None].expand(B, T),
             pos=pos,
-            mask=(keys[None, None, :] <= pos[:, :, None])[:, None],  # [B, 1, T, L]
+            mask=torch.arange(blocks, device=self.device) > query_pos,  # [B, 1, rep T, blocks]: True = hidden
             cos=self.cos[pos][:, :, None],  # [B, T, 1, D]
             sin=self.sin[pos][:, :, None],
             max_len=max_len,
@@ -235,12 +275,8 @@ class LeanDecoder:
         q, k = _rope(q, at.cos, at.sin), _rope(k, at.cos, at.sin)
         kc[at.rows, at.pos] = k
         vc[at.rows, at.pos] = v
-        if 1 < T <= ROW_EXACT_MAX and self.dtype != torch.float32:  # a verify pass: query by query
-            att = torch.cat([self._attend(q[:, t : t + 1], kc, vc, at.mask[..., t : t + 1, :], at.max_len - T + 1 + t)
-                             for t in range(T)], dim=2)
-        else:
-            att = self._attend(q, kc, vc, at.mask, at.max_len)  # [B, H, T, D]
-        x = x + linear(att.transpose(1, 2).reshape(B, T, H * D), w.o)
+        att = exact_attention(q, kc, vc, at.mask, self.scaling)  # [B, T, H, D]
+        x = x + linear(att.reshape(B, T, H * D), w.o)
         h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
         gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
         if up_bias is not None:
@@ -248,35 +284,71 @@ class LeanDecoder:
         return x + linear(F.silu(gate) * up, w.down)
 
 
-    def _attend(self, q, kc, vc, mask, length: int) -> torch.Tensor:
-        """Attention of q [B, T, H, D] over the first `length` cached positions → [B, H, T, D]."""
-        return F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            kc[:, :length].transpose(1, 2),
-            vc[:, :length].transpose(1, 2),
-            attn_mask=mask[..., :length],
-            scale=self.scaling,
-            enable_gqa=self.n_heads != self.n_kv,
-        )
+# Keys are attended in whole blocks of this many positions (the KV cache's capacity is a multiple).
+KEY_BLOCK = 64
 
 
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
 
-# Verify passes of up to this many tokens attend, in reduced-precision modes, query by query: query
-# t makes exactly the call the one-token decoding step at its position makes (the same keys, the
-# same length; with one call for all T queries, or with a common length and a masked tail, the CPU
-# kernel groups the softmax sums differently, and in bf16 that rounding flips near-tied argmaxes:
-# on SmolLM2 int8, 8 of 12 greedy outputs diverged). The linears, norms and element-wise ops are
-# row-invariant already, so int8 / int4 speculative output is then the verifier's alone, bit for bit
-# at batch 1. fp32 keeps one call (its differences are ~1e-6 and never flipped a token in the
-# suites). Cost on SmolLM2 int8: the 5-token pass goes from ~1.25 to ~2.1 one-token steps.
-ROW_EXACT_MAX = 16
+
+def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of q [B, T, H, D] over the cache (kc/vc [B, capacity, H_kv, D]) → [B, T, H, D],
+    computed so that a query's output does not depend on T, on the batch, or on how many whole key
+    blocks are attended: a verify pass of k+1 tokens scores every token bit for bit as the one-token
+    step at its position does, and rows of different lengths share a batch exactly.
+
+    How (the reduction structure is fixed by construction, not by the call's shape):
+    - keys are taken in whole blocks of KEY_BLOCK; positions a query may not see (`hidden`
+      [B, 1, rep T, L]: the causal tail and the stale rest of the last block) score -inf, so their
+      probabilities are exactly 0 and an extra block adds exact zeros to every sum;
+    - scores are one matrix product per (row, KV head) with the keys as its rows and the queries of
+      the head group as its columns (each score is a dot product over D alone); the softmax runs over
+      the keys in fp32 (a max is exact in any order; a sum over appended zero vectors is unchanged);
+    - values are summed over keys block by block (values[D, KEY_BLOCK] @ probs[KEY_BLOCK, M] in fp32,
+      a fixed inner length), and the blocks' sums are added in a fixed pairwise tree over a
+      power-of-two count: blocks of exact zeros appended at the end leave every addition as it was.
+      (One product over all L keys is not enough: the BLAS splits long reductions differently for
+      large calls, e.g. a 398-token prefill.)
+    tests/test_decoder.py checks the bit-identity on the CPU that runs the suite (T 1..9, batches
+    1/3/8, ragged rows, every weight mode): the matrix kernels' invariance to the number of columns
+    is a property of the machine's BLAS, which that test keeps honest.
+    """
+    B, T, H, D = q.shape
+    Hkv = kc.shape[2]
+    rep = H // Hkv
+    L = hidden.shape[-1]
+    keys = kc[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
+    values = vc[:, :L].transpose(1, 2)
+    queries = q.view(B, T, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * T, D)
+    scores = (keys @ queries.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [B, Hkv, rep T, L]
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    out = _blocked_values(values, probs)  # [B, Hkv, rep T, D]
+    return out.to(q.dtype).view(B, Hkv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+
+
+def _blocked_values(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Σ_keys probs · values, [B, Hkv, L, D] × [B, Hkv, M, L] → [B, Hkv, M, D] in fp32: per key block
+    one product, then a pairwise tree over the blocks, padded with zero blocks to a power of two."""
+    B, Hkv, L, D = values.shape
+    M, n = probs.shape[2], L // KEY_BLOCK
+    v = values.float().reshape(B, Hkv, n, KEY_BLOCK, D).transpose(-1, -2)  # [B, Hkv, n, D, blk]
+    p = probs.reshape(B, Hkv, M, n, KEY_BLOCK).permute(0, 1, 3, 4, 2)  # [B, Hkv, n, blk, M]
+    parts = v @ p  # [B, Hkv, n, D, M]
+    width = 1 << (n - 1).bit_length()
+    if width > n:
+        parts = torch.cat([parts, parts.new_zeros(B, Hkv, width - n, D, M)], dim=2)
+    while parts.shape[2] > 1:
+        parts = parts[:, :, 0::2] + parts[:, :, 1::2]
+    return parts[:, :, 0].transpose(-1, -2)
 
 
 @dataclass
 class StepPositions:
     rows: torch.Tensor  # [B, T] row index of every new token
     pos: torch.Tensor  # [B, T] absolute position of every new token
-    mask: torch.Tensor  # [B, 1, T, L] key position <= query position
+    mask: torch.Tensor  # [B, 1, rep T, L] True where a key is hidden from the query (L: whole key blocks)
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor
     max_len: int  # L: keys attended this step
@@ -319,7 +391,7 @@ def prefill_rows(lean: LeanDecoder, cache: KVCache, slots: list[int], prompts: l
     idx = torch.tensor(slots, dtype=torch.long)
     dev = idx.to(lean.device)
     for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-        dst[dev, :width] = src
+        dst[dev, :width] = src[:, :width]
     cache.lens[idx] = fresh.lens
     return features
 

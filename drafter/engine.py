@@ -8,6 +8,12 @@ Pure torch, no processes: `generate()` and the serving worker both drive an `Eng
   and seed: the drafter proposes max k for every row, and row b accepts at most its own k (the
   position after is its bonus, drawn from p alone), so each row is decoded exactly as it would be
   alone — the same token ids at temperature 0, the same draws from its own seeded stream.
+- k = None ("auto"): the engine's `Controller` (drafter/controller.py) chooses one k for all such
+  rows at every step, from the acceptance and step times it is fed after each step; explicit-k rows
+  keep theirs. When every row's k is 0 the step is plain decoding: no drafter call at all, so the
+  drafter falls behind on those rows; before a row drafts again, `join` restarts it from the row's
+  committed tokens (exact; a drafter LM re-prefills them, an SD² drafter's steering inputs are zeros
+  for that first block: fewer accepted drafts, never other output).
 - A request leaves the moment it finishes (EOS, stop string, max tokens) or is aborted; its slot is
   free for the next `admit`. Empty slots ride along inactive (their cache never advances).
 
@@ -22,11 +28,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter.controller import Batch, Choice, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
 from drafter.proposer import Drafter, VerifierView, emitted_tokens, narrow_rows, widen_rows
 from drafter.rejection import rejection_sample
 from drafter.sampling import RowParams, SamplingParams, make_generators
-from drafter.speculative import Generation, RequestStats, Sampler, StepHooks, StopRule, speculative_step
+from drafter.speculative import (Generation, RequestStats, Sampler, StepClock, StepHooks, StopRule,
+                                 speculative_step)
 
 
 @dataclass
@@ -34,7 +42,7 @@ class EngineRequest:
     id: str
     prompt: list[int]  # token ids (>= 1)
     params: SamplingParams
-    k: int  # this request's draft length; 0 = the verifier alone
+    k: int | None  # this request's draft length; 0 = the verifier alone; None = auto (the controller's, per step)
     stream: int = 0  # draws from the stream seeded by (params.seed, stream)
 
 
@@ -45,7 +53,7 @@ class RowUpdate:
     id: str
     slot: int
     new_tokens: list[int]  # committed this step (cut at EOS / stop / max tokens)
-    k: int  # drafts this request asked for in this block (0: the verifier alone)
+    k: int  # drafts of this request's block (its own k, or the controller's choice; 0: the verifier alone)
     accepted: int  # drafts accepted in this block
     finish_reason: str | None  # set on the request's last step
 
@@ -63,8 +71,14 @@ class _Row:
 
 @dataclass
 class StepTiming:
+    """The last step: its times, and the controller's choice when it had rows to choose for."""
+
     forward_s: float = 0.0  # inside speculative_step (draft + verify passes, acceptance)
     total_s: float = 0.0  # the whole step, Python bookkeeping included
+    draft_s: float = 0.0  # drafter.propose
+    verify_s: float = 0.0  # the verify pass and the verdict
+    resync_s: float = 0.0  # restarting drafter rows that fell behind during plain steps
+    choice: Choice | None = None  # the controller's k for the auto rows (None: no auto row, or no drafter)
 
 
 @dataclass
@@ -76,6 +90,7 @@ class Engine:
     stop_rule: StopRule
     sampler: Sampler = rejection_sample
     hooks: StepHooks | None = None
+    controller: Controller = field(default_factory=Controller)  # chooses k for the auto rows
     finished: dict[str, Generation] = field(default_factory=dict)  # generations of finished requests
     timing: StepTiming = field(default_factory=StepTiming)  # of the last step
 
@@ -83,6 +98,8 @@ class Engine:
         self.cache = self.verifier.new_cache(self.slots, self.capacity)
         self.rows: list[_Row | None] = [None] * self.slots
         self.last = torch.zeros(self.slots, dtype=torch.long)
+        self.behind: set[int] = set()  # slots whose drafter state missed plain steps
+        self._drafter_seen = self.drafter
         if self.drafter is not None:
             self._start_drafter()
 
@@ -102,8 +119,12 @@ class Engine:
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.rows) if r is None]
 
-    def fits(self, prompt_len: int, max_tokens: int, k: int) -> bool:
-        return prompt_len + max_tokens + 2 * k + 2 <= self.capacity
+    def reserve(self, k: int | None) -> int:
+        """Positions a request of draft length k needs beyond prompt + output: 2 k + 2 (auto: k_max)."""
+        return 2 * (self.controller.cfg.k_max if k is None else k) + 2
+
+    def fits(self, prompt_len: int, max_tokens: int, k: int | None) -> bool:
+        return prompt_len + max_tokens + self.reserve(k) <= self.capacity
 
     def admit(self, requests: list[EngineRequest]) -> list[int]:
         """Prefill `requests` into free slots (at most len(free) of them); returns their slots."""
@@ -121,8 +142,10 @@ class Engine:
             self.drafter.join(slots, prompts, VerifierView(self.cache, features))
         for s, r in zip(slots, requests):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
-            self.rows[s] = _Row(r, Generation([], None, RequestStats(r.k)), gen)
+            positions = self.controller.cfg.k_max if r.k is None else r.k
+            self.rows[s] = _Row(r, Generation([], None, RequestStats(positions)), gen)
             self.last[s] = r.prompt[-1]
+        self.behind.difference_update(slots)
         return slots
 
     def _check(self, r: EngineRequest) -> None:
@@ -132,15 +155,18 @@ class Engine:
             raise ValueError(f"request {r.id}: k = {r.k} needs a drafter")
         if r.params.stop and self.stop_rule.decode is None:
             raise ValueError("stop strings need a decode function")
+        if r.k is not None and r.k < 0:
+            raise ValueError(f"request {r.id}: k = {r.k} < 0")
         if not self.fits(len(r.prompt), r.params.max_tokens, r.k):
             raise ValueError(f"request {r.id}: {len(r.prompt)} prompt tokens + {r.params.max_tokens} new "
-                             f"(+ {2 * r.k + 2} for drafting) exceed the {self.capacity}-position context")
+                             f"(+ {self.reserve(r.k)} for drafting) exceed the {self.capacity}-position context")
 
     def abort(self, request_id: str) -> bool:
         """Free the request's slot now (between steps); False if it is not running."""
         for s, row in enumerate(self.rows):
             if row is not None and row.request.id == request_id:
                 self.rows[s] = None
+                self.behind.discard(s)
                 return True
         return False
 
@@ -156,25 +182,65 @@ class Engine:
             return []
         m = live[-1] + 1
         rows = self.rows[:m]
-        ks = [r.request.k if r is not None else 0 for r in rows]
+        self._note_swap()
+        choice = self._choose(rows, live, m)
+        auto_k = 0 if choice is None else choice.k
+        ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
         kmax = max(ks[s] for s in live)
         active = torch.tensor([r is not None for r in rows])
         drafter, on_trace = self._hooked(kmax)
+        self._note_swap()
+        t_resync = time.perf_counter()
+        if kmax:
+            self._resync([s for s in live if ks[s] and s in self.behind])
+        elif self.drafter is not None:
+            self.behind.update(live)
+        resync_s = time.perf_counter() - t_resync
         params, limit = self._params(rows, live, ks, kmax)
-        uniforms = None if params.greedy else self._uniforms(rows, kmax)
+        uniforms = None if params.greedy else self._uniforms(rows, ks, kmax)
         cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
         narrowed = narrow_rows(drafter, m) if kmax and m < self.slots else drafter
+        clock = StepClock()
         t1 = time.perf_counter()
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
-                                   active, self.sampler, on_trace, limit)
+                                   active, self.sampler, on_trace, limit, clock)
         t2 = time.perf_counter()
         if narrowed is not drafter:
             widen_rows(drafter, narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
-        updates = [self._commit(s, outcome) for s in live]
+        blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
+        updates = [self._commit(s, outcome, ks[s]) for s in live]
         self.last[:m] = outcome.last_tokens
-        self.timing = StepTiming(forward_s=t2 - t1, total_s=time.perf_counter() - t0)
+        total = time.perf_counter() - t0
+        self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
+                                 resync_s=resync_s, choice=choice)
+        self.controller.observe(StepSample(m, kmax, clock.draft_s, clock.verify_s,
+                                           total - clock.draft_s - clock.verify_s - resync_s, blocks))
         return updates
+
+    def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
+        """The controller's k for this step's auto rows (None when there are none, or no drafter)."""
+        if self.drafter is None:
+            return None
+        fixed = tuple(rows[s].request.k for s in live if rows[s].request.k is not None)
+        if len(fixed) == len(live):
+            return None
+        return self.controller.choose(Batch(m, len(live) - len(fixed), fixed))
+
+    def _note_swap(self) -> None:
+        """A new drafter (a hot swap, or a version switched in between requests): tell the controller."""
+        if self.drafter is not self._drafter_seen:
+            self._drafter_seen = self.drafter
+            self.controller.drafter_swapped()
+
+    def _resync(self, slots: list[int]) -> None:
+        """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`)."""
+        if not slots:
+            return
+        features = {i: torch.zeros(len(slots), self.verifier.hidden_size, device=self.verifier.device,
+                                   dtype=self.verifier.dtype) for i in self.drafter.verifier_layers}
+        self.drafter.join(slots, [self.rows[s].history for s in slots], VerifierView(self.cache, features))
+        self.behind.difference_update(slots)
 
     def _hooked(self, kmax: int):
         if self.hooks is None or not kmax:
@@ -195,26 +261,27 @@ class Engine:
         return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, rows)])
 
     @staticmethod
-    def _uniforms(rows: list, kmax: int) -> torch.Tensor:
+    def _uniforms(rows: list, ks: list[int], kmax: int) -> torch.Tensor:
         u = torch.full((len(rows), 2 * kmax + 1), 0.5)
         for s, row in enumerate(rows):
             if row is None or row.generator is None:
                 continue
-            k = row.request.k
+            k = ks[s]
             drawn = torch.rand(2 * k + 1, generator=row.generator)
             u[s, :k] = drawn[:k]
             u[s, kmax : kmax + k] = drawn[k : 2 * k]
             u[s, 2 * kmax] = drawn[2 * k]
         return u
 
-    def _commit(self, s: int, outcome) -> RowUpdate:
+    def _commit(self, s: int, outcome, k: int) -> RowUpdate:
         row = self.rows[s]
         n = int(outcome.num_accepted[s])
         before = len(row.gen.token_ids)
-        row.gen.stats.record(n)
+        row.gen.stats.record(n, k)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
-        update = RowUpdate(row.request.id, s, row.gen.token_ids[before:], row.request.k, n, row.gen.finish_reason)
+        update = RowUpdate(row.request.id, s, row.gen.token_ids[before:], k, n, row.gen.finish_reason)
         if row.gen.finish_reason is not None:
             self.finished[row.request.id] = row.gen
             self.rows[s] = None
+            self.behind.discard(s)
         return update

@@ -63,7 +63,7 @@ def drafter_lm_dir(path: Path) -> Path:
 
 
 def _load_lm(verifier: LoadedModel, path: Path) -> LoadedModel:
-    model = load_model(drafter_lm_dir(path), device=verifier.lean.device, dtype=verifier.hf.dtype)
+    model = load_model(drafter_lm_dir(path), device=verifier.lean.device, dtype=verifier.dtype)
     check_same_vocabulary(verifier, model)
     return model
 
@@ -96,8 +96,9 @@ class DrafterBuilder:
         self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
         self.steering = self.head = None
         if kind == "sd2":
-            self.steering = Steering.load(drafter_dir) if found == "sd2" else steering_for(verifier.hf.config, self.lm.hf.config)
-        if kind == "dvi":
+            self.steering = Steering.load(drafter_dir) if found == "sd2" else steering_for(verifier.config, self.lm.config)
+        if kind == "dvi":  # the head starts from the verifier's float LM head and norm: its module (loaded now
+            # where load_model did not keep it; the verifier's decoder may be quantized)
             self.head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
         self.base = self._assemble(self.lm.lean if self.lm else None, self.steering, self.head)
 
@@ -118,7 +119,7 @@ class DrafterBuilder:
             return self.base
         if self.kind == "dvi":
             return self._assemble(None, None, _loaded(self.head, weights, "head."))
-        lean = LeanDecoder(_loaded(self.lm.hf, weights, "lm."))
+        lean = LeanDecoder(_loaded(self.lm.hf, weights, "lm."))  # the LM's module: loaded on the first version
         steering = _loaded(self.steering, weights, "steering.") if self.kind == "sd2" else None
         return self._assemble(lean, steering, None)
 

@@ -1,7 +1,9 @@
 """Loading verifier and drafter checkpoints from local Hugging Face directories."""
 from __future__ import annotations
 
+import json
 import os
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,10 +12,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from drafter.decoder import LeanDecoder  # noqa: E402
+from drafter.decoder import LeanDecoder, _check_structure, fuse_layer  # noqa: E402
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -26,18 +28,39 @@ class ModelError(ValueError):
 @dataclass
 class LoadedModel:
     path: Path
-    hf: torch.nn.Module  # the transformers module: owns the weights
-    lean: LeanDecoder  # fast inference view of the same weights
+    lean: LeanDecoder  # the inference decoder: what serving and generating run
     tokenizer: object
+    config: object  # the transformers config
+    generation_config: object  # the transformers generation config (end-of-sequence ids)
+    dtype: torch.dtype  # the dtype the checkpoint was loaded in (before `weights` converted the decoder)
+    module: torch.nn.Module | None = None  # the transformers module, where load_model kept it (keep_module)
+
+    @property
+    def hf(self) -> torch.nn.Module:
+        """The transformers module (training, DVI heads, saving). Where `load_model` did not keep it, it
+        is loaded now from the checkpoint (in `dtype`, on the decoder's device) and held from then on:
+        a copy of its own, which `lean` does not view (a serving process that builds a DVI head or a
+        registry version of a drafter LM pays for it then; one that never asks, never does)."""
+        if self.module is None:
+            self.module = _load_module(self.path, self.lean.device, self.dtype)
+        return self.module
 
     @property
     def vocab_size(self) -> int:
         return self.lean.vocab_size
 
     @property
+    def served(self) -> str:
+        """The weight mode it is served in ("fp32", "int4 (bf16 activations)", ...): printed wherever
+        the model is named."""
+        from drafter.quant import describe_mode
+
+        return describe_mode(self.lean)
+
+    @property
     def eos_ids(self) -> frozenset[int]:
         """End-of-sequence ids from the generation config and the tokenizer."""
-        ids = self.hf.generation_config.eos_token_id
+        ids = self.generation_config.eos_token_id
         ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
         if self.tokenizer.eos_token_id is not None:
             ids.append(self.tokenizer.eos_token_id)
@@ -68,26 +91,178 @@ def load_tokenizer(path: str | Path):
 
 
 def load_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None,
-               weights: str | None = None) -> LoadedModel:
-    """The Hugging Face model (in `dtype`: it owns the weights, the learner trains it) and its lean
-    inference view, converted to the weight mode `weights` (drafter.quant: fp32, bf16, int8, int4 or
-    auto; None leaves it in `dtype`)."""
+               weights: str | None = None, keep_module: bool = False) -> LoadedModel:
+    """A checkpoint's lean inference decoder (read in `dtype`), converted to the weight mode `weights`
+    (drafter.quant: fp32, bf16, int8, int4 or auto = as the checkpoint is stored or its manifest names;
+    None leaves it in `dtype`), with its tokenizer and configs.
+
+    keep_module=False (serving, generating): the decoder is streamed from the safetensors files, layer
+    by layer, each layer fused and converted as it is read (`_stream_decoder`): the process never holds
+    the transformers module nor the whole float model, only the weights it serves (`LoadedModel.hf`
+    still loads the module on demand). A checkpoint the stream cannot read (no safetensors, names the
+    module would rename) goes through the module, which is then let go.
+    keep_module=True (whatever trains or reads the module: the learner, trainer, DVI heads): the
+    module (in `dtype`) owns the weights and the decoder is built from it, viewing what it can (q|k|v
+    and gate|up are concatenated copies), as it always was.
+    Both build the same decoder, bit for bit (tests/test_models.py)."""
     path = Path(path)
     _require_dir(path)
     device = device or default_device()
     dtype = dtype or default_dtype(device)
+    mode = None
+    if weights is not None:
+        from drafter.quant import resolve_mode
+
+        mode = resolve_mode(weights, device, path=path)
+    if keep_module:
+        hf = _load_module(path, device, dtype)
+        lean = _converted(LeanDecoder(hf), mode, path)
+        config, generation_config = hf.config, hf.generation_config
+    else:
+        hf = None
+        lean = _stream_decoder(path, _load_config(path), device, dtype, mode)
+        if lean is None:
+            module = _load_module(path, device, dtype)
+            lean = _converted(LeanDecoder(module), mode, path)
+            generation_config = module.generation_config
+            del module
+        else:
+            generation_config = _generation_config(path)
+        config = lean.config
+    tokenizer = AutoTokenizer.from_pretrained(path)  # after the weights: its load's temporaries are not on their peak
+    if not keep_module:
+        _release_freed_memory()
+    return LoadedModel(path=path, lean=lean, tokenizer=tokenizer, config=config, generation_config=generation_config,
+                       dtype=dtype, module=hf)
+
+
+def _converted(lean: LeanDecoder, mode: str | None, path: Path, layers=None) -> LeanDecoder:
+    if mode is not None:
+        from drafter.quant import quantize_decoder
+
+        quantize_decoder(lean, mode, groups=path, layers=layers)  # groups: a GGUF's own int4 groups
+    elif layers is not None:
+        lean.layers.extend(layers)
+    return lean
+
+
+def _load_module(path: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     try:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
-    hf.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    lean = LeanDecoder(hf)
-    if weights is not None:
-        from drafter.quant import quantize_decoder, resolve_mode
+    return hf.to(device).eval()
 
-        quantize_decoder(lean, resolve_mode(weights, device))
-    return LoadedModel(path=path, hf=hf, lean=lean, tokenizer=tokenizer)
+
+def _load_config(path: Path):
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
+
+
+def _generation_config(path: Path) -> GenerationConfig:
+    """The generation config `from_pretrained` gives the module: generation_config.json, else the one
+    derived from config.json."""
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:
+        return GenerationConfig.from_pretrained(path, config_file_name="config.json", _from_model_config=True)
+
+
+def _safetensors_files(path: Path) -> list[Path] | None:
+    """The checkpoint's safetensors files (one, or the shards its index names), or None."""
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError):
+            return None
+        return [path / name for name in shards] if all((path / name).is_file() for name in shards) else None
+    return None
+
+
+def _open_safetensors(file: Path):
+    """A safetensors file opened to read tensors with pread(2) into memory of their own: the default
+    memory map keeps every page a read touched resident (and counted) while the file is open, the
+    whole float model by the end of a load."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(file), framework="pt", backend="pread")
+    except TypeError:  # safetensors before the `backend` option: memory-mapped
+        return safe_open(str(file), framework="pt")
+
+
+def _stream_decoder(path: Path, config, device: torch.device, dtype: torch.dtype,
+                    mode: str | None) -> LeanDecoder | None:
+    """The decoder `_converted(LeanDecoder(module), mode)` would build, read from the safetensors files
+    tensor by tensor, without the module: its structure comes from a copy on the meta device (no
+    memory), the RoPE tables from a real rotary module of that class, every tensor is cast to `dtype`
+    as `from_pretrained` casts it, then the LM head and embedding are converted, then each layer is
+    read, fused and converted before the next is read (`quantize_decoder(layers=...)`). None where the
+    files do not hold the module's parameters under its own names (the module's loader knows the
+    conversions: the caller goes through it)."""
+    files = _safetensors_files(path)
+    if files is None:
+        return None
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
+    _check_structure(skeleton)
+    params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
+    if not {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= params:
+        return None
+    tied = skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    with ExitStack() as stack:
+        try:
+            handles = [stack.enter_context(_open_safetensors(f)) for f in files]
+        except Exception as exc:  # safetensors' own error type is not exported
+            raise ModelError(f"cannot read {path}: {exc}") from exc
+        where = {name: h for h in handles for name in h.keys()}
+        if not params - ({"lm_head.weight"} if tied else set()) <= where.keys():
+            return None
+
+        def read(name: str) -> torch.Tensor:
+            return where[name].get_tensor(name).to(dtype).to(device)  # cast on the host, as from_pretrained
+
+        def layer(i: int):
+            _release_freed_memory()  # the previous layer's float temporaries
+            prefix = f"model.layers.{i}."
+            return fuse_layer(lambda name: read(prefix + name) if prefix + name in params else None)
+
+        embed = read("model.embed_tokens.weight")
+        head = embed if tied else read("lm_head.weight")
+        rotary = type(skeleton.model.rotary_emb)(config=skeleton.config).to(device)
+        lean = LeanDecoder.from_parts(skeleton, embed, read("model.norm.weight"), head, [], rotary)
+        del embed, head  # the decoder holds them: converting it lets the float copies go
+        _converted(lean, mode, path, layers=(layer(i) for i in range(len(skeleton.model.layers))))
+    _release_freed_memory()
+    return lean
+
+
+def _release_freed_memory() -> None:
+    """Hand the allocator's free pages back to the system (glibc's malloc_trim; a no-op elsewhere).
+    Streaming frees a float layer's temporaries (megabytes each) after every layer, and glibc keeps
+    such freed blocks in its heaps: on SmolLM2-135M int4 that held 75-95 MB more at the peak of the
+    load than the weights needed."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            import ctypes
+
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:

@@ -27,7 +27,7 @@ Measurements and the choice of default: `default_mode`. The int kernels' fp32-ac
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -37,12 +37,40 @@ DTYPE_MODES = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 _INT4_N_MULTIPLE = 16  # the CPU int4 packing needs N % 16 == 0: pad with zero rows
+# Int4Weight quantizes and packs in blocks of this many rows, so a large weight (an LM head) never has
+# full-size float / int32 temporaries beside it. A multiple of 64: the CPU packing lays out each block
+# of 64 rows on its own, so packing row blocks and concatenating them is the one-piece layout, bit for
+# bit (tests/test_quant.py).
+_INT4_BLOCK_ROWS = 4096
+
+
+# Float GEMMs are called on row blocks of exactly this many rows (zero-padded): the CPU's fp32 / bf16
+# kernels round a row differently depending on how many rows share the call (M = 1 takes a GEMV
+# path; bf16 changes blocking at M >= 15), so an unblocked verify pass of k+1 tokens would score a
+# token differently from the one-token step. With one call shape every row is computed alike, by
+# construction of the call; the int8 / int4 kernels compute each row alone already.
+ROW_BLOCK = 8
+
+
+def row_blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) computed in calls of exactly ROW_BLOCK rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    M = rows.shape[0]
+    pad = -M % ROW_BLOCK
+    if pad:
+        rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
+    if rows.shape[0] == ROW_BLOCK:
+        y = F.linear(rows, weight, bias)
+    else:
+        y = torch.cat([F.linear(r, weight, bias) for r in rows.split(ROW_BLOCK)])
+    return y[:M].view(*x.shape[:-1], weight.shape[0])
 
 
 def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ wᵀ (+ bias) for a raw weight tensor or a weight object (which holds its own bias)."""
+    """x @ wᵀ (+ bias) for a raw weight tensor or a weight object (which holds its own bias); every
+    row's result is independent of the other rows in the call (`row_blocked`)."""
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        return row_blocked(x, w, bias)
     return w(x)
 
 
@@ -59,7 +87,7 @@ class Dense:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
-        return F.linear(x, self.weight, self.bias)
+        return row_blocked(x, self.weight, self.bias)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float()
@@ -88,28 +116,83 @@ class Int8Weight:
         return self.q.float() * self.scales.float()[:, None]
 
 
+def _check_group_size(group_size: int, K: int) -> None:
+    if group_size not in INT4_GROUP_SIZES or K % group_size:
+        raise ValueError(f"int4 group size {group_size} must be one of {INT4_GROUP_SIZES} and divide K={K}")
+
+
+def _nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp64 values → the nearest `dtype` values. fp64 → fp32 → bf16 would round twice (a tie in the
+    second step that the first created can go the wrong way): round to fp32 by round-to-odd first,
+    which keeps the second rounding correct (fp32 has more than bf16's precision + 2 bits)."""
+    x = x.double()
+    y = x.float()
+    if dtype == torch.float32:
+        return y
+    inexact = y.double() != x
+    even = (y.view(torch.int32) & 1) == 0
+    toward = torch.where(x > y.double(), torch.full_like(y, float("inf")), torch.full_like(y, float("-inf")))
+    y = torch.where(inexact & even, torch.nextafter(y, toward), y)
+    return y.to(dtype)
+
+
 class Int4Weight:
     """Group-wise asymmetric int4 along K: w ≈ (q − 8) · scale + zero per group of `group_size`
     inputs, q ∈ [0, 15] (zero = min + 8 · scale, the tinygemm convention). N is padded with zero rows
-    to a multiple of 16 (the CPU packing's need) and the output sliced back."""
+    to a multiple of 16 (the CPU packing's need) and the output sliced back.
+
+    Built from a float weight (min/max groups), or with `from_groups` from a checkpoint's own 4-bit
+    groups (GGUF Q4_1: w = q · d + m), which it then serves exactly as published."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16,
                  group_size: int = DEFAULT_GROUP_SIZE):
         N, K = weight.shape
-        if group_size not in INT4_GROUP_SIZES or K % group_size:
-            raise ValueError(f"int4 group size {group_size} must be one of {INT4_GROUP_SIZES} and divide K={K}")
-        w = weight.detach().float()
-        pad = -N % _INT4_N_MULTIPLE
-        if pad:
-            w = torch.cat([w, w.new_zeros(pad, K)])
-        groups = w.reshape(-1, group_size)
+        _check_group_size(group_size, K)
+        groups = weight.detach().float().reshape(-1, group_size)
         lo, hi = groups.amin(dim=1, keepdim=True), groups.amax(dim=1, keepdim=True)
         scales = (hi - lo).clamp(min=1e-6) / 15.0
         zeros = lo + 8.0 * scales
-        q = (groups - lo).div_(scales).round_().clamp_(0, 15).to(torch.int32).reshape(w.shape)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-        n_pad = w.shape[0]
-        sz = torch.stack([scales.view(n_pad, -1), zeros.view(n_pad, -1)], dim=2)  # [N, K/g, 2]
+        q = torch.empty(groups.shape, dtype=torch.uint8, device=groups.device)
+        step = _INT4_BLOCK_ROWS * (K // group_size)  # groups per block of rows
+        for g in range(0, groups.shape[0], step):
+            q[g : g + step] = (groups[g : g + step] - lo[g : g + step]).div_(scales[g : g + step]).round_().clamp_(0, 15)
+        q = q.reshape(N, K)
+        self._pack(q, scales.view(N, -1).to(act_dtype), zeros.view(N, -1).to(act_dtype), bias, act_dtype, group_size)
+
+    @classmethod
+    def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None,
+                    act_dtype: torch.dtype = torch.bfloat16) -> "Int4Weight":
+        """A weight given as its 4-bit groups: w = q · scale + minimum, q [N, K] integers in [0, 15],
+        scale and minimum [N, K / group_size] (GGUF Q4_1: scale = d, minimum = m, groups of 32). The
+        packed q are exactly these; scale and zero = minimum + 8 · scale are stored as the nearest
+        values of the activation dtype (the kernel's only rounding of the weight)."""
+        N, K = q.shape
+        if scale.shape != minimum.shape or scale.dim() != 2 or scale.shape[0] != N or not scale.shape[1] \
+                or K % scale.shape[1]:
+            raise ValueError(f"groups of q {tuple(q.shape)} need scale and minimum [N, K / group size], got "
+                             f"{tuple(scale.shape)} and {tuple(minimum.shape)}")
+        group_size = K // scale.shape[1]
+        _check_group_size(group_size, K)
+        if q.is_floating_point() or int(q.min()) < 0 or int(q.max()) > 15:
+            raise ValueError("int4 groups need integer q in [0, 15]")
+        scale64 = scale.detach().double()
+        zero64 = minimum.detach().double() + 8.0 * scale64  # exact for fp16 / bf16 / fp32 inputs of sane range
+        self = cls.__new__(cls)
+        self._pack(q.to(torch.int32), _nearest(scale64, act_dtype), _nearest(zero64, act_dtype), bias, act_dtype,
+                   group_size)
+        return self
+
+    def _pack(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias, act_dtype, group_size: int):
+        """q [N, K] integers (int32 or uint8), scales / zeros [N, K/g] in act_dtype → tinygemm's CPU layout."""
+        N, K = q.shape
+        pad = -N % _INT4_N_MULTIPLE
+        if pad:  # zero rows (q = 8, scale = zero = 0), sliced off the output
+            q = torch.cat([q, q.new_full((pad, K), 8)])
+            scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
+            zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
+        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(rows.to(torch.int32).contiguous(), 1)
+                                 for rows in q.split(_INT4_BLOCK_ROWS)])
+        sz = torch.stack([scales, zeros], dim=2)  # [N, K/g, 2]
         self.scales_zeros = sz.transpose(0, 1).contiguous().to(act_dtype)  # [K/g, N, 2]
         self.bias = None if bias is None else bias.detach().to(act_dtype)
         self.act_dtype = act_dtype
@@ -141,6 +224,7 @@ class QuantSpec:
     mode: str
     act_dtype: torch.dtype
     group_size: int = DEFAULT_GROUP_SIZE
+    from_groups: int = 0  # checkpoint weights packed from their own 4-bit groups (`int4_groups`), not requantized
 
 
 def check_mode(mode: str) -> str:
@@ -172,15 +256,26 @@ def quantize_like(lean, weight: torch.Tensor):
     return weight.to(lean.dtype) if spec is None else quantize_weight(weight, spec)
 
 
-def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_dtype: torch.dtype | None = None):
+def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_dtype: torch.dtype | None = None,
+                     groups: "str | Path | dict | None" = None, layers=None):
     """Convert `lean` in place to `mode`: every layer's linears and whatever `lean.lm_head` holds now
     (a truncated draft vocabulary's rows included); the embedding, norms, RoPE tables and the KV caches
     it makes from now on move to the activation dtype. Returns `lean`.
 
     `act_dtype` overrides the run-time choice (`activation_dtype`). Caches made before the call are in
     the old dtype: make new ones. Drafters that read `lean.dtype` (SD² steering) must be built after.
+
+    `groups`: the checkpoint directory `lean` was loaded from (or `int4_groups`'s dict). In int4 mode
+    with its group size, every linear it holds 4-bit groups for (a GGUF's Q4_1 tensors) is packed from
+    those groups instead of requantized: the model as published (`_grouped`).
+
+    `layers`: the decoder's layers when they are not in `lean.layers` yet (which must then be empty):
+    an iterable that drafter.models fills from a checkpoint, one float layer at a time; each is
+    converted as it comes and appended. The LM head and the embedding are converted before any layer.
     """
     check_mode(mode)
+    if layers is not None and lean.layers:
+        raise ValueError("quantize_decoder(layers=...) fills a decoder that has no layers yet")
     if getattr(lean, "quant", None) is not None:
         raise ValueError(f"decoder is already prepared as {lean.quant.mode!r}; build a new LeanDecoder to change it")
     if mode in ("int8", "int4") and lean.device.type != "cpu":
@@ -189,25 +284,87 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
         raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
     spec = QuantSpec(mode, act_dtype or activation_dtype(mode), group_size)
     act = spec.act_dtype
-    for layer in lean.layers:
-        layer.qkv = quantize_weight(layer.qkv, spec, layer.qkv_bias)
+    if mode != "int4" or groups is None:
+        groups = {}
+    elif not isinstance(groups, dict):
+        groups = int4_groups(groups) or {}
+    used = []
+    tied = getattr(lean.config, "tie_word_embeddings", False)
+    head = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    # A published 4-bit model whose head is stored at higher precision (SmolLM2's GGUF: Q8_0, tied to
+    # the embedding) keeps an 8-bit head: int4 there flipped 8 of 8 greedy answers against the GGUF's.
+    head_spec = replace(spec, mode="int8") if groups and not any(n in groups for n in head) else spec
+    lean.lm_head = _grouped(lean.lm_head, head if lean.vocab_ids is None else [], groups, head_spec, used)
+    lean.embed = lean.embed.to(act)
+    lean.final_norm = lean.final_norm.to(act)
+    lean.cos, lean.sin = lean.cos.to(act), lean.sin.to(act)
+    for i, layer in enumerate(lean.layers if layers is None else layers):
+        pre = f"model.layers.{i}."
+        attn = [f"{pre}self_attn.{n}_proj.weight" for n in "qkv"]
+        layer.qkv = _grouped(layer.qkv, attn, groups, spec, used, layer.qkv_bias)
         if mode == "fp32":
             layer.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.to(act)
         else:
             layer.qkv_bias = None  # held by the weight object
-        layer.o = quantize_weight(layer.o, spec)
-        layer.gate_up = quantize_weight(layer.gate_up, spec)
-        layer.down = quantize_weight(layer.down, spec)
+        layer.o = _grouped(layer.o, [f"{pre}self_attn.o_proj.weight"], groups, spec, used)
+        layer.gate_up = _grouped(layer.gate_up, [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"], groups,
+                                 spec, used)
+        layer.down = _grouped(layer.down, [f"{pre}mlp.down_proj.weight"], groups, spec, used)
         layer.in_norm, layer.post_norm = layer.in_norm.to(act), layer.post_norm.to(act)
         layer.q_norm = None if layer.q_norm is None else layer.q_norm.to(act)
         layer.k_norm = None if layer.k_norm is None else layer.k_norm.to(act)
-    lean.lm_head = quantize_weight(lean.lm_head, spec)
-    lean.embed = lean.embed.to(act)
-    lean.final_norm = lean.final_norm.to(act)
-    lean.cos, lean.sin = lean.cos.to(act), lean.sin.to(act)
+        if layers is not None:
+            lean.layers.append(layer)
     lean.dtype = act
-    lean.quant = spec
+    lean.quant = replace(spec, from_groups=len(used))
     return lean
+
+
+INT4_GROUPS_FILE = "q4_1.safetensors"  # a fetched verifier's GGUF Q4_1 groups: NAME.q [N, K] uint8, NAME.d / .m [N, K/32]
+
+
+def int4_groups(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """The 4-bit groups a checkpoint directory ships beside its float weights (named by its manifest's
+    "groups", written by `specloop models fetch` from the GGUF): Hugging Face parameter name →
+    (q [N, K] uint8 in [0, 15], scale [N, K/g], minimum [N, K/g]) with w = q · scale + minimum. None
+    when it has none."""
+    name = _read_json(Path(path) / VERIFIER_MANIFEST).get("groups")
+    if not name or not (Path(path) / name).is_file():
+        return None
+    from safetensors.torch import load_file
+
+    flat = load_file(str(Path(path) / name))
+    return {key[:-2]: (flat[key], flat[key[:-2] + ".d"], flat[key[:-2] + ".m"])
+            for key in flat if key.endswith(".q") and key[:-2] + ".d" in flat and key[:-2] + ".m" in flat}
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
+    """q · scale + minimum in fp32 (a product, then a sum: as GGUF's own dequantization), [N, K]."""
+    N, K = q.shape
+    G = scale.shape[1]
+    w = q.float().view(N, G, K // G) * scale.float()[..., None] + minimum.float()[..., None]
+    return w.view(N, K)
+
+
+def _grouped(weight: torch.Tensor, names: list[str], groups: dict, spec: QuantSpec, used: list,
+             bias: torch.Tensor | None = None):
+    """`quantize_weight`, or an `Int4Weight.from_groups` when `groups` holds every part of this (fused)
+    weight, concatenated along N as the decoder concatenates the weights, at the spec's group size,
+    and q · scale + minimum equals the weight exactly (a stale groups file is never served)."""
+    parts = [groups.get(n) for n in names]
+    if not parts or any(p is None for p in parts):
+        return quantize_weight(weight, spec, bias)
+    q, d, m = (torch.cat([p[j] for p in parts]) for j in range(3))
+    K = weight.shape[1]
+    if q.shape != weight.shape or d.shape[1] == 0 or K % d.shape[1] or K // d.shape[1] != spec.group_size:
+        return quantize_weight(weight, spec, bias)
+    if not torch.equal(dequantize_groups(q, d, m), weight.detach().float().cpu()):
+        import warnings
+
+        warnings.warn(f"int4 groups of {', '.join(names)} do not reproduce the loaded weight: requantizing it")
+        return quantize_weight(weight, spec, bias)
+    used.extend(names)
+    return Int4Weight.from_groups(q, d, m, bias, spec.act_dtype)
 
 
 # ---------------------------------------------------------------- what this CPU runs fastest
@@ -248,34 +405,82 @@ def activation_dtype(mode: str) -> torch.dtype:
     return torch.bfloat16 if native_bf16() else torch.float32
 
 
-def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str = "verifier") -> str:
-    """`mode` itself, or `default_mode` for "auto" / None."""
-    return default_mode(device, role) if mode in (None, "auto") else check_mode(mode)
+VERIFIER_MANIFEST = "manifest.json"  # in a verifier directory: {"weights": MODE, ...} names its served mode
+_STORED_MODES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp32"}  # fp16 is upcast exactly
 
 
-def default_mode(device: torch.device | str = "cpu", role: str = "verifier") -> str:
-    """The sensible weight dtype mode here, for a `role` of "verifier" or "drafter".
+def stored_mode(path: str | Path | None) -> str:
+    """The weight mode a Hugging Face directory is stored in (config.json `dtype` / `torch_dtype`):
+    fp32 or bf16; fp16 checkpoints serve as fp32 (an exact upcast); fp32 when it says nothing."""
+    config = {} if path is None else _read_json(Path(path) / "config.json")
+    return _STORED_MODES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), "fp32")
+
+
+def manifest_mode(path: str | Path | None) -> str | None:
+    """The served mode a checkpoint's own manifest names (`specloop models fetch` writes "int4" for
+    a model published as a 4-bit GGUF), or None."""
+    mode = None if path is None else _read_json(Path(path) / VERIFIER_MANIFEST).get("weights")
+    return None if mode is None else check_mode(mode)
+
+
+def _read_json(path: Path) -> dict:
+    import json
+
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str = "verifier",
+                 path: str | Path | None = None) -> str:
+    """`mode` itself, or what "auto" / None means for `role`:
+
+    - a verifier is served as its checkpoint `path` is: the mode its manifest names, else the dtype it
+      is stored in (fp32 / bf16). Never a quantized copy nobody asked for. A manifest's int8 / int4
+      needs a CPU with native bf16 (their fp32-activation kernels are 10-50x slower): elsewhere, and
+      on CUDA, the stored dtype is served instead (`describe_mode` says so).
+    - a drafter: `default_mode` (its precision costs acceptance only, never output).
+    """
+    if mode not in (None, "auto"):
+        return check_mode(mode)
+    if role == "drafter":
+        return default_mode(device, role)
+    wanted = manifest_mode(path)
+    if wanted in ("int8", "int4") and (torch.device(device).type != "cpu" or not native_bf16()):
+        wanted = None
+    return wanted or stored_mode(path)
+
+
+def describe_mode(lean) -> str:
+    """What a decoder serves, for start-up lines, /v1/models and benchmark rows: "fp32", "int4
+    (bf16 activations)" ..."""
+    spec = getattr(lean, "quant", None)
+    if spec is None:
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(lean.dtype, str(lean.dtype))
+    act = {torch.float32: "fp32", torch.bfloat16: "bf16"}[spec.act_dtype]
+    return spec.mode if spec.mode in ("fp32", "bf16") else f"{spec.mode} ({act} activations)"
+
+
+def default_mode(device: torch.device | str = "cpu", role: str = "drafter") -> str:
+    """The fastest sensible weight mode here. Used for drafters only by "auto" (a verifier is served
+    as stored: `resolve_mode`); kept for `--weights fast`-style choices and benchmarks.
 
     Measured on the development CPU (AMD EPYC, AVX-512 + avx512_bf16, no AMX; 1 thread; SmolLM2-135M
     shape with random weights, 128 tokens of context; ms per forward, T=1 decode / T=5 verify pass):
     fp32 42 / 80, bf16 33 / 29, int8 16 / 21, int4 12 / 19. Decoding a small model is bound by
-    reading weights; int8 reads 4x and int4 ~7x fewer bytes than fp32. On the trained reference
-    verifier (6 layers, d=256) greedy argmax agreed with fp32 at 99.1% (bf16), 98.6% (int8) and
-    95.0% (int4) of positions.
+    reading weights; int8 reads 4x and int4 ~7x fewer bytes than fp32.
 
-    - CUDA: "fp32" for a verifier (bf16 verify passes are not token-identical to one-token steps there), "bf16" for a drafter (the int kernels here are CPU ones).
-    - CPU with native bf16 (avx512_bf16 / AMX-BF16): "int8" for a verifier: 2.6x (T=1) to 3.8x (T=5)
-      faster than fp32 at near-fp32 output (the verifier defines the output; speculation reproduces
-      whatever verifier it is given, so its quality is the product's). "int4" for a drafter: the
-      fastest, and a drafter's precision costs only acceptance, never output.
+    - CUDA: "fp32" for a verifier, "bf16" for a drafter (the int kernels here are CPU ones).
+    - CPU with native bf16 (avx512_bf16 / AMX-BF16): "int8" for a verifier, "int4" for a drafter.
     - CPU without native bf16: "fp32". The int kernels are fast only with bf16 activations, and
       bf16 element-wise work is emulated there.
     """
     if role not in ("verifier", "drafter"):
         raise ValueError(f"role must be 'verifier' or 'drafter', got {role!r}")
     device = torch.device(device)
-    if device.type == "cuda":  # bf16 verify passes round differently from one-token steps there (2/16
-        return "fp32" if role == "verifier" else "bf16"  # prompts diverged on an H100; fp32: 16/16)
+    if device.type == "cuda":
+        return "fp32" if role == "verifier" else "bf16"
     if not native_bf16():
         return "fp32"
     return "int8" if role == "verifier" else "int4"

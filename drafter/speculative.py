@@ -5,11 +5,13 @@ how `--no-speculation`, the reference, runs.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
+from drafter.controller import Controller
 from drafter.decoder import KVCache, LeanDecoder, prefill
 from drafter.proposer import Drafter, Proposal, VerifierView, emitted_tokens
 from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
@@ -31,6 +33,31 @@ class StepTrace:
     limit: torch.Tensor | None = None  # [B] each row's own k when rows differ (continuous batching)
 
 
+@dataclass
+class StepClock:
+    """Seconds of a step's drafting and of its verify pass with the verdict, filled in by
+    `speculative_step` when it is given one (the cost model of drafter/controller.py). On CUDA the
+    passes run asynchronously, so the split is read from events on the stream once the host has
+    waited for the verdict (which it does anyway); on the CPU it is wall time."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+    @staticmethod
+    def mark(device: torch.device):
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def read(self, start, drafted, verified) -> None:
+        if isinstance(start, float):
+            self.draft_s, self.verify_s = drafted - start, verified - drafted
+        else:
+            self.draft_s, self.verify_s = start.elapsed_time(drafted) / 1e3, drafted.elapsed_time(verified) / 1e3
+
+
 def speculative_step(
     verifier: LeanDecoder,
     cache: KVCache,
@@ -43,8 +70,10 @@ def speculative_step(
     sampler: Sampler = rejection_sample,
     on_trace: Callable[[StepTrace], None] | None = None,  # replay logging; None costs nothing
     limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
+    clock: StepClock | None = None,  # timing of the draft and verify passes; None costs nothing
 ) -> BlockOutcome:
     dev = verifier.device
+    t_start = None if clock is None else clock.mark(dev)
     u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:].to(dev))
     if k:
         proposal = drafter.propose(k, params, u_draft)
@@ -54,13 +83,17 @@ def speculative_step(
                             torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
     if proposal.probs is not None:
         proposal.probs = proposal.probs.to(dev)
+    t_drafted = None if clock is None else clock.mark(dev)
     start = cache.lens
     record = tuple(drafter.record_layers) if k and on_trace else ()
     capture = tuple(drafter.verifier_layers) + record if k else ()
     out = verifier.forward(cache, torch.cat([last[:, None].to(dev), proposal.tokens], dim=1), capture=capture)
     logits = out.logits  # [B, k+1, V]
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
+    t_verified = None if clock is None else clock.mark(dev)
     outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu())  # the host commits and rolls back
+    if clock is not None:
+        clock.read(t_start, t_drafted, t_verified)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if k:
@@ -102,28 +135,47 @@ class StepHooks(Protocol):
 
 @dataclass
 class RequestStats:
+    """Counts over a request's blocks. A block drafts its own k (a request's explicit k, or the
+    controller's choice of the step, 0 for a plain step); positions are counted up to `k`, the most
+    a block of the request may draft."""
+
     k: int
     blocks: int = 0
     drafted: int = 0
     accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)  # [k] blocks that accepted position i
+    drafted_per_position: list[int] = field(default_factory=list)  # [k] blocks that drafted position i
 
     def __post_init__(self):
         self.accepted_per_position = self.accepted_per_position or [0] * self.k
+        self.drafted_per_position = self.drafted_per_position or [0] * self.k
 
-    def record(self, n: int) -> None:
+    def record(self, n: int, k: int | None = None) -> None:
+        """One block: k drafts (default: this request's k), the first n accepted."""
+        k = self.k if k is None else k
         self.blocks += 1
-        self.drafted += self.k
+        self.drafted += k
         self.accepted += n
+        self._grow(k)
+        for i in range(k):
+            self.drafted_per_position[i] += 1
         for i in range(n):
             self.accepted_per_position[i] += 1
 
+    def _grow(self, k: int) -> None:
+        for counts in (self.accepted_per_position, self.drafted_per_position):
+            counts.extend([0] * (k - len(counts)))
+
     def merge(self, other: "RequestStats") -> None:
-        """Add another request's counts (same k) into these."""
+        """Add another request's counts into these (positions up to the longer of the two)."""
         self.blocks += other.blocks
         self.drafted += other.drafted
         self.accepted += other.accepted
-        self.accepted_per_position = [a + b for a, b in zip(self.accepted_per_position, other.accepted_per_position)]
+        self._grow(len(other.accepted_per_position))
+        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
+                             (self.drafted_per_position, other.drafted_per_position)):
+            for i, c in enumerate(theirs):
+                mine[i] += c
 
     @property
     def acceptance_rate(self) -> float:
@@ -179,13 +231,15 @@ def generate(
     drafter: Drafter | None,
     prompts: list[list[int]],
     params: SamplingParams,
-    k: int,
+    k: int | None,
     stop_rule: StopRule,
     sampler: Sampler = rejection_sample,
     first_request: int = 0,
     hooks: "StepHooks | None" = None,
+    controller: Controller | None = None,
 ) -> list[Generation]:
-    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone.
+    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone,
+    k = None lets `controller` (drafter/controller.py; a new one when None) choose k step by step.
     Request i draws from the stream seeded by (params.seed, first_request + i).
 
     `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
@@ -194,8 +248,11 @@ def generate(
 
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
-    capacity = max(map(len, prompts)) + params.max_tokens + 2 * k + 2
-    engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks)
+    controller = Controller() if controller is None else controller
+    reserve = controller.cfg.k_max if k is None else k
+    capacity = max(map(len, prompts)) + params.max_tokens + 2 * reserve + 2
+    engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
+                    controller=controller)
     engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
     while engine.running:
         engine.step()

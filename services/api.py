@@ -9,8 +9,12 @@ Endpoints
   reserved for drafting); `temperature` (0..2, default 1); `top_p` (0 < p ≤ 1); `top_k` (≥ 0, 0 or
   −1 = off; a vLLM extension); `n` (1..`MAX_CHOICES`); `stop` (a string or up to 4); `seed`
   (default: random when sampling, 0 when greedy); `stream_options.include_usage`; and the extension
-  `speculative: {"enabled": bool, "k": 1..16, "drafter_version": str}` (default: on, k = 4, the
-  champion). Log-probs, tools, penalties, logit bias and JSON mode are refused (400), not ignored.
+  `speculative: {"enabled": bool, "k": "auto" | 1..16, "drafter_version": str}` (default: on, k =
+  "auto": the worker chooses k step by step from measured costs and live acceptance, down to plain
+  decoding when speculation does not pay, and reserves 2 `AUTO_K_MAX` + 2 positions; the champion).
+  Sampling stays exact whatever k; a `seed` repeats the same draws for the same k's, so a client that
+  needs repeatable samples at temperature > 0 fixes k.
+  Log-probs, tools, penalties, logit bias and JSON mode are refused (400), not ignored.
   `usage` carries, besides OpenAI's three counts, `drafted_tokens`, `accepted_tokens` and the
   `drafter_version`(s) that drafted.
 - `GET /v1/models` (and `/v1/models/{id}`): the verifier's id, with the serving `drafter_version`.
@@ -43,8 +47,9 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from drafter.controller import AUTO_K_MAX
 from services.backend import Backend
 from services.prompts import PromptError, PromptRecord, encode
 from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage
@@ -52,7 +57,7 @@ from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage
 log = logging.getLogger("specloop.api")
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
-DEFAULT_K = 4  # draft length when `speculative.k` is not given
+DEFAULT_K = "auto"  # draft length when `speculative.k` is not given: chosen per step by the worker
 MAX_K = 16
 MAX_CHOICES = 16  # n × prompts of one request: each choice holds a worker slot
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -110,8 +115,15 @@ class _Lenient(BaseModel):
 class Speculative(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a typo here would silently change decoding
     enabled: bool = True
-    k: int = Field(DEFAULT_K, ge=1, le=MAX_K)
+    k: int | Literal["auto"] = DEFAULT_K
     drafter_version: str | None = None
+
+    @field_validator("k", mode="before")
+    @classmethod
+    def _auto_or_length(cls, value):
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_K):
+            return value
+        raise ValueError(f'must be "auto" or an integer from 1 to {MAX_K}')
 
 
 class StreamOptions(_Lenient):
@@ -264,20 +276,21 @@ def stop_strings(stop: Any) -> list[str]:
     return stops
 
 
-def draft_reserve(k: int) -> int:
+def draft_reserve(k: int | None) -> int:
     """Positions a request needs beyond prompt + completion: a verify pass writes k drafts and one more
-    token past the committed ones, and the worker's cache reserves 2k + 2 for it (services/serving.py)."""
-    return 2 * k + 2
+    token past the committed ones, and the worker's cache reserves 2k + 2 for it (services/serving.py);
+    k = None (auto) reserves for the most the controller may choose, AUTO_K_MAX."""
+    return 2 * (AUTO_K_MAX if k is None else k) + 2
 
 
-def completion_budget(prompt_len: int, requested: int | None, k: int, cfg: ApiConfig,
+def completion_budget(prompt_len: int, requested: int | None, k: int | None, cfg: ApiConfig,
                       prompt_param: str = "prompt") -> int:
-    """max_tokens for a prompt decoded with draft length k: the requested count if it fits the context,
-    else a 400; by default what fits, at most cfg.default_max_tokens."""
+    """max_tokens for a prompt decoded with draft length k (None: auto): the requested count if it fits
+    the context, else a 400; by default what fits, at most cfg.default_max_tokens."""
     reserve = draft_reserve(k)
     usable = cfg.max_context - reserve
     limit = (f"This model's maximum context length is {usable} tokens ({cfg.max_context} positions, {reserve} of "
-             f"them reserved for drafting with k={k}).")
+             f"them reserved for drafting with k={'auto' if k is None else k}).")
     if requested is None:
         if prompt_len >= usable:
             raise invalid(f"{limit} However, the prompt has {prompt_len} tokens, which leaves no room for a "
@@ -309,7 +322,7 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
         raise invalid(f"n × prompts is at most {MAX_CHOICES}, got {n} × {len(prompts)}", "n")
     requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     spec = req.speculative or Speculative()
-    k = spec.k if spec.enabled else 0
+    k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
     temperature = 1.0 if req.temperature is None else req.temperature
     seed = req.seed if req.seed is not None else (secrets.randbits(63) if temperature > 0 else 0)
@@ -710,7 +723,8 @@ async def model_card(backend: Backend, cfg: ApiConfig) -> dict:
     except Exception:
         workers = []
     return {"id": cfg.model_id, "object": "model", "created": int(time.time()), "owned_by": "specloop",
-            "max_model_len": cfg.max_context, "drafter_version": workers[0].drafter_version if workers else None}
+            "max_model_len": cfg.max_context, "drafter_version": workers[0].drafter_version if workers else None,
+            "weights": workers[0].weights if workers else None}
 
 
 def api_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000):

@@ -23,12 +23,27 @@ def _threads(value: str) -> int:
     return n
 
 
-def _add_sampling(p: argparse.ArgumentParser) -> None:
+def _draft_len(value: str) -> int | None:
+    """--k: "auto" (None: chosen per step by the cost-aware controller) or a fixed draft length."""
+    if value == "auto":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an integer, got {value!r}") from None
+
+
+def _add_sampling(p: argparse.ArgumentParser, auto_k: bool = False) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--k", type=int, default=4, help="draft length per block")
+    if auto_k:
+        p.add_argument("--k", type=_draft_len, default=None, metavar="auto|K",
+                       help="draft length per block: auto (default) chooses it step by step from measured costs "
+                            "and live acceptance (0 = plain decoding when speculation does not pay); K fixes it")
+    else:
+        p.add_argument("--k", type=int, default=4, help="draft length per block")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -37,8 +52,9 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
 
 def _add_weights(p: argparse.ArgumentParser) -> None:
     modes = ("auto", "fp32", "bf16", "int8", "int4")
-    p.add_argument("--weights", choices=modes, default="auto", help="the verifier's weight mode (auto: int8 with "
-                   "bf16 activations where the CPU has native bf16, else fp32; bf16 on CUDA)")
+    p.add_argument("--weights", choices=modes, default="auto", help="the verifier's weight mode (auto: as the "
+                   "checkpoint is stored, fp32 or bf16, or the mode its manifest.json names, e.g. int4 for a model "
+                   "published as a 4-bit GGUF; int8/int4 quantize it explicitly)")
     p.add_argument("--drafter-weights", choices=modes, default="auto",
                    help="a drafter LM's weight mode (auto: int4 where the CPU has native bf16)")
 
@@ -58,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, help="only the first N prompts")
     g.add_argument("--no-speculation", action="store_true", help="the verifier alone (the reference)")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
-    _add_sampling(g)
+    _add_sampling(g, auto_k=True)
 
     m = sub.add_parser("models", help="model utilities").add_subparsers(dest="models_command", required=True)
     b = m.add_parser("bootstrap", help="train a tokenizer, verifier and drafter from local corpora")
@@ -172,12 +188,13 @@ def _print_human(result: dict) -> None:
     print(result["text"])
 
 
-def _print_summary(summary, k: int) -> None:
+def _print_summary(summary, k: int | None) -> None:
     d = summary.to_dict()
     line = f"{d['requests']} prompts, {d['tokens']} tokens in {d['seconds']:.2f}s = {d['tokens_per_s']:.1f} tokens/s"
-    if k:
+    if k != 0:
         per_pos = " ".join(f"{a:.2f}" for a in d["acceptance_per_position"])
-        line += f"; k={k} τ={d['block_efficiency']:.3f} α={d['acceptance_rate']:.3f} per-position [{per_pos}]"
+        chosen = f"k=auto (mean {d['mean_k']:.2f})" if k is None else f"k={k}"
+        line += f"; {chosen} τ={d['block_efficiency']:.3f} α={d['acceptance_rate']:.3f} per-position [{per_pos}]"
     print(line, file=sys.stderr)
 
 

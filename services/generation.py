@@ -1,6 +1,7 @@
 """`specloop generate`: load a verifier/drafter pair, decode a prompt file, report per-request stats."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,6 +9,7 @@ from typing import Iterator
 
 from tqdm import tqdm
 
+from drafter.controller import Controller
 from drafter.kinds import DRAFTER_KINDS, build_drafter
 from drafter.models import load_model
 from drafter.sampling import SamplingParams
@@ -21,7 +23,7 @@ class GenerateConfig:
     prompts: Path
     drafter: Path | None = None
     drafter_kind: str = "pretrained"
-    k: int = 4
+    k: int | None = None  # draft length per block; None = auto (drafter.controller chooses it step by step)
     max_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -31,20 +33,20 @@ class GenerateConfig:
     stop: tuple[str, ...] = ()
     no_speculation: bool = False
     limit: int | None = None
-    weights: str = "fp32"  # the verifier's weight mode (drafter.quant)
+    weights: str = "auto"  # the verifier's weight mode (drafter.quant; auto = as stored / its manifest)
     drafter_weights: str = "fp32"
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ValueError(f"--k must be >= 1, got {self.k}")
+        if self.k is not None and self.k < 1:
+            raise ValueError(f"--k must be auto or >= 1, got {self.k}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise ValueError(f"unknown drafter kind {self.drafter_kind!r}; choose one of {', '.join(DRAFTER_KINDS)}")
         if self.batch_size < 1:
             raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
 
     @property
-    def draft_len(self) -> int:
-        """k, or 0 when the verifier decodes alone."""
+    def draft_len(self) -> int | None:
+        """k (None: auto), or 0 when the verifier decodes alone."""
         return 0 if self.no_speculation else self.k
 
     @property
@@ -54,14 +56,14 @@ class GenerateConfig:
 
 @dataclass
 class RunSummary:
-    k: int
+    k: int | None  # None: auto
     requests: int = 0
     tokens: int = 0
     seconds: float = 0.0
     totals: RequestStats | None = None
 
     def __post_init__(self):
-        self.totals = self.totals or RequestStats(self.k)
+        self.totals = self.totals or RequestStats(self.k or 0)  # positions grow with the blocks merged in
 
     def add(self, gen: Generation) -> None:
         self.requests += 1
@@ -77,7 +79,9 @@ class RunSummary:
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "block_efficiency": t.block_efficiency,
             "acceptance_rate": t.acceptance_rate,
-            "acceptance_per_position": [a / t.blocks for a in t.accepted_per_position] if t.blocks else [],
+            "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(t.accepted_per_position,
+                                                                           t.drafted_per_position)],
+            "mean_k": t.drafted / t.blocks if t.blocks else 0.0,  # drafts per block (k = auto: the chosen ones)
         }
 
 
@@ -91,18 +95,21 @@ def final_text(tokenizer, gen: Generation, stop: tuple[str, ...]) -> str:
 def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary | None = None) -> Iterator[dict]:
     """Yield one result dict per prompt, in file order (the `--json` contract of DESIGN.md)."""
     verifier = load_model(cfg.verifier, weights=cfg.weights)
+    if progress:
+        print(f"verifier {cfg.verifier} served as {verifier.served}", file=sys.stderr, flush=True)
     drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter, cfg.drafter_weights)
     records = load_prompts(cfg.prompts, cfg.limit)
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer
     rule = StopRule(verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
     k = cfg.draft_len
+    controller = Controller()  # one for the run: what it measured on a batch serves the next ones
     summary = summary if summary is not None else RunSummary(k)
     bar = tqdm(total=len(records), desc="generate", unit="prompt", disable=not progress)
     for lo in range(0, len(records), cfg.batch_size):
         batch = encoded[lo : lo + cfg.batch_size]
         t0 = time.perf_counter()
-        gens = generate(verifier.lean, drafter, batch, cfg.sampling, k, rule, first_request=lo)
+        gens = generate(verifier.lean, drafter, batch, cfg.sampling, k, rule, first_request=lo, controller=controller)
         summary.seconds += time.perf_counter() - t0
         for rec, gen in zip(records[lo : lo + cfg.batch_size], gens):
             summary.add(gen)

@@ -60,7 +60,7 @@ class LearnerService:
         torch.manual_seed(cfg.learner.seed)
         self.cfg, self.buffer = cfg, buffer
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix)
-        verifier = load_model(cfg.verifier, dtype=torch.float32)
+        verifier = load_model(cfg.verifier, dtype=torch.float32, keep_module=True)  # students read its module
         verifier.hf.requires_grad_(False)
         student = serving_student(cfg.learner.kind, verifier, cfg.drafter, cfg.learner.train_lm)
         self.learner = OnlineLearner(cfg.learner, student)

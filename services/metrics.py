@@ -33,13 +33,25 @@ Derived rates (`$__rate_interval` in Grafana):
     sum(rate(specloop:generation_tokens_total[$__rate_interval]))
     sum(rate(specloop:completion_tokens_total[$__rate_interval]))
 
+    # mean k the cost-aware controller chose for auto requests (one observation per step), and the
+    # share of those steps that speculated at all
+    sum by (drafter_version) (rate(specloop:spec_decode_chosen_k_sum[$__rate_interval]))
+      / sum by (drafter_version) (rate(specloop:spec_decode_chosen_k_count[$__rate_interval]))
+    1 - sum by (drafter_version) (rate(specloop:spec_decode_chosen_k_bucket{le="0.0"}[$__rate_interval]))
+      / sum by (drafter_version) (rate(specloop:spec_decode_chosen_k_count[$__rate_interval]))
+
     # share of a worker step spent in forward passes (the rest is Python scheduling)
     sum(rate(specloop:step_forward_seconds_sum[$__rate_interval])) / sum(rate(specloop:step_seconds_sum[$__rate_interval]))
 
     # latency quantiles, e.g. TTFT p99
     histogram_quantile(0.99, sum by (le) (rate(specloop:time_to_first_token_seconds_bucket[$__rate_interval])))
 
-Worker (`WorkerMetrics`): the counters above, `specloop:generation_tokens_total`, gauges
+Worker (`WorkerMetrics`): the counters above, the histogram `specloop:spec_decode_chosen_k{drafter_version}`
+(the controller's k per step, buckets 0..8; drafter/controller.py), the controller's current estimates
+for the serving engine as gauges `specloop:spec_decode_est_acceptance{position}` (conditional
+acceptance of 0-based position i given the earlier ones accepted) and
+`specloop:spec_decode_est_speedup{k}` (expected tokens/s with draft length k over plain decoding, at
+the running batch; > 1 + margin is when it speculates), `specloop:generation_tokens_total`, gauges
 `specloop:num_requests_waiting` / `specloop:num_requests_running`, histograms
 `specloop:step_forward_seconds` / `specloop:step_seconds`, `specloop:drafter_swaps_total`,
 `specloop:drafter_rollbacks_total`, `specloop:drafter_info{drafter_version}` (1 for the serving
@@ -73,6 +85,7 @@ from prometheus_client.core import CounterMetricFamily
 
 PREFIX = "specloop:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
+K_BUCKETS = tuple(float(k) for k in range(9))  # chosen k: 0 (plain) .. 8
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 AGE_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 MAX_VERSIONS = 16  # drafter versions whose spec-decode series a worker keeps (older ones are removed)
@@ -162,8 +175,8 @@ class _Exporter:
     def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
         return Gauge(PREFIX + name, doc, labels, registry=self.registry)
 
-    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
+        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
 
 class _VersionSeries:
@@ -174,6 +187,7 @@ class _VersionSeries:
         self.drafts = m.num_drafts.labels(version)
         self.draft_tokens = m.num_draft_tokens.labels(version)
         self.accepted = m.num_accepted_tokens.labels(version)
+        self.chosen_k = m.chosen.labels(version)
         self.per_pos: list = []
 
     def add(self, stats: BlockStats) -> None:
@@ -187,7 +201,7 @@ class _VersionSeries:
                 child.inc(count)
 
     def remove(self) -> None:
-        for metric in (self.m.num_drafts, self.m.num_draft_tokens, self.m.num_accepted_tokens):
+        for metric in (self.m.num_drafts, self.m.num_draft_tokens, self.m.num_accepted_tokens, self.m.chosen):
             metric.remove(self.version)
         for i in range(len(self.per_pos)):
             self.m.accepted_per_pos.remove(self.version, str(i))
@@ -206,6 +220,12 @@ class WorkerMetrics(_Exporter):
         self.accepted_per_pos = self._counter(
             "spec_decode_num_accepted_tokens_per_pos", "Blocks whose draft at this 0-based position was accepted.",
             v + ("position",))
+        self.chosen = self._histogram("spec_decode_chosen_k", "Draft length the controller chose for auto "
+                                      "requests, once per step (0: plain decoding).", K_BUCKETS, v)
+        self.est_acceptance = self._gauge("spec_decode_est_acceptance", "The controller's estimate of P(draft at this "
+                                          "0-based position accepted | earlier drafts accepted).", ("position",))
+        self.est_speedup = self._gauge("spec_decode_est_speedup", "The controller's expected tokens/s with draft "
+                                       "length k over plain decoding, at the running batch.", ("k",))
         self.generation_tokens = self._counter("generation_tokens", "Tokens committed to requests by the worker.")
         self.waiting = self._gauge("num_requests_waiting", "Requests queued for a slot.")
         self.running = self._gauge("num_requests_running", "Requests holding a slot.")
@@ -254,6 +274,17 @@ class WorkerMetrics(_Exporter):
         while len(self._versions) > MAX_VERSIONS:
             oldest = next(v for v in self._versions if v != self._serving)
             self._versions.pop(oldest).remove()
+
+    def chosen_k(self, version: str, k: int) -> None:
+        """The controller chose draft length k for this step's auto requests (drafted by `version`)."""
+        self._series(version).chosen_k.observe(k)
+
+    def estimates(self, estimates: dict) -> None:
+        """The controller's current estimates (`Controller.estimates`): acceptance by position, speedup by k."""
+        for i, a in enumerate(estimates["acceptance"]):
+            self.est_acceptance.labels(str(i)).set(a)
+        for k, x in enumerate(estimates["speedup"] or ()):
+            self.est_speedup.labels(str(k)).set(x)
 
     # -- tokens, load, step time
 

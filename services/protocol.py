@@ -42,7 +42,7 @@ class CompletionRequest:
     stream_index: int = 0  # the request draws from the stream seeded by (seed, stream_index), as
     #                        request `stream_index` of `specloop generate --seed seed` does
     stop: list[str] = field(default_factory=list)
-    k: int = 4  # draft length; 0 = speculation off (the verifier alone)
+    k: int | None = None  # draft length; None = auto (the worker's controller, step by step); 0 = speculation off
     drafter_version: str | None = None  # None = the serving champion
 
     def sampling(self) -> SamplingParams:
@@ -129,6 +129,7 @@ class WorkerInfo:
     prefix: str = "specloop"
     buffer: str | None = None  # buffer spec ("memory" or a redis URL), None = no logging
     metrics_url: str | None = None  # host:port of its Prometheus endpoint
+    weights: str = "fp32"  # the verifier as served (drafter.quant.describe_mode): "fp32", "int4 (bf16 activations)"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -45,7 +45,7 @@ class ServeConfig:
     learner_threads: int = 1
     worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
     model_id: str | None = None  # default: the verifier folder's name
-    weights: str = "auto"  # the verifier's weight mode (drafter.quant; auto: the CPU's default)
+    weights: str = "auto"  # the verifier's weight mode (drafter.quant; auto = as stored / its manifest)
     drafter_weights: str = "auto"
 
 

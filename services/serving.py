@@ -209,7 +209,7 @@ class ServingLoop:
         w = self.worker.cfg
         return WorkerInfo(self.cfg.name, w.verifier, self.cfg.model, w.kind, self.worker.version,
                           self.worker.max_context, w.slots, self.cfg.max_queue, w.registry, w.redis_url,
-                          w.prefix, buffer, metrics_url)
+                          w.prefix, buffer, metrics_url, self.worker.verifier.served)
 
     async def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
         """Chunks for one request, on the caller's event loop; closing the iteration cancels it."""
@@ -234,11 +234,14 @@ class ServingLoop:
         if r.drafter_version is not None and self.worker.registry is None and r.drafter_version != self.worker.version:
             return invalid(r.id, f"drafter_version {r.drafter_version!r}: this worker has no registry "
                                  f"(it serves {self.worker.version!r} only)", "speculative.drafter_version")
-        if r.k and self.worker.engine.drafter is None:
+        if r.k and self.worker.engine.drafter is None:  # k = None (auto) decodes plainly without a drafter
             return invalid(r.id, "this worker has no drafter: set speculative.enabled false", "speculative")
-        need = len(r.prompt_ids) + r.max_tokens + 2 * r.k + 2
+        if r.k is not None and r.k < 0:
+            return invalid(r.id, f"k = {r.k} < 0", "speculative.k")
+        reserve = self.worker.engine.reserve(r.k)
+        need = len(r.prompt_ids) + r.max_tokens + reserve
         if not r.prompt_ids or need > self.worker.max_context:
-            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} (+ {2 * r.k + 2} "
+            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} (+ {reserve} "
                                  f"for drafting) exceeds the context of {self.worker.max_context} positions", "max_tokens")
         try:
             r.sampling()
@@ -281,6 +284,7 @@ class ServingLoop:
         while self.worker.engine.running:
             self.worker.step()
         self.worker.engine.finished.pop(req.id, None)
+        self.worker.engine.controller.reset()  # first calls carry one-time costs: not what a step costs
         self.ready = True
 
     def _drop_cancelled(self) -> None:
@@ -362,7 +366,7 @@ class ServingLoop:
 
 def attach_metrics(loop: ServingLoop, metrics) -> None:
     """Feed a `services.metrics.WorkerMetrics` from every step of `loop`'s worker (one call per step)."""
-    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "records_at": 0.0}
+    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "records_at": 0.0, "estimates_at": 0.0}
     metrics.serving(worker.version)
 
     def on_step(updates: list[RowUpdate], engine, version: str) -> None:
@@ -370,6 +374,11 @@ def attach_metrics(loop: ServingLoop, metrics) -> None:
         metrics.generated(sum(len(u.new_tokens) for u in updates))
         metrics.load(len(loop.waiting), loop.running)
         metrics.step(engine.timing.forward_s, engine.timing.total_s)
+        if engine.timing.choice is not None:
+            metrics.chosen_k(version, engine.timing.choice.k)
+        if engine is worker.engine and time.monotonic() - seen["estimates_at"] > 1.0:
+            seen["estimates_at"] = time.monotonic()
+            metrics.estimates(engine.controller.estimates(max(1, engine.running)))
         for s in worker.swaps[seen["swaps"]:]:
             metrics.swap(s.old, s.new)
         for _ in worker.rollbacks[seen["rollbacks"]:]:

@@ -69,7 +69,7 @@ class WorkerConfig:
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
     slots: int = 1  # cache slots of the continuous batch (requests decoded together)
     max_context: int = 1024  # positions per slot: prompt + max_tokens + 2 k + 2 (capped by the model)
-    weights: str = "fp32"  # the verifier's weight mode (drafter.quant: fp32, bf16, int8, int4, auto)
+    weights: str = "auto"  # the verifier's weight mode (drafter.quant: auto = as stored / its manifest; fp32, bf16, int8, int4)
     drafter_weights: str = "fp32"  # a drafter LM's own weight mode (pretrained / sd2)
 
     def __post_init__(self):
@@ -185,7 +185,7 @@ class RecordLogger:
 @dataclass
 class _Row:
     id: str
-    k: int
+    k: int | None  # the request's draft length (None: auto; a step's own k is in its trace)
     temperature: float
     blocks: int = 0
     stale: bool = False  # its drafter cache predates the serving version
@@ -197,6 +197,7 @@ class VerifierWorker:
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
         self.verifier = load_model(cfg.verifier, weights=cfg.weights)
+        log.info("verifier %s served as %s", cfg.verifier, self.verifier.served)
         tok = self.verifier.tokenizer
         self.stop_rule = StopRule(self.verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
         self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights)
@@ -294,14 +295,16 @@ class VerifierWorker:
     def _on_step(self, trace: StepTrace, histories: list[list[int]]) -> None:
         slots = torch.nonzero(trace.active).flatten().tolist()
         rows = {b: self.rows[self.engine.rows[b].request.id] for b in slots}
+        kmax = trace.proposal.tokens.shape[1]
         by_k: dict[int, list[int]] = {}
         for b, row in rows.items():
+            k = kmax if trace.limit is None else int(trace.limit[b])  # this block's k (auto rows: the controller's)
             n = int(trace.outcome.num_accepted[b])
-            if row.k:
-                self.monitor.observe(self.version, row.k, n)
-                by_k.setdefault(row.k, []).append(b)
+            if k:
+                self.monitor.observe(self.version, k, n)
+                by_k.setdefault(k, []).append(b)
             if row.stale:
-                self.stale[0] += row.k
+                self.stale[0] += k
                 self.stale[1] += n
         if self.logger is not None:
             for k, group in by_k.items():

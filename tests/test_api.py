@@ -16,6 +16,7 @@ from drafter.models import load_model, load_tokenizer
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from tests.admin_helpers import serving
+from drafter.controller import AUTO_K_MAX
 from services.api import (DEFAULT_MAX_TOKENS, ApiConfig, ApiError, completion_budget, create_app,
                           draft_reserve, plan_request)
 from services.generation import final_text
@@ -239,6 +240,8 @@ def test_malformed_json_is_a_400_in_openai_shape_never_a_422(url):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
     ({"speculative": {"k": 17}}, "speculative.k"),
+    ({"speculative": {"k": 0}}, "speculative.k"),
+    ({"speculative": {"k": "sometimes"}}, "speculative.k"),
     ({"speculative": {"enabled": True, "kk": 3}}, "speculative.kk"),
     ({"logprobs": True}, "logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -266,7 +269,7 @@ def test_prompt_plus_max_tokens_beyond_the_context_is_a_400_naming_both_numbers(
 
 
 def test_the_longest_request_that_fits_the_context_is_served(url, max_context):
-    for k, spec in ((4, {"k": 4}), (0, {"enabled": False})):
+    for k, spec in ((4, {"k": 4}), (0, {"enabled": False}), (None, {"k": "auto"})):
         prompt = [5] * (max_context - draft_reserve(k) - 3)
         body = {"model": MODEL, "prompt": prompt, "temperature": 0, "speculative": spec}
         out = httpx.post(url + "/v1/completions", json=body, timeout=30).json()  # default max_tokens: the 3 left
@@ -297,11 +300,23 @@ def test_a_plan_fans_n_choices_out_with_one_seed_and_stream_indices(verifier):
     assert greedy.requests[0].seed == 0 and greedy.requests[0].k == 0
 
 
+def test_k_is_auto_by_default_and_auto_reserves_room_for_the_most_the_controller_drafts(verifier):
+    cfg, tok = ApiConfig(MODEL, 512), verifier.tokenizer
+    for spec in (None, {}, {"k": "auto"}, {"enabled": True, "k": "auto"}):
+        body = {"model": MODEL, "prompt": "x"} | ({} if spec is None else {"speculative": spec})
+        assert plan_request(body, False, cfg, tok).requests[0].k is None  # None: auto
+    assert draft_reserve(None) == draft_reserve(AUTO_K_MAX)
+    assert completion_budget(512 - draft_reserve(None) - 3, None, None, cfg) == 3
+    with pytest.raises(ApiError, match="reserved for drafting with k=auto"):
+        completion_budget(600, None, None, cfg)
+
+
 # ------------------------------------------------------------------------------ sampling features
 
 
 def test_n_2_returns_two_choices_and_streams_them_by_index(url, backend):
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0.9, "seed": 11, "n": 2}
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 8, "temperature": 0.9, "seed": 11, "n": 2,
+            "speculative": {"k": 2}}  # a fixed k: with k = auto the draws follow the k's chosen step by step
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
     plain = r.json()
     assert [c["index"] for c in plain["choices"]] == [0, 1]
@@ -321,7 +336,8 @@ def test_n_2_returns_two_choices_and_streams_them_by_index(url, backend):
 
 def test_the_same_seed_samples_the_same_text(client):
     def sample():
-        out = client.completions.create(model=MODEL, prompt="import", max_tokens=8, temperature=1.0, seed=5)
+        out = client.completions.create(model=MODEL, prompt="import", max_tokens=8, temperature=1.0, seed=5,
+                                        extra_body={"speculative": {"k": 3}})  # fixed k: repeatable draws
         return out.choices[0].text
     assert sample() == sample()
 
@@ -355,6 +371,10 @@ def test_usage_counts_drafted_and_accepted_tokens_and_the_drafter_version(url):
     off = httpx.post(url + "/v1/completions", json={**body, "speculative": {"enabled": False}}, timeout=30).json()
     assert off["usage"]["drafted_tokens"] == 0
     assert off["choices"][0]["text"] == on["choices"][0]["text"]  # lossless: the drafter changes nothing
+    for spec in ({"k": "auto"}, None):  # explicit and by default: the worker chooses k step by step
+        auto = httpx.post(url + "/v1/completions", json={**body, "speculative": spec}, timeout=30).json()
+        assert auto["choices"][0]["text"] == off["choices"][0]["text"]
+        assert 0 <= auto["usage"]["accepted_tokens"] <= auto["usage"]["drafted_tokens"]
 
 
 # -------------------------------------------------------------------------- status endpoints

@@ -46,15 +46,26 @@ def test_speculative_and_reference_runs_agree_through_the_cli(tiny_pair, tmp_pat
     _, ref, _ = _run(common + ["--no-speculation"], capsys)
     _, spec, _ = _run(common + ["--drafter", d, "--k", 3, "--batch-size", 2], capsys)
     _, ngram, _ = _run(common + ["--drafter-kind", "ngram", "--k", 2], capsys)
+    _, auto, _ = _run(common + ["--drafter", d, "--k", "auto", "--batch-size", 2], capsys)
     tokens = lambda out: [json.loads(line)["token_ids"] for line in out.splitlines()]
-    assert tokens(ref) == tokens(spec) == tokens(ngram)
+    assert tokens(ref) == tokens(spec) == tokens(ngram) == tokens(auto)
+
+
+def test_k_is_auto_by_default_and_the_summary_says_what_was_chosen(tiny_pair, tmp_path, capsys):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS)
+    code, out, err = _run(["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--max-tokens", 8], capsys)
+    assert code == 0 and "k=auto (mean " in err
+    with pytest.raises(SystemExit) as exc:  # argparse: neither auto nor an integer
+        _run(["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--k", "many"], capsys)
+    assert exc.value.code == 2 and "expected 'auto' or an integer" in capsys.readouterr().err
 
 
 def test_seeded_sampling_repeats_and_repeated_prompts_draw_independently(tiny_pair, tmp_path, capsys):
     v, d = tiny_pair
     f = _prompts(tmp_path, [ROWS[0]] * 4)
     args = ["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--max-tokens", 12, "--json"]
-    args += ["--temperature", "1.0", "--seed", 5]
+    args += ["--temperature", "1.0", "--seed", 5, "--k", 4]  # a fixed k: with auto, the draws follow the k chosen
     first = [json.loads(x)["token_ids"] for x in _run(args, capsys)[1].splitlines()]
     again = [json.loads(x)["token_ids"] for x in _run(args, capsys)[1].splitlines()]
     assert first == again and len({tuple(t) for t in first}) > 1
@@ -63,7 +74,7 @@ def test_seeded_sampling_repeats_and_repeated_prompts_draw_independently(tiny_pa
 @pytest.mark.parametrize(
     "extra,message",
     [
-        (["--k", "0"], "--k must be >= 1"),
+        (["--k", "0"], "--k must be auto or >= 1"),
         (["--drafter-kind", "telepathy"], "unknown drafter kind"),
         (["--drafter", "/nonexistent/drafter"], "model directory not found"),
         (["--temperature", "-1"], "temperature"),

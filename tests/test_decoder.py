@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder, UnsupportedModel
+from drafter.decoder import KEY_BLOCK, LeanDecoder, UnsupportedModel
 from tests.tiny import build_model, llama_config
 
 
@@ -72,11 +72,70 @@ def test_capture_returns_hidden_states_of_requested_layers():
 def test_full_cache_is_refused_with_a_clear_error():
     lean = LeanDecoder(build_model(llama_config(97, 1, 32), seed=5))
     cache = lean.new_cache(1, 4)
+    assert cache.capacity == KEY_BLOCK  # whole key blocks
     with pytest.raises(ValueError, match="full"):
-        lean.forward(cache, torch.tensor([[1, 2, 3, 4, 5]]))
+        lean.forward(cache, torch.tensor([list(range(1, KEY_BLOCK + 2))]))
 
 
 def test_non_swiglu_models_are_refused():
     model = build_model(llama_config(97, 1, 32, hidden_act="gelu"), seed=6)
     with pytest.raises(UnsupportedModel, match="SwiGLU"):
         LeanDecoder(model)
+
+
+def _prefilled(lean, histories, capacity=512):
+    from drafter.decoder import pad_right
+
+    cache = lean.new_cache(len(histories), capacity)
+    tokens, lens = pad_right(histories)
+    lean.forward(cache, tokens, n_new=lens)
+    return cache
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
+def test_verify_pass_is_bit_identical_to_one_token_steps(mode):
+    """One call over T tokens (a verify pass), for ragged batches of 1, 3 and 8 rows, scores every token
+    bit for bit as that row alone decoding one token at a time does (and a ragged batched prefill
+    writes every row's KV as its own prefill would): every weight mode, T = 1..9, contexts spanning
+    several key blocks."""
+    from drafter.quant import quantize_decoder
+
+    model = build_model(llama_config(97, 2, 128, num_attention_heads=2, num_key_value_heads=1), seed=5, init_std=0.1)
+    lean = LeanDecoder(model)
+    if mode != "fp32":
+        quantize_decoder(lean, mode)
+    g = torch.Generator().manual_seed(0)
+    for B in (1, 3, 8):
+        lens = torch.randint(20, 300, (B,), generator=g).tolist()
+        histories = [torch.randint(1, 97, (n,), generator=g).tolist() for n in lens]
+        alone = [_prefilled(lean, [h]) for h in histories]
+        for T in range(1, 10):
+            new = torch.randint(1, 97, (B, T), generator=g)
+            batched = _prefilled(lean, histories)
+            out = lean.forward(batched, new).logits
+            for b in range(B):
+                cache = alone[b]
+                cache.lens = torch.tensor([lens[b]])
+                steps = torch.stack([lean.forward(cache, new[b : b + 1, t : t + 1]).logits[0, 0] for t in range(T)])
+                assert torch.equal(steps, out[b]), (mode, B, T, b, float((steps - out[b]).abs().max()))
+
+
+def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries():
+    """The attention kernel alone: a query attended with L whole key blocks equals the same query among
+    398 others with more blocks (the size of a long batched prefill, where the BLAS splits unblocked
+    reductions differently)."""
+    from drafter.decoder import exact_attention
+
+    torch.manual_seed(0)
+    B, Hkv, rep, D, T = 4, 2, 2, 64, 398
+    kc, vc = torch.randn(B, 512, Hkv, D), torch.randn(B, 512, Hkv, D)
+    q = torch.randn(B, T, Hkv * rep, D)
+    pos = torch.arange(T)[None].expand(B, T) + 10
+
+    def hidden(p):
+        L = -(-(int(p.max()) + 1) // 64) * 64
+        return torch.arange(L) > p[:, None, :].expand(B, rep, p.shape[1]).reshape(B, 1, rep * p.shape[1], 1)
+
+    every = exact_attention(q, kc, vc, hidden(pos), 0.125)
+    for t in (0, 53, 120, 300, 397):
+        assert torch.equal(exact_attention(q[:, t : t + 1], kc, vc, hidden(pos[:, t : t + 1]), 0.125)[:, 0], every[:, t])

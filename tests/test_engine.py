@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter.controller import Batch, Choice, Controller, ControllerConfig
 from drafter.decoder import prefill
 from drafter.engine import Engine, EngineRequest
 from drafter.kinds import build_drafter
@@ -123,3 +124,120 @@ def test_a_step_reports_every_running_request_and_its_timing(verifier, tiny_pair
     assert all(1 <= len(u.new_tokens) <= 5 for u in updates)
     assert 0 < engine.timing.forward_s <= engine.timing.total_s
     assert engine.step() and engine.running <= 2
+
+
+# ---------------------------------------------------------------- k = auto (the cost-aware controller)
+
+SCHEDULE = [0, 0, 2, 0, 3, 1, 0, 4, 4, 0]  # plain steps, drafting after them (rows resync), every k
+
+
+class Scripted(Controller):
+    """Chooses k from a fixed cycle whatever it measures, so every transition (plain → drafting → plain)
+    happens; rows with an explicit k set the floor, as with the real controller."""
+
+    def __init__(self, ks: list[int] = SCHEDULE, k_max: int = 4):
+        super().__init__(ControllerConfig(k_max=k_max))
+        self.ks, self.calls = ks, 0
+
+    def choose(self, batch: Batch) -> Choice:
+        k = self.ks[self.calls % len(self.ks)]
+        self.calls += 1
+        return Choice(max(k, min(max(batch.fixed, default=0), self.cfg.k_max)))
+
+
+def _auto(requests: list[EngineRequest]) -> list[EngineRequest]:
+    return [EngineRequest(r.id, r.prompt, r.params, None, r.stream) for r in requests]
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram"])
+def test_auto_rows_decode_greedy_as_the_verifier_alone_whatever_k_each_step_takes(kind, verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    requests = _auto([r for r in _requests(verifier, max_tokens=20) if r.params.greedy])
+    engine = Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), slots=2, capacity=96, stop_rule=rule,
+                    controller=Scripted())
+    got = _run_staggered(engine, requests)
+    for r in requests:
+        assert got[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+
+
+def test_auto_rows_with_the_real_controller_decode_greedy_as_the_verifier_alone(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    requests = _auto([r for r in _requests(verifier, max_tokens=40) if r.params.greedy])
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=3, capacity=128, stop_rule=rule,
+                    controller=Controller(ControllerConfig(explore_min=2, explore_max=4)))  # probes often
+    got = _run_staggered(engine, requests)
+    for r in requests:
+        assert got[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+
+
+class _Counting:
+    """A drafter wrapper that counts the calls it gets."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, {"propose": 0, "observe": 0, "join": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name in self.calls:
+            def counted(*args, **kwargs):
+                self.calls[name] += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+def test_a_step_where_every_row_has_k_zero_never_calls_the_drafter(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    drafter = _Counting(_drafter("pretrained", verifier, tiny_pair))
+    engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule, controller=Scripted([0]))
+    engine.admit(_auto(_requests(verifier)[:2]))
+    while engine.running:
+        assert all(u.k == 0 for u in engine.step())
+        assert engine.timing.choice.k == 0
+    assert drafter.calls == {"propose": 0, "observe": 0, "join": 1}  # the admission only
+
+
+def test_explicit_k_rows_keep_their_k_and_auto_rows_take_the_controllers(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    reqs = _requests(verifier)
+    explicit = EngineRequest("fixed", reqs[5].prompt, reqs[5].params, 1, 0)  # k = 1
+    auto = _auto([reqs[0]])[0]
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=2, capacity=96,
+                    stop_rule=rule, controller=Scripted([0, 3]))
+    engine.admit([explicit, auto])
+    first, second = engine.step(), engine.step()
+    assert {u.id: u.k for u in first} == {"fixed": 1, "r0": 1}  # auto chose 0: it rides on the explicit k
+    assert {u.id: u.k for u in second} == {"fixed": 1, "r0": 3}
+    stats = engine.rows[1].gen.stats
+    assert stats.drafted == 4 and stats.drafted_per_position == [2, 1, 1, 0] and stats.blocks == 2
+
+
+def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
+    swaps = []
+
+    class Watching(Controller):
+        def drafter_swapped(self):
+            swaps.append(1)
+            super().drafter_swapped()
+
+    engine = Engine(verifier.lean, _drafter("ngram", verifier, tiny_pair), slots=1, capacity=96,
+                    stop_rule=StopRule(verifier.eos_ids), controller=Watching())
+    engine.admit(_auto(_requests(verifier)[:1]))
+    engine.step()
+    assert swaps == []
+    new = _drafter("ngram", verifier, tiny_pair)
+    new.history = engine.drafter.history
+    engine.drafter = new
+    engine.step()
+    assert swaps == [1]
+
+
+def test_an_auto_request_reserves_room_for_the_most_the_controller_may_draft(verifier):
+    engine = Engine(verifier.lean, None, slots=1, capacity=32, stop_rule=StopRule(verifier.eos_ids),
+                    controller=Controller(ControllerConfig(k_max=4)))
+    assert engine.reserve(None) == 10 and engine.reserve(1) == 4
+    with pytest.raises(ValueError, match=r"\+ 10 for drafting"):
+        engine.admit([EngineRequest("x", list(range(1, 20)), SamplingParams(max_tokens=4), None)])
+    engine.admit([EngineRequest("y", list(range(1, 19)), SamplingParams(max_tokens=4), None)])  # no drafter: plain
+    while engine.running:
+        assert all(u.k == 0 for u in engine.step())

@@ -134,6 +134,27 @@ def test_old_versions_series_are_removed_but_never_the_serving_versions():
     assert "v0000" in versions and "v0001" not in versions and f"v{MAX_VERSIONS + 2:04d}" in versions
 
 
+def test_the_controllers_chosen_k_is_a_histogram_by_drafter_version_and_its_estimates_are_gauges():
+    m = WorkerMetrics()
+    m.serving("v0001")
+    for k in (0, 0, 0, 2):
+        m.chosen_k("v0001", k)
+    m.chosen_k("v0002", 4)
+    assert value(m, "specloop:spec_decode_chosen_k_count", drafter_version="v0001") == 4
+    assert value(m, "specloop:spec_decode_chosen_k_sum", drafter_version="v0001") == 2
+    assert value(m, "specloop:spec_decode_chosen_k_bucket", drafter_version="v0001", le="0.0") == 3
+    assert value(m, "specloop:spec_decode_chosen_k_bucket", drafter_version="v0002", le="3.0") == 0
+    assert value(m, "specloop:spec_decode_chosen_k_bucket", drafter_version="v0002", le="4.0") == 1
+    m.estimates({"acceptance": [0.6, 0.5], "speedup": [1.0, 1.2, 0.9]})
+    assert value(m, "specloop:spec_decode_est_acceptance", position="1") == 0.5
+    assert value(m, "specloop:spec_decode_est_speedup", k="1") == 1.2
+    m.estimates({"acceptance": [0.4, 0.3], "speedup": None})  # nothing measured yet: no speedup to show
+    assert value(m, "specloop:spec_decode_est_acceptance", position="0") == 0.4
+    for i in range(MAX_VERSIONS + 2):  # an evicted version's histogram goes with its counters
+        m.block(f"v9{i:03d}", 1, 1)
+    assert value(m, "specloop:spec_decode_chosen_k_count", drafter_version="v0002") is None
+
+
 def test_two_exporters_get_separate_registries_and_may_share_one():
     WorkerMetrics().block("v1", 1, 1)
     assert value(WorkerMetrics(), "specloop:spec_decode_num_drafts_total", drafter_version="v1") is None

@@ -172,3 +172,101 @@ def test_a_verify_pass_gives_bit_identical_logits_to_one_token_steps(mode):
 
     steps, verify = both()
     assert torch.equal(steps, verify)
+
+
+def q4_1_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_1-style groups of 32 along K for w [N, K]: q uint8 in [0, 15], fp16 d and m."""
+    N, K = w.shape
+    blocks = w.float().reshape(N, K // 32, 32)
+    lo, hi = blocks.amin(-1), blocks.amax(-1)
+    d, m = ((hi - lo) / 15).clamp(min=1e-4).half(), lo.half()
+    q = ((blocks - m.float()[..., None]) / d.float()[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(N, K), d, m
+
+
+def packed_q(w: Int4Weight) -> torch.Tensor:
+    """The 4-bit values an Int4Weight packed: its kernel with scale 1 and zero 8 multiplies by q itself."""
+    probe = Int4Weight.__new__(Int4Weight)
+    probe.__dict__.update(w.__dict__)
+    probe.scales_zeros = torch.stack([torch.ones_like(w.scales_zeros[..., 0]), torch.full_like(w.scales_zeros[..., 1], 8)],
+                                     dim=-1)
+    return probe.dequantize().round().to(torch.uint8)
+
+
+def test_int4_from_groups_packs_the_given_q_and_the_nearest_scales_and_zeros():
+    from drafter.quant import _nearest, dequantize_groups
+
+    g = torch.Generator().manual_seed(3)
+    N, K = 97, 64  # N padded to 112 inside
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    d = (torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3).half()
+    m = (torch.randn(N, K // 32, generator=g) * 0.3).half()
+    exact = dequantize_groups(q, d, m).double()
+    for act in (torch.float32, torch.bfloat16):
+        w = Int4Weight.from_groups(q, d, m, act_dtype=act)
+        assert w.group_size == 32 and (w.out_features, w.in_features) == (N, K)
+        assert torch.equal(packed_q(w), q)  # the groups' own q, not requantized
+        scale, zero = w.scales_zeros[:, :N, 0].t(), w.scales_zeros[:, :N, 1].t()
+        assert torch.equal(scale, d.to(act)) and torch.equal(zero, _nearest(m.double() + 8 * d.double(), act))
+        kernel = w.dequantize().double()  # (q − 8) · scale + zero, in the activation dtype
+        expected = (q.double().view(N, -1, 32) - 8) * scale.double()[..., None] + zero.double()[..., None]
+        eps = torch.finfo(act).eps
+        torch.testing.assert_close(kernel, expected.view(N, K), rtol=eps, atol=eps * 1e-3)
+        # only the scale / zero rounding separates it from q · d + m: bf16's relative precision of the group's values
+        bound = eps * (exact.view(N, -1, 32).abs().amax(-1) + 16 * d.double())[..., None].expand(N, -1, 32)
+        assert ((kernel - exact).view(N, -1, 32).abs() <= bound).all()
+        x = torch.randn(3, K, generator=g)
+        torch.testing.assert_close(w(x).double(), x.double().to(act).double() @ kernel.t(), rtol=0.02, atol=0.02)
+    with pytest.raises(ValueError, match="integer q in"):
+        Int4Weight.from_groups(q.float(), d, m)
+    with pytest.raises(ValueError, match="group size"):
+        Int4Weight.from_groups(q[:, :48], d[:, :1], m[:, :1])  # groups of 48
+    # nearest bf16 even where fp64 → fp32 → bf16 would round twice: 1 + 2⁻⁸ + 2⁻³⁰ lies above the tie
+    assert _nearest(torch.tensor([1 + 2**-8 + 2**-30], dtype=torch.float64), torch.bfloat16).item() == 1 + 2**-7
+
+
+def test_quantize_decoder_serves_a_checkpoints_own_int4_groups_exactly():
+    config = llama_config(96, 2, 64, num_attention_heads=2, num_key_value_heads=1)
+    hf = build_model(config, seed=4, init_std=0.2)
+    groups = {}
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.startswith("model.layers.") and name.endswith("proj.weight"):
+                groups[name] = q4_1_groups(p)
+                p.copy_(groups[name][0].float().view(p.shape[0], -1, 32).mul(groups[name][1].float()[..., None])
+                        .add(groups[name][2].float()[..., None]).view(p.shape))  # the checkpoint is its groups
+    lean = quantize_decoder(LeanDecoder(hf), "int4", groups=groups)
+    assert lean.quant.from_groups == 14  # 7 linears × 2 layers; the (tied) head has no groups: requantized
+    for i, layer in enumerate(lean.layers):
+        pre = f"model.layers.{i}."
+        fused = {"qkv": ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], "o": ["self_attn.o_proj"],
+                 "gate_up": ["mlp.gate_proj", "mlp.up_proj"], "down": ["mlp.down_proj"]}
+        for attr, parts in fused.items():
+            assert torch.equal(packed_q(getattr(layer, attr)), torch.cat([groups[f"{pre}{p}.weight"][0] for p in parts]))
+    # with fp32 activations (and the float head) the int4 decoder is the checkpoint itself, to fp32 rounding
+    exact = quantize_decoder(LeanDecoder(hf), "int4", act_dtype=torch.float32, groups=groups)
+    exact.lm_head = hf.lm_head.weight.detach()
+    x = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    ref = LeanDecoder(hf)
+    torch.testing.assert_close(exact.forward(exact.new_cache(1, 9), x).logits, ref.forward(ref.new_cache(1, 9), x).logits,
+                               rtol=0, atol=1e-5)
+    # other group sizes and modes ignore them; a stale group is never served
+    assert quantize_decoder(LeanDecoder(hf), "int4", group_size=64, groups=groups).quant.from_groups == 0
+    assert quantize_decoder(LeanDecoder(hf), "int8", groups=groups).quant.from_groups == 0
+    stale = dict(groups)
+    q, d, m = stale["model.layers.1.mlp.down_proj.weight"]
+    stale["model.layers.1.mlp.down_proj.weight"] = ((q + 1).clamp(max=15), d, m)
+    with pytest.warns(UserWarning, match="down_proj.*requantizing"):
+        assert quantize_decoder(LeanDecoder(hf), "int4", groups=stale).quant.from_groups == 13
+
+
+def test_int4_weights_quantize_and_pack_in_row_blocks_as_in_one_piece(monkeypatch):
+    """Int4Weight works in blocks of _INT4_BLOCK_ROWS rows (an LM head never has full-size float
+    temporaries); the CPU packing lays out 64-row blocks independently, so the result is the same bytes."""
+    import drafter.quant as quant
+
+    w = torch.randn(200, 64, generator=torch.Generator().manual_seed(0))  # N % 16 != 0: padded rows too
+    whole = quant.Int4Weight(w, group_size=32)
+    monkeypatch.setattr(quant, "_INT4_BLOCK_ROWS", 64)
+    blocked = quant.Int4Weight(w, group_size=32)
+    assert torch.equal(whole.packed, blocked.packed) and torch.equal(whole.scales_zeros, blocked.scales_zeros)

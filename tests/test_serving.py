@@ -76,6 +76,36 @@ def test_concurrent_requests_decode_exactly_as_generate_alone(tiny_pair, verifie
         assert chunks[-1].finish_reason in ("stop", "length")
 
 
+def test_auto_requests_beside_explicit_ones_stay_lossless_and_export_the_chosen_k(tiny_pair, verifier):
+    from services.metrics import WorkerMetrics
+    from services.serving import attach_metrics
+
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=3, max_queue=8)
+    metrics = WorkerMetrics()
+    attach_metrics(backend.loop, metrics)
+    prompts = [verifier.tokenizer.encode(t, add_special_tokens=False) for t in ("def main", "hello", "import os")]
+    requests = [CompletionRequest(f"a{i}", p, max_tokens=16, k=None if i % 3 else 2, stream_index=i)  # None: auto
+                for i, p in enumerate(prompts * 2)]
+
+    async def all_of_them():
+        return await asyncio.gather(*(_collect(backend, r) for r in requests))
+
+    try:
+        results = asyncio.run(all_of_them())
+    finally:
+        asyncio.run(backend.close())
+    rule = StopRule(verifier.eos_ids)
+    k_max = backend.loop.worker.engine.controller.cfg.k_max
+    for r, chunks in zip(requests, results):
+        tokens = [t for c in chunks for t in c.token_ids]
+        assert tokens == generate(verifier.lean, None, [r.prompt_ids], r.sampling(), 0, rule)[0].token_ids
+        usage = chunks[-1].usage
+        assert usage.drafted_tokens <= (k_max if r.k is None else r.k) * usage.blocks
+    body = metrics.render()[0].decode()
+    assert 'specloop:spec_decode_chosen_k_count{drafter_version="base"}' in body
+    assert "specloop:spec_decode_est_acceptance" in body
+
+
 def test_requests_beyond_the_queue_are_refused_as_overloaded(tiny_pair):
     backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=1)
     requests = [CompletionRequest(f"q{i}", [5, 6, 7], max_tokens=40) for i in range(4)]

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from drafter.controller import Controller, ControllerConfig
 from drafter.decoder import LeanDecoder
 from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
 from drafter.sd2 import SteeredDrafter, steering_for
@@ -15,6 +16,7 @@ from drafter.speculative import StopRule, generate
 from services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
 from tests.stats import chi2_pvalue, exact_marginals
+from tests.test_engine import Scripted
 from tests.tiny import build_model, llama_config
 
 TIE = 1e-4
@@ -113,6 +115,22 @@ def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, 
     assert accepted > 0
 
 
+@pytest.mark.parametrize("kind,batch", [("pretrained", 1), ("pretrained", 4), ("ngram", 4), ("sd2", 4), ("dvi", 4)])
+def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind,
+                                                                               batch):
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    controller = Controller(ControllerConfig(explore_min=2, explore_max=8))  # frequent probes: many switches
+    outputs, drafted = [], 0
+    for lo in range(0, len(prompts), batch):
+        gens = generate(pair[0].lean, make_drafter(kind, pair), prompts[lo : lo + batch], params, None, rule,
+                        controller=controller)
+        outputs += [g.token_ids for g in gens]
+        drafted += sum(g.stats.drafted for g in gens)
+    ties = compare(pair[0], prompts, reference, outputs)
+    print(f"kind={kind} k=auto batch={batch}: {ties} near-ties excused, {drafted} drafted")
+    assert drafted > 0
+
+
 def test_verifier_alone_matches_transformers_greedy_generate(pair, prompts, reference):
     model = pair[0].hf
     for prompt, ref in list(zip(prompts, reference))[:: len(prompts) // 6]:
@@ -170,14 +188,15 @@ def tiny():
     return verifier, drafter
 
 
-def sampled_counts(tiny, params, kind, k, sampler=rejection_sample) -> torch.Tensor:
+def sampled_counts(tiny, params, kind, k, sampler=rejection_sample, controller=None) -> torch.Tensor:
     verifier = LeanDecoder(tiny[0])
     counts = torch.zeros(POSITIONS, VOCAB)
     rule = StopRule()
     chunk = 5000
     for lo in range(0, N_SAMPLES, chunk):
         drafter = tiny_drafter(tiny, kind)
-        gens = generate(verifier, drafter, [PROMPT] * chunk, params, k, rule, sampler, first_request=lo)
+        gens = generate(verifier, drafter, [PROMPT] * chunk, params, k, rule, sampler, first_request=lo,
+                        controller=controller)
         toks = torch.tensor([g.token_ids for g in gens])
         for t in range(POSITIONS):
             counts[t] += torch.bincount(toks[:, t], minlength=VOCAB)
@@ -219,6 +238,18 @@ def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k
     counts = sampled_counts(tiny, params, kind, k)
     pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
     print(f"{setting} {kind} k={k}: chi-square p-values {pvalues}")
+    assert min(pvalues) > 0.01, pvalues
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_sampled_output_distribution_with_k_changing_every_step_equals_the_verifiers(tiny, setting, kind):
+    """k = auto: plain steps, then drafting rows restarted in the drafter, every k — each step a valid block."""
+    params = SETTINGS[setting]
+    exact = exact_marginals(tiny[0], PROMPT, POSITIONS, params)
+    counts = sampled_counts(tiny, params, kind, None, controller=Scripted([0, 2, 1, 0, 3], k_max=3))
+    pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
+    print(f"{setting} {kind} k=auto (scripted): chi-square p-values {pvalues}")
     assert min(pvalues) > 0.01, pvalues
 
 

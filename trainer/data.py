@@ -224,7 +224,7 @@ class GeneratedSet:
         if not self.spec.k or self.drafter_dir is None:
             return None
         if self._drafter is None:
-            lm = load_model(self.drafter_dir, device=self.verifier.lean.device, dtype=self.verifier.hf.dtype)
+            lm = load_model(self.drafter_dir, device=self.verifier.lean.device, dtype=self.verifier.dtype)
             check_same_vocabulary(self.verifier, lm)
             self._drafter = PretrainedDrafter(lm.lean)
         return self._drafter

@@ -145,7 +145,7 @@ class OfflineTrainer:
         self.out = Path(cfg.out_dir)
         torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
-        self.verifier = load_model(cfg.verifier, dtype=torch.float32)
+        self.verifier = load_model(cfg.verifier, dtype=torch.float32, keep_module=True)  # its forward gives the targets
         self.verifier.hf.requires_grad_(False).eval()
         self.device = self.verifier.lean.device
         self.generator = torch.Generator().manual_seed(cfg.seed)  # SD² offsets

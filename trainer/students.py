@@ -251,7 +251,7 @@ def _build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path |
         return DVIStudent(DraftHead(verifier.hf, DVIConfig(layers=dvi_layers)).to(device))
     if drafter_dir is None:
         raise ValueError(f"method {method} needs a drafter LM directory")
-    lm = load_model(drafter_dir, device=device, dtype=torch.float32)  # trained in fp32
+    lm = load_model(drafter_dir, device=device, dtype=torch.float32, keep_module=True)  # trained in fp32
     check_same_vocabulary(verifier, lm)
     if method == "distill":
         return DistillStudent(lm, freeze_embeddings)

@@ -1,0 +1,192 @@
+"""The cost-aware controller: synthetic acceptance and step times in, draft lengths out (no clock, no models)."""
+from __future__ import annotations
+
+import pytest
+
+from drafter.controller import (Acceptance, Batch, Controller, ControllerConfig, Costs, Ewma, StepSample, bucket,
+                                expected_tokens)
+
+PLAIN_S, OVERHEAD_S = 0.010, 0.001
+
+
+def verify_time(T: int, rows: int = 1, slope: float = 0.05, batch_slope: float = 0.0) -> float:
+    """A verify pass that costs PLAIN_S at T = 1 and `slope` more per extra token per row; with a batch, each
+    row adds `batch_slope` to that marginal cost (big batches leave no idle compute)."""
+    return PLAIN_S * rows ** 0.5 * (1 + (slope + batch_slope * (rows - 1)) * (T - 1))
+
+
+def run(controller: Controller, steps: int, accepted, rows: int = 1, draft_s: float = 0.0005,
+        slope: float = 0.05, batch_slope: float = 0.0) -> list[int]:
+    """Drive the controller through `steps` steps of a batch of auto rows; accepted(k) = drafts accepted per row."""
+    chosen = []
+    for _ in range(steps):
+        k = controller.choose(Batch(rows, rows)).k
+        n = min(k, accepted(k))
+        controller.observe(StepSample(rows, k, draft_s * k, verify_time(k + 1, rows, slope, batch_slope),
+                                      OVERHEAD_S, ((k, n),) * rows if k else ()))
+        chosen.append(k)
+    return chosen
+
+
+def test_expected_tokens_is_one_plus_the_products_of_conditional_acceptance():
+    assert expected_tokens([0.5, 0.5, 1.0], 0) == 1
+    assert expected_tokens([0.5, 0.5, 1.0], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert expected_tokens([1.0] * 4, 4) == 5
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_acceptance_counts_only_the_positions_a_block_tried():
+    acc = Acceptance(ControllerConfig(prior_strength=0.0, acceptance_decay=1.0))
+    acc.observe(4, 1)  # position 1 accepted, 2 rejected, 3 and 4 never tried
+    acc.observe(4, 4)
+    assert acc.trials == [2, 2, 1, 1] and acc.hits == [2, 1, 1, 1]
+    assert acc.rates() == [1.0, 0.5, 1.0, 1.0]
+
+
+def test_untried_positions_inherit_a_discounted_prior():
+    cfg = ControllerConfig()
+    rates = Acceptance(cfg).rates()
+    assert rates[0] == cfg.prior_acceptance
+    assert rates[1:] == pytest.approx([cfg.prior_acceptance * cfg.depth_discount ** i for i in range(1, cfg.k_max)])
+
+
+def test_rarely_accepted_drafts_keep_the_verifier_alone_and_probes_are_rare():
+    c = Controller()
+    chosen = run(c, 2000, accepted=lambda k: 0)
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert len(probes) <= 2000 // c.cfg.explore_min
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= c.cfg.explore_max  # backs off up to the longest interval
+    assert sum(chosen[1000:]) <= 1000 // c.cfg.explore_max * c.cfg.k_max
+    assert c.choose(Batch(1, 1)).k == 0
+
+
+def test_high_acceptance_with_a_cheap_verify_pass_drafts_the_most():
+    c = Controller()
+    chosen = run(c, 200, accepted=lambda k: k)
+    assert chosen[-50:] == [c.cfg.k_max] * 50
+    assert c.choose(Batch(1, 1)).speedup > 2
+
+
+def test_a_costlier_verify_pass_at_a_larger_batch_drafts_less():
+    def settle(rows: int) -> int:
+        c = Controller()
+        return run(c, 400, accepted=lambda k: min(k, 2), rows=rows, batch_slope=0.12)[-1]
+
+    alone, batched = settle(1), settle(8)
+    assert alone >= 2 and batched < alone
+
+
+def test_speculation_that_wins_by_less_than_the_margin_is_not_chosen():
+    c = Controller(ControllerConfig(margin=0.03, prior_strength=1.0))
+    for _ in range(5):
+        c.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+        c.observe(StepSample(1, 1, 0.0, 0.0122, 0.0, ((1, 1),)))  # k = 1 ...
+    for _ in range(200):
+        c.acceptance.observe(1, 0)
+        c.acceptance.observe(1, 0)
+        c.acceptance.observe(1, 0)
+        c.acceptance.observe(1, 1)
+    rates = c.rates(Batch(1, 1))
+    assert 1.0 < rates[1] / rates[0] < 1.03  # ... at 1.22× the time with a ≈ 0.25: ~1.02× faster
+    assert c.choose(Batch(1, 1)).k == 0
+
+
+def test_explicit_rows_set_a_floor_the_auto_rows_ride_on_for_free():
+    c = Controller()
+    run(c, 50, accepted=lambda k: 0)
+    assert c.choose(Batch(1, 1)).k == 0
+    assert c.choose(Batch(3, 2, (3,))).k == 3  # the pass is 4 tokens long anyway
+    assert c.choose(Batch(3, 2, (9,))).k == c.cfg.k_max  # never beyond what an auto row reserved
+
+
+def test_exploration_resumes_after_a_drafter_swap_and_old_acceptance_fades():
+    c = Controller()
+    run(c, 300, accepted=lambda k: 0)
+    before = c.acceptance.rates()[0]
+    c.drafter_swapped()
+    assert c.acceptance.rates()[0] > before  # towards the prior
+    chosen = run(c, c.cfg.explore_min + 1, accepted=lambda k: k)
+    assert any(chosen)
+    chosen = run(c, 100, accepted=lambda k: k)
+    assert chosen[-1] == c.cfg.k_max  # the new drafter pays: speculation is back on
+
+
+def test_speculation_turns_off_when_acceptance_collapses():
+    c = Controller()
+    assert run(c, 200, accepted=lambda k: k)[-1] == c.cfg.k_max
+    assert run(c, 300, accepted=lambda k: 0)[-20:] == [0] * 20
+
+
+def test_a_new_batch_bucket_is_measured_within_the_shortest_interval():
+    c = Controller()
+    run(c, 2000, accepted=lambda k: 0)  # long intervals at batch 1
+    chosen = run(c, c.cfg.explore_min + 1, accepted=lambda k: 0, rows=8)
+    assert any(chosen)
+
+
+def test_the_same_inputs_give_the_same_choices():
+    pattern = lambda k: [0, 1, 3, 1, 2][k % 5]  # noqa: E731
+    assert run(Controller(), 500, pattern) == run(Controller(), 500, pattern)
+
+
+def test_unmeasured_verify_shapes_are_scaled_from_measured_ones():
+    costs = Costs(ControllerConfig(prior_verify_slope=0.5, prior_draft_ratio=0.3))
+    assert costs.ratio_of(1, 1) == 1 and costs.ratio_of(3, 1) == pytest.approx(2.0)  # the prior slope
+    assert costs.draft_of(1) == pytest.approx(0.3)  # drafting: a share of a plain pass
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 2, 0.0, 0.012, 0.0))  # side by side with the plain pass: r(3) = 1.2
+    assert costs.ratio_of(3, 1) == pytest.approx(1.2)
+    assert costs.ratio_of(2, 1) == pytest.approx(1.1)  # between two measured shapes
+    assert costs.ratio_of(5, 1) == pytest.approx(1.4)  # beyond: the measured slope
+    assert costs.ratio_of(3, 4) == pytest.approx(1 + 0.1 * 2 * 2)  # a larger batch: steeper by sqrt(4)
+
+
+def test_ratios_are_learned_only_beside_a_plain_step():
+    costs = Costs(ControllerConfig(side_by_side=2))
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    for _ in range(3):
+        costs.observe(StepSample(1, 1, 0.0, 0.011, 0.0))
+    assert costs.ratio[(2, 1)].n == 2  # the third came too late after the plain step
+    assert costs.stale(1, 3) and not costs.stale(1, 5) and costs.stale(8, 100)
+
+
+def test_a_machine_wide_slowdown_while_drafting_does_not_make_plain_steps_look_cheaper():
+    c = Controller(ControllerConfig(prior_strength=1.0))
+    for _ in range(20):  # side by side: plain 10 ms, a 2-token pass 11 ms, drafting 2 ms
+        c.observe(StepSample(1, 0, 0.0, 0.010, 0.001))
+        c.observe(StepSample(1, 1, 0.002, 0.011, 0.001, ((1, 1),)))
+    before = c.costs.step_cost(1, 1) / c.costs.step_cost(0, 1)
+    for _ in range(c.cfg.side_by_side):
+        c.observe(StepSample(1, 1, 0.002, 0.011, 0.001, ((1, 1),)))
+    for _ in range(100):  # then only drafting steps, on a machine twice as slow
+        c.observe(StepSample(1, 1, 0.004, 0.022, 0.002, ((1, 1),)))
+    assert c.costs.step_cost(1, 1) / c.costs.step_cost(0, 1) == pytest.approx(before, rel=0.01)
+    assert c.costs.ratio_of(2, 1) == pytest.approx(1.1)
+
+
+def test_while_drafting_pays_a_plain_step_now_and_then_refreshes_the_reference():
+    c = Controller()
+    chosen = run(c, 1200, accepted=lambda k: k)
+    plain = [i for i, k in enumerate(chosen) if k == 0 and i > 100]
+    assert plain and len(plain) <= 1100 // c.cfg.explore_max + 1
+
+
+def test_a_lower_second_sample_replaces_a_first_that_carried_one_time_costs():
+    e = Ewma()
+    e.add(1.0, 0.9)
+    e.add(0.1, 0.9)
+    assert e.value == 0.1
+    e.add(0.2, 0.9)
+    assert 0.1 < e.value < 0.2
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        ControllerConfig(k_max=0)
+    with pytest.raises(ValueError):
+        ControllerConfig(explore_min=32, explore_max=16)
+
