@@ -32,8 +32,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   never measured at this bucket, else `interval`, which doubles after every probe (up to
   `explore_max`) and is reset when speculation wins or the drafter changes. While drafting pays, a
   plain step is taken when the bucket's last one is more than `explore_max` steps old (or there is
-  none), to learn the ratios against. Exploring costs at most one step in `explore_min` and tends
-  to one in `explore_max`.
+  none), to learn the ratios against. Both wait longer by the measured cost of switching (the
+  drafter restarts rows that skipped plain steps: `switch_cost`), so exploring costs at most about
+  one step in `explore_min` and tends to one in `explore_max`.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
   until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs.
 """
@@ -143,13 +144,14 @@ class Costs:
     ratio: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (T >= 2, bucket) -> verify(T) / verify(1)
     draft: dict[int, Ewma] = field(default_factory=dict)  # bucket -> drafting per token / verify(1)
     overhead: dict[tuple[bool, int], Ewma] = field(default_factory=dict)  # (drafting?, bucket) -> rest / verify(1)
-    plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds) of recent plain passes
+    resync: dict[int, Ewma] = field(default_factory=dict)  # bucket -> restarting the drafter's rows / verify(1)
+    plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds): recent plain passes
     steps: int = 0  # steps observed
 
     def add(self, table: dict, key, value: float) -> None:
         table.setdefault(key, Ewma()).add(max(value, 0.0), self.cfg.cost_decay)
 
-    def observe(self, step: "StepSample") -> None:
+    def observe(self, step: StepSample) -> None:
         self.steps += 1
         b, T = bucket(step.rows), step.k + 1
         recent = self.plain.get(b)
@@ -167,6 +169,8 @@ class Costs:
             return
         if step.k:
             self.add(self.draft, b, step.draft_s / step.k / unit)
+        if step.resync_s > 0:
+            self.add(self.resync, b, step.resync_s / unit)
         self.add(self.overhead, (step.k > 0, b), step.overhead_s / unit)
 
     def measured(self, T: int, b: int) -> bool:
@@ -224,6 +228,12 @@ class Costs:
             return self.overhead[(drafting, near)].value
         return self.cfg.prior_overhead_ratio * self.overhead_of(False, b) if drafting else 0.0
 
+    def switch_cost(self, b: int) -> float:
+        """Plain passes' worth of work a switch from plain steps to drafting costs at bucket b (the drafter
+        restarts the rows that skipped steps); exploring waits this much longer."""
+        near = b if b in self.resync else self._nearest(b, set(self.resync))
+        return 0.0 if near is None else self.resync[near].value
+
     def step_cost(self, k: int, b: int) -> float:
         """S(k) at bucket b in plain-pass units: overhead + k drafts + a verify pass of k + 1 tokens per row."""
         return self.overhead_of(k > 0, b) + (k * self.draft_of(b) if k else 0.0) + self.ratio_of(k + 1, b)
@@ -260,6 +270,7 @@ class StepSample:
     verify_s: float
     overhead_s: float
     blocks: tuple[tuple[int, int], ...] = ()
+    resync_s: float = 0.0  # restarting drafter rows that skipped plain steps (0: none needed it)
 
 
 class Controller:
@@ -314,15 +325,16 @@ class Controller:
         base = min(max(batch.fixed, default=0), self.cfg.k_max)  # paid for by explicit rows anyway
         rates, b = self._evaluate(batch), bucket(batch.rows)
         best = max(range(base, len(rates)), key=lambda k: (rates[k], -k))
+        switch = 1 + self.costs.switch_cost(b)  # a probe, or a plain step amid drafting, costs this much more
         if best > base and rates[best] >= (1 + self.cfg.margin) * rates[base]:
             self.interval = self.cfg.explore_min
-            if base == 0 and self.costs.stale(b, self.cfg.explore_max):  # re-measure what the ratios compare to
+            if base == 0 and self.costs.stale(b, round(self.cfg.explore_max * switch)):  # refresh the reference
                 return self._chose(Choice(0, True))
             return self._chose(Choice(best, False, rates[best] / rates[base]))
         if base == 0:
             probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
             due = self.cfg.explore_min if not self.costs.measured(probe + 1, b) else self.interval
-            if self.idle >= due and not self.costs.stale(b, self.cfg.side_by_side):
+            if self.idle >= due * switch and not self.costs.stale(b, self.cfg.side_by_side):
                 self.interval = min(2 * self.interval, self.cfg.explore_max)
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
         return self._chose(Choice(base))

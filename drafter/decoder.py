@@ -30,13 +30,13 @@ class UnsupportedModel(ValueError):
 
 @dataclass
 class KVCache:
-    keys: list[torch.Tensor]  # per layer [B, capacity, H_kv, D]
-    values: list[torch.Tensor]  # per layer [B, capacity, H_kv, D]
+    keys: list[torch.Tensor]  # per layer [B, H_kv, capacity, D], KV_DTYPE (capacity: whole KEY_BLOCKs)
+    values: list[torch.Tensor]  # per layer [B, H_kv, capacity, D]
     lens: torch.Tensor  # [B] int64 on the host: valid positions per row
 
     @property
     def capacity(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[2]
 
 
 @dataclass
@@ -183,8 +183,8 @@ class LeanDecoder:
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         if capacity > _round_up(self.cos.shape[0], KEY_BLOCK):  # positions() guards the table's own end
             raise ValueError(f"sequence of {capacity} positions exceeds the model's {self.cos.shape[0]}")
-        shape = (batch, _round_up(capacity, KEY_BLOCK), self.n_kv, self.head_dim)  # whole key blocks
-        mk = lambda: torch.zeros(shape, device=self.device, dtype=self.dtype)  # noqa: E731
+        shape = (batch, self.n_kv, _round_up(capacity, KEY_BLOCK), self.head_dim)  # whole key blocks
+        mk = lambda: torch.zeros(shape, device=self.device, dtype=KV_DTYPE)  # noqa: E731
         return KVCache(
             keys=[mk() for _ in self.layers],
             values=[mk() for _ in self.layers],
@@ -201,11 +201,11 @@ class LeanDecoder:
         pos = (cache.lens[:, None] + torch.arange(T)[None]).to(self.device, non_blocking=True)  # [B, T]
         blocks = _round_up(max_len, KEY_BLOCK)
         rep = self.n_heads // self.n_kv
-        query_pos = pos[:, None, :].expand(B, rep, T).reshape(B, 1, rep * T, 1)  # rows ordered (head in group, t)
+        query_pos = pos[:, :, None].expand(B, T, rep).reshape(B, 1, T * rep, 1)  # ordered (t, head in group)
         return StepPositions(
             rows=torch.arange(B, device=self.device)[:, None].expand(B, T),
             pos=pos,
-            mask=torch.arange(blocks, device=self.device) > query_pos,  # [B, 1, rep T, blocks]: True = hidden
+            mask=torch.arange(blocks, device=self.device) > query_pos,  # [B, 1, T rep, L]: True = hidden
             cos=self.cos[pos][:, :, None],  # [B, T, 1, D]
             sin=self.sin[pos][:, :, None],
             max_len=max_len,
@@ -232,11 +232,11 @@ class LeanDecoder:
                 hidden[i] = x
         return x
 
-    def logits(self, x: torch.Tensor, norm: torch.Tensor | None = None, head=None):
+    def logits(self, x: torch.Tensor, norm: torch.Tensor | None = None, head=None, exact: bool = True):
         """Final RMSNorm and LM head (defaults: the model's own); `head` is a raw [V, hidden] tensor or a
         drafter.quant weight object."""
         x = F.rms_norm(x, (self.hidden_size,), self.final_norm if norm is None else norm, self.eps)
-        return linear(x, self.lm_head if head is None else head)
+        return linear(x, self.lm_head if head is None else head, exact=exact)
 
     @torch.inference_mode()
     def forward(
@@ -257,7 +257,7 @@ class LeanDecoder:
         if last_only:
             x = last_valid(x, n_new)
         cache.lens = cache.lens + n_new
-        logits = self.logits(x)
+        logits = self.logits(x, exact=x.shape[1] <= QUERY_CHUNK)
         if self.vocab_ids is not None:
             logits = expand(logits, self.vocab_ids, self.vocab_size)
         return ForwardOut(logits=logits, hidden=hidden)
@@ -266,26 +266,32 @@ class LeanDecoder:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
-        qkv = linear(h, w.qkv, w.qkv_bias)
+        exact = T <= QUERY_CHUNK  # decode-shaped: rows independent of each other (drafter.quant.row_blocked)
+        qkv = linear(h, w.qkv, w.qkv_bias, exact)
         q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
         q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
         if w.q_norm is not None:
             q = F.rms_norm(q, (D,), w.q_norm, self.eps)
             k = F.rms_norm(k, (D,), w.k_norm, self.eps)
         q, k = _rope(q, at.cos, at.sin), _rope(k, at.cos, at.sin)
-        kc[at.rows, at.pos] = k
-        vc[at.rows, at.pos] = v
+        kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
+        vc[at.rows, :, at.pos] = v.to(KV_DTYPE)
         att = exact_attention(q, kc, vc, at.mask, self.scaling)  # [B, T, H, D]
-        x = x + linear(att.reshape(B, T, H * D), w.o)
+        x = x + linear(att.reshape(B, T, H * D), w.o, exact=exact)
         h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-        gate, up = linear(h, w.gate_up).chunk(2, dim=-1)
+        gate, up = linear(h, w.gate_up, exact=exact).chunk(2, dim=-1)
         if up_bias is not None:
             up = up + up_bias[:, None]
-        return x + linear(F.silu(gate) * up, w.down)
+        return x + linear(F.silu(gate) * up, w.down, exact=exact)
 
 
 # Keys are attended in whole blocks of this many positions (the KV cache's capacity is a multiple).
 KEY_BLOCK = 64
+# The KV cache and attention are fp32 in every weight mode (bf16 keys and values are upcast exactly):
+# fp32 batched products cost a third of bf16 ones at decode shapes here, and no per-step conversion.
+KV_DTYPE = torch.float32
+# Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
+QUERY_CHUNK = 16
 
 
 def _round_up(n: int, block: int) -> int:
@@ -294,61 +300,69 @@ def _round_up(n: int, block: int) -> int:
 
 def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden: torch.Tensor,
                     scale: float) -> torch.Tensor:
-    """Causal attention of q [B, T, H, D] over the cache (kc/vc [B, capacity, H_kv, D]) → [B, T, H, D],
+    """Causal attention of q [B, T, H, D] over the cache (kc/vc [B, H_kv, capacity, D]) → [B, T, H, D],
     computed so that a query's output does not depend on T, on the batch, or on how many whole key
     blocks are attended: a verify pass of k+1 tokens scores every token bit for bit as the one-token
     step at its position does, and rows of different lengths share a batch exactly.
 
     How (the reduction structure is fixed by construction, not by the call's shape):
     - keys are taken in whole blocks of KEY_BLOCK; positions a query may not see (`hidden`
-      [B, 1, rep T, L]: the causal tail and the stale rest of the last block) score -inf, so their
-      probabilities are exactly 0 and an extra block adds exact zeros to every sum;
-    - scores are one matrix product per (row, KV head) with the keys as its rows and the queries of
-      the head group as its columns (each score is a dot product over D alone); the softmax runs over
-      the keys in fp32 (a max is exact in any order; a sum over appended zero vectors is unchanged);
-    - values are summed over keys block by block (values[D, KEY_BLOCK] @ probs[KEY_BLOCK, M] in fp32,
-      a fixed inner length), and the blocks' sums are added in a fixed pairwise tree over a
-      power-of-two count: blocks of exact zeros appended at the end leave every addition as it was.
-      (One product over all L keys is not enough: the BLAS splits long reductions differently for
-      large calls, e.g. a 398-token prefill.)
+      [B, 1, T·rep, L]: the causal tail and the stale rest of the last block) score -inf, so their
+      probabilities are exactly 0 and appended blocks add exact zeros to every sum;
+    - scores are one product per (row, KV head) with the keys as its rows and the queries of the head
+      group as its few columns: each score is a dot product over D alone; the softmax runs over the
+      keys in fp32 (a max is exact in any order; a sum over appended zeros is unchanged);
+    - values are summed per key block (values[D, KEY_BLOCK] @ probs[KEY_BLOCK, T·rep] in fp32, one
+      fixed inner length), and the blocks' sums are added in a fixed pairwise tree over a
+      power-of-two count: zero blocks appended at the end leave every addition as it was (one product
+      over all L keys is not enough: the BLAS splits a long reduction by its length);
+    - queries go in chunks of at most QUERY_CHUNK tokens, so a long prefill makes the same small
+      calls a verify pass makes (the BLAS splits the reduction over keys differently for wide calls:
+      a 398-token prefill rounded some rows differently before).
     tests/test_decoder.py checks the bit-identity on the CPU that runs the suite (T 1..9, batches
-    1/3/8, ragged rows, every weight mode): the matrix kernels' invariance to the number of columns
-    is a property of the machine's BLAS, which that test keeps honest.
+    1/3/8, ragged rows, long prefills, every weight mode): the matrix kernels' invariance to the
+    number of columns and to appended zero keys is a property of the machine's BLAS, which that test
+    keeps honest.
     """
+    T = q.shape[1]
+    if T <= QUERY_CHUNK:
+        return _attend(q, kc, vc, hidden, scale)
+    rep = q.shape[2] // kc.shape[1]
+    return torch.cat([_attend(q[:, a : a + QUERY_CHUNK], kc, vc, hidden[:, :, a * rep : (a + QUERY_CHUNK) * rep], scale)
+                      for a in range(0, T, QUERY_CHUNK)], dim=1)
+
+
+def _attend(q, kc, vc, hidden, scale):
     B, T, H, D = q.shape
-    Hkv = kc.shape[2]
-    rep = H // Hkv
-    L = hidden.shape[-1]
-    keys = kc[:, :L].transpose(1, 2)  # [B, Hkv, L, D]
-    values = vc[:, :L].transpose(1, 2)
-    queries = q.view(B, T, Hkv, rep, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, rep * T, D)
-    scores = (keys @ queries.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [B, Hkv, rep T, L]
-    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-    out = _blocked_values(values, probs)  # [B, Hkv, rep T, D]
-    return out.to(q.dtype).view(B, Hkv, rep, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H, D)
+    rep = H // kc.shape[1]
+    Hkv, L = kc.shape[1], hidden.shape[-1]
+    queries = q.view(B, T, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, T * rep, D).to(kc.dtype)
+    scores = (kc[:, :, :L] @ queries.transpose(-1, -2)).transpose(-1, -2)  # [B, Hkv, T rep, L], fresh
+    probs = torch.softmax(scores.mul_(scale).masked_fill_(hidden, float("-inf")), dim=-1)
+    out = _sum_over_key_blocks(vc[:, :, :L], probs)  # [B, Hkv, D, T rep]
+    return out.to(q.dtype).view(B, Hkv, D, T, rep).permute(0, 3, 1, 4, 2).reshape(B, T, H, D)
 
 
-def _blocked_values(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Σ_keys probs · values, [B, Hkv, L, D] × [B, Hkv, M, L] → [B, Hkv, M, D] in fp32: per key block
-    one product, then a pairwise tree over the blocks, padded with zero blocks to a power of two."""
+def _sum_over_key_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """Σ_keys values · probs: values [B, Hkv, L, D], probs [B, Hkv, M, L] → [B, Hkv, D, M] in fp32; one
+    product per key block, then a pairwise tree over the blocks padded with zeros to a power of two."""
     B, Hkv, L, D = values.shape
     M, n = probs.shape[2], L // KEY_BLOCK
-    v = values.float().reshape(B, Hkv, n, KEY_BLOCK, D).transpose(-1, -2)  # [B, Hkv, n, D, blk]
-    p = probs.reshape(B, Hkv, M, n, KEY_BLOCK).permute(0, 1, 3, 4, 2)  # [B, Hkv, n, blk, M]
-    parts = v @ p  # [B, Hkv, n, D, M]
+    v = values.view(B, Hkv, n, KEY_BLOCK, D).transpose(-1, -2)  # [B, Hkv, n, D, blk]
+    parts = v @ probs.view(B, Hkv, M, n, KEY_BLOCK).permute(0, 1, 3, 4, 2)  # [B, Hkv, n, D, M]
     width = 1 << (n - 1).bit_length()
     if width > n:
         parts = torch.cat([parts, parts.new_zeros(B, Hkv, width - n, D, M)], dim=2)
     while parts.shape[2] > 1:
         parts = parts[:, :, 0::2] + parts[:, :, 1::2]
-    return parts[:, :, 0].transpose(-1, -2)
+    return parts[:, :, 0]
 
 
 @dataclass
 class StepPositions:
     rows: torch.Tensor  # [B, T] row index of every new token
     pos: torch.Tensor  # [B, T] absolute position of every new token
-    mask: torch.Tensor  # [B, 1, rep T, L] True where a key is hidden from the query (L: whole key blocks)
+    mask: torch.Tensor  # [B, 1, T rep, L] True where a key is hidden from the query (L: whole key blocks)
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor
     max_len: int  # L: keys attended this step
@@ -367,18 +381,23 @@ def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.
 def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = ()):
     """A new cache holding every prompt token but the last (which is the first block's input).
 
+    Prompts are prefilled one at a time (each row's own pass, into its row of the cache): a long pass
+    takes plain GEMMs whose rounding depends on their row count, so a prompt's KV must not depend on
+    which other prompts joined with it (continuous batching stays exact).
+
     Returns (cache, features): features maps each captured layer to [B, hidden], the residual
     stream at the position whose output predicts the last prompt token (zeros for 1-token prompts).
     """
     cache = lean.new_cache(len(prompts), capacity)
-    heads = [p[:-1] for p in prompts]
     features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
-    if any(heads):
-        tokens, lens = pad_right(heads)
-        out = lean.forward(cache, tokens, n_new=lens, last_only=True, capture=capture)
+    for b, prompt in enumerate(prompts):
+        if len(prompt) < 2:
+            continue
+        row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
+        out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture)
+        cache.lens[b] = row.lens[0]
         for i in capture:
-            got = last_valid(out.hidden[i], lens)[:, 0]
-            features[i] = torch.where((lens > 0)[:, None].to(got.device), got, features[i])
+            features[i][b] = out.hidden[i][0, -1]
     return cache, features
 
 
@@ -391,7 +410,7 @@ def prefill_rows(lean: LeanDecoder, cache: KVCache, slots: list[int], prompts: l
     idx = torch.tensor(slots, dtype=torch.long)
     dev = idx.to(lean.device)
     for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-        dst[dev, :width] = src[:, :width]
+        dst[dev, :, :width] = src[:, :, :width]
     cache.lens[idx] = fresh.lens
     return features
 

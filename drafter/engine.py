@@ -190,12 +190,9 @@ class Engine:
         active = torch.tensor([r is not None for r in rows])
         drafter, on_trace = self._hooked(kmax)
         self._note_swap()
-        t_resync = time.perf_counter()
-        if kmax:
-            self._resync([s for s in live if ks[s] and s in self.behind])
-        elif self.drafter is not None:
+        resync_s = self._resync([s for s in live if ks[s] and s in self.behind]) if kmax else 0.0
+        if not kmax and self.drafter is not None:
             self.behind.update(live)
-        resync_s = time.perf_counter() - t_resync
         params, limit = self._params(rows, live, ks, kmax)
         uniforms = None if params.greedy else self._uniforms(rows, ks, kmax)
         cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
@@ -215,7 +212,7 @@ class Engine:
         self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
                                  resync_s=resync_s, choice=choice)
         self.controller.observe(StepSample(m, kmax, clock.draft_s, clock.verify_s,
-                                           total - clock.draft_s - clock.verify_s - resync_s, blocks))
+                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s))
         return updates
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
@@ -233,14 +230,17 @@ class Engine:
             self._drafter_seen = self.drafter
             self.controller.drafter_swapped()
 
-    def _resync(self, slots: list[int]) -> None:
-        """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`)."""
+    def _resync(self, slots: list[int]) -> float:
+        """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`);
+        returns the seconds it took (0 when no row needed it)."""
         if not slots:
-            return
+            return 0.0
+        t0 = time.perf_counter()
         features = {i: torch.zeros(len(slots), self.verifier.hidden_size, device=self.verifier.device,
                                    dtype=self.verifier.dtype) for i in self.drafter.verifier_layers}
         self.drafter.join(slots, [self.rows[s].history for s in slots], VerifierView(self.cache, features))
         self.behind.difference_update(slots)
+        return time.perf_counter() - t0
 
     def _hooked(self, kmax: int):
         if self.hooks is None or not kmax:

@@ -44,33 +44,39 @@ _INT4_N_MULTIPLE = 16  # the CPU int4 packing needs N % 16 == 0: pad with zero r
 _INT4_BLOCK_ROWS = 4096
 
 
-# Float GEMMs are called on row blocks of exactly this many rows (zero-padded): the CPU's fp32 / bf16
-# kernels round a row differently depending on how many rows share the call (M = 1 takes a GEMV
-# path; bf16 changes blocking at M >= 15), so an unblocked verify pass of k+1 tokens would score a
-# token differently from the one-token step. With one call shape every row is computed alike, by
-# construction of the call; the int8 / int4 kernels compute each row alone already.
-ROW_BLOCK = 8
+# Decode-shaped passes (one-token steps and verify passes) call the float GEMMs on row blocks of a
+# fixed size, so that every row meets the same kernel path whatever the number of rows: the CPU's
+# fp32 / bf16 kernels round a row differently depending on how many rows share the call (fp32 M = 1
+# takes a GEMV path; bf16 changes blocking at M >= 15), and an unblocked verify pass of k+1 tokens
+# would score a token differently from the one-token step. fp32 goes row by row (its M = 8 GEMM costs
+# ~3x its GEMV here, which one-token decoding should not pay); bf16 in blocks of 8 (as fast as one
+# row). The int8 / int4 kernels compute each row alone already. Long passes (prefills, one prompt
+# at a time: drafter.decoder.prefill) take one plain call.
+ROW_BLOCK = {torch.float32: 1, torch.bfloat16: 8, torch.float16: 8}
 
 
 def row_blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias) computed in calls of exactly ROW_BLOCK rows."""
+    """F.linear(x, weight, bias) computed in calls of exactly ROW_BLOCK[dtype] rows (zero-padded)."""
+    block = ROW_BLOCK.get(weight.dtype, 8)
     rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]
-    pad = -M % ROW_BLOCK
+    if M == block:
+        return F.linear(x, weight, bias)
+    pad = -M % block
     if pad:
         rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])])
-    if rows.shape[0] == ROW_BLOCK:
-        y = F.linear(rows, weight, bias)
-    else:
-        y = torch.cat([F.linear(r, weight, bias) for r in rows.split(ROW_BLOCK)])
+    y = torch.cat([F.linear(r, weight, bias) for r in rows.split(block)])
     return y[:M].view(*x.shape[:-1], weight.shape[0])
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ wᵀ (+ bias) for a raw weight tensor or a weight object (which holds its own bias); every
-    row's result is independent of the other rows in the call (`row_blocked`)."""
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None, exact: bool = True) -> torch.Tensor:
+    """x @ wᵀ (+ bias) for a raw weight tensor or a weight object (which holds its own bias). `exact`:
+    every row's result independent of the other rows in the call (`row_blocked`); False for long
+    passes (prefills), where one plain call is faster."""
     if isinstance(w, torch.Tensor):
-        return row_blocked(x, w, bias)
+        return row_blocked(x, w, bias) if exact else F.linear(x, w, bias)
+    if isinstance(w, Dense):
+        return w(x, exact)
     return w(x)
 
 
@@ -84,10 +90,10 @@ class Dense:
         self.act_dtype = dtype
         self.out_features, self.in_features = self.weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, exact: bool = True) -> torch.Tensor:
         if x.dtype != self.act_dtype:
             x = x.to(self.act_dtype)
-        return row_blocked(x, self.weight, self.bias)
+        return row_blocked(x, self.weight, self.bias) if exact else F.linear(x, self.weight, self.bias)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight.float()

@@ -190,3 +190,17 @@ def test_config_is_checked():
     with pytest.raises(ValueError):
         ControllerConfig(explore_min=32, explore_max=16)
 
+
+
+def test_a_costly_switch_to_drafting_makes_exploration_wait_longer():
+    def probes(resync_s: float) -> int:
+        c = Controller()
+        chosen = []
+        for _ in range(1000):
+            k = c.choose(Batch(1, 1)).k
+            c.observe(StepSample(1, k, 0.001 * k, verify_time(k + 1), OVERHEAD_S, ((k, 0),) if k else (),
+                                 resync_s if k else 0.0))
+            chosen.append(k)
+        return sum(1 for k in chosen if k)
+
+    assert probes(0.030) < probes(0.0)  # restarting the drafter's rows costs 3 plain passes

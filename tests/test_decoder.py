@@ -122,19 +122,19 @@ def test_verify_pass_is_bit_identical_to_one_token_steps(mode):
 
 def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries():
     """The attention kernel alone: a query attended with L whole key blocks equals the same query among
-    398 others with more blocks (the size of a long batched prefill, where the BLAS splits unblocked
-    reductions differently)."""
+    398 others attended with more blocks (a long prefill, which goes in query chunks, and where the BLAS
+    would split one long reduction over keys differently)."""
     from drafter.decoder import exact_attention
 
     torch.manual_seed(0)
     B, Hkv, rep, D, T = 4, 2, 2, 64, 398
-    kc, vc = torch.randn(B, 512, Hkv, D), torch.randn(B, 512, Hkv, D)
+    kc, vc = torch.randn(B, Hkv, 512, D), torch.randn(B, Hkv, 512, D)
     q = torch.randn(B, T, Hkv * rep, D)
     pos = torch.arange(T)[None].expand(B, T) + 10
 
     def hidden(p):
-        L = -(-(int(p.max()) + 1) // 64) * 64
-        return torch.arange(L) > p[:, None, :].expand(B, rep, p.shape[1]).reshape(B, 1, rep * p.shape[1], 1)
+        L = -(-(int(p.max()) + 1) // KEY_BLOCK) * KEY_BLOCK
+        return torch.arange(L) > p[:, :, None].expand(B, p.shape[1], rep).reshape(B, 1, p.shape[1] * rep, 1)
 
     every = exact_attention(q, kc, vc, hidden(pos), 0.125)
     for t in (0, 53, 120, 300, 397):

@@ -84,7 +84,8 @@ def test_logits_stay_close_to_fp32_and_mostly_agree_on_the_argmax(pair, prompts,
         assert ((q - r).abs().max() / r.abs().max()).item() < max_err
         agree, n = agree + int((q.argmax(-1) == r.argmax(-1)).sum()), n + len(p)
     assert agree / n >= tol_agree, (mode, agree / n)
-    assert lean.new_cache(1, 4).keys[0].dtype == lean.dtype == lean.embed.dtype
+    assert lean.dtype == lean.embed.dtype
+    assert lean.new_cache(1, 4).keys[0].dtype == torch.float32  # the KV cache is fp32 in every mode (drafter.decoder)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # a q/k/v bias (held by the weight object), per-head q/k norms

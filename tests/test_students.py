@@ -24,6 +24,7 @@ def test_verifier_residuals_are_what_the_lean_decoder_captures_at_inference(peak
     logits, residuals = verifier_targets(v.hf, ids, layers)
     lean = LeanDecoder(v.hf)
     out = lean.forward(lean.new_cache(1, 8), ids, capture=layers)
-    assert torch.allclose(logits, out.logits, atol=1e-5)
+    # the same model computed two ways: fp32 rounding apart (the lean attention sums keys block by block)
+    torch.testing.assert_close(logits, out.logits, atol=1e-4, rtol=1e-5)
     for i in layers:
-        assert torch.allclose(residuals[i], out.hidden[i], atol=1e-5)
+        torch.testing.assert_close(residuals[i], out.hidden[i], atol=1e-4, rtol=1e-5)
