@@ -73,17 +73,22 @@ class System:
 
     @property
     def speculative(self) -> bool:
-        return self.family in ("hf-assisted", "hf-lookup", "llama.cpp-lookup") or (self.family == "specloop" and self.k > 0)
+        return self.family in ("hf-assisted", "hf-lookup", "llama.cpp-lookup") or (self.family == "specloop" and self.k != 0)
+
+
+AUTO_K = -1  # K "auto": the cost-aware controller (drafter/controller.py) chooses k step by step
 
 
 def parse_specloop(text: str) -> System:
     """LABEL:DTYPE:KIND:DIR:K[:DRAFTER_DTYPE] -> a specloop System (KIND 'none' and K 0 = the verifier
-    alone; DRAFTER_DTYPE: a drafter LM's own weight mode, default the verifier's)."""
+    alone; K 'auto' = the controller's choice, specloop's default; DTYPE 'auto' = the served mode
+    specloop picks by default: the checkpoint's manifest or stored dtype; DRAFTER_DTYPE: a drafter
+    LM's own weight mode, default auto)."""
     parts = text.split(":")
     if len(parts) not in (5, 6):
         raise argparse.ArgumentTypeError(f"--specloop wants LABEL:DTYPE:KIND:DIR:K[:DRAFTER_DTYPE], got {text!r}")
     label, dtype, kind, ddir, k = parts[:5]
-    k = int(k)
+    k = AUTO_K if k == "auto" else int(k)
     kind = None if kind in ("", "none", "-") or k == 0 else kind
     return System(label, "specloop", k if kind else 0, dtype, kind, None if ddir in ("", "-") else ddir,
                   parts[5] if len(parts) == 6 else None)
@@ -272,9 +277,12 @@ class SpecloopRunner:
         self.sys = sys_
         if sys_.kind and sys_.drafter_dir and not Path(sys_.drafter_dir).is_dir():
             raise SkipSystem(f"drafter directory not found: {sys_.drafter_dir}")
-        v = load_model(s["verifier"], device=torch.device("cpu"), dtype=torch.float32)
+        if sys_.dtype == "auto":  # what specloop serves by default (the manifest's mode, else as stored)
+            v = load_model(s["verifier"], device=torch.device("cpu"), weights="auto")
+        else:
+            v = load_model(s["verifier"], device=torch.device("cpu"), dtype=torch.float32)
         act = None
-        if sys_.dtype != "fp32":
+        if sys_.dtype not in ("fp32", "auto"):
             try:
                 from drafter.quant import quantize_decoder
             except ImportError as exc:
@@ -284,16 +292,21 @@ class SpecloopRunner:
             name = s["act_dtypes"].get(sys_.dtype)
             act = getattr(torch, name) if name else None
             quantize_decoder(v.lean, sys_.dtype, act_dtype=act)  # before the drafter: drafters read lean.dtype
+        self.served = v.served
         self.act_dtype = str(v.lean.dtype).replace("torch.", "")
         self.v = v
         self.drafter = None
-        self.timers = [ForwardTimer(v.lean, sys_.k + 1)]
+        self.timers = [ForwardTimer(v.lean, (4 if sys_.k == AUTO_K else sys_.k) + 1)]
+        self.controller = None
         if sys_.kind:
             from drafter.kinds import build_drafter
 
             # a drafter LM of its own is restricted to its draft vocabulary, then packed, before any
             # steering reads its dtype (drafter.kinds)
-            self.drafter = build_drafter(sys_.kind, v, sys_.drafter_dir, weights=sys_.drafter_dtype or sys_.dtype)
+            self.drafter = build_drafter(sys_.kind, v, sys_.drafter_dir, weights=sys_.drafter_dtype or "auto")
+            from drafter.controller import Controller
+
+            self.controller = Controller() if sys_.k == AUTO_K else None  # one for the whole run, as `generate` has
             dlean = getattr(self.drafter, "lean", None)
             if dlean is not None and dlean is not v.lean:
                 self.timers.append(ForwardTimer(dlean, 1))
@@ -307,13 +320,16 @@ class SpecloopRunner:
         for t in self.timers:
             t.take()
         t0 = time.perf_counter()
-        g = generate(self.v.lean, self.drafter, [ids], params, self.sys.k, self.stop, first_request=index)[0]
+        k = None if self.sys.k == AUTO_K else self.sys.k
+        g = generate(self.v.lean, self.drafter, [ids], params, k, self.stop, first_request=index,
+                     controller=self.controller)[0]
         seconds = time.perf_counter() - t0
         res = {"tokens": list(g.token_ids), "seconds": seconds, "verifier_fwd": self.timers[0].take()}
         if self.sys.k:
             st = g.stats
             res |= {"blocks": st.blocks, "accepted": st.accepted, "drafted": st.drafted,
-                    "per_position": list(st.accepted_per_position)}
+                    "per_position": list(st.accepted_per_position),
+                    "drafted_per_position": list(st.drafted_per_position)}
             if len(self.timers) > 1:
                 res["drafter_fwd"] = self.timers[1].take()
         return res
@@ -356,6 +372,8 @@ def child_main(sys_dict: dict, s: dict, conn) -> None:
         info["peak_reset"] = reset_peak_rss()
         if hasattr(runner, "act_dtype"):
             info["activation_dtype"] = runner.act_dtype
+        if hasattr(runner, "served"):
+            info["served"] = runner.served
         if hasattr(runner, "version"):
             info |= {"version": runner.version, "system_info": runner.system_info,
                      "tokenizer_agrees": runner.tokenizer_agrees}
@@ -456,9 +474,10 @@ def dtype_label(s: System, act: dict) -> str:
     return s.dtype
 
 
-def summarize(systems, prompts, runs, temperatures, act: dict) -> list[dict]:
+def summarize(systems, prompts, runs, temperatures, act: dict, status_served: dict | None = None) -> list[dict]:
     """One row per (domain, T, system): medians of tokens/s and of per-prompt ratios, τ, α, ..."""
     rows = []
+    status_served = status_served or {}
     ref_alone = {s.dtype: s.name for s in systems if s.family == "specloop" and not s.k}
     for T in temperatures:
         for domain in ("chat", "code", "all"):
@@ -496,10 +515,28 @@ def summarize(systems, prompts, runs, temperatures, act: dict) -> list[dict]:
                     row["tau"] = (acc + blocks) / blocks if blocks else None
                     drafted = sum(x.get("drafted", 0) for x in r) if all("drafted" in x for x in r) else None
                     row["alpha"] = acc / drafted if drafted else None
-                    if all("per_position" in x for x in r) and blocks:
+                    if s.k == AUTO_K and blocks:  # k chosen per step: acceptance per drafted position
+                        width = max(len(x["drafted_per_position"]) for x in r)
+                        col = lambda key, j: sum(x[key][j] for x in r if j < len(x[key]))  # noqa: E731
+                        row["k_chosen_mean"] = (drafted or 0) / blocks
+                        row["blocks_drafting"] = col("drafted_per_position", 0) / blocks if width else 0.0
+                        row["per_position"] = [col("per_position", j) / max(1, col("drafted_per_position", j))
+                                               for j in range(width)]
+                        row["tau"] = (acc + col("drafted_per_position", 0)) / col("drafted_per_position", 0) \
+                            if width and col("drafted_per_position", 0) else None  # over the drafting blocks
+                    elif all("per_position" in x for x in r) and blocks:
                         row["per_position"] = [sum(x["per_position"][j] for x in r) / blocks for j in range(s.k)]
                 if s.family == "specloop":
                     fwd = lambda key, T_: _mean_fwd([x.get(key, {}) for x in r], T_)  # noqa: E731
+                    row["served"] = status_served.get(s.name)
+                    if s.k == AUTO_K:  # the verify pass by its width, against this system's own T = 1 step
+                        t1 = fwd("verifier_fwd", 1)
+                        row["verify_ms_by_T"] = {T_: fwd("verifier_fwd", T_) for T_ in range(1, 6)}
+                        row["v_T"] = {T_: (ms / t1 if ms and t1 else None) for T_, ms in row["verify_ms_by_T"].items()}
+                        d1 = fwd("drafter_fwd", 1)
+                        row["drafter_step_ms"], row["c"] = d1, (d1 / t1 if d1 and t1 else None)
+                        rows.append(row)
+                        continue
                     row["verifier_step_ms"] = fwd("verifier_fwd", s.k + 1 if s.k else 1)
                     if s.k:
                         base = [runs.get((ref_alone.get(s.dtype), T, i)) for i in idx]
@@ -658,7 +695,8 @@ def main() -> None:
         status[name] |= conn.recv()
         p.join(timeout=30)
 
-    rows = summarize(live, prompts, runs, temperatures, settings["act_dtypes"])
+    rows = summarize(live, prompts, runs, temperatures, settings["act_dtypes"],
+                     {name: st.get("served") for name, st in status.items()})
     mem = {s.name: {k: v for k, v in status[s.name].items() if k != "ready"} for s in systems}
     result = {
         "benchmark": "cpu_real",

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--minutes", type=float, default=4.0,
                    help="bootstrap budget when no models are given and the real model's package cannot be had")
     d.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
-    _add_sampling(d)
+    _add_sampling(d, auto_k=True)
     return parser
 
 

@@ -27,7 +27,7 @@ class DemoConfig:
     registry: Path  # root: one registry per model pair below it
     max_tokens: int = 64
     temperature: float = 0.0
-    k: int = 4
+    k: int | None = None  # None: "auto", the server's cost-aware choice per step
     clients: int = 1  # concurrent requests (they share the worker's continuous batch)
     threads: int = 2
     compare: bool = True  # also decode every request with speculation off, and print the speed-up
@@ -35,7 +35,7 @@ class DemoConfig:
 
 def chat(url: str, model: str, messages: list[dict], cfg: DemoConfig, speculate: bool = True) -> dict:
     body = {"model": model, "messages": messages, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
-            "speculative": {"enabled": speculate, "k": cfg.k}}
+            "speculative": {"enabled": speculate, "k": "auto" if cfg.k is None else cfg.k}}
     reply = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
     reply.raise_for_status()
     return reply.json()
@@ -45,17 +45,19 @@ def as_messages(record) -> list[dict]:
     return list(record.messages) if record.messages else [{"role": "user", "content": record.prompt}]
 
 
-def summary(replies: list[dict], seconds: float, k: int) -> str:
+def summary(replies: list[dict], seconds: float, k: int | None) -> str:
+    """Totals over the replies' usage; τ only for a fixed k (with k auto, blocks draft different k,
+    some none: acceptance α is what the usage tells)."""
     usage = [r["usage"] for r in replies]
     tokens = sum(u["completion_tokens"] for u in usage)
     drafted = sum(u["drafted_tokens"] for u in usage)
     accepted = sum(u["accepted_tokens"] for u in usage)
-    blocks = drafted // k  # every request drafted k per block
-    versions = sorted({u["drafter_version"] for u in usage})
+    versions = sorted({str(u["drafter_version"]) for u in usage})
     alpha = accepted / drafted if drafted else 0.0
-    tau = 1 + accepted / blocks if blocks else 0.0
+    tau = f", τ={1 + accepted / (drafted // k):.3f}" if k and drafted else ""
     return (f"{len(replies)} chat requests, {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tokens/s; "
-            f"drafted {drafted}, accepted {accepted}: α={alpha:.3f}, τ={tau:.3f}; drafter version(s) {', '.join(versions)}")
+            f"k={'auto' if k is None else k}: drafted {drafted}, accepted {accepted}: α={alpha:.3f}{tau}; "
+            f"drafter version(s) {', '.join(versions)}")
 
 
 def timed_round(url: str, model: str, records: list, cfg: DemoConfig, speculate: bool) -> tuple[list[dict], float]:
@@ -85,6 +87,8 @@ def run_demo(cfg: DemoConfig) -> int:
     print(f"starting specloop serve on {url} (Redis: {os.environ.get('SPECLOOP_REDIS_URL', 'auto')}) ...", file=sys.stderr)
     try:
         model = server.start(READY_TIMEOUT_S).model
+        card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
+        print(f"serving {model} as {card.get('weights')}", file=sys.stderr)
         if cfg.compare:
             plain, plain_s = timed_round(url, model, records, cfg, speculate=False)
         replies, seconds = timed_round(url, model, records, cfg, speculate=True)

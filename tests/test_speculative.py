@@ -101,7 +101,7 @@ def make_drafter(kind, pair):
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "ngram", "sd2", "dvi"])
-@pytest.mark.parametrize("k,batch", [(1, 1), (4, 1), (1, 4), (4, 4), (8, 4)])  # k = 8 batched only: CI time
+@pytest.mark.parametrize("k,batch", [(4, 1), (1, 4), (8, 4)])  # a subset of the grid: CI time
 def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs, accepted = [], 0
@@ -110,8 +110,9 @@ def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, 
         outputs += [g.token_ids for g in gens]
         accepted += sum(g.stats.accepted for g in gens)
     assert len(prompts) >= 50
-    ties = compare(pair[0], prompts, reference, outputs)
-    print(f"kind={kind} k={k} batch={batch}: {len(prompts)} prompts, {ties} near-ties excused, {accepted} accepted")
+    # bit-exact verification (drafter/decoder.py): equal token for token, no near-tie excused
+    differ = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
+    assert not differ, f"kind={kind} k={k} batch={batch}: prompts {differ} differ from the verifier alone"
     assert accepted > 0
 
 
@@ -126,8 +127,8 @@ def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(pai
                         controller=controller)
         outputs += [g.token_ids for g in gens]
         drafted += sum(g.stats.drafted for g in gens)
-    ties = compare(pair[0], prompts, reference, outputs)
-    print(f"kind={kind} k=auto batch={batch}: {ties} near-ties excused, {drafted} drafted")
+    differ = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
+    assert not differ, f"kind={kind} k=auto batch={batch}: prompts {differ} differ from the verifier alone"
     assert drafted > 0
 
 
@@ -157,7 +158,7 @@ def test_a_degraded_drafter_leaves_output_unchanged_and_acceptance_falls(pair, p
     broken = load_model(pair[1].path)
     broken.hf.lm_head.weight.data.zero_()  # tied: this zeroes the embeddings as well
     bad = generate(pair[0].lean, PretrainedDrafter(LeanDecoder(broken.hf)), sub, params, k, rule)
-    compare(pair[0], sub, reference[:12], [g.token_ids for g in bad])
+    assert [g.token_ids for g in bad] == reference[:12]
     tau = lambda gens: sum(g.stats.accepted + g.stats.blocks for g in gens) / sum(g.stats.blocks for g in gens)
     assert tau(bad) < tau(good) - 0.3, (tau(bad), tau(good))
 
