@@ -390,8 +390,17 @@ def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int, capture:
     """
     cache = lean.new_cache(len(prompts), capacity)
     features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
     for b, prompt in enumerate(prompts):
         if len(prompt) < 2:
+            continue
+        src = first.setdefault(tuple(prompt), b)
+        if src != b:
+            for layer in cache.keys + cache.values:
+                layer[b] = layer[src]
+            cache.lens[b] = cache.lens[src]
+            for i in capture:
+                features[i][b] = features[i][src]
             continue
         row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
         out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture)
