@@ -15,7 +15,8 @@ def test_demo_serves_the_examples_through_the_api_and_stops_the_server(tiny_pair
     code, out, err = _run(["--threads", "1", "demo", "--verifier", tiny_pair[0], "--drafter", tiny_pair[1],
                            "--max-tokens", 6, "--cache", tmp_path], capsys)
     assert code == 0
-    assert "6 chat requests" in err and "τ=" in err and "α=" in err
+    assert "6 chat requests" in err and "k=auto" in err and "α=" in err
+    assert "serving verifier as fp32" in err  # the served mode: the checkpoint's own dtype
     assert "specloop serve stopped (exit code 0)" in err
     assert out.count("── ") == 6  # every example prompt answered once
     assert "verifier alone:" in err and "with speculation:" in err and "identical answers" in err
