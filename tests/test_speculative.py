@@ -101,7 +101,7 @@ def make_drafter(kind, pair):
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "ngram", "sd2", "dvi"])
-@pytest.mark.parametrize("k,batch", [(4, 1), (1, 4), (8, 4)])  # a subset of the grid: CI time
+@pytest.mark.parametrize("k,batch", [(4, 1), (8, 4)])  # a subset of the grid (CI time); k = 1 and k changing: the k-auto test
 def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs, accepted = [], 0
