@@ -9,20 +9,20 @@ activation dtype and holds its own bias:
 - `Int4Weight`: group-wise asymmetric int4 (groups of 32/64/128 along K), tinygemm's CPU packing,
   `torch._weight_int4pack_mm_for_cpu`.
 
-Modes (`DTYPE_MODES`): "fp32" (raw fp32 tensors: today's path, unchanged), "bf16" (bf16 weights and
-activations), "int8" and "int4" (quantized weights; activations in bf16 or fp32, whichever that
-kernel runs faster on this machine: `activation_dtype`). The embedding, norms, RoPE tables and KV
-cache follow the activation dtype, so one decoder runs in one dtype end to end.
+Modes (`DTYPE_MODES`): "fp32" (raw fp32 tensors), "bf16" (bf16 weights and activations), "int8"
+and "int4" (quantized weights; activations in bf16 where the CPU has native bf16, else fp32:
+`activation_dtype`). The embedding, norms and RoPE tables follow the activation dtype; the KV cache
+is fp32 in every mode (drafter.decoder).
 
-Losslessness is unaffected: speculative decoding reproduces whatever verifier it is given, and a
-quantized verifier is simply a different (smaller, faster) verifier. Greedy equality with the
-verifier alone needs the verify pass (T = k+1) to score a token as a one-token decode does: the int
-kernels compute every row independently of the others (bit for bit); bf16 attention and GEMMs, like
-fp32 `F.linear` (M=1 takes a GEMV path), agree only to rounding, so ties within rounding may break
-either way, exactly as in fp32.
+Which mode is served: `resolve_mode`. "auto" serves a verifier as its checkpoint is stored (fp32 /
+bf16), or in the mode its own manifest.json names (a model published as a 4-bit GGUF: int4 packed
+from the GGUF's groups, `Int4Weight.from_groups`); never a quantized copy nobody asked for.
+`describe_mode` is the string printed wherever the model is named.
 
-Measurements and the choice of default: `default_mode`. The int kernels' fp32-activation paths are
-10-50x slower than their bf16 ones on the development CPU, hence bf16 activations there.
+Losslessness is against the verifier as served. Greedy equality with that verifier alone needs
+the verify pass (T = k+1) to score a token bit for bit as a one-token step does: the int kernels
+compute every row on its own; float GEMMs go through `row_blocked` in decode-shaped passes (one
+call shape for every row); attention is drafter.decoder.exact_attention.
 """
 from __future__ import annotations
 
