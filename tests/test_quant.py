@@ -99,16 +99,15 @@ def test_other_architectures_run_end_to_end(arch, mode):
 
 @pytest.mark.parametrize("mode", QUANTIZED)
 def test_a_verify_pass_scores_tokens_as_one_token_decodes(verifiers, prompts, mode):
-    """The T = k+1 verify pass and T = 1 decodes agree to a few bf16 roundings (the int kernels are
-    row-independent; bf16 attention and GEMMs are not bit-for-bit) and pick the same greedy tokens."""
+    """The T = k+1 verify pass scores tokens bit for bit as T = 1 decodes do, on the reference verifier
+    (tests/test_decoder.py checks the construction on every weight mode, batch size and T)."""
     lean, ids = verifiers[mode], prompts[1]
     block, steps = lean.new_cache(1, 64), lean.new_cache(1, 64)
     lean.forward(block, torch.tensor([ids[:10]]))
     lean.forward(steps, torch.tensor([ids[:10]]))
     together = lean.forward(block, torch.tensor([ids[10:15]])).logits[0].float()
     one_by_one = torch.cat([lean.forward(steps, torch.tensor([[t]])).logits[0] for t in ids[10:15]]).float()
-    assert (together - one_by_one).abs().max() <= 0.02 * one_by_one.abs().max()
-    assert torch.equal(together.argmax(-1), one_by_one.argmax(-1))
+    assert torch.equal(together, one_by_one)
 
 
 def test_the_head_in_place_at_quantization_is_the_one_quantized(pair):
@@ -151,28 +150,6 @@ def _tie(lean, top: torch.Tensor) -> float:
     if lean.dtype == torch.float32:
         return 1e-4
     return 2 * torch.finfo(lean.dtype).eps * 2.0 ** torch.floor(torch.log2(top.abs())).item()
-
-
-@pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_a_verify_pass_gives_bit_identical_logits_to_one_token_steps(mode):
-    """What makes quantized speculation lossless: position t of a T-token pass is computed exactly as
-    the one-token step at t. (On SmolLM2 with one attention call for all T queries the logits differed
-    by up to 0.375 and 8 of 12 greedy outputs diverged; this small model happens not to show that.)"""
-
-    config = llama_config(96, 2, 192, num_attention_heads=3, num_key_value_heads=1)  # SmolLM2's head_dim 64
-    lean = quantize_decoder(LeanDecoder(build_model(config, seed=5, init_std=0.2)), mode)
-    prompt, block = torch.randint(0, 96, (1, 120), generator=torch.Generator().manual_seed(0)), [[7, 8, 9, 10, 11]]
-
-    def both():
-        one = lean.new_cache(1, 130)
-        lean.forward(one, prompt)
-        steps = torch.cat([lean.forward(one, torch.tensor([[t]])).logits for t in block[0]], dim=1)
-        many = lean.new_cache(1, 130)
-        lean.forward(many, prompt)
-        return steps, lean.forward(many, torch.tensor(block)).logits
-
-    steps, verify = both()
-    assert torch.equal(steps, verify)
 
 
 def q4_1_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -44,6 +44,18 @@ def verifier(tiny_pair):
     return load_model(tiny_pair[0])
 
 
+def _serve_all(backend, requests) -> list:
+    """Every request's chunks, all submitted at once; the backend is closed afterwards."""
+
+    async def all_of_them():
+        return await asyncio.gather(*(_collect(backend, r) for r in requests))
+
+    try:
+        return asyncio.run(all_of_them())
+    finally:
+        asyncio.run(backend.close())
+
+
 def _collect(backend, request):
     async def run():
         return [c async for c in backend.stream(request)]
@@ -56,13 +68,7 @@ def test_concurrent_requests_decode_exactly_as_generate_alone(tiny_pair, verifie
     requests = [CompletionRequest(f"r{i}", p, max_tokens=10 + i, temperature=0.8 * (i % 2), seed=3, stream_index=i, k=i % 3 + 1)
                 for i, p in enumerate(prompts * 2)]  # 8 requests for 3 slots: they queue, join and leave
 
-    async def all_of_them():
-        return await asyncio.gather(*(_collect(backend, r) for r in requests))
-
-    try:
-        results = asyncio.run(all_of_them())
-    finally:
-        asyncio.run(backend.close())
+    results = _serve_all(backend, requests)
     rule = StopRule(verifier.eos_ids)
     drafter = build_drafter("pretrained", verifier, tiny_pair[1])
     for r, chunks in zip(requests, results):
@@ -87,13 +93,7 @@ def test_auto_requests_beside_explicit_ones_stay_lossless_and_export_the_chosen_
     requests = [CompletionRequest(f"a{i}", p, max_tokens=16, k=None if i % 3 else 2, stream_index=i)  # None: auto
                 for i, p in enumerate(prompts * 2)]
 
-    async def all_of_them():
-        return await asyncio.gather(*(_collect(backend, r) for r in requests))
-
-    try:
-        results = asyncio.run(all_of_them())
-    finally:
-        asyncio.run(backend.close())
+    results = _serve_all(backend, requests)
     rule = StopRule(verifier.eos_ids)
     k_max = backend.loop.worker.engine.controller.cfg.k_max
     for r, chunks in zip(requests, results):
