@@ -263,7 +263,14 @@ def test_every_panel_query_returns_data_from_a_real_specloop_serve_under_traffic
         assert not empty, "panels without data:\n" + "\n".join(empty) + f"\nserve log: {serve.logs()}"
         for _, expr in annotation_queries(board):
             prom.query(expr)  # valid PromQL; a swap may or may not have happened yet
-        assert all(0 <= a <= 1 for a in finite(prom.query(build.ACCEPTANCE_RATE.replace("$__rate_interval", "1m"))))
+        # The counters themselves, scraped together: accepted never exceeds drafted, per version.
+        raw = prom.query(f"{build.SPEC}accepted_tokens_total / {build.SPEC}draft_tokens_total")
+        assert finite(raw) and all(0 <= a <= 1 for a in finite(raw)), raw
+        # The panel's rate ratio: Prometheus extrapolates each series' rate to the window's edges on
+        # its own (a version that appeared mid-window is extrapolated by its first sample), so a
+        # ratio of two rates may overshoot the true acceptance by a few percent; never by more.
+        rated = finite(prom.query(build.ACCEPTANCE_RATE.replace("$__rate_interval", "1m")))
+        assert all(0 <= a <= 1.1 for a in rated), rated
         tokens = prom.query(f"sum(rate(specloop:generation_tokens_total[{RATE_INTERVAL}]))")
         assert finite(tokens) and finite(tokens)[0] > 0
     finally:
