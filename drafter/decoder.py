@@ -200,12 +200,11 @@ class LeanDecoder:
             raise ValueError(f"KV cache of {min(cache.capacity, self.cos.shape[0])} positions is full")
         pos = (cache.lens[:, None] + torch.arange(T)[None]).to(self.device, non_blocking=True)  # [B, T]
         blocks = _round_up(max_len, KEY_BLOCK)
-        rep = self.n_heads // self.n_kv
-        query_pos = pos[:, :, None].expand(B, T, rep).reshape(B, 1, T * rep, 1)  # ordered (t, head in group)
+        query_pos = pos[:, None, :, None, None]  # [B, 1, T, 1, 1]
         return StepPositions(
             rows=torch.arange(B, device=self.device)[:, None].expand(B, T),
             pos=pos,
-            mask=torch.arange(blocks, device=self.device) > query_pos,  # [B, 1, T rep, L]: True = hidden
+            mask=torch.arange(blocks, device=self.device) > query_pos,  # [B, 1, T, 1, L]: True = hidden
             cos=self.cos[pos][:, :, None],  # [B, T, 1, D]
             sin=self.sin[pos][:, :, None],
             max_len=max_len,
@@ -306,53 +305,58 @@ def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden:
     step at its position does, and rows of different lengths share a batch exactly.
 
     How (the reduction structure is fixed by construction, not by the call's shape):
+    - a pass of T tokens makes, for every token, the very products a one-token step makes (same
+      shapes, same batch of rows and KV heads), one token after another: a BLAS may round a product
+      by its shape (on AMD EPYC, one product with 5+ query columns rounds otherwise than one with 3),
+      so no token's product is ever widened by another's;
+    - scores are [rep, D] @ [D, L] per (row, KV head): the token's head group as rows, the keys as
+      columns, each score a dot product over D alone;
     - keys are taken in whole blocks of KEY_BLOCK; positions a query may not see (`hidden`
-      [B, 1, T·rep, L]: the causal tail and the stale rest of the last block) score -inf, so their
-      probabilities are exactly 0 and appended blocks add exact zeros to every sum;
-    - scores are one product per (row, KV head) with the keys as its rows and the queries of the head
-      group as its few columns: each score is a dot product over D alone; the softmax runs over the
-      keys in fp32 (a max is exact in any order; a sum over appended zeros is unchanged);
-    - values are summed per key block (values[D, KEY_BLOCK] @ probs[KEY_BLOCK, T·rep] in fp32, one
+      [B, 1, T, 1, L]: the causal tail and the stale rest of the last block) score -inf, so their
+      probabilities are exactly 0 and appended blocks add exact zeros to every sum; the softmax runs
+      over the keys in fp32 (a max is exact in any order; a sum over appended zeros is unchanged);
+    - values are summed per key block (probs[rep, KEY_BLOCK] @ values[KEY_BLOCK, D] in fp32, one
       fixed inner length), and the blocks' sums are added in a fixed pairwise tree over a
       power-of-two count: zero blocks appended at the end leave every addition as it was (one product
       over all L keys is not enough: the BLAS splits a long reduction by its length);
-    - queries go in chunks of at most QUERY_CHUNK tokens, so a long prefill makes the same small
-      calls a verify pass makes (the BLAS splits the reduction over keys differently for wide calls:
-      a 398-token prefill rounded some rows differently before).
+    - queries go in chunks of at most QUERY_CHUNK tokens, which bounds a long prefill's temporaries.
     tests/test_decoder.py checks the bit-identity on the CPU that runs the suite (T 1..9, batches
-    1/3/8, ragged rows, long prefills, every weight mode): the matrix kernels' invariance to the
-    number of columns and to appended zero keys is a property of the machine's BLAS, which that test
-    keeps honest.
+    1/3/8, ragged rows, long prefills, every weight mode): that a product's result depends on its
+    shape and operands alone, whatever the number of key columns, is a property of the machine's
+    BLAS, which that test keeps honest.
     """
     T = q.shape[1]
     if T <= QUERY_CHUNK:
         return _attend(q, kc, vc, hidden, scale)
-    rep = q.shape[2] // kc.shape[1]
-    return torch.cat([_attend(q[:, a : a + QUERY_CHUNK], kc, vc, hidden[:, :, a * rep : (a + QUERY_CHUNK) * rep], scale)
+    return torch.cat([_attend(q[:, a : a + QUERY_CHUNK], kc, vc, hidden[:, :, a : a + QUERY_CHUNK], scale)
                       for a in range(0, T, QUERY_CHUNK)], dim=1)
 
 
 def _attend(q, kc, vc, hidden, scale):
     B, T, H, D = q.shape
-    rep = H // kc.shape[1]
     Hkv, L = kc.shape[1], hidden.shape[-1]
-    queries = q.view(B, T, Hkv, rep, D).transpose(1, 2).reshape(B, Hkv, T * rep, D).to(kc.dtype)
-    scores = (kc[:, :, :L] @ queries.transpose(-1, -2)).transpose(-1, -2)  # [B, Hkv, T rep, L], fresh
-    probs = torch.softmax(scores.mul_(scale).masked_fill_(hidden, float("-inf")), dim=-1)
-    out = _sum_over_key_blocks(vc[:, :, :L], probs)  # [B, Hkv, D, T rep]
-    return out.to(q.dtype).view(B, Hkv, D, T, rep).permute(0, 3, 1, 4, 2).reshape(B, T, H, D)
+    rep, n = H // Hkv, L // KEY_BLOCK
+    keys = kc[:, :, :L].reshape(B * Hkv, L, D).transpose(1, 2)  # [B Hkv, D, L], a view
+    queries = q.view(B, T, Hkv, rep, D).transpose(1, 2).reshape(B * Hkv, T, rep, D).to(kc.dtype)
+    scores = torch.stack([torch.bmm(queries[:, t], keys) for t in range(T)], 1)  # [B Hkv, T, rep, L]
+    scores = scores.view(B, Hkv, T, rep, L).mul_(scale).masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(B * Hkv, T, rep, n, KEY_BLOCK).transpose(2, 3)
+    values = vc[:, :, :L].reshape(B * Hkv * n, KEY_BLOCK, D)  # [B Hkv n, blk, D]
+    parts = torch.stack([torch.bmm(probs[:, t].reshape(B * Hkv * n, rep, KEY_BLOCK), values).view(B * Hkv, n, rep, D)
+                         for t in range(T)], 1)  # [B Hkv, T, n, rep, D]
+    out = _sum_over_key_blocks(parts)  # [B Hkv, T, rep, D]
+    return out.to(q.dtype).view(B, Hkv, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
 
 
-def _sum_over_key_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Σ_keys values · probs: values [B, Hkv, L, D], probs [B, Hkv, M, L] → [B, Hkv, D, M] in fp32; one
-    product per key block, then a pairwise tree over the blocks padded with zeros to a power of two."""
-    B, Hkv, L, D = values.shape
-    M, n = probs.shape[2], L // KEY_BLOCK
-    v = values.view(B, Hkv, n, KEY_BLOCK, D).transpose(-1, -2)  # [B, Hkv, n, D, blk]
-    parts = v @ probs.view(B, Hkv, M, n, KEY_BLOCK).permute(0, 1, 3, 4, 2)  # [B, Hkv, n, D, M]
+def _sum_over_key_blocks(parts: torch.Tensor) -> torch.Tensor:
+    """Σ over dim 2 of parts [..., T, n, rep, D] (one value sum per key block) in a fixed pairwise tree
+    over the n blocks padded with zeros to a power of two → [..., T, rep, D]."""
+    n = parts.shape[2]
     width = 1 << (n - 1).bit_length()
     if width > n:
-        parts = torch.cat([parts, parts.new_zeros(B, Hkv, width - n, D, M)], dim=2)
+        pad = list(parts.shape)
+        pad[2] = width - n
+        parts = torch.cat([parts, parts.new_zeros(pad)], dim=2)
     while parts.shape[2] > 1:
         parts = parts[:, :, 0::2] + parts[:, :, 1::2]
     return parts[:, :, 0]
@@ -362,7 +366,7 @@ def _sum_over_key_blocks(values: torch.Tensor, probs: torch.Tensor) -> torch.Ten
 class StepPositions:
     rows: torch.Tensor  # [B, T] row index of every new token
     pos: torch.Tensor  # [B, T] absolute position of every new token
-    mask: torch.Tensor  # [B, 1, T rep, L] True where a key is hidden from the query (L: whole key blocks)
+    mask: torch.Tensor  # [B, 1, T, 1, L] True where a key is hidden from the query (L: whole key blocks)
     cos: torch.Tensor  # [B, T, 1, D]
     sin: torch.Tensor
     max_len: int  # L: keys attended this step

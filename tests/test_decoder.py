@@ -84,12 +84,11 @@ def test_non_swiglu_models_are_refused():
 
 
 def _prefilled(lean, histories, capacity=512):
-    from drafter.decoder import pad_right
+    """A cache holding every history, each prefilled alone as serving does (`prefill` keeps a prompt's
+    last token for the first step; the 0 appended here is that token)."""
+    from drafter.decoder import prefill
 
-    cache = lean.new_cache(len(histories), capacity)
-    tokens, lens = pad_right(histories)
-    lean.forward(cache, tokens, n_new=lens)
-    return cache
+    return prefill(lean, [h + [0] for h in histories], capacity)[0]
 
 
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
@@ -134,7 +133,7 @@ def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries()
 
     def hidden(p):
         L = -(-(int(p.max()) + 1) // KEY_BLOCK) * KEY_BLOCK
-        return torch.arange(L) > p[:, :, None].expand(B, p.shape[1], rep).reshape(B, 1, p.shape[1] * rep, 1)
+        return torch.arange(L) > p[:, None, :, None, None]  # [B, 1, T, 1, L]
 
     every = exact_attention(q, kc, vc, hidden(pos), 0.125)
     for t in (0, 53, 120, 300, 397):
