@@ -10,7 +10,8 @@ Systems, all decoding the same chat-templated prompt token ids (batch 1, EOS hon
 - `llama.cpp`: llama-cpp-python `Llama(model_path=GGUF, n_threads=T)` fed the token ids (not text);
 - `llama.cpp-lookup`: the same with `draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k)`;
 - `specloop` configurations, LABEL:DTYPE:KIND:DIR:K (DIR "-" for none, K = 0 for the verifier
-  alone), e.g. `specloop-int8-d4:int8:pretrained:/work/real/d4:4`. The dtype mode (drafter/quant.py)
+  alone), e.g. `specloop-int8-d4:int8:pretrained:/work/real/d4:4`. The dtype mode (drafter/quant.py;
+  DTYPE+stock, e.g. auto+stock: with torch's stock int kernels instead of drafter.kernels)
   applies to the verifier and to a drafter with its own LM. For every dtype with a speculative
   configuration, the verifier alone in that dtype is added (greedy outputs are checked against it).
 
@@ -277,21 +278,24 @@ class SpecloopRunner:
         self.sys = sys_
         if sys_.kind and sys_.drafter_dir and not Path(sys_.drafter_dir).is_dir():
             raise SkipSystem(f"drafter directory not found: {sys_.drafter_dir}")
-        if sys_.dtype == "auto":  # what specloop serves by default (the manifest's mode, else as stored)
+        mode, _, kernels = sys_.dtype.partition("+")  # "auto+stock": torch's int kernels, not specloop's
+        if kernels:
+            os.environ["SPECLOOP_KERNELS"] = kernels
+        if mode == "auto":  # what specloop serves by default (the manifest's mode, else as stored)
             v = load_model(s["verifier"], device=torch.device("cpu"), weights="auto")
         else:
             v = load_model(s["verifier"], device=torch.device("cpu"), dtype=torch.float32)
         act = None
-        if sys_.dtype not in ("fp32", "auto"):
+        if mode not in ("fp32", "auto"):
             try:
                 from drafter.quant import quantize_decoder
             except ImportError as exc:
                 raise SkipSystem(f"dtype {sys_.dtype!r} needs drafter.quant: {exc}") from None
             # The activation dtype is chosen once by the parent (drafter.quant times it per process,
             # and two processes could choose differently: two different verifiers).
-            name = s["act_dtypes"].get(sys_.dtype)
+            name = s["act_dtypes"].get(mode)
             act = getattr(torch, name) if name else None
-            quantize_decoder(v.lean, sys_.dtype, act_dtype=act)  # before the drafter: drafters read lean.dtype
+            quantize_decoder(v.lean, mode, act_dtype=act)  # before the drafter: drafters read lean.dtype
         self.served = v.served
         self.act_dtype = str(v.lean.dtype).replace("torch.", "")
         self.v = v

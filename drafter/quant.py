@@ -8,6 +8,11 @@ activation dtype and holds its own bias:
 - `Int8Weight`: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
 - `Int4Weight`: group-wise asymmetric int4 (groups of 32/64/128 along K), tinygemm's CPU packing,
   `torch._weight_int4pack_mm_for_cpu`.
+- `OwnInt4Weight` / `OwnInt8Weight`: the same formats (int4 in groups of 32, w = q · d + m with fp32
+  d, m; int8 per channel with fp32 scales) multiplied by specloop's own kernels (drafter.kernels),
+  which read the weights once for up to 8 rows: a verify pass of 5 tokens costs about what a
+  one-token step does. Used wherever they build for this CPU (`QuantSpec.kernels == "own"`);
+  SPECLOOP_KERNELS=stock serves the stock kernels instead.
 
 Modes (`DTYPE_MODES`): "fp32" (raw fp32 tensors), "bf16" (bf16 weights and activations), "int8"
 and "int4" (quantized weights; activations in bf16 where the CPU has native bf16, else fp32:
@@ -227,6 +232,91 @@ class Int4Weight:
         return y[:, : self.out_features].float().t().contiguous()
 
 
+class OwnInt4Weight:
+    """Int4 groups of 32 along K, w = q · d + m (GGUF Q4_1's form, d and m in fp32), multiplied by
+    specloop's own kernel (drafter.kernels.q4_mm: fp32 products, weights read once for up to 8 rows,
+    every row computed alike whatever the row count). Output in the activation dtype."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None,
+                 act_dtype: torch.dtype = torch.bfloat16):
+        from drafter import kernels
+
+        N, K = q.shape
+        if scale.shape != (N, K // kernels.GROUP) or minimum.shape != scale.shape or K % kernels.GROUP:
+            raise ValueError(f"int4 groups of 32: q {tuple(q.shape)} needs scale and minimum [N, K / 32]")
+        self.nibbles, self.d, self.m = kernels.pack_q4(q, scale, minimum)
+        self._op = kernels.linear_op("q4")
+        self.bias = None if bias is None else bias.detach().to(act_dtype)
+        self.act_dtype, self.group_size = act_dtype, kernels.GROUP
+        self.out_features, self.in_features = N, K
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
+        """Min/max groups of 32 of a float weight (as GGUF's Q4_1 quantizer makes them)."""
+        N, K = weight.shape
+        groups = weight.detach().float().reshape(N, K // 32, 32)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        scale = (hi - lo).clamp(min=1e-6) / 15.0
+        q = ((groups - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+        return cls(q.reshape(N, K), scale, lo, bias, act_dtype)
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [N, K] uint8, scale, minimum [N, K/32]) as packed."""
+        from drafter import kernels
+
+        return kernels.unpack_q4(self.nibbles, self.d, self.m, self.out_features)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)
+        y = self._op(x, self.nibbles, self.d, self.m, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        from drafter import kernels
+
+        eye = torch.eye(self.in_features)
+        return kernels.q4_mm(eye, self.nibbles, self.d, self.m)[:, : self.out_features].t().contiguous()
+
+
+class OwnInt8Weight:
+    """Per-output-channel symmetric int8 (w ≈ q · scale[n], fp32 scales) multiplied by specloop's own
+    kernel (drafter.kernels.q8_mm, as `OwnInt4Weight`). Output in the activation dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
+        from drafter import kernels
+
+        w = weight.detach().float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        self.q, self.scales = kernels.pack_q8(q, scales)
+        self._op = kernels.linear_op("q8")
+        self.bias = None if bias is None else bias.detach().to(act_dtype)
+        self.act_dtype = act_dtype
+        self.out_features, self.in_features = w.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.act_dtype:
+            x = x.to(self.act_dtype)
+        y = self._op(x, self.q, self.scales, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        from drafter import kernels
+
+        eye = torch.eye(self.in_features)
+        return kernels.q8_mm(eye, self.q, self.scales)[:, : self.out_features].t().contiguous()
+
+
+def _kernels_for(mode: str, group_size: int) -> str:
+    """"own" where drafter.kernels serve this mode here (built for this CPU, self-checked; int8, or
+    int4 in groups of 32), else "stock" (torch's kernels). SPECLOOP_KERNELS=stock forces the latter."""
+    from drafter import kernels
+
+    fits = mode == "int8" or (mode == "int4" and group_size == 32)
+    return "own" if fits and kernels.available() else "stock"
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How a decoder's linears were prepared (kept on the decoder as `lean.quant`)."""
@@ -235,6 +325,7 @@ class QuantSpec:
     act_dtype: torch.dtype
     group_size: int = DEFAULT_GROUP_SIZE
     from_groups: int = 0  # checkpoint weights packed from their own 4-bit groups (`int4_groups`), not requantized
+    kernels: str = "stock"  # "own": drafter.kernels multiply int4 / int8 weights (fp32 products); "stock": torch's
 
 
 def check_mode(mode: str) -> str:
@@ -250,12 +341,15 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, bias: torch.Tensor | 
         return weight.to(spec.act_dtype)  # raw: the unquantized path (bias stays with the caller)
     if spec.mode == "bf16":
         return Dense(weight, bias, spec.act_dtype)
+    own = spec.kernels == "own"
     if spec.mode == "int4":
         K = weight.shape[1]
+        if own and K % 32 == 0:
+            return OwnInt4Weight.quantize(weight, bias, spec.act_dtype)
         sizes = [g for g in INT4_GROUP_SIZES if g <= spec.group_size and K % g == 0]
         if sizes:
             return Int4Weight(weight, bias, spec.act_dtype, max(sizes))
-    return Int8Weight(weight, bias, spec.act_dtype)
+    return (OwnInt8Weight if own else Int8Weight)(weight, bias, spec.act_dtype)
 
 
 def quantize_like(lean, weight: torch.Tensor):
@@ -292,7 +386,7 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
         raise ValueError(f"weight dtype mode {mode!r} uses CPU kernels; on {lean.device.type} use fp32 or bf16")
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
-    spec = QuantSpec(mode, act_dtype or activation_dtype(mode), group_size)
+    spec = QuantSpec(mode, act_dtype or activation_dtype(mode), group_size, kernels=_kernels_for(mode, group_size))
     act = spec.act_dtype
     if mode != "int4" or groups is None:
         groups = {}
@@ -374,6 +468,8 @@ def _grouped(weight: torch.Tensor, names: list[str], groups: dict, spec: QuantSp
         warnings.warn(f"int4 groups of {', '.join(names)} do not reproduce the loaded weight: requantizing it")
         return quantize_weight(weight, spec, bias)
     used.extend(names)
+    if spec.kernels == "own":
+        return OwnInt4Weight(q, d.float(), m.float(), bias, spec.act_dtype)
     return Int4Weight.from_groups(q, d, m, bias, spec.act_dtype)
 
 
@@ -405,13 +501,15 @@ def native_bf16() -> bool:
 
 
 def activation_dtype(mode: str) -> torch.dtype:
-    """The activation dtype for `mode`: fp32 → fp32, bf16 → bf16; int8 / int4 → bf16 where the CPU has
-    native bf16, else fp32. Fixed by the CPU, never timed: two processes serving one model must run
+    """The activation dtype for `mode`: fp32 → fp32, bf16 → bf16; int8 / int4 → fp32 where specloop's
+    own kernels serve them (drafter.kernels), else bf16 where the CPU has native bf16, else fp32. Fixed by the CPU, never timed: two processes serving one model must run
     the same verifier. (Measured on the development CPU: with bf16 activations these kernels run
     10-50x faster than with fp32 ones, whose paths are not vectorized.)"""
     check_mode(mode)
     if mode in ("fp32", "bf16"):
         return torch.float32 if mode == "fp32" else torch.bfloat16
+    if _kernels_for(mode, DEFAULT_GROUP_SIZE) == "own":
+        return torch.float32  # specloop's kernels multiply in fp32: bf16 activations would only add roundings
     return torch.bfloat16 if native_bf16() else torch.float32
 
 
@@ -469,7 +567,9 @@ def describe_mode(lean) -> str:
     if spec is None:
         return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(lean.dtype, str(lean.dtype))
     act = {torch.float32: "fp32", torch.bfloat16: "bf16"}[spec.act_dtype]
-    return spec.mode if spec.mode in ("fp32", "bf16") else f"{spec.mode} ({act} activations)"
+    if spec.mode in ("fp32", "bf16"):
+        return spec.mode
+    return f"{spec.mode} ({act} activations{', specloop kernels' if spec.kernels == 'own' else ''})"
 
 
 def default_mode(device: torch.device | str = "cpu", role: str = "drafter") -> str:

@@ -8,7 +8,7 @@ from drafter.decoder import LeanDecoder
 from drafter.dvi import DVIDrafter
 from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
-from drafter.quant import (DTYPE_MODES, Dense, Int4Weight, Int8Weight, QuantSpec, default_mode, linear,
+from drafter.quant import (DTYPE_MODES, Dense, Int4Weight, Int8Weight, OwnInt4Weight, QuantSpec, default_mode, linear,
                            quantize_decoder, quantize_weight)
 from drafter.sampling import SamplingParams
 from drafter.sd2 import SteeredDrafter
@@ -162,8 +162,11 @@ def q4_1_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.reshape(N, K), d, m
 
 
-def packed_q(w: Int4Weight) -> torch.Tensor:
-    """The 4-bit values an Int4Weight packed: its kernel with scale 1 and zero 8 multiplies by q itself."""
+def packed_q(w) -> torch.Tensor:
+    """The 4-bit values an Int4Weight packed: its kernel with scale 1 and zero 8 multiplies by q itself
+    (an OwnInt4Weight: its groups as packed)."""
+    if isinstance(w, OwnInt4Weight):
+        return w.groups()[0]
     probe = Int4Weight.__new__(Int4Weight)
     probe.__dict__.update(w.__dict__)
     probe.scales_zeros = torch.stack([torch.ones_like(w.scales_zeros[..., 0]), torch.full_like(w.scales_zeros[..., 1], 8)],

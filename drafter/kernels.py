@@ -1,0 +1,347 @@
+"""specloop's own CPU kernels for decode-shaped quantized products, built at run time for this CPU.
+
+The stock weight-only kernels (`torch._weight_int4pack_mm_for_cpu`, `torch._weight_int8pack_mm`)
+compute every row of a call on its own: exact for verification, but a verify pass of 5 tokens
+then streams the weights 5 times (measured: 3x a one-token step's int4 cost, 2x the int8 head's).
+The kernels here read each tile of weights (64 outputs) from memory once for all rows of the call
+(in chunks of 4 rows, the tile staying in L1 between chunks) and compute every row with the same
+instructions in the same order whatever the number of rows, so a verify pass scores a token bit
+for bit as a one-token step does, by construction:
+
+- int4 (`q4_mm`): groups of 32 inputs, w = q · d + m with q in [0, 15] and fp32 d, m per (output,
+  group) (GGUF Q4_1's own form); y[n] = Σ_g (d · Σ_{i in g} q x_i + m · Σ_{i in g} x_i), the inner sums
+  in input order, the groups in order, fp32 throughout.
+- int8 (`q8_mm`): per-output-channel symmetric int8, y[n] = scale[n] · Σ_i q x_i in input order.
+
+Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
+so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains);
+threads split the tiles (each output is computed whole by one thread, so the thread count changes
+no rounding).
+
+The source is compiled once per CPU (`-march=native`, a build folder named by a digest of the
+CPU's flags under torch's extension cache) with torch.utils.cpp_extension; where no compiler is
+available `available()` is False and drafter.quant uses the stock kernels. `self_check()` runs at
+load and refuses the build (falling back likewise) unless a multi-row call equals row-alone calls
+bit for bit on this machine.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LANES = 16  # outputs per weight block (one vector of fp32 lanes)
+TILE = 4  # blocks per tile in the kernels: N is padded to a multiple of LANES * TILE
+GROUP = 32  # int4 group size
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cstring>
+#include <cstdint>
+
+typedef float vf __attribute__((vector_size(64)));
+
+static inline vf load_vf(const float* p) { vf v; std::memcpy(&v, p, 64); return v; }
+
+// 16 bytes -> 16 floats, exactly (small integers), with the widest vectors this CPU has.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vf bytes_to_vf(__m128i b, bool is_signed) {
+  const __m512i i = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  const __m512 f = _mm512_cvtepi32_ps(i);
+  vf v; std::memcpy(&v, &f, 64); return v;
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vf bytes_to_vf(__m128i b, bool is_signed) {
+  const __m128i hi8 = _mm_srli_si128(b, 8);
+  const __m256 a = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  const __m256 c = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(hi8) : _mm256_cvtepu8_epi32(hi8));
+  vf v; std::memcpy(&v, &a, 32); std::memcpy(reinterpret_cast<char*>(&v) + 32, &c, 32); return v;
+}
+#endif
+
+#if defined(__AVX2__)
+static inline void nibbles_to_vf(const uint8_t* p, vf& lo, vf& hi) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i m = _mm_set1_epi8(15);
+  lo = bytes_to_vf(_mm_and_si128(b, m), false);
+  hi = bytes_to_vf(_mm_and_si128(_mm_srli_epi16(b, 4), m), false);
+}
+static inline vf int8_to_vf(const int8_t* p) {
+  return bytes_to_vf(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), true);
+}
+#else
+static inline void nibbles_to_vf(const uint8_t* p, vf& lo, vf& hi) {
+  for (int j = 0; j < 16; ++j) { lo[j] = (float)(p[j] & 15); hi[j] = (float)(p[j] >> 4); }
+}
+static inline vf int8_to_vf(const int8_t* p) {
+  vf v;
+  for (int j = 0; j < 16; ++j) v[j] = (float)p[j];
+  return v;
+}
+#endif
+
+// A tile of TB blocks of 16 outputs (their weights stay in L1 while every row chunk passes), M rows.
+// int4 groups of 32, w = q * d + m. Per output: the group's inputs summed in one chain in input
+// order, then d * that + m * sum(x) added to the output's chain, groups in order.
+template <int M, int TB>
+static void q4_tile(const uint8_t* w, const float* d, const float* mn, const float* x, const float* xs,
+                    float* y, int64_t K, int64_t ldy) {
+  const int64_t G = K / 32, wstride = (K / 2) * 16, sstride = G * 16;
+  vf out[M][TB];
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    vf acc[M][TB];
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[r][t] = vf{};
+    for (int kk = 0; kk < 16; ++kk) {
+      vf lo[TB], hi[TB];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) nibbles_to_vf(w + t * wstride + g * 256 + kk * 16, lo[t], hi[t]);
+      _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+        const float x0 = x[r * K + g * 32 + 2 * kk], x1 = x[r * K + g * 32 + 2 * kk + 1];
+        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+          acc[r][t] = acc[r][t] + lo[t] * x0;
+          acc[r][t] = acc[r][t] + hi[t] * x1;
+        }
+      }
+    }
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+      const vf dg = load_vf(d + t * sstride + g * 16), mg = load_vf(mn + t * sstride + g * 16);
+      _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+        out[r][t] = out[r][t] + dg * acc[r][t];
+        out[r][t] = out[r][t] + mg * xs[r * G + g];
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) std::memcpy(y + r * ldy + t * 16, &out[r][t], 64);
+}
+
+// int8 tile: y = scale * sum q x, per output one chain over the inputs in order.
+template <int M, int TB>
+static void q8_tile(const int8_t* w, const float* s, const float* x, float* y, int64_t K, int64_t ldy) {
+  vf acc[M][TB];
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[r][t] = vf{};
+  for (int64_t k = 0; k < K; ++k) {
+    vf q[TB];
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) q[t] = int8_to_vf(w + t * K * 16 + k * 16);
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+      const float xk = x[r * K + k];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[r][t] = acc[r][t] + q[t] * xk;
+    }
+  }
+  _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+    const vf sc = load_vf(s + t * 16);
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+      const vf o = sc * acc[r][t];
+      std::memcpy(y + r * ldy + t * 16, &o, 64);
+    }
+  }
+}
+
+template <typename F>
+static void by_rows(int64_t rows, F&& f) {  // chunks of up to 4 rows, each through its own template
+  for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+    switch (std::min<int64_t>(4, rows - r0)) {
+      case 1: f(r0, std::integral_constant<int, 1>{}); break;
+      case 2: f(r0, std::integral_constant<int, 2>{}); break;
+      case 3: f(r0, std::integral_constant<int, 3>{}); break;
+      default: f(r0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+constexpr int TILE = 4;  // blocks of 16 outputs per tile: 64 outputs (N is padded to a multiple)
+
+// [..., K] in any float dtype -> (rows [R, K] fp32 contiguous, output shape [..., n])
+static torch::Tensor rows_of(const torch::Tensor& x) {
+  return x.reshape({-1, x.size(-1)}).to(torch::kFloat32).contiguous();
+}
+static torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x, int64_t n) {
+  auto sizes = x.sizes().vec();
+  sizes.back() = n;
+  return (y.size(1) == n ? y : y.narrow(1, 0, n)).to(x.scalar_type()).reshape(sizes);
+}
+
+torch::Tensor q4_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn) {
+  // x [R, K] fp32; w [N/16, K/2, 16] uint8; d, mn [N/16, K/32, 16] fp32 -> [R, N] fp32
+  const torch::Tensor x = rows_of(x_in);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8);
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == K / 2 && d.size(1) == G && NB % TILE == 0);
+  auto y = torch::empty({R, NB * 16}, x.options());
+  auto xs = torch::empty({R, G}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* xsp = xs.data_ptr<float>();
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int i = 0; i < 32; ++i) s += xp[r * K + g * 32 + i];
+      xsp[r * G + g] = s;
+    }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = mn.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = NB * 16;
+  at::parallel_for(0, NB / TILE, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0 * TILE; nb < b1 * TILE; nb += TILE)
+      by_rows(R, [&](int64_t r0, auto m) {
+        q4_tile<decltype(m)::value, TILE>(wp + nb * (K / 2) * 16, dp + nb * G * 16, mp + nb * G * 16, xp + r0 * K,
+                                          xsp + r0 * G, yp + r0 * ldy + nb * 16, K, ldy);
+      });
+  });
+  return y;
+}
+
+torch::Tensor q4_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t n) {
+  // x [..., K] (fp32 or bf16) -> [..., n] in x's dtype (products in fp32)
+  return shaped(q4_mm(x, w, d, mn), x, n);
+}
+
+torch::Tensor q8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor s) {
+  // x [R, K] fp32; w [N/16, K, 16] int8; s [N/16, 16] fp32 -> [R, N] fp32
+  const torch::Tensor x = rows_of(x_in);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8);
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0);
+  TORCH_CHECK(w.size(1) == K && NB % TILE == 0);
+  auto y = torch::empty({R, NB * 16}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = NB * 16;
+  at::parallel_for(0, NB / TILE, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0 * TILE; nb < b1 * TILE; nb += TILE)
+      by_rows(R, [&](int64_t r0, auto m) {
+        q8_tile<decltype(m)::value, TILE>(wp + nb * K * 16, sp + nb * 16, xp + r0 * K, yp + r0 * ldy + nb * 16, K, ldy);
+      });
+  });
+  return y;
+}
+
+torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t n) {
+  return shaped(q8_mm(x, w, s), x, n);
+}
+"""
+
+
+def _cpu_digest() -> str:
+    """A digest of what the build depends on: the CPU's flags, the machine, the source, torch."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    text = "|".join((flags, platform.machine(), torch.__version__, _SOURCE))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+@functools.cache
+def _module():
+    """The compiled extension, or None (no compiler, a failed build, or SPECLOOP_KERNELS=stock)."""
+    if os.environ.get("SPECLOOP_KERNELS", "auto") == "stock":
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        mod = load_inline(name=f"specloop_kernels_{_cpu_digest()}", cpp_sources=[_SOURCE],
+                          functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear"], extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"],
+                          verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
+        log.warning("specloop kernels not built (%s: %s); using torch's stock int4/int8 kernels", type(e).__name__, e)
+        return None
+    if not _rows_independent(mod):
+        log.warning("specloop kernels round a row differently with other rows in the call on this CPU; "
+                    "using torch's stock int4/int8 kernels")
+        return None
+    return mod
+
+
+def available() -> bool:
+    return _module() is not None
+
+
+def _rows_independent(mod) -> bool:
+    """Every row count 1..9 gives each row exactly what it gets alone (the property verification needs)."""
+    g = torch.Generator().manual_seed(0)
+    K, NB = 96, 2 * TILE
+    w4 = torch.randint(0, 256, (NB, K // 2, LANES), generator=g, dtype=torch.uint8)
+    d, m = torch.randn(NB, K // GROUP, LANES, generator=g), torch.randn(NB, K // GROUP, LANES, generator=g)
+    w8 = torch.randint(-127, 128, (NB, K, LANES), generator=g, dtype=torch.int8)
+    s = torch.rand(NB, LANES, generator=g)
+    x = torch.randn(9, K, generator=g)
+    calls = (lambda rows: mod.q4_mm(rows, w4, d, m), lambda rows: mod.q8_mm(rows, w8, s))
+    for call in calls:
+        alone = torch.cat([call(x[i : i + 1].contiguous()) for i in range(9)])
+        for R in range(2, 10):
+            if not torch.equal(call(x[:R].contiguous()), alone[:R]):
+                return False
+    return True
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (nibbles [N'/16, K/2, 16] uint8,
+    d [N'/16, K/32, 16] fp32, m [N'/16, K/32, 16] fp32), N' = N rounded up to 64 (zero outputs)."""
+    N, K = q.shape
+    pad = -N % (LANES * TILE)
+    q = q.to(torch.uint8)
+    scale, minimum = scale.float(), minimum.float()
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, K)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        minimum = torch.cat([minimum, minimum.new_zeros(pad, minimum.shape[1])])
+    pairs = q.view(-1, LANES, K // 2, 2)
+    nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+    lanes = lambda t: t.view(-1, LANES, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
+    return nibbles, lanes(scale), lanes(minimum)
+
+
+def unpack_q4(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int):
+    """`pack_q4`'s inverse: (q [N, K] uint8, scale [N, K/32], minimum [N, K/32])."""
+    q = torch.stack([nibbles & 15, nibbles >> 4], dim=-1)  # [N'/16, K/2, 16, 2]
+    q = q.permute(0, 2, 1, 3).reshape(-1, nibbles.shape[1] * 2)[:N]
+    rows = lambda t: t.transpose(1, 2).reshape(-1, t.shape[1])[:N]  # noqa: E731
+    return q, rows(d), rows(m)
+
+
+def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8, scales [N] → ([N'/16, K, 16] int8, [N'/16, 16] fp32), N' = N rounded up to 64."""
+    N, K = q.shape
+    pad = -N % (LANES * TILE)
+    scales = scales.float()
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, K)])
+        scales = torch.cat([scales, scales.new_zeros(pad)])
+    return q.view(-1, LANES, K).transpose(1, 2).contiguous(), scales.view(-1, LANES).contiguous()
+
+
+def q4_mm(x: torch.Tensor, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [R, K] → [R, N'] fp32 (`pack_q4`'s layout)."""
+    return _module().q4_mm(x, nibbles, d, m)
+
+
+def q8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [R, K] → [R, N'] fp32 (`pack_q8`'s layout)."""
+    return _module().q8_mm(x, q, scales)
+
+
+def linear_op(kind: str):
+    """The compiled `q4_linear` / `q8_linear`: x [..., K] → [..., n] in x's dtype, in one call (what a
+    decode step calls ~120 times: no Python between the conversions and the product)."""
+    return getattr(_module(), f"{kind}_linear")
