@@ -51,7 +51,7 @@ class LoadedModel:
 
     @property
     def served(self) -> str:
-        """The weight mode it is served in ("fp32", "int4 (bf16 activations)", ...): printed wherever
+        """The weight mode it is served in ("fp32", "int4 (fp32 activations, specloop kernels)", ...): printed wherever
         the model is named."""
         from drafter.quant import describe_mode
 

@@ -546,8 +546,9 @@ def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str
 
     - a verifier is served as its checkpoint `path` is: the mode its manifest names, else the dtype it
       is stored in (fp32 / bf16). Never a quantized copy nobody asked for. A manifest's int8 / int4
-      needs a CPU with native bf16 (their fp32-activation kernels are 10-50x slower): elsewhere, and
-      on CUDA, the stored dtype is served instead (`describe_mode` says so).
+      needs specloop's kernels built for this CPU (drafter.kernels) or native bf16 (torch's stock
+      kernels are 10-50x slower with fp32 activations): elsewhere, and on CUDA, the stored dtype is
+      served instead (`describe_mode` says so).
     - a drafter: `default_mode` (its precision costs acceptance only, never output).
     """
     if mode not in (None, "auto"):
@@ -555,14 +556,15 @@ def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str
     if role == "drafter":
         return default_mode(device, role)
     wanted = manifest_mode(path)
-    if wanted in ("int8", "int4") and (torch.device(device).type != "cpu" or not native_bf16()):
+    if wanted in ("int8", "int4") and (torch.device(device).type != "cpu"
+                                       or not (native_bf16() or _kernels_for(wanted, DEFAULT_GROUP_SIZE) == "own")):
         wanted = None
     return wanted or stored_mode(path)
 
 
 def describe_mode(lean) -> str:
     """What a decoder serves, for start-up lines, /v1/models and benchmark rows: "fp32", "int4
-    (bf16 activations)" ..."""
+    (fp32 activations, specloop kernels)", "int8 (bf16 activations)" ..."""
     spec = getattr(lean, "quant", None)
     if spec is None:
         return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(lean.dtype, str(lean.dtype))
