@@ -267,12 +267,12 @@ class LeanDecoder:
         h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
         exact = T <= QUERY_CHUNK  # decode-shaped: rows independent of each other (drafter.quant.row_blocked)
         qkv = linear(h, w.qkv, w.qkv_bias, exact)
-        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+        qk, v = qkv.split(((H + Hkv) * D, Hkv * D), dim=-1)
+        qk, v = qk.view(B, T, H + Hkv, D), v.view(B, T, Hkv, D)
         if w.q_norm is not None:
-            q = F.rms_norm(q, (D,), w.q_norm, self.eps)
-            k = F.rms_norm(k, (D,), w.k_norm, self.eps)
-        q, k = _rope(q, at.cos, at.sin), _rope(k, at.cos, at.sin)
+            q, k = qk.split((H, Hkv), dim=2)
+            qk = torch.cat([F.rms_norm(q, (D,), w.q_norm, self.eps), F.rms_norm(k, (D,), w.k_norm, self.eps)], dim=2)
+        q, k = _rope(qk, at.cos, at.sin).split((H, Hkv), dim=2)  # one element-wise pass for both
         kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
         vc[at.rows, :, at.pos] = v.to(KV_DTYPE)
         att = exact_attention(q, kc, vc, at.mask, self.scaling)  # [B, T, H, D]
