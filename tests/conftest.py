@@ -6,6 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import drafter  # noqa: F401  (sets MKL_CBWR before any product: drafter/__init__.py)
+
 torch.set_num_threads(1)
 
 from tests.tiny import make_pair  # noqa: E402
