@@ -20,9 +20,9 @@ no rounding).
 
 The source is compiled once per CPU (`-march=native`, a build folder named by a digest of the
 CPU's flags under torch's extension cache) with torch.utils.cpp_extension; where no compiler is
-available `available()` is False and drafter.quant uses the stock kernels. `self_check()` runs at
-load and refuses the build (falling back likewise) unless a multi-row call equals row-alone calls
-bit for bit on this machine.
+available `available()` is False and drafter.quant uses the stock kernels. `_rows_independent()`
+runs at load and refuses the build (falling back likewise) unless multi-row calls equal row-alone
+calls bit for bit on this machine.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+from pathlib import Path
 
 import torch
 
@@ -253,13 +255,14 @@ def _module():
     """The compiled extension, or None (no compiler, a failed build, or SPECLOOP_KERNELS=stock)."""
     if os.environ.get("SPECLOOP_KERNELS", "auto") == "stock":
         return None
+    name = f"specloop_kernels_{_cpu_digest()}"
     try:
         from torch.utils.cpp_extension import load_inline
 
-        mod = load_inline(name=f"specloop_kernels_{_cpu_digest()}", cpp_sources=[_SOURCE],
-                          functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear"], extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                          extra_ldflags=["-fopenmp"],
-                          verbose=False)
+        _announce_first_build(name)
+        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear"],
+                          extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
+                          extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
         log.warning("specloop kernels not built (%s: %s); using torch's stock int4/int8 kernels", type(e).__name__, e)
         return None
@@ -268,6 +271,18 @@ def _module():
                     "using torch's stock int4/int8 kernels")
         return None
     return mod
+
+
+def _announce_first_build(name: str) -> None:
+    """Say so on stderr when this CPU's build is not cached yet (a ~30 s pause otherwise unexplained)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = any(Path(_get_build_directory(name, verbose=False)).glob("*.so"))
+    except Exception:  # noqa: BLE001 - only a message depends on it
+        built = True
+    if not built:
+        print("specloop: building int4/int8 kernels for this CPU (once, ~30 s)...", file=sys.stderr, flush=True)
 
 
 def available() -> bool:
