@@ -1,0 +1,113 @@
+"""Benchmark: what one decode forward of T tokens costs, by kernel choice, in one process.
+
+The verifier (default: the `specloop models fetch` pair, served as `auto`) is loaded once per
+kernel choice (`own`: drafter/kernels.py; `stock`: torch's int kernels, SPECLOOP_KERNELS=stock),
+a prompt of --context tokens is prefilled, and forwards of T = 1..5 new tokens on one row are
+timed at that context (the cache length reset each time). Kinds take turns T by T, the order
+alternating every round, medians of --repeats forwards per round and of the rounds. v_T = cost(T)
+/ cost(1) is what a verify pass of k + 1 = T tokens costs in one-token steps.
+
+    .venv/bin/python bench/step_cost.py            # writes bench/results/step_cost.json and .png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+OUT = ROOT / "bench" / "results"
+DEFAULT_VERIFIER = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct" / "verifier"
+KINDS = ("own", "stock")
+
+
+def load(path: str, kind: str):
+    from drafter import kernels
+    from drafter.models import load_model
+
+    os.environ["SPECLOOP_KERNELS"] = "auto" if kind == "own" else "stock"
+    kernels._module.cache_clear()
+    lean = load_model(path, weights="auto").lean
+    os.environ["SPECLOOP_KERNELS"] = "auto"  # the loaded weights keep their kernels; the own ones need the module
+    kernels._module.cache_clear()
+    return lean
+
+
+def forward_ms(lean, context: int, T: int, repeats: int) -> float:
+    import torch
+
+    from drafter.decoder import prefill
+
+    cache, _ = prefill(lean, [list(range(100, 100 + context + 1))], context + 64)
+    base, tokens, times = cache.lens.clone(), torch.full((1, T), 200), []
+    for _ in range(repeats):
+        cache.lens = base.clone()
+        start = time.perf_counter()
+        lean.forward(cache, tokens)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--verifier", default=str(DEFAULT_VERIFIER))
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default="step_cost")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from bench.machine import machine_info
+    from drafter.quant import describe_mode
+
+    models = {kind: load(args.verifier, kind) for kind in KINDS}
+    widths = range(1, 6)
+    samples = {(kind, T): [] for kind in KINDS for T in widths}
+    for r in range(args.rounds):
+        for T in widths:
+            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
+                samples[(kind, T)].append(forward_ms(models[kind], args.context, T, args.repeats))
+    result = {"benchmark": "step_cost", "machine": machine_info() | {"threads": args.threads},
+              "settings": vars(args), "kinds": {}}
+    for kind in KINDS:
+        ms = {T: statistics.median(samples[(kind, T)]) for T in widths}
+        result["kinds"][kind] = {"served": describe_mode(models[kind]), "ms_by_T": ms,
+                                 "v_T": {T: ms[T] / ms[1] for T in widths},
+                                 "rounds_ms": {T: samples[(kind, T)] for T in widths}}
+        print(f"{kind:5s} {result['kinds'][kind]['served']}: "
+              + "  ".join(f"T={T} {ms[T]:.2f} ms (v={ms[T] / ms[1]:.2f})" for T in widths))
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    _plot(result, OUT / f"{args.out}.png")
+    print(f"wrote {OUT / args.out}.json and .png")
+
+
+def _plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for kind, row in result["kinds"].items():
+        Ts = sorted(int(t) for t in row["ms_by_T"])
+        ax.plot(Ts, [row["ms_by_T"][t] for t in Ts], marker="o", label=f"{kind}: {row['served']}")
+    ax.set_xlabel("tokens per forward (T = k + 1)")
+    ax.set_ylabel("ms per forward (median)")
+    ax.set_title(f"decode forward cost, {result['machine']['cpu']}, {result['machine']['threads']} threads")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
