@@ -165,6 +165,16 @@ static void by_rows(int64_t rows, F&& f) {  // chunks of up to 4 rows, each thro
 
 constexpr int TILE = 4;  // blocks of 16 outputs per tile: 64 outputs (N is padded to a multiple)
 
+// f(first block, first row, rows as a compile-time constant) for every tile and row chunk: each
+// tile on one thread (an output is computed whole by one thread), its row chunks one after another.
+template <typename F>
+static void over_tiles(int64_t NB, int64_t R, int64_t grain, F&& f) {
+  at::parallel_for(0, NB / TILE, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0 * TILE; nb < b1 * TILE; nb += TILE)
+      by_rows(R, [&](int64_t r0, auto m) { f(nb, r0, m); });
+  });
+}
+
 // [..., K] in any float dtype -> (rows [R, K] fp32 contiguous, output shape [..., n])
 static torch::Tensor rows_of(const torch::Tensor& x) {
   return x.reshape({-1, x.size(-1)}).to(torch::kFloat32).contiguous();
@@ -196,12 +206,9 @@ torch::Tensor q4_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch:
   const float* mp = mn.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
-  at::parallel_for(0, NB / TILE, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0 * TILE; nb < b1 * TILE; nb += TILE)
-      by_rows(R, [&](int64_t r0, auto m) {
-        q4_tile<decltype(m)::value, TILE>(wp + nb * (K / 2) * 16, dp + nb * G * 16, mp + nb * G * 16, xp + r0 * K,
-                                          xsp + r0 * G, yp + r0 * ldy + nb * 16, K, ldy);
-      });
+  over_tiles(NB, R, 1, [&](int64_t nb, int64_t r0, auto m) {
+    q4_tile<decltype(m)::value, TILE>(wp + nb * (K / 2) * 16, dp + nb * G * 16, mp + nb * G * 16, xp + r0 * K,
+                                      xsp + r0 * G, yp + r0 * ldy + nb * 16, K, ldy);
   });
   return y;
 }
@@ -223,11 +230,8 @@ torch::Tensor q8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor s) {
   const float* sp = s.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
-  at::parallel_for(0, NB / TILE, 4, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0 * TILE; nb < b1 * TILE; nb += TILE)
-      by_rows(R, [&](int64_t r0, auto m) {
-        q8_tile<decltype(m)::value, TILE>(wp + nb * K * 16, sp + nb * 16, xp + r0 * K, yp + r0 * ldy + nb * 16, K, ldy);
-      });
+  over_tiles(NB, R, 4, [&](int64_t nb, int64_t r0, auto m) {
+    q8_tile<decltype(m)::value, TILE>(wp + nb * K * 16, sp + nb * 16, xp + r0 * K, yp + r0 * ldy + nb * 16, K, ldy);
   });
   return y;
 }
