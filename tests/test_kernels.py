@@ -100,3 +100,19 @@ def test_quantized_linears_take_any_leading_shape_and_keep_the_dtype():
         tol = 1e-5 if lin.act_dtype == torch.float32 else 0.05  # bf16: the input and output roundings
         torch.testing.assert_close(y.float(), exact, rtol=tol, atol=tol)
         torch.testing.assert_close(lin.dequantize(), w, rtol=0, atol=0.05)
+
+
+@needs_kernels
+def test_the_load_time_self_check_accepts_this_build_and_refuses_wrong_or_row_dependent_ones():
+    mod = kernels._module()
+    assert kernels._self_check(mod)
+
+    class Off:  # right rows, wrong values
+        q4_mm = staticmethod(lambda x, *w: mod.q4_mm(x, *w) * 1.01)
+        q8_mm = staticmethod(mod.q8_mm)
+
+    class RowDependent:  # right values, but a row's result depends on the call's row count
+        q4_mm = staticmethod(lambda x, *w: mod.q4_mm(x, *w) * (1 + 1e-5 * (x.shape[0] > 1)))
+        q8_mm = staticmethod(mod.q8_mm)
+
+    assert not kernels._self_check(Off) and not kernels._self_check(RowDependent)
