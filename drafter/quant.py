@@ -10,8 +10,9 @@ activation dtype and holds its own bias:
   `torch._weight_int4pack_mm_for_cpu`.
 - `OwnInt4Weight` / `OwnInt8Weight`: the same formats (int4 in groups of 32, w = q · d + m with fp32
   d, m; int8 per channel with fp32 scales) multiplied by specloop's own kernels (drafter.kernels),
-  which read the weights once for up to 8 rows: a verify pass of 5 tokens costs about what a
-  one-token step does. Used wherever they build for this CPU (`QuantSpec.kernels == "own"`);
+  which read each tile of weights from memory once for all rows of a call and compute every row
+  alike (bench/README.md section 9: a 5-token pass 0.84x of the stock kernels' cost, v_5 1.88
+  against 2.04). Used wherever they build for this CPU (`QuantSpec.kernels == "own"`);
   SPECLOOP_KERNELS=stock serves the stock kernels instead.
 
 Modes (`DTYPE_MODES`): "fp32" (raw fp32 tensors), "bf16" (bf16 weights and activations), "int8"
@@ -37,6 +38,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from drafter import kernels
 
 DTYPE_MODES = ("fp32", "bf16", "int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -234,13 +237,11 @@ class Int4Weight:
 
 class OwnInt4Weight:
     """Int4 groups of 32 along K, w = q · d + m (GGUF Q4_1's form, d and m in fp32), multiplied by
-    specloop's own kernel (drafter.kernels.q4_mm: fp32 products, weights read once for up to 8 rows,
-    every row computed alike whatever the row count). Output in the activation dtype."""
+    specloop's own kernel (drafter.kernels.q4_mm: fp32 products, each tile of weights read once for
+    all rows, every row computed alike whatever the row count). Output in the activation dtype."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None,
                  act_dtype: torch.dtype = torch.bfloat16):
-        from drafter import kernels
-
         N, K = q.shape
         if scale.shape != (N, K // kernels.GROUP) or minimum.shape != scale.shape or K % kernels.GROUP:
             raise ValueError(f"int4 groups of 32: q {tuple(q.shape)} needs scale and minimum [N, K / 32]")
@@ -262,8 +263,6 @@ class OwnInt4Weight:
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8, scale, minimum [N, K/32]) as packed."""
-        from drafter import kernels
-
         return kernels.unpack_q4(self.nibbles, self.d, self.m, self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -273,8 +272,6 @@ class OwnInt4Weight:
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
-        from drafter import kernels
-
         eye = torch.eye(self.in_features)
         return kernels.q4_mm(eye, self.nibbles, self.d, self.m)[:, : self.out_features].t().contiguous()
 
@@ -284,8 +281,6 @@ class OwnInt8Weight:
     kernel (drafter.kernels.q8_mm, as `OwnInt4Weight`). Output in the activation dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
-        from drafter import kernels
-
         w = weight.detach().float()
         scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
@@ -302,8 +297,6 @@ class OwnInt8Weight:
         return y if self.bias is None else y + self.bias
 
     def dequantize(self) -> torch.Tensor:
-        from drafter import kernels
-
         eye = torch.eye(self.in_features)
         return kernels.q8_mm(eye, self.q, self.scales)[:, : self.out_features].t().contiguous()
 
@@ -311,8 +304,6 @@ class OwnInt8Weight:
 def _kernels_for(mode: str, group_size: int) -> str:
     """"own" where drafter.kernels serve this mode here (built for this CPU, self-checked; int8, or
     int4 in groups of 32), else "stock" (torch's kernels). SPECLOOP_KERNELS=stock forces the latter."""
-    from drafter import kernels
-
     fits = mode == "int8" or (mode == "int4" and group_size == 32)
     return "own" if fits and kernels.available() else "stock"
 
