@@ -16,13 +16,13 @@ activation dtype and holds its own bias:
   SPECLOOP_KERNELS=stock serves the stock kernels instead.
 
 Modes (`DTYPE_MODES`): "fp32" (raw fp32 tensors), "bf16" (bf16 weights and activations), "int8"
-and "int4" (quantized weights; activations in bf16 where the CPU has native bf16, else fp32:
-`activation_dtype`). The embedding, norms and RoPE tables follow the activation dtype; the KV cache
+and "int4" (quantized weights; activations in fp32 with specloop's kernels, else in bf16 where the
+CPU has native bf16, else fp32: `activation_dtype`). The embedding, norms and RoPE tables follow the activation dtype; the KV cache
 is fp32 in every mode (drafter.decoder).
 
 Which mode is served: `resolve_mode`. "auto" serves a verifier as its checkpoint is stored (fp32 /
 bf16), or in the mode its own manifest.json names (a model published as a 4-bit GGUF: int4 packed
-from the GGUF's groups, `Int4Weight.from_groups`); never a quantized copy nobody asked for.
+from the GGUF's groups, `OwnInt4Weight` / `Int4Weight.from_groups`); never a quantized copy nobody asked for.
 `describe_mode` is the string printed wherever the model is named.
 
 Losslessness is against the verifier as served. Greedy equality with that verifier alone needs
@@ -115,10 +115,8 @@ class Int8Weight:
     """Per-output-channel symmetric int8: w ≈ q · scale[n], q ∈ [-127, 127]."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        self.q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(act_dtype)
+        q, scales = int8_channels(weight)
+        self.q, self.scales = q.contiguous(), scales.to(act_dtype)
         self.bias = None if bias is None else bias.detach().to(act_dtype)
         self.act_dtype = act_dtype
         self.out_features, self.in_features = self.q.shape
@@ -154,6 +152,28 @@ def _nearest(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.to(dtype)
 
 
+def int8_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [N, K] int8 in [-127, 127], scale [N] fp32), w ≈ q · scale."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    return (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8), scales
+
+
+def minmax_groups(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max groups along K (as GGUF's Q4_1 quantizer makes them): (q [N, K] uint8 in
+    [0, 15], scale [N, K/g], minimum [N, K/g] fp32), w ≈ q · scale + minimum. q is computed in blocks
+    of _INT4_BLOCK_ROWS rows, so a large weight (an LM head) has no full-size float temporary beside it."""
+    N, K = weight.shape
+    groups = weight.detach().float().reshape(-1, group_size)
+    lo, hi = groups.amin(dim=1, keepdim=True), groups.amax(dim=1, keepdim=True)
+    scales = (hi - lo).clamp(min=1e-6) / 15.0
+    q = torch.empty(groups.shape, dtype=torch.uint8, device=groups.device)
+    step = _INT4_BLOCK_ROWS * (K // group_size)  # groups per block of rows
+    for g in range(0, groups.shape[0], step):
+        q[g : g + step] = (groups[g : g + step] - lo[g : g + step]).div_(scales[g : g + step]).round_().clamp_(0, 15)
+    return q.reshape(N, K), scales.view(N, -1), lo.view(N, -1)
+
+
 class Int4Weight:
     """Group-wise asymmetric int4 along K: w ≈ (q − 8) · scale + zero per group of `group_size`
     inputs, q ∈ [0, 15] (zero = min + 8 · scale, the tinygemm convention). N is padded with zero rows
@@ -164,18 +184,10 @@ class Int4Weight:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16,
                  group_size: int = DEFAULT_GROUP_SIZE):
-        N, K = weight.shape
-        _check_group_size(group_size, K)
-        groups = weight.detach().float().reshape(-1, group_size)
-        lo, hi = groups.amin(dim=1, keepdim=True), groups.amax(dim=1, keepdim=True)
-        scales = (hi - lo).clamp(min=1e-6) / 15.0
+        _check_group_size(group_size, weight.shape[1])
+        q, scales, lo = minmax_groups(weight, group_size)
         zeros = lo + 8.0 * scales
-        q = torch.empty(groups.shape, dtype=torch.uint8, device=groups.device)
-        step = _INT4_BLOCK_ROWS * (K // group_size)  # groups per block of rows
-        for g in range(0, groups.shape[0], step):
-            q[g : g + step] = (groups[g : g + step] - lo[g : g + step]).div_(scales[g : g + step]).round_().clamp_(0, 15)
-        q = q.reshape(N, K)
-        self._pack(q, scales.view(N, -1).to(act_dtype), zeros.view(N, -1).to(act_dtype), bias, act_dtype, group_size)
+        self._pack(q, scales.to(act_dtype), zeros.to(act_dtype), bias, act_dtype, group_size)
 
     @classmethod
     def from_groups(cls, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None,
@@ -253,13 +265,8 @@ class OwnInt4Weight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
-        """Min/max groups of 32 of a float weight (as GGUF's Q4_1 quantizer makes them)."""
-        N, K = weight.shape
-        groups = weight.detach().float().reshape(N, K // 32, 32)
-        lo, hi = groups.amin(-1), groups.amax(-1)
-        scale = (hi - lo).clamp(min=1e-6) / 15.0
-        q = ((groups - lo[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
-        return cls(q.reshape(N, K), scale, lo, bias, act_dtype)
+        """Min/max groups of 32 of a float weight (`minmax_groups`)."""
+        return cls(*minmax_groups(weight, kernels.GROUP), bias, act_dtype)
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q [N, K] uint8, scale, minimum [N, K/32]) as packed."""
@@ -281,14 +288,12 @@ class OwnInt8Weight:
     kernel (drafter.kernels.q8_mm, as `OwnInt4Weight`). Output in the activation dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
-        w = weight.detach().float()
-        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-        q = (w / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
+        q, scales = int8_channels(weight)
         self.q, self.scales = kernels.pack_q8(q, scales)
         self._op = kernels.linear_op("q8")
         self.bias = None if bias is None else bias.detach().to(act_dtype)
         self.act_dtype = act_dtype
-        self.out_features, self.in_features = w.shape
+        self.out_features, self.in_features = weight.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.act_dtype:
@@ -493,9 +498,10 @@ def native_bf16() -> bool:
 
 def activation_dtype(mode: str) -> torch.dtype:
     """The activation dtype for `mode`: fp32 → fp32, bf16 → bf16; int8 / int4 → fp32 where specloop's
-    own kernels serve them (drafter.kernels), else bf16 where the CPU has native bf16, else fp32. Fixed by the CPU, never timed: two processes serving one model must run
-    the same verifier. (Measured on the development CPU: with bf16 activations these kernels run
-    10-50x faster than with fp32 ones, whose paths are not vectorized.)"""
+    own kernels serve them (drafter.kernels), else bf16 where the CPU has native bf16, else fp32.
+    Fixed by the CPU, never timed: two processes serving one model must run the same verifier.
+    (Measured on the development CPU: with bf16 activations torch's stock int kernels run 10-50x
+    faster than with fp32 ones, whose paths are not vectorized.)"""
     check_mode(mode)
     if mode in ("fp32", "bf16"):
         return torch.float32 if mode == "fp32" else torch.bfloat16
