@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from drafter import kernels
 from drafter.quant import linear
 from drafter.vocab import expand
 
@@ -156,6 +157,10 @@ class LeanDecoder:
         self.vocab_ids: torch.Tensor | None = None  # FR-Spec draft vocabulary: the LM head holds these rows only
         n = max_positions or int(getattr(self.config, "max_position_embeddings", 4096))
         self.cos, self.sin = self._rope_tables(rotary, n)
+        # drafter.kernels.attend (rope, cache write and attention in one call per layer) on the CPU where
+        # the kernels build; else, and with SPECLOOP_KERNELS=stock, exact_attention (the reference)
+        self.fused = self.device.type == "cpu" and self.head_dim % 16 == 0 and kernels.available()
+        self._rope32 = (self.cos.float().contiguous(), self.sin.float().contiguous()) if self.fused else None
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
         """Score only the vocabulary rows `ids` (sorted; drafter.vocab): forward's logits are still
@@ -198,6 +203,8 @@ class LeanDecoder:
         max_len = int(cache.lens.max()) + T
         if max_len > min(cache.capacity, self.cos.shape[0]):
             raise ValueError(f"KV cache of {min(cache.capacity, self.cos.shape[0])} positions is full")
+        if self.fused:  # drafter.kernels.attend needs only where each row starts
+            return StepPositions(rows=None, pos=None, mask=None, cos=None, sin=None, max_len=max_len, lens=cache.lens)
         pos = (cache.lens[:, None] + torch.arange(T)[None]).to(self.device, non_blocking=True)  # [B, T]
         blocks = _round_up(max_len, KEY_BLOCK)
         query_pos = pos[:, None, :, None, None]  # [B, 1, T, 1, 1]
@@ -208,6 +215,7 @@ class LeanDecoder:
             cos=self.cos[pos][:, :, None],  # [B, T, 1, D]
             sin=self.sin[pos][:, :, None],
             max_len=max_len,
+            lens=cache.lens,
         )
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -267,21 +275,37 @@ class LeanDecoder:
         h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
         exact = T <= QUERY_CHUNK  # decode-shaped: rows independent of each other (drafter.quant.row_blocked)
         qkv = linear(h, w.qkv, w.qkv_bias, exact)
-        qk, v = qkv.split(((H + Hkv) * D, Hkv * D), dim=-1)
-        qk, v = qk.view(B, T, H + Hkv, D), v.view(B, T, Hkv, D)
         if w.q_norm is not None:
-            q, k = qk.split((H, Hkv), dim=2)
-            qk = torch.cat([F.rms_norm(q, (D,), w.q_norm, self.eps), F.rms_norm(k, (D,), w.k_norm, self.eps)], dim=2)
-        q, k = _rope(qk, at.cos, at.sin).split((H, Hkv), dim=2)  # one element-wise pass for both
-        kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
-        vc[at.rows, :, at.pos] = v.to(KV_DTYPE)
-        att = exact_attention(q, kc, vc, at.mask, self.scaling)  # [B, T, H, D]
-        x = x + linear(att.reshape(B, T, H * D), w.o, exact=exact)
+            qkv = self._qk_norm(w, qkv)
+        if self.fused:
+            att = kernels.attend(qkv, kc, vc, *self._rope32, at.lens, H, self.scaling).to(x.dtype)
+        else:
+            att = self._attention_reference(qkv, kc, vc, at)
+        x = x + linear(att, w.o, exact=exact)
         h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
         gate, up = linear(h, w.gate_up, exact=exact).chunk(2, dim=-1)
         if up_bias is not None:
             up = up + up_bias[:, None]
         return x + linear(F.silu(gate) * up, w.down, exact=exact)
+
+    def _qk_norm(self, w: _Layer, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3-style per-head RMSNorm of queries and keys, values untouched."""
+        B, T, _ = qkv.shape
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+        q = F.rms_norm(q.view(B, T, H, D), (D,), w.q_norm, self.eps)
+        k = F.rms_norm(k.view(B, T, Hkv, D), (D,), w.k_norm, self.eps)
+        return torch.cat([q.reshape(B, T, H * D), k.reshape(B, T, Hkv * D), v], dim=-1)
+
+    def _attention_reference(self, qkv: torch.Tensor, kc, vc, at: "StepPositions") -> torch.Tensor:
+        """Eager RoPE, cache write and `exact_attention`: [B, T, (H + 2 H_kv) D] → [B, T, H D]."""
+        B, T, _ = qkv.shape
+        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        qk, v = qkv.split(((H + Hkv) * D, Hkv * D), dim=-1)
+        q, k = _rope(qk.view(B, T, H + Hkv, D), at.cos, at.sin).split((H, Hkv), dim=2)  # one pass for both
+        kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
+        vc[at.rows, :, at.pos] = v.view(B, T, Hkv, D).to(KV_DTYPE)
+        return exact_attention(q, kc, vc, at.mask, self.scaling).reshape(B, T, H * D)
 
 
 # Keys are attended in whole blocks of this many positions (the KV cache's capacity is a multiple).
@@ -364,12 +388,15 @@ def _sum_over_key_blocks(parts: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepPositions:
-    rows: torch.Tensor  # [B, T] row index of every new token
-    pos: torch.Tensor  # [B, T] absolute position of every new token
-    mask: torch.Tensor  # [B, 1, T, 1, L] True where a key is hidden from the query (L: whole key blocks)
-    cos: torch.Tensor  # [B, T, 1, D]
-    sin: torch.Tensor
+    """Where a step's new tokens go. The eager attention's fields (rows .. sin) are None where
+    drafter.kernels.attend runs, which needs `lens` alone."""
+    rows: torch.Tensor | None  # [B, T] row index of every new token
+    pos: torch.Tensor | None  # [B, T] absolute position of every new token
+    mask: torch.Tensor | None  # [B, 1, T, 1, L] True where a key is hidden from the query (L: whole key blocks)
+    cos: torch.Tensor | None  # [B, T, 1, D]
+    sin: torch.Tensor | None
     max_len: int  # L: keys attended this step
+    lens: torch.Tensor  # [B] host int64: valid positions per row before the step (new tokens go from here)
 
 
 def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -47,6 +47,9 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <cstring>
 #include <cstdint>
+#include <cmath>
+#include <vector>
+#include <algorithm>
 
 typedef float vf __attribute__((vector_size(64)));
 
@@ -239,6 +242,134 @@ torch::Tensor q8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor s) {
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64_t n) {
   return shaped(q8_mm(x, w, s), x, n);
 }
+
+// ---------------------------------------------------------------------------- attention
+typedef int32_t vi __attribute__((vector_size(64)));
+
+static inline vf splat(float a) { return vf{} + a; }
+
+// Sum of 16 lanes in a fixed pairwise tree.
+static inline float hsum(vf v) {
+  float a[16];
+  std::memcpy(a, &v, 64);
+  for (int w = 8; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] += a[i + w];
+  return a[0];
+}
+
+// exp(x) for x <= 0 on 16 lanes (range reduction by ln 2, degree-6 polynomial: a few ulp);
+// lanes below -87 (and -inf) give exactly 0.
+static inline vf exp_neg(vf x) {
+  const vf lo = splat(-87.0f);
+  const vi under = x < lo;
+  x = under ? lo : x;
+  const vf fx = x * 1.44269504088896341f + 0.5f;
+  vf nf = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  nf = (nf > fx) ? nf - 1.0f : nf;  // floor
+  vf r = x - nf * 0.693359375f;
+  r = r - nf * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const vi bits = (__builtin_convertvector(nf, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, 64);
+  return under ? vf{} : p * scale;
+}
+
+// Rotate-half RoPE of one head (D floats) at one position into dst.
+static inline void rope_head(const float* x, const float* c, const float* s, float* dst, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] - x[i + half] * s[i];
+  for (int64_t i = half; i < D; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+// One query head over keys [0, L): scores, softmax, values. The result depends on (the query, the L
+// keys and values) alone: never on T, the batch or the thread.
+static void attend_head(const float* q, const float* K, const float* V, float* out, int64_t L, int64_t D,
+                        float scale, std::vector<float>& s) {
+  const int64_t C16 = D / 16, Lp = (L + 15) / 16 * 16;
+  s.resize(Lp);
+  vf qv[16];
+  for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(q + 16 * c);
+  float m = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) {  // scores: one dot product per key, lanes summed in a fixed tree
+    const float* k = K + j * D;
+    vf a = qv[0] * load_vf(k);
+    for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(k + 16 * c);
+    s[j] = hsum(a) * scale;
+    m = std::max(m, s[j]);  // a max is exact in any order
+  }
+  for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;  // exp gives exactly 0 there
+  vf total = vf{};
+  for (int64_t j = 0; j < Lp; j += 16) {
+    const vf p = exp_neg(load_vf(s.data() + j) - m);
+    std::memcpy(s.data() + j, &p, 64);
+    total = total + p;
+  }
+  vf o[16];
+  for (int64_t c = 0; c < C16; ++c) o[c] = vf{};
+  for (int64_t j = 0; j < L; ++j) {  // values: one chain per lane over the keys in order
+    const float pj = s[j];
+    const float* v = V + j * D;
+    for (int64_t c = 0; c < C16; ++c) o[c] = o[c] + pj * load_vf(v + 16 * c);
+  }
+  const float inv = 1.0f / hsum(total);
+  for (int64_t c = 0; c < C16; ++c) {
+    const vf y = o[c] * inv;
+    std::memcpy(out + 16 * c, &y, 64);
+  }
+}
+
+// Causal attention of T new tokens per row over a KV cache, exact per query by construction.
+// qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
+// and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] fp32 there; every query
+// attends keys 0 .. its own position. Returns [B, T, H D] fp32.
+torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
+                     torch::Tensor lens_in, int64_t H, double scale_d) {
+  const torch::Tensor qkv = qkv_in.to(torch::kFloat32).contiguous();
+  const torch::Tensor lens = lens_in.to(torch::kInt64).contiguous();
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
+              vc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(), "KV cache: contiguous fp32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+              cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D && lens.size(0) == B,
+              "attend: shapes");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] + T <= std::min(C, cos.size(0)), "KV cache full");
+  const int64_t rep = H / Hkv, W = qkv.size(2);
+  auto q = torch::empty({B, T, H, D}, qkv.options());
+  auto out = torch::empty({B, T, H * D}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, B * T, 8, [&](int64_t a, int64_t e) {
+    for (int64_t i = a; i < e; ++i) {
+      const int64_t b = i / T, pos = lp[b] + i % T;
+      const float* x = xp + i * W;
+      for (int64_t h = 0; h < H; ++h) rope_head(x + h * D, cp + pos * D, sp + pos * D, qp + (i * H + h) * D, D);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t at_ = ((b * Hkv + g) * C + pos) * D;
+        rope_head(x + (H + g) * D, cp + pos * D, sp + pos * D, kp + at_, D);
+        std::memcpy(vp + at_, x + (H + Hkv + g) * D, D * sizeof(float));
+      }
+    }
+  });
+  const float scale = (float)scale_d;
+  at::parallel_for(0, B * T * H, 1, [&](int64_t a, int64_t e) {  // one query head per unit
+    std::vector<float> s;
+    for (int64_t u = a; u < e; ++u) {
+      const int64_t i = u / H, b = i / T, t = i % T, g = (u % H) / rep, base = (b * Hkv + g) * C * D;
+      attend_head(qp + u * D, kp + base, vp + base, op + u * D, lp[b] + t + 1, D, scale, s);
+    }
+  });
+  return out;
+}
 """
 
 
@@ -264,7 +395,7 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         _announce_first_build(name)
-        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear"],
+        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend"],
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
@@ -311,6 +442,42 @@ def _self_check(mod) -> bool:
         if not torch.allclose(alone.double(), exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max())):
             return False
         if not all(torch.equal(call(x[:R].contiguous()), alone[:R]) for R in range(2, 10)):
+            return False
+    return _attention_checks(mod, g)
+
+
+def _attention_checks(mod, g: torch.Generator) -> bool:
+    """`attend` against a float64 softmax attention, and a 7-token pass equal bit for bit to seven
+    one-token steps (rows of different lengths in one batch)."""
+    B, H, Hkv, D, C = 2, 4, 2, 32, 64
+    cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
+    x = torch.randn(B, 7, (H + 2 * Hkv) * D, generator=g)
+    lens = torch.tensor([0, 9])
+
+    def run(chunks):
+        kc, vc = torch.zeros(B, Hkv, C, D), torch.zeros(B, Hkv, C, D)
+        outs, at = [], lens.clone()
+        for part in chunks:
+            outs.append(mod.attend(part, kc, vc, cos, sin, at, H, 0.3))
+            at = at + part.shape[1]
+        return torch.cat(outs, 1)
+
+    whole = run([x])
+    if not torch.equal(whole, run([x[:, t : t + 1] for t in range(7)])):
+        return False
+    half = D // 2
+    rope = lambda t, p: t * cos[p, None] + torch.cat([-t[..., half:], t[..., :half]], -1) * sin[p, None]  # noqa: E731
+    for b in range(B):
+        n, p = int(lens[b]), torch.arange(int(lens[b]), int(lens[b]) + 7)
+        qkv = x[b].double().view(7, H + 2 * Hkv, D)
+        q, k = rope(qkv[:, :H], p), rope(qkv[:, H : H + Hkv], p).repeat_interleave(H // Hkv, 1)
+        v = qkv[:, H + Hkv :].repeat_interleave(H // Hkv, 1)
+        k = torch.cat([k.new_zeros(n, H, D), k]).transpose(0, 1)  # [H, n + 7, D] (zero keys before: lens)
+        v = torch.cat([v.new_zeros(n, H, D), v]).transpose(0, 1)
+        scores = (q.transpose(0, 1) @ k.transpose(1, 2)) * 0.3  # [H, 7, n + 7]
+        scores = scores.masked_fill(torch.ones(7, n + 7, dtype=torch.bool).triu(n + 1), float("-inf"))
+        ref = (scores.softmax(-1) @ v).transpose(0, 1).reshape(7, H * D)
+        if not torch.allclose(whole[b].double(), ref, rtol=1e-4, atol=1e-5):
             return False
     return True
 
@@ -362,6 +529,19 @@ def q4_mm(x: torch.Tensor, nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tens
 def q8_mm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [R, K] → [R, N'] fp32 (`pack_q8`'s layout)."""
     return _module().q8_mm(x, q, scales)
+
+
+def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           lens: torch.Tensor, n_heads: int, scale: float) -> torch.Tensor:
+    """One layer's attention for T new tokens per row, in one call: qkv [B, T, (H + 2 H_kv) D] → RoPE
+    (rotate half; cos / sin [P, D] fp32) on queries and keys at positions lens[b] + t, keys and values
+    written into the cache (kc / vc [B, H_kv, C, D] fp32), causal attention → [B, T, H D] fp32.
+
+    Exact by construction: each query head is computed alone over keys 0 .. its position (scores
+    one dot product per key with the lanes summed in a fixed tree, an exact max, exp by one
+    polynomial, the values summed key by key in order), so a token's output is the same bits
+    whatever T, the batch, the other rows' lengths or the thread count."""
+    return _module().attend(qkv, kc, vc, cos, sin, lens, n_heads, scale)
 
 
 def linear_op(kind: str):

@@ -91,8 +91,9 @@ def _prefilled(lean, histories, capacity=512):
     return prefill(lean, [h + [0] for h in histories], capacity)[0]
 
 
-@pytest.mark.parametrize("mode", ["fp32", "bf16", "int8", "int4"])
-def test_verify_pass_is_bit_identical_to_one_token_steps(mode):
+@pytest.mark.parametrize("mode,attention", [("fp32", "kernels"), ("bf16", "kernels"), ("int8", "kernels"),
+                                            ("int4", "kernels"), ("fp32", "reference"), ("int4", "reference")])
+def test_verify_pass_is_bit_identical_to_one_token_steps(mode, attention):
     """One call over T tokens (a verify pass), for ragged batches of 1, 3 and 8 rows, scores every token
     bit for bit as that row alone decoding one token at a time does (and a ragged batched prefill
     writes every row's KV as its own prefill would): every weight mode, T = 1..9, contexts spanning
@@ -101,6 +102,8 @@ def test_verify_pass_is_bit_identical_to_one_token_steps(mode):
 
     model = build_model(llama_config(97, 2, 128, num_attention_heads=2, num_key_value_heads=1), seed=5, init_std=0.1)
     lean = LeanDecoder(model)
+    if attention == "reference":  # the eager exact_attention path (SPECLOOP_KERNELS=stock, no compiler)
+        lean.fused = False
     if mode != "fp32":
         quantize_decoder(lean, mode)
     g = torch.Generator().manual_seed(0)

@@ -116,3 +116,63 @@ def test_the_load_time_self_check_accepts_this_build_and_refuses_wrong_or_row_de
         q8_mm = staticmethod(mod.q8_mm)
 
     assert not kernels._self_check(Off) and not kernels._self_check(RowDependent)
+
+
+def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H):
+    """float64 RoPE + causal softmax attention of one row's T new tokens after `start` cached ones."""
+    T, D = qkv.shape[0], cache_k.shape[-1]
+    Hkv = cache_k.shape[0]
+    x = qkv.double().view(T, H + 2 * Hkv, D)
+    pos = torch.arange(start, start + T)
+    half = D // 2
+
+    def rope(t):
+        return t * cos[pos, None].double() + torch.cat([-t[..., half:], t[..., :half]], -1) * sin[pos, None].double()
+
+    keys = torch.cat([cache_k[:, :start].double(), rope(x[:, H : H + Hkv]).transpose(0, 1)], 1)
+    values = torch.cat([cache_v[:, :start].double(), x[:, H + Hkv :].transpose(0, 1)], 1)
+    rep = H // Hkv
+    q = rope(x[:, :H]).transpose(0, 1)  # [H, T, D]
+    scores = q @ keys.repeat_interleave(rep, 0).transpose(1, 2) * 0.125  # [H, T, start + T]
+    scores = scores.masked_fill(torch.ones(T, start + T, dtype=torch.bool).triu(start + 1), float("-inf"))
+    return (scores.softmax(-1) @ values.repeat_interleave(rep, 0)).transpose(0, 1).reshape(T, H * D)
+
+
+@needs_kernels
+def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_across_t_and_batch():
+    """SmolLM2's shapes (9 query heads over 3 KV heads, D = 64), rows of different lengths: one call over
+    T tokens equals T one-token calls bit for bit and each row alone bit for bit, and all of them
+    match a float64 RoPE + softmax attention."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, C = 3, 9, 3, 64, 448
+    cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
+    starts = torch.tensor([0, 37, 301])
+    history = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    qkv = torch.randn(B, 9, (H + 2 * Hkv) * D, generator=g)
+
+    def run(rows, chunks):
+        kc, vc = history[0][rows].clone(), history[1][rows].clone()
+        lens, outs = starts[rows].clone(), []
+        for a, b in chunks:
+            outs.append(kernels.attend(qkv[rows, a:b], kc, vc, cos, sin, lens, H, 0.125))
+            lens += b - a
+        return torch.cat(outs, 1), kc, vc
+
+    whole, kc, vc = run(torch.arange(B), [(0, 9)])
+    assert torch.equal(whole, run(torch.arange(B), [(t, t + 1) for t in range(9)])[0])
+    assert torch.equal(whole, run(torch.arange(B), [(0, 4), (4, 9)])[0])
+    for b in range(B):
+        assert torch.equal(whole[b], run(torch.tensor([b]), [(0, 9)])[0][0])
+        n = int(starts[b])
+        ref = _attention_reference(qkv[b], history[0][b], history[1][b], cos, sin, n, H)
+        torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kc[b, :, :n], history[0][b, :, :n])  # earlier positions untouched
+        assert torch.equal(vc[b, :, n : n + 9], qkv[b].view(9, H + 2 * Hkv, D)[:, H + Hkv :].transpose(0, 1))
+
+
+@needs_kernels
+def test_attend_refuses_a_full_cache():
+    kc = torch.zeros(1, 1, 16, 16)
+    with pytest.raises(RuntimeError, match="KV cache full"):
+        kernels.attend(torch.zeros(1, 2, 3 * 16), kc, kc.clone(), torch.zeros(64, 16), torch.zeros(64, 16),
+                       torch.tensor([15]), 1, 1.0)
