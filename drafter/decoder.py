@@ -157,9 +157,11 @@ class LeanDecoder:
         self.vocab_ids: torch.Tensor | None = None  # FR-Spec draft vocabulary: the LM head holds these rows only
         n = max_positions or int(getattr(self.config, "max_position_embeddings", 4096))
         self.cos, self.sin = self._rope_tables(rotary, n)
-        # drafter.kernels.attend (rope, cache write and attention in one call per layer) on the CPU where
-        # the kernels build; else, and with SPECLOOP_KERNELS=stock, exact_attention (the reference)
-        self.fused = self.device.type == "cpu" and self.head_dim % 16 == 0 and kernels.available()
+        # drafter.kernels (RMSNorm, SwiGLU, and RoPE + cache write + attention in one call per layer) on
+        # the CPU where they build; else, and with SPECLOOP_KERNELS=stock, torch's ops and
+        # exact_attention: the reference path
+        widths = (self.head_dim, self.hidden_size, int(self.config.intermediate_size))
+        self.fused = self.device.type == "cpu" and all(w % 16 == 0 for w in widths) and kernels.available()
         self._rope32 = (self.cos.float().contiguous(), self.sin.float().contiguous()) if self.fused else None
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
@@ -242,7 +244,7 @@ class LeanDecoder:
     def logits(self, x: torch.Tensor, norm: torch.Tensor | None = None, head=None, exact: bool = True):
         """Final RMSNorm and LM head (defaults: the model's own); `head` is a raw [V, hidden] tensor or a
         drafter.quant weight object."""
-        x = F.rms_norm(x, (self.hidden_size,), self.final_norm if norm is None else norm, self.eps)
+        x = self._norm(x, self.final_norm if norm is None else norm)
         return linear(x, self.lm_head if head is None else head, exact=exact)
 
     @torch.inference_mode()
@@ -272,7 +274,7 @@ class LeanDecoder:
     def _layer(self, w: _Layer, x, kc, vc, at: "StepPositions", up_bias):
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
-        h = F.rms_norm(x, (self.hidden_size,), w.in_norm, self.eps)
+        h = self._norm(x, w.in_norm)
         exact = T <= QUERY_CHUNK  # decode-shaped: rows independent of each other (drafter.quant.row_blocked)
         qkv = linear(h, w.qkv, w.qkv_bias, exact)
         if w.q_norm is not None:
@@ -282,11 +284,23 @@ class LeanDecoder:
         else:
             att = self._attention_reference(qkv, kc, vc, at)
         x = x + linear(att, w.o, exact=exact)
-        h = F.rms_norm(x, (self.hidden_size,), w.post_norm, self.eps)
-        gate, up = linear(h, w.gate_up, exact=exact).chunk(2, dim=-1)
-        if up_bias is not None:
-            up = up + up_bias[:, None]
-        return x + linear(F.silu(gate) * up, w.down, exact=exact)
+        h = self._norm(x, w.post_norm)
+        gate_up = linear(h, w.gate_up, exact=exact)
+        if up_bias is not None:  # SD² steering: a per-row bias on the up half
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate_up = torch.cat([gate, up + up_bias[:, None]], dim=-1)
+        return x + linear(self._swiglu(gate_up), w.down, exact=exact)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels.rms_norm(x, weight, self.eps)
+        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _qk_norm(self, w: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3-style per-head RMSNorm of queries and keys, values untouched."""

@@ -325,6 +325,56 @@ static void attend_head(const float* q, const float* K, const float* V, float* o
   }
 }
 
+// ---------------------------------------------------------------------------- element-wise
+
+// RMSNorm of every row of x [..., n] (any float dtype; n % 16 == 0) times w [n] -> fp32 [..., n]:
+// the squares summed in one vector chain in order, lanes in a fixed tree; y = w * (x * r).
+torch::Tensor rms_norm(torch::Tensor x_in, torch::Tensor w_in, double eps) {
+  const torch::Tensor x = rows_of(x_in), w = w_in.to(torch::kFloat32).contiguous();
+  const int64_t R = x.size(0), n = x.size(1);
+  TORCH_CHECK(n % 16 == 0 && w.numel() == n, "rms_norm: width");
+  auto y = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r) {
+      const float* xr = xp + r * n;
+      vf acc = vf{};
+      for (int64_t i = 0; i < n; i += 16) { const vf v = load_vf(xr + i); acc = acc + v * v; }
+      const float inv = 1.0f / std::sqrt(hsum(acc) / (float)n + (float)eps);
+      for (int64_t i = 0; i < n; i += 16) {
+        const vf o = load_vf(wp + i) * (load_vf(xr + i) * inv);
+        std::memcpy(yp + r * n + i, &o, 64);
+      }
+    }
+  });
+  return y.reshape(x_in.sizes()).to(x_in.scalar_type());
+}
+
+// SwiGLU's middle: gate_up [..., 2 I] (gate then up) -> silu(gate) * up [..., I] (I % 16 == 0).
+torch::Tensor silu_mul(torch::Tensor x_in) {
+  const torch::Tensor x = rows_of(x_in);
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0 && x.size(1) == 2 * I, "silu_mul: width");
+  auto y = torch::empty({R, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 4, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r)
+      for (int64_t i = 0; i < I; i += 16) {
+        const vf g = load_vf(xp + r * 2 * I + i), u = load_vf(xp + r * 2 * I + I + i);
+        const vf neg = g < 0.0f ? g : -g;  // -|g|
+        const vf e = exp_neg(neg);         // exp(-|g|)
+        const vf s = (g < 0.0f ? e : vf{} + 1.0f) / (e + 1.0f);  // sigmoid(g)
+        const vf o = g * s * u;
+        std::memcpy(yp + r * I + i, &o, 64);
+      }
+  });
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = I;
+  return y.reshape(sizes).to(x_in.scalar_type());
+}
+
 // Causal attention of T new tokens per row over a KV cache, exact per query by construction.
 // qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
 // and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] fp32 there; every query
@@ -395,7 +445,7 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         _announce_first_build(name)
-        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend"],
+        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul"],
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
@@ -542,6 +592,16 @@ def attend(qkv: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, cos: torch.Ten
     polynomial, the values summed key by key in order), so a token's output is the same bits
     whatever T, the batch, the other rows' lengths or the thread count."""
     return _module().attend(qkv, kc, vc, cos, sin, lens, n_heads, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (a multiple of 16), computed in fp32, each row alone."""
+    return _module().rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2 I] (gate, then up), computed in fp32."""
+    return _module().silu_mul(gate_up)
 
 
 def linear_op(kind: str):

@@ -176,3 +176,24 @@ def test_attend_refuses_a_full_cache():
     with pytest.raises(RuntimeError, match="KV cache full"):
         kernels.attend(torch.zeros(1, 2, 3 * 16), kc, kc.clone(), torch.zeros(64, 16), torch.zeros(64, 16),
                        torch.tensor([15]), 1, 1.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_swiglu_match_torch_and_compute_each_row_alone(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = torch.rand(576, generator=g) + 0.5
+    normed = kernels.rms_norm(x, w, 1e-5)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    ref = torch.nn.functional.rms_norm(x.float(), (576,), w, 1e-5)
+    torch.testing.assert_close(normed.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    gate_up = (torch.randn(2, 3, 2 * 1536, generator=g) * 6).to(dtype)  # gates far into both tails of silu
+    out = kernels.silu_mul(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert out.shape == (2, 3, 1536) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol)
+    for r in range(7):
+        assert torch.equal(kernels.rms_norm(x[r : r + 1], w, 1e-5), normed[r : r + 1])
+    assert torch.equal(kernels.silu_mul(gate_up[:, 1:2]), out[:, 1:2])

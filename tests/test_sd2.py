@@ -76,7 +76,7 @@ def test_bias_is_computed_once_per_block_from_the_emitting_position(pair):
     d.start([PROMPTS[0]], 32, VerifierView(cache, feats))
     with torch.no_grad():
         states = pair[0](torch.tensor([PROMPTS[0][:-1]]), output_hidden_states=True).hidden_states
-    torch.testing.assert_close(d._features[2], states[3][:, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(d._features[2], states[3][:, -1], atol=1e-4, rtol=1e-4)
 
 
 def test_steering_round_trips_through_safetensors(tmp_path, pair):
