@@ -243,6 +243,167 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
   return shaped(q8_mm(x, w, s), x, n);
 }
 
+// ---------------------------------------------------------------------------- w4a8
+// int4 weights (groups of 32, w = q * d + m) times int8 activations (per row and group of 32:
+// x ~ xq * dx, xq = round(x / dx) in [-127, 127], dx = max|x| / 127; sx = dx * sum(xq)), as
+// llama.cpp multiplies Q4_1 by Q8_1: y[n] = sum_g (d dx) * sum_i q xq + m sx. The integer dot
+// products are exact; per row the float operations are the same whatever the number of rows.
+// Weights: [N/16, G, 4 chunks of 64 bytes]; in chunk j, lane l's 4 bytes b hold
+// q[4j + b] | q[16 + 4j + b] << 4 of output l (the group's inputs 4j..4j+3 and 16+4j..16+4j+3).
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef __m512i ivec;
+static inline ivec iv_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline ivec iv_lo(ivec b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
+static inline ivec iv_hi(ivec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15)); }
+static inline ivec iv_zero() { return _mm512_setzero_si512(); }
+static inline ivec iv_bcast(int32_t v) { return _mm512_set1_epi32(v); }
+#if defined(__AVX512VNNI__)
+static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+static inline ivec iv_dot(ivec acc, ivec w, ivec x) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+#endif
+static inline vf iv_float(ivec a) { const __m512 f = _mm512_cvtepi32_ps(a); vf v; std::memcpy(&v, &f, 64); return v; }
+#define SPECLOOP_W4A8 1
+#elif defined(__AVX2__)
+struct ivec { __m256i a, b; };
+static inline ivec iv_load(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+static inline ivec iv_lo(ivec v) { const __m256i m = _mm256_set1_epi8(15); return {_mm256_and_si256(v.a, m), _mm256_and_si256(v.b, m)}; }
+static inline ivec iv_hi(ivec v) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m)};
+}
+static inline ivec iv_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline ivec iv_bcast(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+static inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return {dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)}; }
+static inline vf iv_float(ivec v) {
+  const __m256 a = _mm256_cvtepi32_ps(v.a), b = _mm256_cvtepi32_ps(v.b);
+  vf o; std::memcpy(&o, &a, 32); std::memcpy(reinterpret_cast<char*>(&o) + 32, &b, 32); return o;
+}
+#define SPECLOOP_W4A8 1
+#endif
+
+#if defined(SPECLOOP_W4A8)
+template <int M, int TB>
+static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const int8_t* xq, const float* dx,
+                      const float* sx, float* y, int64_t G, int64_t ldy) {
+  vf out[M][TB];
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    ivec wq[TB][8];
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+        const ivec b = iv_load(w + (t * G + g) * 256 + 64 * j);
+        wq[t][j] = iv_lo(b);
+        wq[t][j + 4] = iv_hi(b);
+      }
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+      int32_t quads[8];
+      std::memcpy(quads, xq + (r * G + g) * 32, 32);
+      ivec acc[TB];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_zero();
+      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+        const ivec xb = iv_bcast(quads[j]);
+        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_dot(acc[t], wq[t][j], xb);
+      }
+      const float dxr = dx[r * G + g], sxr = sx[r * G + g];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+        const vf dg = load_vf(d + (t * G + g) * 16) * dxr, mg = load_vf(mn + (t * G + g) * 16);
+        out[r][t] = out[r][t] + dg * iv_float(acc[t]);
+        out[r][t] = out[r][t] + mg * sxr;
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) std::memcpy(y + r * ldy + t * 16, &out[r][t], 64);
+}
+#else
+template <int M, int TB>
+static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const int8_t* xq, const float* dx,
+                      const float* sx, float* y, int64_t G, int64_t ldy) {  // portable: the same arithmetic
+  for (int r = 0; r < M; ++r)
+    for (int t = 0; t < TB; ++t) {
+      vf out = vf{};
+      for (int64_t g = 0; g < G; ++g) {
+        const uint8_t* p = w + (t * G + g) * 256;
+        const int8_t* xr = xq + (r * G + g) * 32;
+        vf acc;
+        for (int l = 0; l < 16; ++l) {
+          int32_t s = 0;
+          for (int j = 0; j < 4; ++j)
+            for (int b = 0; b < 4; ++b) {
+              const uint8_t v = p[64 * j + 4 * l + b];
+              s += (v & 15) * xr[4 * j + b] + (v >> 4) * xr[16 + 4 * j + b];
+            }
+          acc[l] = (float)s;
+        }
+        const vf dg = load_vf(d + (t * G + g) * 16) * dx[r * G + g], mg = load_vf(mn + (t * G + g) * 16);
+        out = out + dg * acc;
+        out = out + mg * sx[r * G + g];
+      }
+      std::memcpy(y + r * ldy + t * 16, &out, 64);
+    }
+}
+#endif
+
+// Rows [R, K] fp32 -> int8 per group of 32 (round half to even), with dx and sx per (row, group).
+static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, float* dx, float* sx) {
+  const int64_t G = K / 32;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int32_t q = (int32_t)std::nearbyint(v[i] * id);
+        xq[r * K + g * 32 + i] = (int8_t)q;
+        sum += q;
+      }
+      dx[r * G + g] = dd;
+      sx[r * G + g] = dd * (float)sum;
+    }
+}
+
+torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn) {
+  // x [R, K]; w [N/16, K/32 * 256] uint8; d, mn [N/16, K/32, 16] fp32 -> [R, N] fp32
+  const torch::Tensor x = rows_of(x_in);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8);
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == G * 256 && d.size(1) == G && NB % TILE == 0);
+  auto xq = torch::empty({R, K}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({R, G}, x.options()), sx = torch::empty({R, G}, x.options());
+  quantize_rows_q8(x.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+  auto y = torch::empty({R, NB * 16}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>(), *dxp = dx.data_ptr<float>(), *sxp = sx.data_ptr<float>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = NB * 16;
+  over_tiles(NB, R, 1, [&](int64_t nb, int64_t r0, auto m) {
+    w4a8_tile<decltype(m)::value, TILE>(wp + nb * G * 256, dp + nb * G * 16, mp + nb * G * 16, qp + r0 * K,
+                                        dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy);
+  });
+  return y;
+}
+
+torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t n) {
+  return shaped(w4a8_mm(x, w, d, mn), x, n);
+}
+
 // ---------------------------------------------------------------------------- attention
 typedef int32_t vi __attribute__((vector_size(64)));
 
@@ -445,7 +606,7 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         _announce_first_build(name)
-        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul"],
+        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul", "w4a8_mm", "w4a8_linear"],
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
@@ -486,9 +647,13 @@ def _self_check(mod) -> bool:
     w8 = q8.double() * s.double()[:, None]
     packed4, packed8 = pack_q4(q4, d, m), pack_q8(q8, s)
     x = torch.randn(9, K, generator=g)
-    for call, w in ((lambda rows: mod.q4_mm(rows, *packed4), w4), (lambda rows: mod.q8_mm(rows, *packed8), w8)):
+    packed48 = pack_w4a8(q4, d, m)
+    xq, dx, _ = quantized_rows(x)
+    x48 = (xq.double().view(9, -1, GROUP) * dx.double()[..., None]).view(9, K)  # the activations w4a8 multiplies
+    for call, w, xs in ((lambda rows: mod.q4_mm(rows, *packed4), w4, x), (lambda rows: mod.q8_mm(rows, *packed8), w8, x),
+                        (lambda rows: mod.w4a8_mm(rows, *packed48), w4, x48)):
         alone = torch.cat([call(x[i : i + 1].contiguous()) for i in range(9)])
-        exact = x.double() @ w.t()
+        exact = xs.double() @ w.t()
         if not torch.allclose(alone.double(), exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max())):
             return False
         if not all(torch.equal(call(x[:R].contiguous()), alone[:R]) for R in range(2, 10)):
@@ -535,6 +700,18 @@ def _attention_checks(mod, g: torch.Generator) -> bool:
 # ----------------------------------------------------------------------------- layouts
 
 
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `w4a8_mm` multiplies, computed as it does: x [R, K] fp32 → (xq [R, K] int8, dx [R, K/32],
+    sx [R, K/32]) with dx = max|x| / 127 per group of 32, xq = round-half-even(x · (127 / max|x|)),
+    sx = dx · Σ xq. For tests and the load-time self-check."""
+    groups = x.float().view(x.shape[0], -1, GROUP)
+    amax = groups.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(groups * inv[..., None]).to(torch.int8)
+    dx = amax / 127.0
+    return xq.view_as(x), dx, dx * xq.sum(-1, dtype=torch.int32).float()
+
+
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (nibbles [N'/16, K/2, 16] uint8,
     d [N'/16, K/32, 16] fp32, m [N'/16, K/32, 16] fp32), N' = N rounded up to 64 (zero outputs)."""
@@ -550,6 +727,40 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tupl
     nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
     lanes = lambda t: t.view(-1, LANES, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
     return nibbles, lanes(scale), lanes(minimum)
+
+
+def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (bytes [N'/16, K/32 · 256] uint8, d, m
+    [N'/16, K/32, 16] fp32), N' = N rounded up to 64: per group, chunk j (of 4) holds for each of 16
+    outputs its inputs 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles)."""
+    N, K = q.shape
+    pad = -N % (LANES * TILE)
+    q = q.to(torch.uint8)
+    scale, minimum = scale.float(), minimum.float()
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, K)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+        minimum = torch.cat([minimum, minimum.new_zeros(pad, minimum.shape[1])])
+    G = K // GROUP
+    quads = q.view(-1, LANES, G, 2, 4, 4)  # block, lane, group, half, chunk j, byte b
+    packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, G * 256)
+    lanes = lambda t: t.view(-1, LANES, G).transpose(1, 2).contiguous()  # noqa: E731
+    return packed.contiguous(), lanes(scale), lanes(minimum)
+
+
+def unpack_w4a8(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int):
+    """`pack_w4a8`'s inverse: (q [N, K] uint8, scale [N, K/32], minimum [N, K/32])."""
+    G = d.shape[1]
+    b = packed.view(-1, G, 4, LANES, 4)  # block, group, chunk, lane, byte
+    q = torch.stack([b & 15, b >> 4], dim=2)  # block, group, half, chunk, lane, byte
+    q = q.permute(0, 4, 1, 2, 3, 5).reshape(-1, G * GROUP)[:N]
+    rows = lambda t: t.transpose(1, 2).reshape(-1, G)[:N]  # noqa: E731
+    return q, rows(d), rows(m)
+
+
+def w4a8_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x [R, K] → [R, N'] fp32 (`pack_w4a8`'s layout): int4 weights times int8 activations."""
+    return _module().w4a8_mm(x, packed, d, m)
 
 
 def unpack_q4(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int):

@@ -17,7 +17,9 @@ activation dtype and holds its own bias:
 
 Modes (`DTYPE_MODES`): "fp32" (raw fp32 tensors), "bf16" (bf16 weights and activations), "int8"
 and "int4" (quantized weights; activations in fp32 with specloop's kernels, else in bf16 where the
-CPU has native bf16, else fp32: `activation_dtype`). The embedding, norms and RoPE tables follow the activation dtype; the KV cache
+CPU has native bf16, else fp32: `activation_dtype`), and "w4a8" (`OwnW4A8Weight`: int4 weights
+times activations quantized to int8 per group of 32 inside each product, as llama.cpp computes a
+Q4_1 model; specloop's kernels only). The embedding, norms and RoPE tables follow the activation dtype; the KV cache
 is fp32 in every mode (drafter.decoder).
 
 Which mode is served: `resolve_mode`. "auto" serves a verifier as its checkpoint is stored (fp32 /
@@ -41,7 +43,8 @@ import torch.nn.functional as F
 
 from drafter import kernels
 
-DTYPE_MODES = ("fp32", "bf16", "int8", "int4")
+DTYPE_MODES = ("fp32", "bf16", "int8", "int4", "w4a8")
+W4A8_NEEDS = "w4a8 (int4 weights, int8 activations) runs on specloop's own CPU kernels only (a C++ compiler)"
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
 _INT4_N_MULTIPLE = 16  # the CPU int4 packing needs N % 16 == 0: pad with zero rows
@@ -283,6 +286,31 @@ class OwnInt4Weight:
         return kernels.q4_mm(eye, self.nibbles, self.d, self.m)[:, : self.out_features].t().contiguous()
 
 
+class OwnW4A8Weight(OwnInt4Weight):
+    """`OwnInt4Weight`'s weights (groups of 32, w = q · d + m, fp32 d and m) times activations quantized
+    to int8 per row and group of 32 (x ≈ xq · dx, dx = max|x| / 127), as llama.cpp multiplies a Q4_1
+    tensor by Q8_1 activations: integer dot products (VNNI where the CPU has it), then
+    y = Σ_g d·dx·Σ q·xq + m·dx·Σ xq (drafter.kernels.w4a8_mm). Output fp32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None,
+                 act_dtype: torch.dtype = torch.float32):
+        N, K = q.shape
+        if scale.shape != (N, K // kernels.GROUP) or minimum.shape != scale.shape or K % kernels.GROUP:
+            raise ValueError(f"int4 groups of 32: q {tuple(q.shape)} needs scale and minimum [N, K / 32]")
+        self.nibbles, self.d, self.m = kernels.pack_w4a8(q, scale, minimum)
+        self._op = kernels.linear_op("w4a8")
+        self.bias = None if bias is None else bias.detach().to(act_dtype)
+        self.act_dtype, self.group_size = act_dtype, kernels.GROUP
+        self.out_features, self.in_features = N, K
+
+    def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return kernels.unpack_w4a8(self.nibbles, self.d, self.m, self.out_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight values (the activations' own rounding is not part of them)."""
+        return dequantize_groups(*self.groups())
+
+
 class OwnInt8Weight:
     """Per-output-channel symmetric int8 (w ≈ q · scale[n], fp32 scales) multiplied by specloop's own
     kernel (drafter.kernels.q8_mm, as `OwnInt4Weight`). Output in the activation dtype."""
@@ -309,7 +337,7 @@ class OwnInt8Weight:
 def _kernels_for(mode: str, group_size: int) -> str:
     """"own" where drafter.kernels serve this mode here (built for this CPU, self-checked; int8, or
     int4 in groups of 32), else "stock" (torch's kernels). SPECLOOP_KERNELS=stock forces the latter."""
-    fits = mode == "int8" or (mode == "int4" and group_size == 32)
+    fits = mode in ("int8", "w4a8") or (mode == "int4" and group_size == 32)
     return "own" if fits and kernels.available() else "stock"
 
 
@@ -338,6 +366,12 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, bias: torch.Tensor | 
     if spec.mode == "bf16":
         return Dense(weight, bias, spec.act_dtype)
     own = spec.kernels == "own"
+    if spec.mode == "w4a8":
+        if not own:
+            raise ValueError(W4A8_NEEDS)
+        if weight.shape[1] % kernels.GROUP == 0:
+            return OwnW4A8Weight(*minmax_groups(weight, kernels.GROUP), bias, spec.act_dtype)
+        return OwnInt8Weight(weight, bias, spec.act_dtype)
     if spec.mode == "int4":
         K = weight.shape[1]
         if own and K % 32 == 0:
@@ -378,13 +412,15 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
         raise ValueError("quantize_decoder(layers=...) fills a decoder that has no layers yet")
     if getattr(lean, "quant", None) is not None:
         raise ValueError(f"decoder is already prepared as {lean.quant.mode!r}; build a new LeanDecoder to change it")
-    if mode in ("int8", "int4") and lean.device.type != "cpu":
+    if mode in ("int8", "int4", "w4a8") and lean.device.type != "cpu":
         raise ValueError(f"weight dtype mode {mode!r} uses CPU kernels; on {lean.device.type} use fp32 or bf16")
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size {group_size} is not one of {INT4_GROUP_SIZES}")
     spec = QuantSpec(mode, act_dtype or activation_dtype(mode), group_size, kernels=_kernels_for(mode, group_size))
+    if mode == "w4a8" and spec.kernels != "own":
+        raise ValueError(W4A8_NEEDS + "; they are not built here: use int4")
     act = spec.act_dtype
-    if mode != "int4" or groups is None:
+    if mode not in ("int4", "w4a8") or groups is None:
         groups = {}
     elif not isinstance(groups, dict):
         groups = int4_groups(groups) or {}
@@ -464,6 +500,8 @@ def _grouped(weight: torch.Tensor, names: list[str], groups: dict, spec: QuantSp
         warnings.warn(f"int4 groups of {', '.join(names)} do not reproduce the loaded weight: requantizing it")
         return quantize_weight(weight, spec, bias)
     used.extend(names)
+    if spec.mode == "w4a8":
+        return OwnW4A8Weight(q, d.float(), m.float(), bias, spec.act_dtype)
     if spec.kernels == "own":
         return OwnInt4Weight(q, d.float(), m.float(), bias, spec.act_dtype)
     return Int4Weight.from_groups(q, d, m, bias, spec.act_dtype)
@@ -505,6 +543,8 @@ def activation_dtype(mode: str) -> torch.dtype:
     check_mode(mode)
     if mode in ("fp32", "bf16"):
         return torch.float32 if mode == "fp32" else torch.bfloat16
+    if mode == "w4a8":
+        return torch.float32  # the products quantize their inputs themselves
     if _kernels_for(mode, DEFAULT_GROUP_SIZE) == "own":
         return torch.float32  # specloop's kernels multiply in fp32: bf16 activations would only add roundings
     return torch.bfloat16 if native_bf16() else torch.float32
@@ -553,8 +593,9 @@ def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str
     if role == "drafter":
         return default_mode(device, role)
     wanted = manifest_mode(path)
-    if wanted in ("int8", "int4") and (torch.device(device).type != "cpu"
-                                       or not (native_bf16() or _kernels_for(wanted, DEFAULT_GROUP_SIZE) == "own")):
+    own = _kernels_for(wanted or "int8", DEFAULT_GROUP_SIZE) == "own"
+    if wanted in ("int8", "int4", "w4a8") and (torch.device(device).type != "cpu"
+                                               or not (own or (native_bf16() and wanted != "w4a8"))):
         wanted = None
     return wanted or stored_mode(path)
 
@@ -568,6 +609,8 @@ def describe_mode(lean) -> str:
     act = {torch.float32: "fp32", torch.bfloat16: "bf16"}[spec.act_dtype]
     if spec.mode in ("fp32", "bf16"):
         return spec.mode
+    if spec.mode == "w4a8":
+        return "w4a8 (int4 weights, int8 activations, specloop kernels)"
     return f"{spec.mode} ({act} activations{', specloop kernels' if spec.kernels == 'own' else ''})"
 
 

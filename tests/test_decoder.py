@@ -92,7 +92,8 @@ def _prefilled(lean, histories, capacity=512):
 
 
 @pytest.mark.parametrize("mode,attention", [("fp32", "kernels"), ("bf16", "kernels"), ("int8", "kernels"),
-                                            ("int4", "kernels"), ("fp32", "reference"), ("int4", "reference")])
+                                            ("int4", "kernels"), ("w4a8", "kernels"), ("fp32", "reference"),
+                                            ("int4", "reference")])
 def test_verify_pass_is_bit_identical_to_one_token_steps(mode, attention):
     """One call over T tokens (a verify pass), for ragged batches of 1, 3 and 8 rows, scores every token
     bit for bit as that row alone decoding one token at a time does (and a ragged batched prefill

@@ -197,3 +197,25 @@ def test_rms_norm_and_swiglu_match_torch_and_compute_each_row_alone(dtype):
     for r in range(7):
         assert torch.equal(kernels.rms_norm(x[r : r + 1], w, 1e-5), normed[r : r + 1])
     assert torch.equal(kernels.silu_mul(gate_up[:, 1:2]), out[:, 1:2])
+
+
+@needs_kernels
+def test_w4a8_multiplies_int8_rounded_activations_by_q_times_d_plus_m_each_row_alone():
+    """int4 weights (N not a multiple of 64) times activations rounded to int8 per group of 32, as the
+    kernel documents it (`quantized_rows`): equal to a float64 product of those values, rows 1..9
+    equal to rows alone, and the packing round-trips."""
+    q, d, m = _groups(200, 576, seed=8)
+    packed = kernels.pack_w4a8(q, d, m)
+    assert all(torch.equal(a, b) for a, b in zip(kernels.unpack_w4a8(*packed, 200), (q, d, m)))
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9)) * 2
+    xq, dx, sx = kernels.quantized_rows(x)
+    assert int(xq.abs().max()) == 127 and torch.allclose(dx * xq.view(9, 18, 32).sum(-1).float(), sx)
+    acts = xq.double().view(9, 18, 32) * dx.double()[..., None]
+    w = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    exact = acts.view(9, 576) @ w.t()
+    alone = torch.cat([kernels.w4a8_mm(x[i : i + 1], *packed) for i in range(9)])
+    assert alone.shape == (9, 256) and torch.equal(alone[:, 200:], torch.zeros(9, 56))
+    torch.testing.assert_close(alone[:, :200].double(), exact, rtol=1e-5, atol=1e-4)
+    assert (alone[:, :200].double() - x.double() @ w.t()).abs().max() > 1e-3  # the activations really are rounded
+    for R in range(1, 10):
+        assert torch.equal(kernels.w4a8_mm(x[:R], *packed), alone[:R])

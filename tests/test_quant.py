@@ -19,8 +19,8 @@ from tests.test_speculative import perturbed_head, perturbed_steering
 from tests.tiny import build_model, llama_config
 
 # per mode: (max |logit error| / max |logit|, argmax agreement with fp32) on the reference verifier
-TOLERANCE = {"fp32": (1e-5, 1.0), "bf16": (0.03, 0.97), "int8": (0.05, 0.95), "int4": (0.3, 0.85)}
-QUANTIZED = ("bf16", "int8", "int4")
+TOLERANCE = {"fp32": (1e-5, 1.0), "bf16": (0.03, 0.97), "int8": (0.05, 0.95), "int4": (0.3, 0.85), "w4a8": (0.3, 0.85)}
+QUANTIZED = ("bf16", "int8", "int4", "w4a8")
 
 
 @pytest.fixture(scope="module")
