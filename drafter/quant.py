@@ -594,8 +594,9 @@ def resolve_mode(mode: str | None, device: torch.device | str = "cpu", role: str
         return default_mode(device, role)
     wanted = manifest_mode(path)
     own = _kernels_for(wanted or "int8", DEFAULT_GROUP_SIZE) == "own"
-    if wanted in ("int8", "int4", "w4a8") and (torch.device(device).type != "cpu"
-                                               or not (own or (native_bf16() and wanted != "w4a8"))):
+    if wanted == "w4a8" and not own:
+        wanted = "int4"  # the same weights through torch's stock kernels (where native bf16 makes them fast)
+    if wanted in ("int8", "int4", "w4a8") and (torch.device(device).type != "cpu" or not (own or native_bf16())):
         wanted = None
     return wanted or stored_mode(path)
 
@@ -624,6 +625,7 @@ def default_mode(device: torch.device | str = "cpu", role: str = "drafter") -> s
     reading weights; int8 reads 4x and int4 ~7x fewer bytes than fp32.
 
     - CUDA: "fp32" for a verifier, "bf16" for a drafter (the int kernels here are CPU ones).
+    - CPU where specloop's kernels build: "w4a8" for a drafter (int8 activations: cheapest drafts).
     - CPU with native bf16 (avx512_bf16 / AMX-BF16): "int8" for a verifier, "int4" for a drafter.
     - CPU without native bf16: "fp32". The int kernels are fast only with bf16 activations, and
       bf16 element-wise work is emulated there.
@@ -633,6 +635,8 @@ def default_mode(device: torch.device | str = "cpu", role: str = "drafter") -> s
     device = torch.device(device)
     if device.type == "cuda":
         return "fp32" if role == "verifier" else "bf16"
+    if role == "drafter" and _kernels_for("w4a8", DEFAULT_GROUP_SIZE) == "own":
+        return "w4a8"
     if not native_bf16():
         return "fp32"
     return "int8" if role == "verifier" else "int4"

@@ -170,7 +170,7 @@ def test_converted_verifier_gets_the_ggufs_q4_1_groups_and_a_manifest(tmp_path):
     gguf, verifier, groups = _q4_1_checkpoint(tmp_path)
     manifest = write_source_groups(gguf, verifier)
     assert json.loads((verifier / "manifest.json").read_text()) == manifest
-    assert manifest["weights"] == "int4" and manifest["source"] == gguf.name and manifest["source_quant"] == "Q4_1"
+    assert manifest["weights"] == "w4a8" and manifest["source"] == gguf.name and manifest["source_quant"] == "Q4_1"
     assert manifest["max_abs_diff"] == 0.0 and manifest["grouped_tensors"] == 7 and not manifest["mismatched"]
     assert manifest["not_q4_1"] == ["token_embd.weight (F32)"]
     stored = int4_groups(verifier)
@@ -228,7 +228,7 @@ def test_the_real_verifiers_int4_weights_are_the_ggufs_q4_1_exactly(real_verifie
 
     gguf, verifier = real_verifier
     manifest = json.loads((verifier / "manifest.json").read_text())
-    assert manifest["weights"] == "int4" and manifest["source"] == REAL.gguf and manifest["source_quant"] == "Q4_1"
+    assert manifest["weights"] == "w4a8" and manifest["source"] == REAL.gguf and manifest["source_quant"] == "Q4_1"
     assert manifest["grouped_tensors"] == 210 and manifest["max_abs_diff"] == 0.0  # 30 layers × 7 linears
     assert manifest["not_q4_1"] == ["token_embd.weight (Q8_0)"]  # the tied embedding / head: requantized
     v = load_model(verifier, weights="int4")

