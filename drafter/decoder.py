@@ -272,6 +272,11 @@ class LeanDecoder:
         return ForwardOut(logits=logits, hidden=hidden)
 
     def _layer(self, w: _Layer, x, kc, vc, at: "StepPositions", up_bias):
+        if self.fused and up_bias is None and x.dtype == torch.float32:
+            args = self._layer_args(w)
+            if args is not None:  # the whole layer in one compiled call: the same functions, the same bits
+                return kernels.layer(x, w.in_norm, w.post_norm, self.eps, *args, kc, vc, *self._rope32, at.lens,
+                                     self.n_heads, self.scaling)
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         h = self._norm(x, w.in_norm)
@@ -302,6 +307,18 @@ class LeanDecoder:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def _layer_args(self, w: _Layer):
+        """(kinds, widths, packed tensors) of the layer's four linears for `kernels.layer`, or None where
+        one of them is not one of specloop's kernel weights (or has a bias, or the layer per-head
+        norms). Cached on the layer, keyed by the weight objects (quantize_decoder replaces them)."""
+        linears = (w.qkv, w.o, w.gate_up, w.down)
+        key = tuple(map(id, linears))
+        cached = getattr(w, "_fused_args", None)
+        if cached is None or cached[0] != key:
+            cached = (key, _fused_linears(linears) if w.q_norm is None and w.qkv_bias is None else None)
+            w._fused_args = cached
+        return cached[1]
+
     def _qk_norm(self, w: _Layer, qkv: torch.Tensor) -> torch.Tensor:
         """Qwen3-style per-head RMSNorm of queries and keys, values untouched."""
         B, T, _ = qkv.shape
@@ -329,6 +346,20 @@ KEY_BLOCK = 64
 KV_DTYPE = torch.float32
 # Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
 QUERY_CHUNK = 16
+
+
+def _fused_linears(linears) -> tuple | None:
+    from drafter.quant import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight
+
+    kinds, dims, parts = [], [], []
+    for lin in linears:
+        kind = {OwnInt4Weight: 0, OwnInt8Weight: 1, OwnW4A8Weight: 2}.get(type(lin))
+        if kind is None or lin.bias is not None or lin.act_dtype != torch.float32:
+            return None
+        kinds.append(kind)
+        dims.append(lin.out_features)
+        parts += [lin.q, lin.scales, lin.scales] if kind == 1 else [lin.nibbles, lin.d, lin.m]
+    return kinds, dims, parts
 
 
 def _round_up(n: int, block: int) -> int:

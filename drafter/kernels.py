@@ -581,6 +581,36 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
   });
   return out;
 }
+
+// ---------------------------------------------------------------------------- a whole layer
+
+// One linear of a layer: kind 0 int4 (q4), 1 int8 (q8), 2 w4a8; a, b, c its packed tensors (c unused
+// by int8); n its output width.
+static torch::Tensor linear_of(const torch::Tensor& x, int64_t kind, const torch::Tensor& a, const torch::Tensor& b,
+                               const torch::Tensor& c, int64_t n) {
+  switch (kind) {
+    case 0: return q4_linear(x, a, b, c, n);
+    case 1: return q8_linear(x, a, b, n);
+    default: return w4a8_linear(x, a, b, c, n);
+  }
+}
+
+// A SwiGLU decoder layer in one call, by the same functions the step otherwise calls one by one
+// (so the same bits): RMSNorm, q|k|v, attend (RoPE, KV write, attention), o + residual, RMSNorm,
+// gate|up, SwiGLU, down + residual. x [B, T, hidden] fp32. kinds/dims: 4 linears (qkv, o, gate_up,
+// down); parts: 3 tensors per linear.
+torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                    std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
+                    torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
+                    int64_t H, double scale) {
+  TORCH_CHECK(kinds.size() == 4 && dims.size() == 4 && parts.size() == 12, "layer: 4 linears");
+  auto lin = [&](const torch::Tensor& v, int i) {
+    return linear_of(v, kinds[i], parts[3 * i], parts[3 * i + 1], parts[3 * i + 2], dims[i]);
+  };
+  const torch::Tensor qkv = lin(rms_norm(x, in_norm, eps), 0);
+  const torch::Tensor h = x + lin(attend(qkv, kc, vc, cos, sin, lens, H, scale), 1);
+  return h + lin(silu_mul(lin(rms_norm(h, post_norm, eps), 2)), 3);
+}
 """
 
 
@@ -606,7 +636,7 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         _announce_first_build(name)
-        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul", "w4a8_mm", "w4a8_linear"],
+        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul", "w4a8_mm", "w4a8_linear", "layer"],
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
@@ -813,6 +843,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [..., 2 I] (gate, then up), computed in fp32."""
     return _module().silu_mul(gate_up)
+
+
+def layer(*args) -> torch.Tensor:
+    """A whole decoder layer in one call (drafter.decoder builds the arguments: `LeanDecoder._layer_args`)."""
+    return _module().layer(*args)
 
 
 def linear_op(kind: str):
