@@ -160,8 +160,9 @@ class LeanDecoder:
         # drafter.kernels (RMSNorm, SwiGLU, and RoPE + cache write + attention in one call per layer) on
         # the CPU where they build; else, and with SPECLOOP_KERNELS=stock, torch's ops and
         # exact_attention: the reference path
-        widths = (self.head_dim, self.hidden_size, int(self.config.intermediate_size))
-        self.fused = self.device.type == "cpu" and all(w % 16 == 0 for w in widths) and kernels.available()
+        widths = (self.hidden_size, int(self.config.intermediate_size))
+        self.fused = (self.device.type == "cpu" and self.head_dim in (32, 64, 128, 256) and kernels.available()
+                      and all(w % 16 == 0 for w in widths))
         self._rope32 = (self.cos.float().contiguous(), self.sin.float().contiguous()) if self.fused else None
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:

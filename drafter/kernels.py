@@ -418,6 +418,25 @@ static inline float hsum(vf v) {
   return a[0];
 }
 
+// v[0..15] -> lane j = the sum of v[j]'s 16 lanes, all in one fixed tree of shuffles and adds
+// (halves, quarters, pairs, lanes).
+static inline vf fold(vf a, vf b, vi lo, vi hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+static inline vf sum16(const vf* v) {
+  const vi h_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi h_hi = h_lo + 8;
+  const vi q_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi q_hi = q_lo + 4;
+  const vi p_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi p_hi = p_lo + 2;
+  const vi e_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi e_hi = e_lo + 1;
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold(v[2 * i], v[2 * i + 1], h_lo, h_hi);
+  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], q_lo, q_hi);
+  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], p_lo, p_hi);
+  return fold(c[0], c[1], e_lo, e_hi);
+}
+
 // exp(x) for x <= 0 on 16 lanes (range reduction by ln 2, degree-6 polynomial: a few ulp);
 // lanes below -87 (and -inf) give exactly 0.
 static inline vf exp_neg(vf x) {
@@ -451,21 +470,28 @@ static inline void rope_head(const float* x, const float* c, const float* s, flo
 
 // One query head over keys [0, L): scores, softmax, values. The result depends on (the query, the L
 // keys and values) alone: never on T, the batch or the thread.
+template <int C16>  // D / 16, a compile-time constant (the vectors of a query stay in registers)
 static void attend_head(const float* q, const float* K, const float* V, float* out, int64_t L, int64_t D,
                         float scale, std::vector<float>& s) {
-  const int64_t C16 = D / 16, Lp = (L + 15) / 16 * 16;
+  const int64_t Lp = (L + 15) / 16 * 16;
   s.resize(Lp);
   vf qv[16];
   for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(q + 16 * c);
-  float m = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) {  // scores: one dot product per key, lanes summed in a fixed tree
-    const float* k = K + j * D;
-    vf a = qv[0] * load_vf(k);
-    for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(k + 16 * c);
-    s[j] = hsum(a) * scale;
-    m = std::max(m, s[j]);  // a max is exact in any order
+  for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
+    vf part[16];                                // in one fixed tree (`sum16`)
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      const int64_t j = std::min(j0 + jj, L - 1);  // the tail repeats the last key; its scores are dropped
+      const float* k = K + j * D;
+      vf a = qv[0] * load_vf(k);
+      for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(k + 16 * c);
+      part[jj] = a;
+    }
+    const vf sc = sum16(part) * scale;
+    std::memcpy(s.data() + j0, &sc, 64);
   }
-  for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;  // exp gives exactly 0 there
+  float m = -INFINITY;
+  for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);  // a max is exact in any order
+  for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;      // exp gives exactly 0 there
   vf total = vf{};
   for (int64_t j = 0; j < Lp; j += 16) {
     const vf p = exp_neg(load_vf(s.data() + j) - m);
@@ -549,7 +575,7 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
               vc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(), "KV cache: contiguous fp32");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
               cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D && lens.size(0) == B,
+  TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D && lens.size(0) == B,
               "attend: shapes");
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
@@ -576,7 +602,13 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
     std::vector<float> s;
     for (int64_t u = a; u < e; ++u) {
       const int64_t i = u / H, b = i / T, t = i % T, g = (u % H) / rep, base = (b * Hkv + g) * C * D;
-      attend_head(qp + u * D, kp + base, vp + base, op + u * D, lp[b] + t + 1, D, scale, s);
+      const int64_t L = lp[b] + t + 1;
+      switch (D) {
+        case 32: attend_head<2>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
+        case 64: attend_head<4>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
+        case 128: attend_head<8>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
+        default: attend_head<16>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
+      }
     }
   });
   return out;

@@ -172,9 +172,9 @@ def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_a
 
 @needs_kernels
 def test_attend_refuses_a_full_cache():
-    kc = torch.zeros(1, 1, 16, 16)
+    kc = torch.zeros(1, 1, 16, 32)
     with pytest.raises(RuntimeError, match="KV cache full"):
-        kernels.attend(torch.zeros(1, 2, 3 * 16), kc, kc.clone(), torch.zeros(64, 16), torch.zeros(64, 16),
+        kernels.attend(torch.zeros(1, 2, 3 * 32), kc, kc.clone(), torch.zeros(64, 32), torch.zeros(64, 32),
                        torch.tensor([15]), 1, 1.0)
 
 
