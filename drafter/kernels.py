@@ -8,7 +8,7 @@ The kernels here read each tile of weights (64 outputs) from memory once for all
 instructions in the same order whatever the number of rows, so a verify pass scores a token bit
 for bit as a one-token step does, by construction:
 
-- int4 (`q4_mm`): groups of 32 inputs, w = q · d + m with q in [0, 15] and fp32 d, m per (output,
+- int4 (`q4_mm`): groups of 32 inputs, w = q · d + m with q in [0, 15] and fp16 d, m per (output,
   group) (GGUF Q4_1's own form); y[n] = Σ_g (d · Σ_{i in g} q x_i + m · Σ_{i in g} x_i), the inner sums
   in input order, the groups in order, fp32 throughout.
 - int8 (`q8_mm`): per-output-channel symmetric int8, y[n] = scale[n] · Σ_i q x_i in input order.
@@ -94,11 +94,27 @@ static inline vf int8_to_vf(const int8_t* p) {
 }
 #endif
 
+// 16 fp16 values -> 16 floats (exact), F16C / AVX-512 where present.
+static inline vf load_h16(const uint16_t* p) {
+#if defined(__AVX512F__)
+  const __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  vf v; std::memcpy(&v, &f, 64); return v;
+#elif defined(__F16C__)
+  const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  vf v; std::memcpy(&v, &a, 32); std::memcpy(reinterpret_cast<char*>(&v) + 32, &b, 32); return v;
+#else
+  vf v;
+  for (int j = 0; j < 16; ++j) v[j] = c10::detail::fp16_ieee_to_fp32_value(p[j]);
+  return v;
+#endif
+}
+
 // A tile of TB blocks of 16 outputs (their weights stay in L1 while every row chunk passes), M rows.
 // int4 groups of 32, w = q * d + m. Per output: the group's inputs summed in one chain in input
 // order, then d * that + m * sum(x) added to the output's chain, groups in order.
 template <int M, int TB>
-static void q4_tile(const uint8_t* w, const float* d, const float* mn, const float* x, const float* xs,
+static void q4_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const float* x, const float* xs,
                     float* y, int64_t K, int64_t ldy) {
   const int64_t G = K / 32, wstride = (K / 2) * 16, sstride = G * 16;
   vf out[M][TB];
@@ -120,7 +136,7 @@ static void q4_tile(const uint8_t* w, const float* d, const float* mn, const flo
       }
     }
     _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
-      const vf dg = load_vf(d + t * sstride + g * 16), mg = load_vf(mn + t * sstride + g * 16);
+      const vf dg = load_h16(d + t * sstride + g * 16), mg = load_h16(mn + t * sstride + g * 16);
       _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
         out[r][t] = out[r][t] + dg * acc[r][t];
         out[r][t] = out[r][t] + mg * xs[r * G + g];
@@ -189,7 +205,7 @@ static torch::Tensor shaped(const torch::Tensor& y, const torch::Tensor& x, int6
 }
 
 torch::Tensor q4_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn) {
-  // x [R, K] fp32; w [N/16, K/2, 16] uint8; d, mn [N/16, K/32, 16] fp32 -> [R, N] fp32
+  // x [R, K] fp32; w [N/16, K/2, 16] uint8; d, mn [N/16, K/32, 16] fp16 -> [R, N] fp32
   const torch::Tensor x = rows_of(x_in);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8);
   const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
@@ -205,8 +221,9 @@ torch::Tensor q4_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch:
       xsp[r * G + g] = s;
     }
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = mn.data_ptr<float>();
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && mn.scalar_type() == torch::kHalf, "int4 scales: fp16");
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
   over_tiles(NB, R, 1, [&](int64_t nb, int64_t r0, auto m) {
@@ -296,7 +313,7 @@ static inline vf iv_float(ivec v) {
 
 #if defined(SPECLOOP_W4A8)
 template <int M, int TB>
-static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const int8_t* xq, const float* dx,
+static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
                       const float* sx, float* y, int64_t G, int64_t ldy) {
   vf out[M][TB];
   _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
@@ -320,7 +337,7 @@ static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const i
       }
       const float dxr = dx[r * G + g], sxr = sx[r * G + g];
       _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
-        const vf dg = load_vf(d + (t * G + g) * 16) * dxr, mg = load_vf(mn + (t * G + g) * 16);
+        const vf dg = load_h16(d + (t * G + g) * 16) * dxr, mg = load_h16(mn + (t * G + g) * 16);
         out[r][t] = out[r][t] + dg * iv_float(acc[t]);
         out[r][t] = out[r][t] + mg * sxr;
       }
@@ -331,7 +348,7 @@ static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const i
 }
 #else
 template <int M, int TB>
-static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const int8_t* xq, const float* dx,
+static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
                       const float* sx, float* y, int64_t G, int64_t ldy) {  // portable: the same arithmetic
   for (int r = 0; r < M; ++r)
     for (int t = 0; t < TB; ++t) {
@@ -349,7 +366,7 @@ static void w4a8_tile(const uint8_t* w, const float* d, const float* mn, const i
             }
           acc[l] = (float)s;
         }
-        const vf dg = load_vf(d + (t * G + g) * 16) * dx[r * G + g], mg = load_vf(mn + (t * G + g) * 16);
+        const vf dg = load_h16(d + (t * G + g) * 16) * dx[r * G + g], mg = load_h16(mn + (t * G + g) * 16);
         out = out + dg * acc;
         out = out + mg * sx[r * G + g];
       }
@@ -379,7 +396,7 @@ static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, f
 }
 
 torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn) {
-  // x [R, K]; w [N/16, K/32 * 256] uint8; d, mn [N/16, K/32, 16] fp32 -> [R, N] fp32
+  // x [R, K]; w [N/16, K/32 * 256] uint8; d, mn [N/16, K/32, 16] fp16 -> [R, N] fp32
   const torch::Tensor x = rows_of(x_in);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8);
   const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
@@ -389,7 +406,10 @@ torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torc
   quantize_rows_q8(x.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
   auto y = torch::empty({R, NB * 16}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float *dp = d.data_ptr<float>(), *mp = mn.data_ptr<float>(), *dxp = dx.data_ptr<float>(), *sxp = sx.data_ptr<float>();
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && mn.scalar_type() == torch::kHalf, "int4 scales: fp16");
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+  const float *dxp = dx.data_ptr<float>(), *sxp = sx.data_ptr<float>();
   const int8_t* qp = xq.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
@@ -703,7 +723,7 @@ def _self_check(mod) -> bool:
     g = torch.Generator().manual_seed(0)
     N, K = 2 * TILE * LANES, 96
     q4 = torch.randint(0, 16, (N, K), generator=g)
-    d, m = torch.rand(N, K // GROUP, generator=g), torch.randn(N, K // GROUP, generator=g)
+    d, m = torch.rand(N, K // GROUP, generator=g).half().float(), torch.randn(N, K // GROUP, generator=g).half().float()
     q8, s = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8), torch.rand(N, generator=g)
     w4 = q4.double() * d.double().repeat_interleave(GROUP, 1) + m.double().repeat_interleave(GROUP, 1)
     w8 = q8.double() * s.double()[:, None]
@@ -774,13 +794,21 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return xq.view_as(x), dx, dx * xq.sum(-1, dtype=torch.int32).float()
 
 
+def _half(t: torch.Tensor) -> torch.Tensor:
+    """Group scales / minimums as the kernels store them: fp16 (a GGUF's own are fp16: exact)."""
+    h = t.to(torch.float16)
+    if not torch.isfinite(h).all():
+        raise ValueError("int4 group scales / minimums beyond fp16's range")
+    return h
+
+
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (nibbles [N'/16, K/2, 16] uint8,
-    d [N'/16, K/32, 16] fp32, m [N'/16, K/32, 16] fp32), N' = N rounded up to 64 (zero outputs)."""
+    d, m [N'/16, K/32, 16] fp16), N' = N rounded up to 64 (zero outputs)."""
     N, K = q.shape
     pad = -N % (LANES * TILE)
     q = q.to(torch.uint8)
-    scale, minimum = scale.float(), minimum.float()
+    scale, minimum = _half(scale), _half(minimum)
     if pad:
         q = torch.cat([q, q.new_zeros(pad, K)])
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
@@ -798,7 +826,7 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tu
     N, K = q.shape
     pad = -N % (LANES * TILE)
     q = q.to(torch.uint8)
-    scale, minimum = scale.float(), minimum.float()
+    scale, minimum = _half(scale), _half(minimum)
     if pad:
         q = torch.cat([q, q.new_zeros(pad, K)])
         scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])

@@ -8,7 +8,7 @@ activation dtype and holds its own bias:
 - `Int8Weight`: per-output-channel symmetric int8, `torch._weight_int8pack_mm`.
 - `Int4Weight`: group-wise asymmetric int4 (groups of 32/64/128 along K), tinygemm's CPU packing,
   `torch._weight_int4pack_mm_for_cpu`.
-- `OwnInt4Weight` / `OwnInt8Weight`: the same formats (int4 in groups of 32, w = q · d + m with fp32
+- `OwnInt4Weight` / `OwnInt8Weight`: the same formats (int4 in groups of 32, w = q · d + m with fp16
   d, m; int8 per channel with fp32 scales) multiplied by specloop's own kernels (drafter.kernels),
   which read each tile of weights from memory once for all rows of a call and compute every row
   alike (bench/README.md section 9: a 5-token pass 0.84x of the stock kernels' cost, v_5 1.88
@@ -251,7 +251,7 @@ class Int4Weight:
 
 
 class OwnInt4Weight:
-    """Int4 groups of 32 along K, w = q · d + m (GGUF Q4_1's form, d and m in fp32), multiplied by
+    """Int4 groups of 32 along K, w = q · d + m (GGUF Q4_1's form, d and m in fp16, exact for a GGUF), multiplied by
     specloop's own kernel (drafter.kernels.q4_mm: fp32 products, each tile of weights read once for
     all rows, every row computed alike whatever the row count). Output in the activation dtype."""
 
@@ -287,7 +287,7 @@ class OwnInt4Weight:
 
 
 class OwnW4A8Weight(OwnInt4Weight):
-    """`OwnInt4Weight`'s weights (groups of 32, w = q · d + m, fp32 d and m) times activations quantized
+    """`OwnInt4Weight`'s weights (groups of 32, w = q · d + m, fp16 d and m) times activations quantized
     to int8 per row and group of 32 (x ≈ xq · dx, dx = max|x| / 127), as llama.cpp multiplies a Q4_1
     tensor by Q8_1 activations: integer dot products (VNNI where the CPU has it), then
     y = Σ_g d·dx·Σ q·xq + m·dx·Σ xq (drafter.kernels.w4a8_mm). Output fp32."""

@@ -12,7 +12,7 @@ def _groups(N, K, seed=0):
     q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
     d = torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3
     m = torch.randn(N, K // 32, generator=g) * 0.3
-    return q, d, m
+    return q, d.half().float(), m.half().float()  # fp16 values, as a GGUF stores them (the kernels keep fp16)
 
 
 @needs_kernels
