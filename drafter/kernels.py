@@ -376,7 +376,8 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, c
 #endif
 
 // Rows [R, K] fp32 -> int8 per group of 32 (round half to even), with dx and sx per (row, group).
-static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, float* dx, float* sx) {
+static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, float* dx, float* sx,
+                             int32_t* isum = nullptr) {
   const int64_t G = K / 32;
   for (int64_t r = 0; r < R; ++r)
     for (int64_t g = 0; g < G; ++g) {
@@ -392,6 +393,7 @@ static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, f
       }
       dx[r * G + g] = dd;
       sx[r * G + g] = dd * (float)sum;
+      if (isum) isum[r * G + g] = sum;
     }
 }
 
@@ -422,6 +424,113 @@ torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torc
 
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t n) {
   return shaped(w4a8_mm(x, w, d, mn), x, n);
+}
+
+// ---------------------------------------------------------------------------- w8a8
+// int8 weights in blocks of 32 with an fp16 scale each (GGUF Q8_0: w = q * d) times int8 activations
+// as in w4a8: y[n] = sum_g (d dx) * sum_i q xq (llama.cpp's Q8_0 x Q8_0). Weights: [N/16, G, 8 chunks
+// of 64 bytes]; in chunk j, lane l's 4 bytes b hold q[4j + b] of output l (q in [-127, 127]).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr int32_t W8_OFFSET = 128;  // dpbusd multiplies unsigned by signed: (q + 128) * xq
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), x);
+}
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+static constexpr int32_t W8_OFFSET = 0;  // |x| times q with x's sign: no saturation for q, x in [-127, 127]
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
+  const __m512i sw = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), _mm512_setzero_si512(), w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(x), sw), _mm512_set1_epi16(1)));
+}
+#elif defined(__AVX2__)
+static constexpr int32_t W8_OFFSET = 0;
+static inline __m256i dot8_s8(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)),
+                                                 _mm256_set1_epi16(1)));
+}
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) { return {dot8_s8(acc.a, w.a, x.a), dot8_s8(acc.b, w.b, x.b)}; }
+#endif
+
+#if defined(SPECLOOP_W4A8)
+template <int M, int TB>
+static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
+                      float* y, int64_t G, int64_t ldy) {
+  vf out[M][TB];
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+      int32_t quads[8];
+      std::memcpy(quads, xq + (r * G + g) * 32, 32);
+      ivec acc[TB];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_zero();
+      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+        const ivec xb = iv_bcast(quads[j]);
+        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)
+          acc[t] = iv_dot_s8(acc[t], iv_load(reinterpret_cast<const uint8_t*>(w) + (t * G + g) * 512 + 64 * j), xb);
+      }
+      const float dxr = dx[r * G + g];
+      const vf corr = vf{} + (float)(W8_OFFSET * isum[r * G + g]);  // exact: |value| < 2^24
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+        const vf dg = load_h16(d + (t * G + g) * 16) * dxr;
+        out[r][t] = out[r][t] + dg * (iv_float(acc[t]) - corr);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) std::memcpy(y + r * ldy + t * 16, &out[r][t], 64);
+}
+#else
+template <int M, int TB>
+static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
+                      float* y, int64_t G, int64_t ldy) {  // portable: the same arithmetic
+  for (int r = 0; r < M; ++r)
+    for (int t = 0; t < TB; ++t) {
+      vf out = vf{};
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* p = w + (t * G + g) * 512;
+        const int8_t* xr = xq + (r * G + g) * 32;
+        vf acc;
+        for (int l = 0; l < 16; ++l) {
+          int32_t s = 0;
+          for (int j = 0; j < 8; ++j)
+            for (int b = 0; b < 4; ++b) s += p[64 * j + 4 * l + b] * xr[4 * j + b];
+          acc[l] = (float)s;
+        }
+        out = out + (load_h16(d + (t * G + g) * 16) * dx[r * G + g]) * (acc - 0.0f);
+      }
+      std::memcpy(y + r * ldy + t * 16, &out, 64);
+    }
+}
+#endif
+
+torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d) {
+  // x [R, K]; w [N/16, K/32 * 512] int8; d [N/16, K/32, 16] fp16 -> [R, N] fp32
+  const torch::Tensor x = rows_of(x_in);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && d.scalar_type() == torch::kHalf);
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == G * 512 && d.size(1) == G && NB % TILE == 0);
+  auto xq = torch::empty({R, K}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({R, G}, x.options()), sx = torch::empty({R, G}, x.options());
+  auto isum = torch::empty({R, G}, x.options().dtype(torch::kInt32));
+  quantize_rows_q8(x.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
+                   isum.data_ptr<int32_t>());
+  auto y = torch::empty({R, NB * 16}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const float* dxp = dx.data_ptr<float>();
+  const int32_t* ip = isum.data_ptr<int32_t>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = NB * 16;
+  over_tiles(NB, R, 4, [&](int64_t nb, int64_t r0, auto m) {
+    w8a8_tile<decltype(m)::value, TILE>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G, ip + r0 * G,
+                                        yp + r0 * ldy + nb * 16, G, ldy);
+  });
+  return y;
+}
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, int64_t n) {
+  return shaped(w8a8_mm(x, w, d), x, n);
 }
 
 // ---------------------------------------------------------------------------- attention
@@ -688,7 +797,7 @@ def _module():
         from torch.utils.cpp_extension import load_inline
 
         _announce_first_build(name)
-        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul", "w4a8_mm", "w4a8_linear", "layer"],
+        mod = load_inline(name=name, cpp_sources=[_SOURCE], functions=["q4_mm", "q8_mm", "q4_linear", "q8_linear", "attend", "rms_norm", "silu_mul", "w4a8_mm", "w4a8_linear", "w8a8_mm", "w8a8_linear", "layer"],
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
@@ -730,10 +839,14 @@ def _self_check(mod) -> bool:
     packed4, packed8 = pack_q4(q4, d, m), pack_q8(q8, s)
     x = torch.randn(9, K, generator=g)
     packed48 = pack_w4a8(q4, d, m)
+    b8 = torch.rand(N, K // GROUP, generator=g).half().float()  # Q8_0-style blocks: w = q · d per 32
+    packed88 = pack_w8a8(q8, b8)
+    w88 = q8.double() * b8.double().repeat_interleave(GROUP, 1)
     xq, dx, _ = quantized_rows(x)
     x48 = (xq.double().view(9, -1, GROUP) * dx.double()[..., None]).view(9, K)  # the activations w4a8 multiplies
     for call, w, xs in ((lambda rows: mod.q4_mm(rows, *packed4), w4, x), (lambda rows: mod.q8_mm(rows, *packed8), w8, x),
-                        (lambda rows: mod.w4a8_mm(rows, *packed48), w4, x48)):
+                        (lambda rows: mod.w4a8_mm(rows, *packed48), w4, x48),
+                        (lambda rows: mod.w8a8_mm(rows, *packed88), w88, x48)):
         alone = torch.cat([call(x[i : i + 1].contiguous()) for i in range(9)])
         exact = xs.double() @ w.t()
         if not torch.allclose(alone.double(), exact, rtol=1e-4, atol=1e-4 * float(exact.abs().max())):
@@ -836,6 +949,40 @@ def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tu
     packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, G * 256)
     lanes = lambda t: t.view(-1, LANES, G).transpose(1, 2).contiguous()  # noqa: E731
     return packed.contiguous(), lanes(scale), lanes(minimum)
+
+
+def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] int8 in [-127, 127], scale [N, K/32] (GGUF Q8_0: w = q · d) → (bytes [N'/16, K/32 · 512]
+    int8, d [N'/16, K/32, 16] fp16), N' = N rounded up to 64: per group, chunk j (of 8) holds for each
+    of 16 outputs its inputs 4j..4j+3."""
+    N, K = q.shape
+    if int(q.min()) < -127:
+        raise ValueError("int8 blocks need q in [-127, 127]")
+    pad = -N % (LANES * TILE)
+    q, scale = q.to(torch.int8), _half(scale)
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, K)])
+        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    G = K // GROUP
+    packed = q.view(-1, LANES, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, G * 512)
+    return packed.contiguous(), scale.view(-1, LANES, G).transpose(1, 2).contiguous()
+
+
+def w8a8_rows(packed: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (any shape) of the weight `pack_w8a8` packed, as q · d in fp32 → [*ids.shape, K]:
+    an embedding lookup from the blocks, without a float copy of the table."""
+    G = d.shape[1]
+    flat = ids.reshape(-1)
+    block, lane = flat // LANES, flat % LANES
+    q = packed.view(-1, G, 8, LANES, 4)[block, :, :, lane]  # [n, G, 8, 4]
+    scale = d[block, :, lane].float()  # [n, G]
+    rows = q.float().view(-1, G, GROUP) * scale[..., None]
+    return rows.view(*ids.shape, G * GROUP)
+
+
+def w8a8_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x [R, K] → [R, N'] fp32 (`pack_w8a8`'s layout): int8 blocks times int8 activations."""
+    return _module().w8a8_mm(x, packed, d)
 
 
 def unpack_w4a8(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int):
