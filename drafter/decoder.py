@@ -222,7 +222,9 @@ class LeanDecoder:
         )
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(tokens.to(self.device), self.embed)  # [B, T, hidden]
+        if isinstance(self.embed, torch.Tensor):
+            return F.embedding(tokens.to(self.device), self.embed)  # [B, T, hidden]
+        return self.embed.rows(tokens.to(self.device))  # a quantized table (drafter.quant.OwnW8A8Weight)
 
     def run_layers(
         self,

@@ -311,6 +311,36 @@ class OwnW4A8Weight(OwnInt4Weight):
         return dequantize_groups(*self.groups())
 
 
+class OwnW8A8Weight:
+    """Int8 blocks of 32 along K with an fp16 scale each (GGUF Q8_0: w = q · d) times activations
+    rounded to int8 per group of 32, as llama.cpp multiplies Q8_0 by Q8_0 (drafter.kernels.w8a8_mm).
+    A published model's tied embedding / LM head: `rows` looks rows up from the same bytes, so the
+    embedding needs no float copy. Output fp32."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 act_dtype: torch.dtype = torch.float32):
+        N, K = q.shape
+        if scale.shape != (N, K // kernels.GROUP) or K % kernels.GROUP:
+            raise ValueError(f"int8 blocks of 32: q {tuple(q.shape)} needs scale [N, K / 32]")
+        self.q, self.d = kernels.pack_w8a8(q, scale)
+        self._op = kernels.linear_op("w8a8")
+        self.bias = None if bias is None else bias.detach().to(act_dtype)
+        self.act_dtype, self.group_size = act_dtype, kernels.GROUP
+        self.out_features, self.in_features = N, K
+        self.dtype, self.device = torch.float32, q.device  # as an embedding table (`rows`)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._op(x, self.q, self.d, self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding lookup: rows `ids` as q · d in fp32 ([*ids.shape, K]), exactly the table's values."""
+        return kernels.w8a8_rows(self.q, self.d, ids)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(torch.arange(self.out_features))
+
+
 class OwnInt8Weight:
     """Per-output-channel symmetric int8 (w ≈ q · scale[n], fp32 scales) multiplied by specloop's own
     kernel (drafter.kernels.q8_mm, as `OwnInt4Weight`). Output in the activation dtype."""
@@ -420,6 +450,7 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
     if mode == "w4a8" and spec.kernels != "own":
         raise ValueError(W4A8_NEEDS + "; they are not built here: use int4")
     act = spec.act_dtype
+    source = groups if isinstance(groups, (str, Path)) else None
     if mode not in ("int4", "w4a8") or groups is None:
         groups = {}
     elif not isinstance(groups, dict):
@@ -430,8 +461,14 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
     # A published 4-bit model whose head is stored at higher precision (SmolLM2's GGUF: Q8_0, tied to
     # the embedding) keeps an 8-bit head: int4 there flipped 8 of 8 greedy answers against the GGUF's.
     head_spec = replace(spec, mode="int8") if groups and not any(n in groups for n in head) else spec
-    lean.lm_head = _grouped(lean.lm_head, head if lean.vocab_ids is None else [], groups, head_spec, used)
-    lean.embed = lean.embed.to(act)
+    blocks = _head_blocks(lean, head[0], source, mode)
+    if blocks is not None:  # the published int8 head (Q8_0) as it is, and the tied embedding read from it
+        lean.lm_head = blocks
+        lean.embed = blocks if tied else lean.embed.to(act)
+        used.append(head[0])
+    else:
+        lean.lm_head = _grouped(lean.lm_head, head if lean.vocab_ids is None else [], groups, head_spec, used)
+        lean.embed = lean.embed.to(act)
     lean.final_norm = lean.final_norm.to(act)
     lean.cos, lean.sin = lean.cos.to(act), lean.sin.to(act)
     for i, layer in enumerate(lean.layers if layers is None else layers):
@@ -456,6 +493,23 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
     return lean
 
 
+def _head_blocks(lean, name: str, source, mode: str) -> "OwnW8A8Weight | None":
+    """In w4a8 mode, the LM head from the checkpoint's own int8 blocks (`int8_blocks` of `source`, a
+    directory) when they reproduce the loaded head exactly (a stale file is never served), else None."""
+    if mode != "w4a8" or source is None or lean.vocab_ids is not None or not isinstance(lean.lm_head, torch.Tensor):
+        return None
+    found = int8_blocks(source).get(name)
+    if found is None:
+        return None
+    q, d = found
+    if q.shape != lean.lm_head.shape or not torch.equal(dequantize_blocks(q, d), lean.lm_head.float().cpu()):
+        import warnings
+
+        warnings.warn(f"int8 blocks of {name} do not reproduce the loaded weight: requantizing it")
+        return None
+    return OwnW8A8Weight(q, d)
+
+
 INT4_GROUPS_FILE = "q4_1.safetensors"  # a fetched verifier's GGUF Q4_1 groups: NAME.q [N, K] uint8, NAME.d / .m [N, K/32]
 
 
@@ -472,6 +526,27 @@ def int4_groups(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     flat = load_file(str(Path(path) / name))
     return {key[:-2]: (flat[key], flat[key[:-2] + ".d"], flat[key[:-2] + ".m"])
             for key in flat if key.endswith(".q") and key[:-2] + ".d" in flat and key[:-2] + ".m" in flat}
+
+
+def int8_blocks(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The int8 blocks a checkpoint directory ships in its groups file (a GGUF's Q8_0 tensors: NAME.q
+    int8, NAME.d [N, K/32], no NAME.m): Hugging Face parameter name → (q, d), w = q · d."""
+    name = _read_json(Path(path) / VERIFIER_MANIFEST).get("groups")
+    if not name or not (Path(path) / name).is_file():
+        return {}
+    from safetensors import safe_open
+
+    with safe_open(str(Path(path) / name), framework="pt") as f:
+        keys = set(f.keys())
+        return {k[:-2]: (f.get_tensor(k), f.get_tensor(k[:-2] + ".d")) for k in keys
+                if k.endswith(".q") and k[:-2] + ".d" in keys and k[:-2] + ".m" not in keys}
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q · scale in fp32 per block of K / scale.shape[1] (GGUF Q8_0's dequantization), [N, K]."""
+    N, K = q.shape
+    G = scale.shape[1]
+    return (q.float().view(N, G, K // G) * scale.float()[..., None]).view(N, K)
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:

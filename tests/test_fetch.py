@@ -221,6 +221,24 @@ def real_verifier(tmp_path_factory):
     return gguf, convert_gguf(gguf, out)
 
 
+def test_the_real_verifier_as_served_reads_its_q8_0_head_and_embedding_from_the_gguf_blocks(real_verifier):
+    """w4a8 (the manifest's mode): the tied LM head is the GGUF's Q8_0 blocks as published, and the
+    embedding is looked up from the same bytes (no float copy), equal to the converted fp32 table."""
+    from safetensors import safe_open
+
+    from drafter.quant import OwnW8A8Weight
+
+    gguf, verifier = real_verifier
+    manifest = json.loads((verifier / "manifest.json").read_text())
+    assert manifest["int8_block_tensors"] == 1 and manifest["format"] >= 2
+    lean = load_model(verifier, weights="auto").lean
+    assert isinstance(lean.lm_head, OwnW8A8Weight) and lean.embed is lean.lm_head
+    with safe_open(str(verifier / "model.safetensors"), framework="pt") as f:
+        table = f.get_tensor("model.embed_tokens.weight")
+    ids = torch.tensor([0, 1, 2, 100, 4097, table.shape[0] - 1])
+    assert torch.equal(lean.embed_tokens(ids[None])[0], table[ids].float())
+
+
 def test_the_real_verifiers_int4_weights_are_the_ggufs_q4_1_exactly(real_verifier):
     from gguf import GGUFReader
 

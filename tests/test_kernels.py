@@ -219,3 +219,23 @@ def test_w4a8_multiplies_int8_rounded_activations_by_q_times_d_plus_m_each_row_a
     assert (alone[:, :200].double() - x.double() @ w.t()).abs().max() > 1e-3  # the activations really are rounded
     for R in range(1, 10):
         assert torch.equal(kernels.w4a8_mm(x[:R], *packed), alone[:R])
+
+
+@needs_kernels
+def test_w8a8_multiplies_q8_0_blocks_by_int8_rounded_activations_and_looks_rows_up_exactly():
+    g = torch.Generator().manual_seed(10)
+    q = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
+    d = (torch.rand(100, 18, generator=g) * 0.02).half().float()
+    packed = kernels.pack_w8a8(q, d)
+    w = q.double() * d.double().repeat_interleave(32, 1)
+    ids = torch.tensor([[0, 99, 17], [64, 63, 5]])
+    assert torch.equal(kernels.w8a8_rows(*packed, ids).double(), w[ids])  # q · d, the table's own values
+    x = torch.randn(9, 576, generator=g)
+    xq, dx, _ = kernels.quantized_rows(x)
+    exact = (xq.double().view(9, 18, 32) * dx.double()[..., None]).view(9, 576) @ w.t()
+    alone = torch.cat([kernels.w8a8_mm(x[i : i + 1], *packed) for i in range(9)])
+    torch.testing.assert_close(alone[:, :100].double(), exact, rtol=1e-5, atol=1e-4)
+    for R in range(1, 10):
+        assert torch.equal(kernels.w8a8_mm(x[:R], *packed), alone[:R])
+    with pytest.raises(ValueError, match="-127"):
+        kernels.pack_w8a8(torch.full((64, 32), -128, dtype=torch.int8), torch.ones(64, 1))

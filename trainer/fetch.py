@@ -144,6 +144,20 @@ def decode_q4_1(raw, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return q.contiguous(), d.contiguous(), m.contiguous()
 
 
+def decode_q8_0(raw, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF Q8_0 bytes of an [n, k] weight (blocks of 32 along k: fp16 d, then 32 int8) → q [n, k] int8
+    and d [n, k / 32] fp16, with w = q · d."""
+    if k % Q4_1_BLOCK:
+        raise ValueError(f"Q8_0 rows hold whole blocks of {Q4_1_BLOCK}, got k={k}")
+    raw = raw if isinstance(raw, torch.Tensor) else torch.tensor(raw, dtype=torch.uint8)
+    blocks = raw.reshape(n, k // Q4_1_BLOCK, 2 + Q4_1_BLOCK)
+    if sys.byteorder != "little":
+        raise FetchError("reading GGUF fp16 scales needs a little-endian host")
+    d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+    return q.contiguous(), d.contiguous()
+
+
 def hf_name(gguf_name: str) -> str | None:
     """The Hugging Face parameter a GGUF tensor becomes (None for those this map does not know)."""
     if gguf_name == "token_embd.weight":
@@ -177,10 +191,14 @@ def has_source_groups(verifier: Path) -> bool:
     if not manifest.is_file():
         return False
     written = json.loads(manifest.read_text())
-    if written.get("weights") != served_mode(written.get("source_quant")):
+    if written.get("format", 1) < MANIFEST_FORMAT or written.get("weights") != served_mode(written.get("source_quant")):
         return False  # written by an older specloop that served this type otherwise: write it again
     groups = written.get("groups")
     return groups is None or (verifier / groups).is_file()
+
+
+# 2: the groups file also holds the Q8_0 tensors (int8 blocks: the tied embedding / LM head)
+MANIFEST_FORMAT = 2
 
 
 def served_mode(gguf_type: str | None) -> str | None:
@@ -190,7 +208,8 @@ def served_mode(gguf_type: str | None) -> str | None:
 
 def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
     """The GGUF's Q4_1 linear weights as Hugging Face-named (q, d, m) groups in the Hugging Face row
-    order, and what the file holds: {"architecture", "types": {GGUF name: type name}}."""
+    order, its Q8_0 ones (the tied embedding / LM head) as (q, d, None), and what the file holds:
+    {"architecture", "types": {GGUF name: type name}}."""
     from gguf import GGMLQuantizationType, GGUFReader
 
     reader = GGUFReader(gguf)
@@ -201,9 +220,14 @@ def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tenso
     for t in reader.tensors:
         types[t.name] = t.tensor_type.name
         name = hf_name(t.name)
-        if name is None or t.tensor_type != GGMLQuantizationType.Q4_1 or len(t.shape) != 2:
+        if name is None or len(t.shape) != 2:
             continue
         k, n = (int(x) for x in t.shape)  # GGUF lists dims innermost first
+        if t.tensor_type == GGMLQuantizationType.Q8_0 and not (".attn_q." in t.name or ".attn_k." in t.name):
+            groups[name] = (*decode_q8_0(t.data, n, k), None)  # m None: int8 blocks, w = q · d
+            continue
+        if t.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
         q, d, m = decode_q4_1(t.data, n, k)
         if arch == "llama" and heads and (".attn_q." in t.name or ".attn_k." in t.name):
             n_head = heads if ".attn_q." in t.name else kv_heads
@@ -221,7 +245,7 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from drafter.quant import INT4_GROUPS_FILE, VERIFIER_MANIFEST, dequantize_groups
+    from drafter.quant import INT4_GROUPS_FILE, VERIFIER_MANIFEST, dequantize_blocks, dequantize_groups
 
     groups, info = source_groups(gguf)
     kept, diffs, mismatched = {}, {}, []
@@ -234,7 +258,8 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
             if w.shape != q.shape or q.shape[1] != d.shape[1] * Q4_1_BLOCK:
                 mismatched.append(name)
                 continue
-            diff = float((dequantize_groups(q, d, m) - w).abs().max())
+            deq = dequantize_groups(q, d, m) if m is not None else dequantize_blocks(q, d)
+            diff = float((deq - w).abs().max())
             diffs[name] = diff
             if diff == 0.0:
                 kept[name] = (q, d, m)
@@ -260,12 +285,17 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
     if kept:
         flat = {}
         for name, (q, d, m) in kept.items():
-            flat[name + ".q"], flat[name + ".d"], flat[name + ".m"] = q, d, m
+            flat[name + ".q"], flat[name + ".d"] = q, d
+            if m is not None:
+                flat[name + ".m"] = m
         tmp = verifier / f"{INT4_GROUPS_FILE}.{os.getpid()}.tmp"
         save_file(flat, str(tmp), metadata={"source": gguf.name, "format": "w = q * d + m, groups of 32 along K"})
         os.chmod(tmp, 0o644)  # safetensors creates it private
         os.replace(tmp, verifier / INT4_GROUPS_FILE)
-        manifest.update(groups=INT4_GROUPS_FILE, group_size=Q4_1_BLOCK, grouped_tensors=len(kept))
+        n8 = sum(m is None for _, _, m in kept.values())
+        manifest.update(groups=INT4_GROUPS_FILE, group_size=Q4_1_BLOCK, grouped_tensors=len(kept) - n8,
+                        int8_block_tensors=n8)
+    manifest["format"] = MANIFEST_FORMAT
     tmp = verifier / f"{VERIFIER_MANIFEST}.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, verifier / VERIFIER_MANIFEST)  # last: its presence marks the step done
