@@ -473,7 +473,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def dtype_label(s: System, act: dict) -> str:
     if s.family.startswith("llama"):
         return "Q4_1 (GGUF)"
-    if s.family == "specloop" and s.dtype in act and act[s.dtype] != {"bf16": "bfloat16"}.get(s.dtype, s.dtype):
+    if s.family == "specloop" and s.dtype in act and s.dtype != "w4a8" \
+            and act[s.dtype] != {"bf16": "bfloat16"}.get(s.dtype, s.dtype):  # w4a8 quantizes its own inputs
         return f"{s.dtype} ({act[s.dtype].replace('bfloat16', 'bf16').replace('float32', 'fp32')} act)"
     return s.dtype
 
