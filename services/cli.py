@@ -53,11 +53,12 @@ def _add_sampling(p: argparse.ArgumentParser, auto_k: bool = False) -> None:
 def _add_weights(p: argparse.ArgumentParser) -> None:
     modes = ("auto", "fp32", "bf16", "int8", "int4", "w4a8")  # drafter.quant.DTYPE_MODES (torch not imported here)
     p.add_argument("--weights", choices=modes, default="auto", help="the verifier's weight mode (auto: as the "
-                   "checkpoint is stored, fp32 or bf16, or the mode its manifest.json names, e.g. int4 for a model "
+                   "checkpoint is stored, fp32 or bf16, or the mode its manifest.json names, e.g. w4a8 for a model "
                    "published as a 4-bit GGUF; int8/int4 quantize it explicitly; w4a8: int4 weights times "
                    "activations rounded to int8 per 32, as llama.cpp computes a Q4 model)")
     p.add_argument("--drafter-weights", choices=modes, default="auto",
-                   help="a drafter LM's weight mode (auto: int4 where the CPU has native bf16)")
+                   help="a drafter LM's weight mode (auto: w4a8 where specloop's kernels build, else int4 where "
+                   "the CPU has native bf16)")
 
 
 def build_parser() -> argparse.ArgumentParser:

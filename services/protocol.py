@@ -129,7 +129,7 @@ class WorkerInfo:
     prefix: str = "specloop"
     buffer: str | None = None  # buffer spec ("memory" or a redis URL), None = no logging
     metrics_url: str | None = None  # host:port of its Prometheus endpoint
-    weights: str = "fp32"  # the verifier as served (drafter.quant.describe_mode): "fp32", "int4 (fp32 activations, specloop kernels)"
+    weights: str = "fp32"  # the verifier as served (drafter.quant.describe_mode): "fp32", "w4a8 (int4 weights, int8 activations, specloop kernels)"
 
     def to_dict(self) -> dict:
         return asdict(self)

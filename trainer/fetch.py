@@ -241,7 +241,8 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
     NAME.q / .d / .m) for every linear stored as Q4_1 whose q · d + m in fp32 equals the converted
     weight exactly, and `manifest.json` naming the served mode ("w4a8" for a 4-bit GGUF: served as
     published, as llama.cpp computes it) and the source. Tensors in other types (the embedding as Q8_0 ...) are not there:
-    the int4 mode requantizes them. Returns the manifest."""
+    the int4 mode requantizes them; Q8_0 ones (the tied embedding / head) are kept as int8 blocks
+    (NAME.q int8, NAME.d) for w4a8. Returns the manifest."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
