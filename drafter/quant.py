@@ -260,11 +260,13 @@ class OwnInt4Weight:
         N, K = q.shape
         if scale.shape != (N, K // kernels.GROUP) or minimum.shape != scale.shape or K % kernels.GROUP:
             raise ValueError(f"int4 groups of 32: q {tuple(q.shape)} needs scale and minimum [N, K / 32]")
-        self.nibbles, self.d, self.m = kernels.pack_q4(q, scale, minimum)
-        self._op = kernels.linear_op("q4")
+        self.nibbles, self.d, self.m = self._pack(q, scale, minimum)
+        self._op = kernels.linear_op(self._kind)
         self.bias = None if bias is None else bias.detach().to(act_dtype)
         self.act_dtype, self.group_size = act_dtype, kernels.GROUP
         self.out_features, self.in_features = N, K
+
+    _pack, _kind = staticmethod(kernels.pack_q4), "q4"  # the layout and the kernel (OwnW4A8Weight: its own)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, act_dtype: torch.dtype = torch.bfloat16):
@@ -292,16 +294,7 @@ class OwnW4A8Weight(OwnInt4Weight):
     tensor by Q8_1 activations: integer dot products (VNNI where the CPU has it), then
     y = Σ_g d·dx·Σ q·xq + m·dx·Σ xq (drafter.kernels.w4a8_mm). Output fp32."""
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bias: torch.Tensor | None = None,
-                 act_dtype: torch.dtype = torch.float32):
-        N, K = q.shape
-        if scale.shape != (N, K // kernels.GROUP) or minimum.shape != scale.shape or K % kernels.GROUP:
-            raise ValueError(f"int4 groups of 32: q {tuple(q.shape)} needs scale and minimum [N, K / 32]")
-        self.nibbles, self.d, self.m = kernels.pack_w4a8(q, scale, minimum)
-        self._op = kernels.linear_op("w4a8")
-        self.bias = None if bias is None else bias.detach().to(act_dtype)
-        self.act_dtype, self.group_size = act_dtype, kernels.GROUP
-        self.out_features, self.in_features = N, K
+    _pack, _kind = staticmethod(kernels.pack_w4a8), "w4a8"
 
     def groups(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return kernels.unpack_w4a8(self.nibbles, self.d, self.m, self.out_features)
