@@ -1,4 +1,5 @@
-"""specloop's own CPU kernels for decode-shaped quantized products, built at run time for this CPU.
+"""specloop's own CPU kernels for the decode step (quantized products, attention, norms), built at run
+time for this CPU.
 
 The stock weight-only kernels (`torch._weight_int4pack_mm_for_cpu`, `torch._weight_int8pack_mm`)
 compute every row of a call on its own: exact for verification, but a verify pass of 5 tokens
@@ -12,6 +13,14 @@ for bit as a one-token step does, by construction:
   group) (GGUF Q4_1's own form); y[n] = Σ_g (d · Σ_{i in g} q x_i + m · Σ_{i in g} x_i), the inner sums
   in input order, the groups in order, fp32 throughout.
 - int8 (`q8_mm`): per-output-channel symmetric int8, y[n] = scale[n] · Σ_i q x_i in input order.
+- w4a8 (`w4a8_mm`): the int4 weights times activations rounded to int8 per row and group of 32
+  (`quantized_rows`), integer dot products (AVX-512 VNNI, else AVX-512BW / AVX2 by |x| and sign),
+  as llama.cpp multiplies Q4_1 by Q8_1; w8a8 (`w8a8_mm`): int8 blocks of 32 with an fp16 scale
+  (GGUF Q8_0) likewise, and `w8a8_rows` looks rows of such a table up (an embedding).
+
+The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention,
+every query head alone over the keys up to its position: exact across T, batch and threads by
+construction), `rms_norm`, `silu_mul`, and `layer` (a whole decoder layer in one call).
 
 Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
 so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains);
@@ -21,8 +30,8 @@ no rounding).
 The source is compiled once per CPU (`-march=native`, a build folder named by a digest of the
 CPU's flags under torch's extension cache) with torch.utils.cpp_extension; where no compiler is
 available `available()` is False and drafter.quant uses the stock kernels. `_self_check()` runs at
-load and refuses the build (falling back likewise) unless it computes the products it should and
-multi-row calls equal row-alone calls bit for bit on this machine.
+load and refuses the build (falling back likewise) unless it computes the products and the attention
+it should and multi-row calls equal row-alone calls bit for bit on this machine.
 """
 from __future__ import annotations
 
