@@ -29,7 +29,7 @@ import torch
 from drafter.models import load_model
 from services.buffer import ReplayBuffer
 from services.metrics import LearnerMetrics, serve_metrics
-from services.registry import Registry
+from services.registry import Registry, RegistryError
 from trainer.online import LearnerConfig, OnlineLearner, is_finite, serving_student
 from trainer.records import RecordError, decode
 
@@ -84,11 +84,16 @@ class LearnerService:
     # -- start-up
 
     def _resume_or_seed(self) -> None:
-        """Resume from the newest published version, or publish the base weights as the first champion."""
-        versions = self.registry.list()
-        if versions:
-            newest = versions[-1]
-            self.learner.load_weights(self.registry.load_weights(newest.id))
+        """Resume from the newest published version whose weights load, or publish the base weights as a
+        new champion (none published yet, or every version's weights gone: a registry folder deleted
+        while Redis kept its records)."""
+        for newest in reversed(self.registry.list()):
+            try:
+                weights = self.registry.load_weights(newest.id)
+            except RegistryError as exc:
+                log.warning("cannot resume from %s: %s", newest.id, exc)
+                continue
+            self.learner.load_weights(weights)
             self._now_serving(self.registry.champion() or newest.id)
             log.info("learner resumes from %s", newest.id)
             return

@@ -97,6 +97,18 @@ def test_a_learner_on_a_fresh_registry_seeds_it_with_the_base_version_as_champio
     assert again.learner.versions[-1] == "v0001"
 
 
+def test_a_learner_whose_versions_lost_their_weights_seeds_a_new_champion_instead_of_failing(tiny_pair, tmp_path):
+    """The registry's records outlived its weight files (a deleted cache folder while Redis kept its
+    keys): the learner starts anyway, publishes the base weights as a new version and promotes it."""
+    make_service(tiny_pair, tmp_path / "registry", MemoryBuffer())
+    registry = Registry(tmp_path / "registry")
+    (registry._folder("v0001") / "weights.safetensors").unlink()
+    service = make_service(tiny_pair, tmp_path / "registry", MemoryBuffer())
+    assert [v.id for v in registry.list()] == ["v0001", "v0002"]
+    assert registry.champion() == "v0002" and service.learner.versions[-1] == "v0002"
+    assert same_weights(registry.load_weights("v0002"), service.learner.weights())
+
+
 def test_training_publishes_every_publish_every_updates_and_acks_entries_only_after_a_publish(
     tiny_pair, tmp_path, payloads
 ):
