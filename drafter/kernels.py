@@ -810,11 +810,13 @@ def _module():
                           extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
                           extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
-        log.warning("specloop kernels not built (%s: %s); using torch's stock int4/int8 kernels", type(e).__name__, e)
+        log.warning("specloop kernels not built (%s: %s); using torch's stock int4/int8 kernels and the eager "
+                    "decode step (no w4a8)", type(e).__name__, e)
         return None
     if not _self_check(mod):
         log.warning("specloop kernels failed their self-check on this CPU (wrong values, or a row rounded "
-                    "differently beside other rows); using torch's stock int4/int8 kernels")
+                    "differently beside other rows); using torch's stock int4/int8 kernels and the eager decode "
+                    "step (no w4a8)")
         return None
     return mod
 
@@ -828,7 +830,7 @@ def _announce_first_build(name: str) -> None:
     except Exception:  # noqa: BLE001 - only a message depends on it
         built = True
     if not built:
-        print("specloop: building int4/int8 kernels for this CPU (once, ~30 s)...", file=sys.stderr, flush=True)
+        print("specloop: building its CPU kernels for this CPU (once, ~40 s)...", file=sys.stderr, flush=True)
 
 
 def available() -> bool:
