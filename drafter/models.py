@@ -87,6 +87,23 @@ def _require_dir(path: Path) -> None:
 def load_tokenizer(path: str | Path):
     path = Path(path)
     _require_dir(path)
+    return _tokenizer(path)
+
+
+def _tokenizer(path: Path):
+    """The directory's tokenizer. One whose tokenizer_config.json names the generic `TokenizersBackend`
+    (what transformers 5 saves, and what specloop's own directories hold) is built by that class
+    directly: the same object AutoTokenizer returns, without the ~90 MiB of modules AutoTokenizer
+    imports to resolve it (measured on SmolLM2: 374 → 286 MiB resident)."""
+    config = {}
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        pass
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        from transformers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(path)
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -129,7 +146,7 @@ def load_model(path: str | Path, device: torch.device | None = None, dtype: torc
         else:
             generation_config = _generation_config(path)
         config = lean.config
-    tokenizer = AutoTokenizer.from_pretrained(path)  # after the weights: its load's temporaries are not on their peak
+    tokenizer = _tokenizer(path)  # after the weights: its load's temporaries are not on their peak
     if not keep_module:
         _release_freed_memory()
     return LoadedModel(path=path, lean=lean, tokenizer=tokenizer, config=config, generation_config=generation_config,

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -120,3 +122,28 @@ def test_the_dvi_and_sd2_drafters_build_on_a_streamed_verifier(peaky_pair):
     dvi = build_drafter("dvi", v, None)
     assert v.module is not None  # the DVI head starts from the verifier's float LM head
     assert sd2 is not None and dvi is not None
+
+
+def test_a_tokenizers_backend_directory_loads_without_autotokenizer_and_tokenizes_as_it_would(reference_pair,
+                                                                                             monkeypatch):
+    """The reference verifier's tokenizer_config names TokenizersBackend: load_tokenizer builds that class
+    directly (AutoTokenizer is never called) and it encodes, templates and decodes every reference
+    chat prompt exactly as AutoTokenizer's tokenizer does."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    from drafter import models
+
+    reference = AutoTokenizer.from_pretrained(reference_pair[0])
+    monkeypatch.setattr(models, "AutoTokenizer", None)  # any use would fail
+    tok = load_tokenizer(reference_pair[0])
+    assert type(tok) is type(reference)
+    prompts = Path(reference_pair[0]).parent.parent / "prompts" / "chat_dev.jsonl"
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()[:60]]
+    for row in rows:
+        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True)
+        assert ids == reference.apply_chat_template(row["messages"], add_generation_prompt=True)
+        assert tok.decode(ids) == reference.decode(ids)
+    assert (tok.eos_token_id, tok.pad_token_id, tok.all_special_ids) == \
+        (reference.eos_token_id, reference.pad_token_id, reference.all_special_ids)
