@@ -356,31 +356,45 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, c
     _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) std::memcpy(y + r * ldy + t * 16, &out[r][t], 64);
 }
 #else
-template <int M, int TB>
-static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
-                      const float* sx, float* y, int64_t G, int64_t ldy) {  // portable: the same arithmetic
+// CPUs without AVX2: the same arithmetic, lane by lane (`portable_tile`).
+template <typename W>  // weight(l, k): output l's integer weight at the group's input k
+static inline vf lane_dots(const int8_t* xr, W&& weight) {
+  vf acc;
+  for (int l = 0; l < 16; ++l) {
+    int32_t s = 0;  // exact in any order
+    for (int k = 0; k < 32; ++k) s += weight(l, k) * xr[k];
+    acc[l] = (float)s;
+  }
+  return acc;
+}
+
+// out[r][t] = step(out, group g's lane dot products, r, t, g) over the groups in order, then stored.
+template <int M, int TB, typename Dot, typename Step>
+static void portable_tile(int64_t G, float* y, int64_t ldy, Dot&& dot, Step&& step) {
   for (int r = 0; r < M; ++r)
     for (int t = 0; t < TB; ++t) {
       vf out = vf{};
-      for (int64_t g = 0; g < G; ++g) {
-        const uint8_t* p = w + (t * G + g) * 256;
-        const int8_t* xr = xq + (r * G + g) * 32;
-        vf acc;
-        for (int l = 0; l < 16; ++l) {
-          int32_t s = 0;
-          for (int j = 0; j < 4; ++j)
-            for (int b = 0; b < 4; ++b) {
-              const uint8_t v = p[64 * j + 4 * l + b];
-              s += (v & 15) * xr[4 * j + b] + (v >> 4) * xr[16 + 4 * j + b];
-            }
-          acc[l] = (float)s;
-        }
-        const vf dg = load_h16(d + (t * G + g) * 16) * dx[r * G + g], mg = load_h16(mn + (t * G + g) * 16);
-        out = out + dg * acc;
-        out = out + mg * sx[r * G + g];
-      }
+      for (int64_t g = 0; g < G; ++g) out = step(out, dot(r, t, g), r, t, g);
       std::memcpy(y + r * ldy + t * 16, &out, 64);
     }
+}
+
+template <int M, int TB>
+static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
+                      const float* sx, float* y, int64_t G, int64_t ldy) {
+  portable_tile<M, TB>(G, y, ldy,
+    [&](int r, int t, int64_t g) {
+      const uint8_t* p = w + (t * G + g) * 256;
+      return lane_dots(xq + (r * G + g) * 32, [&](int l, int k) {
+        const uint8_t v = p[64 * ((k % 16) / 4) + 4 * l + k % 4];
+        return k < 16 ? v & 15 : v >> 4;
+      });
+    },
+    [&](vf out, vf acc, int r, int t, int64_t g) {
+      const vf dg = load_h16(d + (t * G + g) * 16) * dx[r * G + g], mg = load_h16(mn + (t * G + g) * 16);
+      out = out + dg * acc;
+      return out + mg * sx[r * G + g];
+    });
 }
 #endif
 
@@ -491,24 +505,15 @@ static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, cons
 #else
 template <int M, int TB>
 static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
-                      float* y, int64_t G, int64_t ldy) {  // portable: the same arithmetic
-  for (int r = 0; r < M; ++r)
-    for (int t = 0; t < TB; ++t) {
-      vf out = vf{};
-      for (int64_t g = 0; g < G; ++g) {
-        const int8_t* p = w + (t * G + g) * 512;
-        const int8_t* xr = xq + (r * G + g) * 32;
-        vf acc;
-        for (int l = 0; l < 16; ++l) {
-          int32_t s = 0;
-          for (int j = 0; j < 8; ++j)
-            for (int b = 0; b < 4; ++b) s += p[64 * j + 4 * l + b] * xr[4 * j + b];
-          acc[l] = (float)s;
-        }
-        out = out + (load_h16(d + (t * G + g) * 16) * dx[r * G + g]) * (acc - 0.0f);
-      }
-      std::memcpy(y + r * ldy + t * 16, &out, 64);
-    }
+                      float* y, int64_t G, int64_t ldy) {
+  portable_tile<M, TB>(G, y, ldy,
+    [&](int r, int t, int64_t g) {
+      const int8_t* p = w + (t * G + g) * 512;
+      return lane_dots(xq + (r * G + g) * 32, [&](int l, int k) { return (int32_t)p[64 * (k / 4) + 4 * l + k % 4]; });
+    },
+    [&](vf out, vf acc, int r, int t, int64_t g) {
+      return out + (load_h16(d + (t * G + g) * 16) * dx[r * G + g]) * acc;
+    });
 }
 #endif
 
