@@ -923,6 +923,12 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return xq.view_as(x), dx, dx * xq.sum(-1, dtype=torch.int32).float()
 
 
+def _padded(*per_output: torch.Tensor) -> list[torch.Tensor]:
+    """Tensors of N rows each (one per output) with zero rows appended up to a multiple of one tile."""
+    pad = -per_output[0].shape[0] % (LANES * TILE)
+    return [torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t for t in per_output]
+
+
 def _half(t: torch.Tensor) -> torch.Tensor:
     """Group scales / minimums as the kernels store them: fp16 (a GGUF's own are fp16: exact)."""
     h = t.to(torch.float16)
@@ -934,14 +940,8 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (nibbles [N'/16, K/2, 16] uint8,
     d, m [N'/16, K/32, 16] fp16), N' = N rounded up to 64 (zero outputs)."""
-    N, K = q.shape
-    pad = -N % (LANES * TILE)
-    q = q.to(torch.uint8)
-    scale, minimum = _half(scale), _half(minimum)
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, K)])
-        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-        minimum = torch.cat([minimum, minimum.new_zeros(pad, minimum.shape[1])])
+    K = q.shape[1]
+    q, scale, minimum = _padded(q.to(torch.uint8), _half(scale), _half(minimum))
     pairs = q.view(-1, LANES, K // 2, 2)
     nibbles = (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
     lanes = lambda t: t.view(-1, LANES, t.shape[1]).transpose(1, 2).contiguous()  # noqa: E731
@@ -950,16 +950,10 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tupl
 
 def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (bytes [N'/16, K/32 · 256] uint8, d, m
-    [N'/16, K/32, 16] fp32), N' = N rounded up to 64: per group, chunk j (of 4) holds for each of 16
+    [N'/16, K/32, 16] fp16), N' = N rounded up to 64: per group, chunk j (of 4) holds for each of 16
     outputs its inputs 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles)."""
-    N, K = q.shape
-    pad = -N % (LANES * TILE)
-    q = q.to(torch.uint8)
-    scale, minimum = _half(scale), _half(minimum)
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, K)])
-        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
-        minimum = torch.cat([minimum, minimum.new_zeros(pad, minimum.shape[1])])
+    K = q.shape[1]
+    q, scale, minimum = _padded(q.to(torch.uint8), _half(scale), _half(minimum))
     G = K // GROUP
     quads = q.view(-1, LANES, G, 2, 4, 4)  # block, lane, group, half, chunk j, byte b
     packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, G * 256)
@@ -971,14 +965,10 @@ def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch
     """q [N, K] int8 in [-127, 127], scale [N, K/32] (GGUF Q8_0: w = q · d) → (bytes [N'/16, K/32 · 512]
     int8, d [N'/16, K/32, 16] fp16), N' = N rounded up to 64: per group, chunk j (of 8) holds for each
     of 16 outputs its inputs 4j..4j+3."""
-    N, K = q.shape
+    K = q.shape[1]
     if int(q.min()) < -127:
         raise ValueError("int8 blocks need q in [-127, 127]")
-    pad = -N % (LANES * TILE)
-    q, scale = q.to(torch.int8), _half(scale)
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, K)])
-        scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+    q, scale = _padded(q.to(torch.int8), _half(scale))
     G = K // GROUP
     packed = q.view(-1, LANES, G, 8, 4).permute(0, 2, 3, 1, 4).reshape(-1, G * 512)
     return packed.contiguous(), scale.view(-1, LANES, G).transpose(1, 2).contiguous()
@@ -1026,12 +1016,8 @@ def unpack_q4(nibbles: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int):
 
 def pack_q8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [N, K] int8, scales [N] → ([N'/16, K, 16] int8, [N'/16, 16] fp32), N' = N rounded up to 64."""
-    N, K = q.shape
-    pad = -N % (LANES * TILE)
-    scales = scales.float()
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, K)])
-        scales = torch.cat([scales, scales.new_zeros(pad)])
+    K = q.shape[1]
+    q, scales = _padded(q, scales.float())
     return q.view(-1, LANES, K).transpose(1, 2).contiguous(), scales.view(-1, LANES).contiguous()
 
 
