@@ -495,7 +495,7 @@ def _head_blocks(lean, name: str, source, mode: str) -> "OwnW8A8Weight | None":
     if found is None:
         return None
     q, d = found
-    if q.shape != lean.lm_head.shape or not torch.equal(dequantize_blocks(q, d), lean.lm_head.float().cpu()):
+    if q.shape != lean.lm_head.shape or not torch.equal(dequantize_groups(q, d), lean.lm_head.float().cpu()):
         import warnings
 
         warnings.warn(f"int8 blocks of {name} do not reproduce the loaded weight: requantizing it")
@@ -511,43 +511,38 @@ def int4_groups(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor,
     "groups", written by `specloop models fetch` from the GGUF): Hugging Face parameter name →
     (q [N, K] uint8 in [0, 15], scale [N, K/g], minimum [N, K/g]) with w = q · scale + minimum. None
     when it has none."""
-    name = _read_json(Path(path) / VERIFIER_MANIFEST).get("groups")
-    if not name or not (Path(path) / name).is_file():
-        return None
-    from safetensors.torch import load_file
-
-    flat = load_file(str(Path(path) / name))
-    return {key[:-2]: (flat[key], flat[key[:-2] + ".d"], flat[key[:-2] + ".m"])
-            for key in flat if key.endswith(".q") and key[:-2] + ".d" in flat and key[:-2] + ".m" in flat}
+    return _source_tensors(path, with_minimum=True)
 
 
 def int8_blocks(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The int8 blocks a checkpoint directory ships in its groups file (a GGUF's Q8_0 tensors: NAME.q
     int8, NAME.d [N, K/32], no NAME.m): Hugging Face parameter name → (q, d), w = q · d."""
+    return _source_tensors(path, with_minimum=False) or {}
+
+
+def _source_tensors(path: str | Path, with_minimum: bool) -> dict | None:
+    """From the groups file the manifest names (None when there is none): NAME → (q, d, m) for the
+    entries that have a minimum, or (q, d) for those that have none; only those are read."""
     name = _read_json(Path(path) / VERIFIER_MANIFEST).get("groups")
     if not name or not (Path(path) / name).is_file():
-        return {}
+        return None
     from safetensors import safe_open
 
+    parts = (".q", ".d", ".m") if with_minimum else (".q", ".d")
     with safe_open(str(Path(path) / name), framework="pt") as f:
         keys = set(f.keys())
-        return {k[:-2]: (f.get_tensor(k), f.get_tensor(k[:-2] + ".d")) for k in keys
-                if k.endswith(".q") and k[:-2] + ".d" in keys and k[:-2] + ".m" not in keys}
+        names = [k[:-2] for k in keys if k.endswith(".q") and k[:-2] + ".d" in keys
+                 and (k[:-2] + ".m" in keys) == with_minimum]
+        return {n: tuple(f.get_tensor(n + p) for p in parts) for n in names}
 
 
-def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q · scale in fp32 per block of K / scale.shape[1] (GGUF Q8_0's dequantization), [N, K]."""
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None = None) -> torch.Tensor:
+    """q · scale (+ minimum) in fp32 per group, [N, K]: a product, then a sum, as GGUF's own
+    dequantization of Q4_1 (with a minimum) and Q8_0 (without)."""
     N, K = q.shape
     G = scale.shape[1]
-    return (q.float().view(N, G, K // G) * scale.float()[..., None]).view(N, K)
-
-
-def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor) -> torch.Tensor:
-    """q · scale + minimum in fp32 (a product, then a sum: as GGUF's own dequantization), [N, K]."""
-    N, K = q.shape
-    G = scale.shape[1]
-    w = q.float().view(N, G, K // G) * scale.float()[..., None] + minimum.float()[..., None]
-    return w.view(N, K)
+    w = q.float().view(N, G, K // G) * scale.float()[..., None]
+    return (w if minimum is None else w + minimum.float()[..., None]).view(N, K)
 
 
 def _grouped(weight: torch.Tensor, names: list[str], groups: dict, spec: QuantSpec, used: list,

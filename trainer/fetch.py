@@ -246,7 +246,7 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from drafter.quant import INT4_GROUPS_FILE, VERIFIER_MANIFEST, dequantize_blocks, dequantize_groups
+    from drafter.quant import INT4_GROUPS_FILE, VERIFIER_MANIFEST, dequantize_groups
 
     groups, info = source_groups(gguf)
     kept, diffs, mismatched = {}, {}, []
@@ -259,8 +259,7 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
             if w.shape != q.shape or q.shape[1] != d.shape[1] * Q4_1_BLOCK:
                 mismatched.append(name)
                 continue
-            deq = dequantize_groups(q, d, m) if m is not None else dequantize_blocks(q, d)
-            diff = float((deq - w).abs().max())
+            diff = float((dequantize_groups(q, d, m) - w).abs().max())
             diffs[name] = diff
             if diff == 0.0:
                 kept[name] = (q, d, m)
