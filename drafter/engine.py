@@ -33,7 +33,7 @@ from drafter.decoder import KVCache, LeanDecoder, prefill_rows
 from drafter.proposer import Drafter, VerifierView, emitted_tokens, narrow_rows, widen_rows
 from drafter.rejection import rejection_sample
 from drafter.sampling import RowParams, SamplingParams, make_generators
-from drafter.speculative import (Generation, RequestStats, Sampler, StepClock, StepHooks, StopRule,
+from drafter.speculative import (Generation, RequestStats, Sampler, StepClock, StepHooks, StopRule, follows_plain,
                                  speculative_step)
 
 
@@ -191,12 +191,13 @@ class Engine:
         drafter, on_trace = self._hooked(kmax)
         self._note_swap()
         resync_s = self._resync([s for s in live if ks[s] and s in self.behind]) if kmax else 0.0
-        if not kmax and self.drafter is not None:
+        follow = bool(kmax) or follows_plain(drafter)
+        if not kmax and self.drafter is not None and not follow:
             self.behind.update(live)
         params, limit = self._params(rows, live, ks, kmax)
         uniforms = None if params.greedy else self._uniforms(rows, ks, kmax)
         cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
-        narrowed = narrow_rows(drafter, m) if kmax and m < self.slots else drafter
+        narrowed = narrow_rows(drafter, m) if follow and m < self.slots else drafter
         clock = StepClock()
         t1 = time.perf_counter()
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,

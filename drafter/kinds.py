@@ -2,7 +2,7 @@
 
 A trained checkpoint directory holds `manifest.json` (kind, base, layers, k, loss, data, steps),
 `drafter/` (Hugging Face format, for the kinds with their own LM) and the kind's extra weights
-(`steering.safetensors` for sd2, `dvi_head.safetensors` for dvi).
+(`steering.safetensors` for sd2, `dvi_head.safetensors` for dvi, `eagle_head.safetensors` for eagle).
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
 from drafter.decoder import LeanDecoder
+from drafter.eagle import EagleDrafter, FeatureHead, new_head
 from drafter.models import LoadedModel, ModelError, check_same_vocabulary, load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
@@ -22,7 +23,7 @@ from drafter.proposer import Drafter
 from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, steering_for
 from drafter.vocab import load_vocab
 
-DRAFTER_KINDS = ("pretrained", "ngram", "sd2", "dvi")
+DRAFTER_KINDS = ("pretrained", "ngram", "sd2", "dvi", "eagle")
 NEEDS_DIR = {"pretrained", "sd2"}
 
 
@@ -100,6 +101,8 @@ class DrafterBuilder:
         if kind == "dvi":  # the head starts from the verifier's float LM head and norm: its module (loaded now
             # where load_model did not keep it; the verifier's decoder may be quantized)
             self.head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
+        if kind == "eagle":  # a trained head, or an untrained one (it drafts noise until the learner trains it)
+            self.head = FeatureHead.load(drafter_dir) if found == "eagle" else new_head(verifier.lean)
         self.base = self._assemble(self.lm.lean if self.lm else None, self.steering, self.head)
 
     def _assemble(self, lean: LeanDecoder | None, steering, head) -> Drafter:
@@ -107,6 +110,8 @@ class DrafterBuilder:
             return NgramDrafter(self.verifier.vocab_size)
         if self.kind == "dvi":
             return DVIDrafter(self.verifier.lean, head, self.vocab)
+        if self.kind == "eagle":
+            return EagleDrafter(self.verifier.lean, head, self.vocab)
         if self.vocab is not None and lean.vocab_ids is None:
             lean.restrict_vocab(self.vocab)
         if self.weights is not None and lean.quant is None:
@@ -117,7 +122,7 @@ class DrafterBuilder:
         """The base drafter when `weights` is empty or None; else a new one with them loaded."""
         if not weights or self.kind == "ngram":
             return self.base
-        if self.kind == "dvi":
+        if self.kind in ("dvi", "eagle"):
             return self._assemble(None, None, _loaded(self.head, weights, "head."))
         lean = LeanDecoder(_loaded(self.lm.hf, weights, "lm."))  # the LM's module: loaded on the first version
         steering = _loaded(self.steering, weights, "steering.") if self.kind == "sd2" else None

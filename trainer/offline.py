@@ -2,13 +2,13 @@
 
 Every method minimises a distance between the verifier's next-token distribution π_V and the
 drafter's π_D at every position of training sequences (`trainer.losses`: forward KL, TV or LK).
-What each method (distill, sd2, sd2-frozen, dvi) trains is a `trainer.students.Student`, including
+What each method (distill, sd2, sd2-frozen, dvi, eagle) trains is a `trainer.students.Student`, including
 SD²'s random offset; the training windows come from `trainer.data` (teacher-forced or generated,
 packed into windows of `seq_len` tokens). Targets are computed on the fly by the frozen verifier
 (fp32), which also supplies SD²/DVI features.
 
 Out dir: manifest.json, drafter/ (HF format; distill and sd2), steering.safetensors (sd2),
-dvi_head.safetensors (dvi) — all loadable with `drafter.kinds.build_drafter(kind, verifier, out)` —
+dvi_head.safetensors (dvi), eagle_head.safetensors (eagle) — all loadable with `drafter.kinds.build_drafter(kind, verifier, out)` —
 plus train_log.jsonl (one line per step) and checkpoint/ (safetensors + JSON, for --resume).
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from drafter.vocab import save_vocab
 from trainer.students import METHODS, build_student, teacher_autocast, verifier_targets
 
 DATA_MODES = ("teacher-forced", "generated", "code")  # code: the standard library's non-test source, raw
-KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi"}
+KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi", "eagle": "eagle"}
 NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
 CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT_TENSORS = "state.safetensors"
@@ -52,7 +52,7 @@ class OfflineConfig:
     drafter: str | None = None  # drafter LM directory (distill / sd2 / sd2-frozen; dvi: only to generate data)
     data: str = "teacher-forced"  # one of DATA_MODES
     loss: str = "kl"  # one of trainer.losses.LOSSES
-    k: int = 8  # SD²: δ ~ U{1..k}
+    k: int = 8  # SD²: δ ~ U{1..k}; eagle: unrolled up to k drafts
     minutes: float | None = None  # wall-clock budget (all runs of this out dir together)
     max_steps: int | None = None  # step budget; give this and/or minutes
     lr: float = 1e-3  # steering and LoRA parameters

@@ -26,18 +26,19 @@ import numpy as np
 import torch
 
 from drafter.dvi import DraftHead
+from drafter.eagle import FeatureHead, new_head
 from drafter.models import LoadedModel
 from drafter.sd2 import Steering
 from trainer.objectives import Objective, ObjectiveConfig, PositionBatch, simulated_acceptance
 from trainer.records import ReplayRecord
-from trainer.students import DistillStudent, DVIStudent, SteeredStudent, Student, build_student
+from trainer.students import DistillStudent, DVIStudent, EagleStudent, SteeredStudent, Student, build_student
 
-TRAINABLE_KINDS = ("pretrained", "sd2", "dvi")
+TRAINABLE_KINDS = ("pretrained", "sd2", "dvi", "eagle")
 
 
 @dataclass
 class LearnerConfig:
-    kind: str  # serving drafter kind: pretrained | sd2 | dvi
+    kind: str  # serving drafter kind: pretrained | sd2 | dvi | eagle
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     lr: float = 1e-3  # steering / LoRA / head-norm parameters
     lm_lr: float = 1e-4  # drafter LM parameters (pretrained, sd2)
@@ -82,6 +83,9 @@ def serving_student(kind: str, verifier: LoadedModel, drafter_dir: str | Path | 
             return build_student("dvi", verifier, None, k=1, dvi_layers=2, steer_layers=None,
                                  generator=torch.Generator(), device=device)
         return DVIStudent(head.to(device))
+    if kind == "eagle":
+        head = FeatureHead.load(Path(drafter_dir)) if found == "eagle" else new_head(verifier.lean)
+        return EagleStudent(head.to(device), verifier.hf, depth=1, generator=torch.Generator())
     lm_dir = drafter_lm_dir(Path(drafter_dir)) if drafter_dir else None
     method = "distill" if kind == "pretrained" else ("sd2" if train_lm else "sd2-frozen")
     student = build_student(method, verifier, lm_dir, k=1, dvi_layers=2, steer_layers=None,
@@ -129,6 +133,8 @@ def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor
     if isinstance(student, DVIStudent):
         hidden = torch.from_numpy(np.concatenate([r.hidden for r in records]))  # [N, d]
         return student.head(hidden.to(student.head.norm.device))
+    if isinstance(student, EagleStudent):
+        return eagle_record_logits(student, records)
     if not isinstance(student, (SteeredStudent, DistillStudent)):
         raise ValueError(f"no record forward for {type(student).__name__}")
     device = student.lm.hf.device
@@ -140,6 +146,22 @@ def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor
     with steering:
         hidden = student.lm.hf.model(input_ids=ids, use_cache=False).last_hidden_state  # [R, T, d]
     return student.lm.hf.lm_head(hidden[rows, pos])  # [N, V]: the LM head only where positions were logged
+
+
+def eagle_record_logits(student: EagleStudent, records: list[ReplayRecord]) -> torch.Tensor:
+    """[N, V]: each record's block drafted again as it was (its feature `steer`, then the token the
+    block started from and d_1..d_{m-1}), with the head's current weights."""
+    if any(r.steer is None or len(r.context) == 0 for r in records):
+        raise ValueError("eagle records need the block's feature (steer) and its first token (context)")
+    device = student.head.fc.weight.device
+    m = max(r.positions for r in records)
+    tokens = torch.zeros(len(records), m, dtype=torch.long)
+    for i, r in enumerate(records):
+        inputs = [int(r.context[-1])] + [int(t) for t in r.tokens[: r.positions - 1]]
+        tokens[i, : len(inputs)] = torch.tensor(inputs)
+    start = torch.stack([torch.from_numpy(r.steer[0]) for r in records])  # [R, d]
+    logits = student.chain_logits(start.to(device), tokens.to(device))  # [R, m, V]
+    return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
 
 
 # ----------------------------------------------------------------------------- the learner

@@ -10,6 +10,8 @@ recompute its forward on the learner:
 - pretrained / sd2: `context`, the last W committed tokens (ending with the token the block
   started from), so the drafter LM can be run on context + d_1..d_{m-1};
 - sd2: `steer` [3, d_verifier], the verifier features the block's steering vector came from;
+- eagle: `steer` [1, d_verifier], the verifier feature the block was drafted from, and `context`,
+  the token the block started from;
 - dvi: `hidden` [m, d], the verifier's residual stream after layer s at the positions that
   predict d_1..d_m (the draft head's input).
 
@@ -33,6 +35,9 @@ MAGIC = b"SLRC"
 SCHEMA = 1
 DEFAULT_TOP_K = 64  # verifier log-probabilities kept per position
 DEFAULT_CONTEXT = 128  # committed tokens kept for pretrained / sd2 recompute
+
+
+CONTEXT_OF = {"pretrained": DEFAULT_CONTEXT, "sd2": DEFAULT_CONTEXT, "eagle": 1}  # committed tokens a kind's record keeps
 
 
 class RecordError(ValueError):
@@ -220,7 +225,7 @@ def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) ->
             k=snap.k, temperature=tag.temperature, tokens=snap.tokens[j, :m].astype(np.int64), rewards=rewards,
             draft_logprobs=snap.draft_logprobs[j, :m], top_ids=snap.top_ids[j, :m].astype(np.int64),
             top_logprobs=snap.top_logprobs[j, :m], rest_mass=snap.rest_mass[j, :m],
-            context=np.asarray(tag.context if kind in ("pretrained", "sd2") else [], dtype=np.int64),
+            context=np.asarray(tag.context[-CONTEXT_OF.get(kind, 0):] if CONTEXT_OF.get(kind) else [], dtype=np.int64),
             steer=None if snap.steer is None else snap.steer[j],
             hidden=None if snap.hidden is None else snap.hidden[j, :m],
         ))

@@ -9,9 +9,16 @@ distance to the verifier's π_V (`verifier_targets`) at every position (`trainer
 - sd2-frozen  SD² steering only, drafter LM frozen                  → kind "sd2"         (`SteeredStudent`)
 - dvi         DVI draft head (RMSNorm + LoRA on the LM head) on the verifier's layer-s residual
               stream                                                 → kind "dvi"         (`DVIStudent`)
+- eagle       a feature head on the verifier's last-layer residual stream and the next token's
+              embedding, unrolled over the draft depth              → kind "eagle"       (`EagleStudent`)
 
 `build_student` constructs the one a method needs; `Student.export` writes what
 `drafter.kinds.build_drafter(kind, verifier, out)` loads.
+
+The eagle head trains with a random depth, as it drafts: at position t with depth δ_t ~ U{1..k}
+it starts from the verifier's true feature at t − δ_t and steps δ_t times through the tokens
+t − δ_t + 1 .. t, feeding back its own predicted features (`EagleStudent`), so drafts after the
+first are trained on the inputs they will see.
 
 SD² trains with a random offset: at drafter position t the steering vector g is built from the
 verifier's residual streams at position t − δ_t, δ_t ~ U{1..k} (`offset_sources`), because at
@@ -30,10 +37,11 @@ import torch
 from torch import nn
 
 from drafter.dvi import DraftHead, DVIConfig
+from drafter.eagle import FeatureHead, feature_layer, new_head
 from drafter.models import LoadedModel, check_same_vocabulary, load_model
 from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
 
-METHODS = ("distill", "sd2", "sd2-frozen", "dvi")  # what `build_student` builds
+METHODS = ("distill", "sd2", "sd2-frozen", "dvi", "eagle")  # what `build_student` builds
 
 
 def head_logits(hf, input_ids: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -227,6 +235,61 @@ class DVIStudent(Student):
         self.head.save(out, extra)
 
 
+class EagleStudent(Student):
+    """The eagle feature head (drafter.eagle) over the frozen verifier's embedding and LM head."""
+
+    kind = "eagle"
+
+    def __init__(self, head: FeatureHead, verifier_hf, depth: int, generator: torch.Generator):
+        self.head = head.train()
+        self.embed = verifier_hf.model.embed_tokens.weight.detach()
+        self.lm_head = verifier_hf.lm_head.weight.detach()
+        self.verifier_layers = (feature_layer(head.cfg, verifier_hf.config.num_hidden_layers),)
+        self.depth, self.generator = depth, generator
+
+    def trainable(self):
+        return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters()]
+
+    def rows(self) -> torch.Tensor:
+        """The LM head rows the logits are taken over (the draft vocabulary's, or all)."""
+        return self.lm_head if self.vocab is None else self.lm_head[self.vocab.to(self.lm_head.device)]
+
+    def logits(self, input_ids, residuals):
+        return self.unrolled_logits(_shift_right(residuals[self.verifier_layers[0]]), input_ids)
+
+    def unrolled_logits(self, prev: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] at each position t from the true feature of t − δ_t (prev[:, t] is the
+        feature at t − 1), δ_t ~ U{1..depth} (at most t + 1), stepping through the tokens up to t."""
+        prev = prev.to(self.head.fc.weight.dtype)
+        embedded = nn.functional.embedding(input_ids, self.embed).to(prev.dtype)
+        B, T = input_ids.shape
+        depth = torch.randint(1, self.depth + 1, (B, T), generator=self.generator)
+        depth = torch.minimum(depth, torch.arange(1, T + 1)[None]).to(prev.device)
+        z = picked = self.head.step(prev, embedded)  # depth 1
+        for j in range(2, self.depth + 1):  # z at t: j steps from the true feature at t − j
+            z = self.head.step(_shift_right(z), embedded)
+            picked = torch.where((depth == j)[..., None], z, picked)
+        return self.head.logits(picked, self.rows())  # [B, T, V]
+
+    def chain_logits(self, start: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """As drafting runs it: from features `start` [R, d] through tokens [R, m] → logits [R, m, V]
+        over the full vocabulary (replay records: the block's feature, then its first m inputs)."""
+        z, out = start.to(self.head.fc.weight.dtype), []
+        embedded = nn.functional.embedding(tokens, self.embed).to(z.dtype)
+        for j in range(tokens.shape[1]):
+            z = self.head.step(z, embedded[:, j])
+            out.append(self.head.logits(z, self.lm_head))
+        return torch.stack(out, dim=1)
+
+    def export(self, out, extra):
+        self.head.save(out, extra)
+
+
+def _shift_right(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, d] → position t holds x at t − 1 (zeros at t = 0)."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
 def build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | None, *, k: int, dvi_layers: int,
                   steer_layers, generator: torch.Generator, device, vocab: torch.Tensor | None = None,
                   freeze_embeddings: bool = False) -> Student:
@@ -239,16 +302,18 @@ def build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | 
 
 def _build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path | None, *, k: int, dvi_layers: int,
                    steer_layers, generator: torch.Generator, device, freeze_embeddings: bool) -> Student:
-    """The student of `method` (distill, sd2, sd2-frozen or dvi) against `verifier`.
+    """The student of `method` (distill, sd2, sd2-frozen, dvi or eagle) against `verifier`.
 
     distill / sd2 / sd2-frozen start from the drafter LM in `drafter_dir`; dvi ignores it and puts
-    a fresh head on `dvi_layers` verifier layers. SD² steers from `steer_layers` (three 0-based
+    a fresh head on `dvi_layers` verifier layers, eagle a fresh feature head unrolled up to k drafts. SD² steers from `steer_layers` (three 0-based
     verifier layers; None: `default_steer_layers`) and draws its offsets δ ~ U{1..k} from `generator`.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "dvi":
         return DVIStudent(DraftHead(verifier.hf, DVIConfig(layers=dvi_layers)).to(device))
+    if method == "eagle":
+        return EagleStudent(new_head(verifier.lean).to(device), verifier.hf, k, generator)
     if drafter_dir is None:
         raise ValueError(f"method {method} needs a drafter LM directory")
     lm = load_model(drafter_dir, device=device, dtype=torch.float32, keep_module=True)  # trained in fp32

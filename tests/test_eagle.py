@@ -1,0 +1,113 @@
+"""The eagle feature head (drafter.eagle): drafts as its module computes them, lossless under the
+speculative loop (fixed k, k auto with plain steps in between, continuous batching), follows plain
+steps, round-trips through its checkpoint and refuses what does not fit."""
+import pytest
+import torch
+
+from drafter.decoder import LeanDecoder, prefill
+from drafter.eagle import EagleConfig, EagleDrafter, FeatureHead, new_head
+from drafter.kinds import build_drafter
+from drafter.proposer import VerifierView
+from drafter.sampling import SamplingParams
+from drafter.speculative import StopRule, generate, speculative_step
+from tests.tiny import build_model, llama_config
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return build_model(llama_config(60, 4, 64), seed=0, init_std=0.2)
+
+
+def trained_like(lean: LeanDecoder, seed: int = 0, std: float = 0.3) -> FeatureHead:
+    """A head with random (non-trivial) weights."""
+    head = new_head(lean, intermediate=32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return head
+
+
+def test_drafts_are_the_modules_chain_from_the_verifiers_last_feature(verifier):
+    lean = LeanDecoder(verifier)
+    head = trained_like(lean)
+    layer = lean.num_layers - 1
+    cache, feats = prefill(lean, [PROMPTS[0]], 32, capture=(layer,))
+    d = EagleDrafter(lean, head)
+    assert d.verifier_layers == (layer,)
+    d.start([PROMPTS[0]], 32, VerifierView(cache, feats))
+    proposal = d.propose(3, SamplingParams(), None)
+    z, token, want = feats[layer], torch.tensor([PROMPTS[0][-1]]), []
+    with torch.no_grad():
+        for _ in range(3):
+            z = head.step(z, verifier.model.embed_tokens(token))
+            token = head.logits(z, verifier.lm_head.weight).argmax(-1)
+            want.append(int(token))
+    assert proposal.tokens[0].tolist() == want
+    assert torch.equal(proposal.steer[:, 0], feats[layer].float())  # what a replay record keeps
+
+
+def test_a_draft_vocabulary_keeps_drafts_inside_it(verifier):
+    lean = LeanDecoder(verifier)
+    vocab = torch.arange(0, 60, 3)
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
+    d = EagleDrafter(lean, trained_like(lean), vocab)
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    greedy = d.propose(4, SamplingParams(), None)
+    sampled = d.propose(4, SamplingParams(temperature=1.0), torch.rand(3, 4))
+    for tokens in (greedy.tokens, sampled.tokens):
+        assert torch.isin(tokens, vocab).all()
+    assert torch.allclose(sampled.probs.sum(-1), torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("k", [1, 3, None])
+def test_speculation_with_the_head_reproduces_the_verifier_alone(verifier, k):
+    lean = LeanDecoder(verifier)
+    params = SamplingParams(max_tokens=24)
+    ref = generate(lean, None, PROMPTS, params, 0, StopRule())
+    out = generate(lean, EagleDrafter(lean, trained_like(lean, seed=1)), PROMPTS, params, k, StopRule())
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+
+
+def test_a_plain_step_hands_the_head_the_verifiers_feature_and_token(verifier):
+    lean = LeanDecoder(verifier)
+    layer = lean.num_layers - 1
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(layer,))
+    d = EagleDrafter(lean, trained_like(lean))
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    last = torch.tensor([p[-1] for p in PROMPTS])
+    before = cache.lens.clone()
+    outcome = speculative_step(lean, cache, last, d, 0, SamplingParams(), None, torch.ones(3, dtype=torch.bool))
+    assert torch.equal(d.last, outcome.last_tokens)
+    again, _ = prefill(lean, PROMPTS, 32)  # the same step by hand: the feature at each prompt's last token
+    again.lens = before.clone()
+    want = lean.forward(again, last[:, None], capture=(layer,)).hidden[layer][:, 0]
+    torch.testing.assert_close(d.feature, want)
+
+
+def test_the_head_round_trips_and_builds_from_its_checkpoint(tmp_path, verifier):
+    lean = LeanDecoder(verifier)
+    head = trained_like(lean)
+    head.save(tmp_path / "h", {"method": "test"})
+    back = FeatureHead.load(tmp_path / "h")
+    assert back.cfg == head.cfg
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), head.state_dict().values()))
+
+
+def test_kinds_builds_an_eagle_drafter_and_refuses_what_does_not_fit(tmp_path, tiny_pair):
+    from drafter.models import load_model
+
+    v = load_model(tiny_pair[0], dtype=torch.float32)
+    untrained = build_drafter("eagle", v, None)
+    assert isinstance(untrained, EagleDrafter)
+    trained_like(v.lean).save(tmp_path / "e", {})
+    built = build_drafter("eagle", v, tmp_path / "e")
+    assert built.kind == "eagle" and built.verifier_layers == (v.lean.num_layers - 1,)
+    with pytest.raises(ValueError, match="does not fit"):
+        EagleDrafter(v.lean, FeatureHead(EagleConfig(hidden=v.lean.hidden_size + 16)))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "manifest.json").write_text('{"kind": "dvi"}')
+    with pytest.raises(ValueError, match="not an eagle head"):
+        FeatureHead.load(tmp_path / "x")

@@ -1,0 +1,227 @@
+"""Self-distillation of the eagle head (drafter.eagle): the verifier's own answers, with the features
+and distributions it computed while decoding them, are the training data (the setting of the EAGLE
+and DVI papers: a drafter is judged on the verifier's outputs, so it learns from them).
+
+1. `collect`: the served verifier (its own kernels and weight mode, so the features are those the
+   head reads at inference) decodes batches of prompts, chat first turns from ShareGPT's training
+   part and code from the standard library's non-test source, alternately greedy and at T = 1.
+   Per decoded position it keeps the last layer's residual stream (fp16), the token, and the
+   verifier's top-K next-token log-probabilities over the draft vocabulary.
+2. `train_head`: windows of those sequences train `trainer.students.EagleStudent` with a random
+   depth (as it drafts), by cross-entropy against the verifier's renormalised top-K.
+
+`distill_eagle` runs both within a wall-clock budget and writes a checkpoint that
+`drafter.kinds.build_drafter("eagle", ...)` loads.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import load_file
+from tqdm import tqdm
+
+from drafter.decoder import prefill
+from drafter.models import LoadedModel, load_model
+from drafter.vocab import save_vocab
+from trainer.data import ConversationSource, code_documents, first_turn_prompt
+from trainer.students import EagleStudent, build_student
+
+TOP_K = 16
+
+
+@dataclass
+class Sequence:
+    """One decoded answer: tokens[0] is the prompt's last token, tokens[j + 1] the verifier's choice
+    at step j; features[j] is the residual stream at the position of tokens[j]'s predecessor (row 0:
+    the prompt's second-to-last position, from the prefill), so that (features[j], tokens[j]) is
+    what the head drafts tokens[j + 1] from, and target_*[j] the verifier's distribution there."""
+
+    tokens: torch.Tensor  # [n + 1] int64
+    features: torch.Tensor  # [n + 1, d] fp16 (the last row is unused)
+    target_ids: torch.Tensor  # [n, K] int64 (draft-vocabulary indices; -1: outside it)
+    target_logp: torch.Tensor  # [n, K] float32
+
+
+@dataclass
+class DistillConfig:
+    collect_minutes: float = 2.0
+    train_minutes: float = 2.5
+    batch: int = 16  # prompts decoded together
+    max_new: int = 96  # tokens per answer
+    max_prompt: int = 96  # longer prompts are skipped (chat) or cut (code)
+    depth: int = 2  # the head is unrolled up to this many drafts (the controller rarely drafts more)
+    window: int = 32  # positions per training window
+    train_batch: int = 32  # windows per step
+    lr: float = 5e-3
+    seed: int = 0
+    threads: int = 2
+    extra: dict = field(default_factory=dict)  # manifest fields to add
+
+
+def training_prompts(tokenizer, max_prompt: int, seed: int) -> Iterator[tuple[str, list[int]]]:
+    """("chat" | "code", prompt ids), alternating: ShareGPT first user turns (training part) and
+    stretches of standard-library source for the verifier to continue."""
+    chat = ((  # noqa: E731
+        "chat", p) for _, conv in ConversationSource().iter_from(0)
+        if 0 < len(p := first_turn_prompt(tokenizer, conv)) <= max_prompt)
+    rng = random.Random(seed)
+
+    def code() -> Iterator[tuple[str, list[int]]]:
+        for doc in code_documents(tokenizer, 0, 4096):
+            if len(doc) > max_prompt + 64:
+                start = rng.randrange(0, len(doc) - max_prompt - 64)
+                yield "code", doc[start : start + rng.randrange(max_prompt // 2, max_prompt)]
+
+    for pair in zip(chat, code()):
+        yield from pair
+
+
+@torch.inference_mode()
+def decode_batch(verifier: LoadedModel, prompts: list[list[int]], max_new: int, layer: int, vocab_index: torch.Tensor,
+                 temperature: float, generator: torch.Generator) -> list[Sequence]:
+    """Decode `prompts` together for `max_new` steps (rows stop at EOS) keeping what `Sequence` holds."""
+    lean = verifier.lean
+    cache, first = prefill(lean, prompts, max(map(len, prompts)) + max_new + 1, capture=(layer,))
+    last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
+    feats, toks, ids, logps = [first[layer].half().cpu()], [last], [], []
+    alive = torch.ones(len(prompts), dtype=torch.bool)
+    lengths = torch.full((len(prompts),), max_new)
+    for step in range(max_new):
+        out = lean.forward(cache, last[:, None], capture=(layer,))
+        logits = out.logits[:, 0].float()
+        logp = torch.log_softmax(logits, dim=-1)
+        top = logp.topk(TOP_K, dim=-1)
+        if temperature > 0:
+            last = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
+        else:
+            last = logits.argmax(dim=-1)
+        feats.append(out.hidden[layer][:, 0].half().cpu())
+        toks.append(last.cpu())
+        ids.append(vocab_index[top.indices.cpu()])
+        logps.append(top.values.cpu())
+        ended = alive & torch.tensor([int(t) in verifier.eos_ids for t in last.tolist()])
+        lengths = torch.where(ended, torch.full_like(lengths, step + 1), lengths)
+        alive &= ~ended
+        if not alive.any():
+            break
+    F, X, I, L = (torch.stack(t, dim=1) for t in (feats, toks, ids, logps))
+    return [Sequence(X[b, : n + 1], F[b, : n + 1], I[b, :n], L[b, :n]) for b, n in enumerate(lengths.tolist()) if n > 1]
+
+
+def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: DistillConfig,
+            progress: bool = True) -> list[Sequence]:
+    """Sequences decoded within cfg.collect_minutes."""
+    index = torch.full((verifier.vocab_size,), -1, dtype=torch.long)
+    index[vocab if vocab is not None else torch.arange(verifier.vocab_size)] = torch.arange(
+        len(vocab) if vocab is not None else verifier.vocab_size)
+    prompts = training_prompts(verifier.tokenizer, cfg.max_prompt, cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    seqs: list[Sequence] = []
+    deadline = time.monotonic() + 60.0 * cfg.collect_minutes
+    bar = tqdm(desc="eagle: verifier answers", unit="tok", disable=not progress, file=sys.stderr)
+    for round_ in itertools.count():
+        batch = [p for _, p in itertools.islice(prompts, cfg.batch)]
+        if not batch or time.monotonic() > deadline:
+            break
+        new = decode_batch(verifier, batch, cfg.max_new, layer, index, 1.0 if round_ % 2 else 0.0, generator)
+        seqs += new
+        bar.update(sum(len(s.target_ids) for s in new))
+    bar.close()
+    return seqs
+
+
+def windows(seqs: list[Sequence], window: int, batch: int, rng: random.Random):
+    """A batch of `batch` windows: (ids [B, W], prev features [B, W, d], target ids / logp [B, W, K])."""
+    picks = []
+    for _ in range(batch):
+        s = seqs[rng.randrange(len(seqs))]
+        n = len(s.target_ids)
+        start = rng.randrange(0, max(1, n - window + 1))
+        picks.append((s, start, min(window, n - start)))
+    W = max(w for _, _, w in picks)
+    d = seqs[0].features.shape[1]
+    ids = torch.zeros(batch, W, dtype=torch.long)
+    prev = torch.zeros(batch, W, d)
+    tid = torch.full((batch, W, TOP_K), -1, dtype=torch.long)
+    tlp = torch.zeros(batch, W, TOP_K)
+    for b, (s, start, w) in enumerate(picks):
+        ids[b, :w] = s.tokens[start : start + w]
+        prev[b, :w] = s.features[start : start + w].float()
+        tid[b, :w] = s.target_ids[start : start + w]
+        tlp[b, :w] = s.target_logp[start : start + w]
+    return ids, prev, tid, tlp
+
+
+def soft_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, target_logp: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits [.., V] against a top-K distribution renormalised over the ids that
+    are in the draft vocabulary (-1: not); positions with none are skipped."""
+    valid = target_ids >= 0
+    p = torch.where(valid, target_logp.exp(), torch.zeros_like(target_logp))
+    mass = p.sum(-1, keepdim=True)
+    keep = mass[..., 0] > 0
+    p = p / mass.clamp(min=1e-9)
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, target_ids.clamp(min=0))
+    return -(p * logq).sum(-1)[keep].mean()
+
+
+def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, progress: bool = True) -> dict:
+    """Train the head on `seqs` for cfg.train_minutes (AdamW, warm-up then cosine); returns a summary."""
+    params = [p for _, p, _ in student.trainable()]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    rng = random.Random(cfg.seed)
+    budget, t0, step, losses = 60.0 * cfg.train_minutes, time.monotonic(), 0, []
+    bar = tqdm(desc="eagle: training", unit="step", disable=not progress, file=sys.stderr)
+    while (elapsed := time.monotonic() - t0) < budget:
+        frac = min(1.0, elapsed / budget)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+        ids, prev, tid, tlp = windows(seqs, cfg.window, cfg.train_batch, rng)
+        loss = soft_cross_entropy(student.unrolled_logits(prev, ids), tid, tlp)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    bar.close()
+    return {"steps": step, "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
+def distill_eagle(verifier_dir: str | Path, out: str | Path, vocab_file: str | Path | None, cfg: DistillConfig,
+                  progress: bool = True) -> dict:
+    """Collect, train, and write the eagle checkpoint into `out`; returns a summary."""
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    out = Path(out)
+    served = load_model(verifier_dir, weights="auto")  # decodes as it will serve
+    vocab = None if vocab_file is None else load_file(vocab_file)["ids"].to(torch.long)
+    float_verifier = load_model(verifier_dir, dtype=torch.float32, keep_module=True)  # embedding and LM head
+    student = build_student("eagle", float_verifier, None, k=cfg.depth, dvi_layers=2, steer_layers=None,
+                            generator=torch.Generator().manual_seed(cfg.seed), device=served.lean.device, vocab=vocab)
+    t0 = time.monotonic()
+    seqs = collect(served, student.verifier_layers[0], vocab, cfg, progress)
+    collected = time.monotonic() - t0
+    if not seqs:
+        raise ValueError("no training sequences could be decoded")
+    summary = train_head(student, seqs, cfg, progress)
+    summary |= {"sequences": len(seqs), "positions": sum(len(s.target_ids) for s in seqs),
+                "collect_seconds": round(collected, 1)}
+    extra = {"method": "eagle", "data": "self-distilled", "base": {"verifier": str(Path(verifier_dir).resolve())},
+             "k": cfg.depth, "steps": summary["steps"], "tokens_seen": summary["positions"]} | cfg.extra
+    if vocab is not None:
+        extra["draft_vocab"] = save_vocab(out, vocab)
+    student.export(out, extra)
+    (out / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
