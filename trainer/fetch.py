@@ -358,14 +358,27 @@ def build_draft_vocab(verifier_dir: Path, out_file: Path, size: int, **traffic) 
 class FetchConfig:
     name: str = DEFAULT_MODEL
     out: Path | None = None  # default: CACHE/models/NAME
-    drafter_minutes: float = 4.5  # offline budget of the default drafter (eagle: answers 4/9, training 5/9)
+    drafter_minutes: float | None = None  # offline budget of the drafter (None: DRAFTER_MINUTES of its method)
     drafter_layers: tuple[int, ...] = (0, 1)  # the verifier layers a depth-pruned drafter keeps (sd2, distill)
-    method: str = "eagle"  # the drafter: eagle (self-distilled feature head), sd2 or distill
+    method: str = "sd2"  # the drafter: sd2 or distill (a pruned copy, aligned), eagle (a self-distilled head)
     vocab_size: int = 8192  # FR-Spec draft vocabulary
     vocab_conversations: int = 2000  # ShareGPT conversations counted for it
     vocab_code_files: int = 150  # standard-library files counted for it
     threads: int = 2
     check: bool = True
+
+
+DRAFTER_METHODS = ("sd2", "distill", "eagle")
+DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 4.5}  # eagle: answers 4/9 of it, training 5/9
+
+
+def drafter_minutes(cfg: "FetchConfig") -> float:
+    return cfg.drafter_minutes if cfg.drafter_minutes is not None else DRAFTER_MINUTES[cfg.method]
+
+
+def drafter_dir(cfg: "FetchConfig", out: Path) -> Path:
+    """OUT/drafter for the default method, OUT/drafter-METHOD for the others (the verifier is shared)."""
+    return out / ("drafter" if cfg.method == "sd2" else f"drafter-{cfg.method}")
 
 
 def default_out(cache: Path, name: str) -> Path:
@@ -376,7 +389,7 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     """Verifier and default drafter under cfg.out (each step cached); returns what was done."""
     model = known_model(cfg.name)
     out = Path(cfg.out)
-    done_file = out / DONE_FILE
+    done_file = out / (DONE_FILE if cfg.method == "sd2" else f"fetched-{cfg.method}.json")
     if done_file.is_file():
         summary = json.loads(done_file.read_text())
         _add_source_groups(model, Path(summary.get("verifier") or out / "verifier"))
@@ -387,7 +400,7 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     gguf = locate_gguf(model)
     say(f"[2/4] converting {gguf.name} into {out / 'verifier'}")
     verifier = convert_gguf(gguf, out / "verifier")
-    say(f"[3/4] building the {cfg.method} drafter into {out / 'drafter'} (~{cfg.drafter_minutes:g} min of offline training)")
+    say(f"[3/4] building the {cfg.method} drafter into {drafter_dir(cfg, out)} (~{drafter_minutes(cfg):g} min of offline training)")
     drafter, training = build_default_drafter(verifier, out, cfg, progress)
     summary = {"name": cfg.name, "package": f"{model.package}=={model.version}", "gguf": model.gguf,
                "verifier": str(verifier), "drafter": str(drafter), "drafter_training": training}
@@ -412,7 +425,7 @@ def _add_source_groups(model: RealModel, verifier: Path) -> None:
 
 def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress: bool) -> tuple[Path, dict]:
     """FR-Spec vocabulary from real traffic, a depth-pruned copy of the verifier, and `train offline`
-    (SD² by default) for cfg.drafter_minutes; resumes a run that was cut off."""
+    (SD² by default) for its minutes, or the self-distilled eagle head; resumes a run that was cut off."""
     from trainer.offline import OfflineConfig, train_offline
 
     vocab = out / "draft_vocab.safetensors"
@@ -420,14 +433,14 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
         build_draft_vocab(verifier, vocab, cfg.vocab_size, conversations=cfg.vocab_conversations,
                           code_files=cfg.vocab_code_files)
     if cfg.method == "eagle":
-        return _distilled_head(verifier, out / "drafter", vocab, cfg, progress)
+        return _distilled_head(verifier, drafter_dir(cfg, out), vocab, cfg, progress)
     base = out / "drafter-base"
     if not (base / "config.json").is_file():
         prune_depth(verifier, base, list(cfg.drafter_layers))
-    drafter = out / "drafter"
+    drafter = drafter_dir(cfg, out)
     resume = (drafter / "checkpoint" / "state.json").is_file()
     train = OfflineConfig(method=cfg.method, verifier=str(verifier), drafter=str(base), out_dir=str(drafter),
-                          minutes=cfg.drafter_minutes, k=4, lr=2e-3, lm_lr=1e-3, warmup_steps=5, batch_size=8,
+                          minutes=drafter_minutes(cfg), k=4, lr=2e-3, lm_lr=1e-3, warmup_steps=5, batch_size=8,
                           seq_len=128, threads=cfg.threads, draft_vocab=str(vocab), freeze_embeddings=True,
                           teacher_dtype="auto", resume=resume, checkpoint_every=10)
     return drafter, train_offline(train, progress)
@@ -440,7 +453,7 @@ def _distilled_head(verifier: Path, drafter: Path, vocab: Path, cfg: FetchConfig
 
     if (drafter / "train_summary.json").is_file():
         return drafter, json.loads((drafter / "train_summary.json").read_text())
-    minutes = cfg.drafter_minutes
+    minutes = drafter_minutes(cfg)
     distill = DistillConfig(collect_minutes=minutes * 4 / 9, train_minutes=minutes * 5 / 9, threads=cfg.threads)
     return drafter, distill_eagle(verifier, drafter, vocab, distill, progress)
 
