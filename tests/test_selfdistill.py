@@ -99,3 +99,20 @@ def test_windows_pad_short_sequences_with_ignored_targets():
     ids, prev, tid, tlp = windows([s], 6, 2, random.Random(0))
     assert ids.shape == (2, 3) and prev.shape == (2, 3, d)  # one window of the whole sequence, twice
     assert bool((tid >= 0).all())
+
+
+def test_a_teacher_forced_document_has_the_fields_of_a_decoded_answer(verifier):
+    from trainer.selfdistill import forced_sequence
+
+    layer = verifier.lean.num_layers - 1
+    doc = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
+    s = forced_sequence(verifier, doc, layer, identity_index(verifier))
+    n = len(doc) - 2
+    assert s.tokens.tolist() == doc[1:] and s.features.shape[0] == n + 1 and s.target_ids.shape == (n, TOP_K)
+    with torch.no_grad():
+        logits = verifier.hf(input_ids=torch.tensor([doc])).logits[0]
+    assert s.target_ids[:, 0].tolist() == logits[1:-1].argmax(-1).tolist()  # target j: after tokens[j] = doc[j + 1]
+    # features[j] is the residual at doc position j, tokens[j]'s predecessor
+    cache = verifier.lean.new_cache(1, len(doc))
+    hidden = verifier.lean.forward(cache, torch.tensor([doc[:3]]), capture=(layer,)).hidden[layer][0]
+    torch.testing.assert_close(s.features[:3].float(), hidden.float(), atol=2e-2, rtol=2e-2)

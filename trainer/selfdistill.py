@@ -6,7 +6,9 @@ and DVI papers: a drafter is judged on the verifier's outputs, so it learns from
    head reads at inference) decodes batches of prompts, chat first turns from ShareGPT's training
    part and code from the standard library's non-test source, alternately greedy and at T = 1.
    Per decoded position it keeps the last layer's residual stream (fp16), the token, and the
-   verifier's top-K next-token log-probabilities over the draft vocabulary.
+   verifier's top-K next-token log-probabilities over the draft vocabulary. Between batches it
+   reads whole conversations and source files teacher-forced (the same fields, many more
+   positions per second).
 2. `train_head`: windows of those sequences train `trainer.students.EagleStudent` with a random
    depth (as it drafts), by cross-entropy against the verifier's renormalised top-K.
 
@@ -32,7 +34,7 @@ from tqdm import tqdm
 from drafter.decoder import prefill
 from drafter.models import LoadedModel, load_model
 from drafter.vocab import save_vocab
-from trainer.data import ConversationSource, code_documents, first_turn_prompt
+from trainer.data import ConversationSource, code_documents, conversation_ids, first_turn_prompt
 from trainer.students import EagleStudent, build_student
 
 TOP_K = 16
@@ -58,10 +60,14 @@ class DistillConfig:
     batch: int = 16  # prompts decoded together
     max_new: int = 96  # tokens per answer
     max_prompt: int = 96  # longer prompts are skipped (chat) or cut (code)
+    forced_share: float = 0.5  # of the collection time spent reading documents teacher-forced (0: answers only)
+    forced_tokens: int = 256  # tokens per teacher-forced document
     depth: int = 2  # the head is unrolled up to this many drafts (the controller rarely drafts more)
     window: int = 32  # positions per training window
     train_batch: int = 32  # windows per step
     lr: float = 5e-3
+    weight_decay: float = 0.0  # AdamW, on the head's matrices
+    noise: float = 0.0  # uniform noise on the input features, × their RMS (EAGLE's robustness trick)
     seed: int = 0
     threads: int = 2
     extra: dict = field(default_factory=dict)  # manifest fields to add
@@ -117,13 +123,35 @@ def decode_batch(verifier: LoadedModel, prompts: list[list[int]], max_new: int, 
     return [Sequence(X[b, : n + 1], F[b, : n + 1], I[b, :n], L[b, :n]) for b, n in enumerate(lengths.tolist()) if n > 1]
 
 
+def training_documents(tokenizer, max_tokens: int) -> Iterator[list[int]]:
+    """Whole ShareGPT conversations (training part) and standard-library files, alternately, cut to
+    `max_tokens`: text the verifier reads teacher-forced."""
+    chat = (ids for _, conv in ConversationSource().iter_from(0) if len(ids := conversation_ids(tokenizer, conv, max_tokens)) > 8)
+    code = (ids for ids in code_documents(tokenizer, 0, max_tokens) if len(ids) > 8)
+    for pair in zip(chat, code):
+        yield from pair
+
+
+@torch.inference_mode()
+def forced_sequence(verifier: LoadedModel, doc: list[int], layer: int, vocab_index: torch.Tensor) -> Sequence:
+    """`doc` read in one pass: the same fields as a decoded answer, at every position but the first."""
+    lean = verifier.lean
+    out = lean.forward(lean.new_cache(1, len(doc)), torch.tensor([doc]), capture=(layer,))
+    top = torch.log_softmax(out.logits[0, 1:-1].float(), dim=-1).topk(TOP_K, dim=-1)
+    return Sequence(torch.tensor(doc[1:]), out.hidden[layer][0, :-1].half().cpu(), vocab_index[top.indices.cpu()],
+                    top.values.cpu())
+
+
 def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: DistillConfig,
             progress: bool = True) -> list[Sequence]:
-    """Sequences decoded within cfg.collect_minutes."""
+    """Sequences within cfg.collect_minutes: each batch of the verifier's own answers is followed by
+    teacher-forced documents for `forced_share` of the time (a pass over a document yields many
+    more positions per second than decoding; the answers are what it will be asked to predict)."""
     index = torch.full((verifier.vocab_size,), -1, dtype=torch.long)
     index[vocab if vocab is not None else torch.arange(verifier.vocab_size)] = torch.arange(
         len(vocab) if vocab is not None else verifier.vocab_size)
     prompts = training_prompts(verifier.tokenizer, cfg.max_prompt, cfg.seed)
+    documents = training_documents(verifier.tokenizer, cfg.forced_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)
     seqs: list[Sequence] = []
     deadline = time.monotonic() + 60.0 * cfg.collect_minutes
@@ -132,7 +160,11 @@ def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: 
         batch = [p for _, p in itertools.islice(prompts, cfg.batch)]
         if not batch or time.monotonic() > deadline:
             break
+        t0 = time.monotonic()
         new = decode_batch(verifier, batch, cfg.max_new, layer, index, 1.0 if round_ % 2 else 0.0, generator)
+        forced_until = time.monotonic() + (time.monotonic() - t0) * cfg.forced_share / (1.0 - cfg.forced_share)
+        while time.monotonic() < min(forced_until, deadline) and (doc := next(documents, None)) is not None:
+            new.append(forced_sequence(verifier, doc, layer, index))
         seqs += new
         bar.update(sum(len(s.target_ids) for s in new))
     bar.close()
@@ -176,7 +208,10 @@ def soft_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, target_lo
 def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, progress: bool = True) -> dict:
     """Train the head on `seqs` for cfg.train_minutes (AdamW, warm-up then cosine); returns a summary."""
     params = [p for _, p, _ in student.trainable()]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    matrices = [p for p in params if p.dim() == 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay},
+                             {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
     budget, t0, step, losses = 60.0 * cfg.train_minutes, time.monotonic(), 0, []
     bar = tqdm(desc="eagle: training", unit="step", disable=not progress, file=sys.stderr)
@@ -185,6 +220,9 @@ def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, 
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         ids, prev, tid, tlp = windows(seqs, cfg.window, cfg.train_batch, rng)
+        if cfg.noise:
+            scale = prev.pow(2).mean(-1, keepdim=True).sqrt() * cfg.noise
+            prev = prev + (torch.rand(prev.shape, generator=student.generator) * 2 - 1) * scale
         loss = soft_cross_entropy(student.unrolled_logits(prev, ids), tid, tlp)
         opt.zero_grad(set_to_none=True)
         loss.backward()
