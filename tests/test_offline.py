@@ -208,7 +208,7 @@ def test_bad_configurations_are_refused(pair, tmp_path):
     with pytest.raises(ValueError, match="budget"):
         OfflineTrainer(config(pair, tmp_path, "dvi", max_steps=None), progress=False)
     with pytest.raises(ValueError, match="unknown method"):
-        OfflineTrainer(config(pair, tmp_path, "eagle"), progress=False)
+        OfflineTrainer(config(pair, tmp_path, "medusa"), progress=False)
 
 
 def test_command_line_options_become_a_config(tmp_path):
