@@ -6,9 +6,8 @@ and DVI papers: a drafter is judged on the verifier's outputs, so it learns from
    head reads at inference) decodes batches of prompts, chat first turns from ShareGPT's training
    part and code from the standard library's non-test source, alternately greedy and at T = 1.
    Per decoded position it keeps the last layer's residual stream (fp16), the token, and the
-   verifier's top-K next-token log-probabilities over the draft vocabulary. Between batches it
-   reads whole conversations and source files teacher-forced (the same fields, many more
-   positions per second).
+   verifier's top-K next-token log-probabilities over the draft vocabulary. Optionally, between
+   batches, it reads whole conversations and source files teacher-forced (the same fields).
 2. `train_head`: windows of those sequences train `trainer.students.EagleStudent` with a random
    depth (as it drafts), by cross-entropy against the verifier's renormalised top-K.
 
@@ -60,7 +59,8 @@ class DistillConfig:
     batch: int = 16  # prompts decoded together
     max_new: int = 96  # tokens per answer
     max_prompt: int = 96  # longer prompts are skipped (chat) or cut (code)
-    forced_share: float = 0.5  # of the collection time spent reading documents teacher-forced (0: answers only)
+    forced_share: float = 0.0  # of the collection time spent reading documents teacher-forced (0: answers only;
+    #                            0.5 gave 1.7x the positions and no better held-out acceptance, bench/README.md 12)
     forced_tokens: int = 256  # tokens per teacher-forced document
     depth: int = 2  # the head is unrolled up to this many drafts (the controller rarely drafts more)
     window: int = 32  # positions per training window
@@ -144,9 +144,10 @@ def forced_sequence(verifier: LoadedModel, doc: list[int], layer: int, vocab_ind
 
 def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: DistillConfig,
             progress: bool = True) -> list[Sequence]:
-    """Sequences within cfg.collect_minutes: each batch of the verifier's own answers is followed by
-    teacher-forced documents for `forced_share` of the time (a pass over a document yields many
-    more positions per second than decoding; the answers are what it will be asked to predict)."""
+    """Sequences within cfg.collect_minutes: batches of the verifier's own answers, each followed by
+    teacher-forced documents for `forced_share` of the time when asked (a pass over a document
+    yields ~2.4x the positions per second of decoding, but the answers are what the head will be
+    asked to predict)."""
     index = torch.full((verifier.vocab_size,), -1, dtype=torch.long)
     index[vocab if vocab is not None else torch.arange(verifier.vocab_size)] = torch.arange(
         len(vocab) if vocab is not None else verifier.vocab_size)
