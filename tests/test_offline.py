@@ -23,6 +23,7 @@ from trainer.offline import (
     OfflineTrainer,
     add_offline_arguments,
     config_from_args,
+    train_offline,
 )
 
 torch.set_num_threads(1)
@@ -223,3 +224,16 @@ def test_command_line_options_become_a_config(tmp_path):
     assert (cfg.data, cfg.loss, cfg.k, cfg.minutes, cfg.max_steps) == ("generated", "lk", 5, 2.5, None)
     assert (cfg.steer_layers, cfg.resume, cfg.threads) == ((0, 2, 4), True, 2)
     cfg.validate()
+
+
+def test_self_distilled_data_trains_an_eagle_head_within_the_minutes(pair, tmp_path):
+    with pytest.raises(ValueError, match="self-distilled trains --method eagle"):
+        OfflineTrainer(config(pair, tmp_path / "x", "sd2", data="self-distilled", minutes=1.0), progress=False)
+    with pytest.raises(ValueError, match="self-distilled trains --method eagle"):
+        train_offline(config(pair, tmp_path / "y", "eagle", data="self-distilled"), progress=False)  # no minutes
+    out = tmp_path / "eagle"
+    summary = train_offline(config(pair, out, "eagle", data="self-distilled", minutes=0.03, k=2), progress=False)
+    assert summary["data"] == "self-distilled" and summary["steps"] > 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["kind"] == "eagle" and manifest["k"] == 2
+    assert json.loads((out / "summary.json").read_text()) == summary

@@ -35,7 +35,8 @@ from trainer.losses import LOSSES, distribution_loss, expected_acceptance
 from drafter.vocab import save_vocab
 from trainer.students import METHODS, build_student, teacher_autocast, verifier_targets
 
-DATA_MODES = ("teacher-forced", "generated", "code")  # code: the standard library's non-test source, raw
+DATA_MODES = ("teacher-forced", "generated", "code", "self-distilled")  # code: the standard library's non-test
+# source, raw; self-distilled (eagle only): trainer.selfdistill, the verifier's answers with its features
 KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi", "eagle": "eagle"}
 NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
 CHECKPOINT_DIR = "checkpoint"
@@ -91,6 +92,8 @@ class OfflineConfig:
         need(self.loss in LOSSES, f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
         need(self.method not in NEEDS_DRAFTER or self.drafter is not None, f"method {self.method} needs --drafter DIR")
         need(self.minutes is not None or self.max_steps is not None, "give a budget: --minutes and/or --max-steps")
+        need(self.data != "self-distilled" or (self.method == "eagle" and self.minutes is not None and not self.resume),
+             "--data self-distilled trains --method eagle within --minutes (it does not resume)")
         need(self.minutes is None or self.minutes > 0, "--minutes must be > 0")
         need(self.max_steps is None or self.max_steps >= 0, "--max-steps must be >= 0")
         need(self.k >= 1, "--k must be >= 1")
@@ -401,9 +404,25 @@ def _tail_mean(values: list[float], n: int = 10) -> float | None:
 
 def train_offline(cfg: OfflineConfig, progress: bool = True) -> dict:
     """Train per `cfg` into cfg.out_dir; returns the run's summary (also written to OUT/summary.json)."""
-    summary = OfflineTrainer(cfg, progress).run()
+    if cfg.data == "self-distilled":
+        cfg.validate()
+        summary = self_distilled(cfg, progress)
+    else:
+        summary = OfflineTrainer(cfg, progress).run()
     (Path(cfg.out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def self_distilled(cfg: OfflineConfig, progress: bool) -> dict:
+    """The eagle head from the verifier's own answers (trainer.selfdistill): 4/9 of the minutes
+    decoding them, 5/9 training, unrolled up to k drafts."""
+    from trainer.selfdistill import DistillConfig, distill_eagle
+
+    lr = cfg.lr if cfg.lr != OfflineConfig.lr else DistillConfig.lr  # the head's own default unless --lr was given
+    distill = DistillConfig(collect_minutes=cfg.minutes * 4 / 9, train_minutes=cfg.minutes * 5 / 9, depth=cfg.k,
+                            lr=lr, seed=cfg.seed, threads=cfg.threads, weight_decay=cfg.weight_decay)
+    return {"method": "eagle", "data": "self-distilled", "out_dir": cfg.out_dir} | distill_eagle(
+        cfg.verifier, cfg.out_dir, cfg.draft_vocab, distill, progress)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -417,9 +436,10 @@ def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", type=Path, help="drafter LM to start from (distill/sd2/sd2-frozen); "
                         "with dvi only used to speed up --data generated when --gen-k > 0")
     parser.add_argument("--out", type=Path, required=True, help="output (and checkpoint) directory")
-    parser.add_argument("--data", choices=DATA_MODES, default=d.data)
+    parser.add_argument("--data", choices=DATA_MODES, default=d.data,
+                        help="self-distilled: the eagle head from the verifier's own answers (4/9 of --minutes decoding them)")
     parser.add_argument("--loss", choices=LOSSES, default=d.loss)
-    parser.add_argument("--k", type=int, default=d.k, help="SD²: random offset δ ∈ [1, k]")
+    parser.add_argument("--k", type=int, default=d.k, help="SD²: random offset δ ∈ [1, k]; eagle: unrolled up to k drafts")
     parser.add_argument("--minutes", type=float, help="wall-clock budget (across resumed runs)")
     parser.add_argument("--max-steps", type=int, help="step budget")
     parser.add_argument("--lr", type=float, default=d.lr, help="peak LR of steering / LoRA parameters")

@@ -232,7 +232,7 @@ def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, 
         step += 1
         losses.append(float(loss.detach()))
         bar.update(1)
-        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", refresh=False)
     bar.close()
     return {"steps": step, "final_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4),
             "seconds": round(time.monotonic() - t0, 1)}
