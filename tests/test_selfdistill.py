@@ -10,7 +10,7 @@ from drafter.models import load_model
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from trainer.selfdistill import (TOP_K, DistillConfig, Sequence, decode_batch, distill_eagle, soft_cross_entropy,
-                                 train_head)
+                                 train_head, vocab_index)
 from trainer.students import build_student
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
@@ -22,7 +22,7 @@ def verifier(tiny_pair):
 
 
 def identity_index(v) -> torch.Tensor:
-    return torch.arange(v.vocab_size)
+    return vocab_index(None, v.vocab_size)
 
 
 def test_a_greedy_sequence_is_the_verifiers_answer_with_its_features_and_distributions(verifier):
@@ -90,7 +90,7 @@ def test_distill_eagle_writes_a_checkpoint_that_drafts_losslessly(tmp_path, tiny
     assert [g.token_ids for g in out] == [g.token_ids for g in ref]
 
 
-def test_windows_pad_short_sequences_with_ignored_targets():
+def test_a_window_never_runs_past_its_sequence():
     d = 8
     s = Sequence(torch.arange(4), torch.randn(4, d).half(), torch.zeros(3, TOP_K, dtype=torch.long),
                  torch.zeros(3, TOP_K))

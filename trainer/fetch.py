@@ -368,7 +368,6 @@ class FetchConfig:
     check: bool = True
 
 
-DRAFTER_METHODS = ("eagle", "sd2", "distill")
 DEFAULT_METHOD = "eagle"
 DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 4.5}  # eagle: answers 4/9 of it, training 5/9
 

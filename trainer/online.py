@@ -85,7 +85,7 @@ def serving_student(kind: str, verifier: LoadedModel, drafter_dir: str | Path | 
         return DVIStudent(head.to(device))
     if kind == "eagle":
         head = FeatureHead.load(Path(drafter_dir)) if found == "eagle" else new_head(verifier.lean)
-        return EagleStudent(head.to(device), verifier.hf, depth=1, generator=torch.Generator())
+        return EagleStudent(head.to(device), verifier.lean, depth=1, generator=torch.Generator())
     lm_dir = drafter_lm_dir(Path(drafter_dir)) if drafter_dir else None
     method = "distill" if kind == "pretrained" else ("sd2" if train_lm else "sd2-frozen")
     student = build_student(method, verifier, lm_dir, k=1, dvi_layers=2, steer_layers=None,

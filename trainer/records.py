@@ -37,9 +37,6 @@ DEFAULT_TOP_K = 64  # verifier log-probabilities kept per position
 DEFAULT_CONTEXT = 128  # committed tokens kept for pretrained / sd2 recompute
 
 
-CONTEXT_OF = {"pretrained": DEFAULT_CONTEXT, "sd2": DEFAULT_CONTEXT, "eagle": 1}  # committed tokens a kind's record keeps
-
-
 class RecordError(ValueError):
     """A payload that is not a valid replay record (corrupted, truncated, wrong schema)."""
 
@@ -212,6 +209,14 @@ class RowTag:
     temperature: float
 
 
+def record_context(kind: str, context: list[int]) -> list[int]:
+    """What of a row's context window a record of `kind` keeps: all of it for the drafter LMs, the
+    block's first token for the eagle head, nothing for the others."""
+    if kind in ("pretrained", "sd2"):
+        return context
+    return context[-1:] if kind == "eagle" else []
+
+
 def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) -> list[ReplayRecord]:
     """One record per row: positions 1..min(n + 1, k)."""
     out = []
@@ -225,7 +230,7 @@ def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) ->
             k=snap.k, temperature=tag.temperature, tokens=snap.tokens[j, :m].astype(np.int64), rewards=rewards,
             draft_logprobs=snap.draft_logprobs[j, :m], top_ids=snap.top_ids[j, :m].astype(np.int64),
             top_logprobs=snap.top_logprobs[j, :m], rest_mass=snap.rest_mass[j, :m],
-            context=np.asarray(tag.context[-CONTEXT_OF.get(kind, 0):] if CONTEXT_OF.get(kind) else [], dtype=np.int64),
+            context=np.asarray(record_context(kind, tag.context), dtype=np.int64),
             steer=None if snap.steer is None else snap.steer[j],
             hidden=None if snap.hidden is None else snap.hidden[j, :m],
         ))

@@ -76,9 +76,8 @@ class DistillConfig:
 def training_prompts(tokenizer, max_prompt: int, seed: int) -> Iterator[tuple[str, list[int]]]:
     """("chat" | "code", prompt ids), alternating: ShareGPT first user turns (training part) and
     stretches of standard-library source for the verifier to continue."""
-    chat = ((  # noqa: E731
-        "chat", p) for _, conv in ConversationSource().iter_from(0)
-        if 0 < len(p := first_turn_prompt(tokenizer, conv)) <= max_prompt)
+    chat = (("chat", p) for _, conv in ConversationSource().iter_from(0)
+            if 0 < len(p := first_turn_prompt(tokenizer, conv)) <= max_prompt)
     rng = random.Random(seed)
 
     def code() -> Iterator[tuple[str, list[int]]]:
@@ -142,15 +141,22 @@ def forced_sequence(verifier: LoadedModel, doc: list[int], layer: int, vocab_ind
                     top.values.cpu())
 
 
+def vocab_index(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """[vocab_size]: each token's index in the draft vocabulary (-1 outside it; the identity for None)."""
+    if vocab is None:
+        return torch.arange(vocab_size)
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[vocab] = torch.arange(len(vocab))
+    return index
+
+
 def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: DistillConfig,
             progress: bool = True) -> list[Sequence]:
     """Sequences within cfg.collect_minutes: batches of the verifier's own answers, each followed by
     teacher-forced documents for `forced_share` of the time when asked (a pass over a document
     yields ~2.4x the positions per second of decoding, but the answers are what the head will be
     asked to predict)."""
-    index = torch.full((verifier.vocab_size,), -1, dtype=torch.long)
-    index[vocab if vocab is not None else torch.arange(verifier.vocab_size)] = torch.arange(
-        len(vocab) if vocab is not None else verifier.vocab_size)
+    index = vocab_index(vocab, verifier.vocab_size)
     prompts = training_prompts(verifier.tokenizer, cfg.max_prompt, cfg.seed)
     documents = training_documents(verifier.tokenizer, cfg.forced_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -246,8 +252,7 @@ def distill_eagle(verifier_dir: str | Path, out: str | Path, vocab_file: str | P
     out = Path(out)
     served = load_model(verifier_dir, weights="auto")  # decodes as it will serve
     vocab = None if vocab_file is None else load_file(vocab_file)["ids"].to(torch.long)
-    float_verifier = load_model(verifier_dir, dtype=torch.float32, keep_module=True)  # embedding and LM head
-    student = build_student("eagle", float_verifier, None, k=cfg.depth, dvi_layers=2, steer_layers=None,
+    student = build_student("eagle", served, None, k=cfg.depth, dvi_layers=2, steer_layers=None,
                             generator=torch.Generator().manual_seed(cfg.seed), device=served.lean.device, vocab=vocab)
     t0 = time.monotonic()
     seqs = collect(served, student.verifier_layers[0], vocab, cfg, progress)

@@ -240,11 +240,12 @@ class EagleStudent(Student):
 
     kind = "eagle"
 
-    def __init__(self, head: FeatureHead, verifier_hf, depth: int, generator: torch.Generator):
+    def __init__(self, head: FeatureHead, verifier_lean, depth: int, generator: torch.Generator):
+        """`verifier_lean`: the verifier's decoder in any weight mode (its embedding and LM head are
+        read as floats: a float model's own tensors, a quantized one's dequantized values)."""
         self.head = head.train()
-        self.embed = verifier_hf.model.embed_tokens.weight.detach()
-        self.lm_head = verifier_hf.lm_head.weight.detach()
-        self.verifier_layers = (feature_layer(head.cfg, verifier_hf.config.num_hidden_layers),)
+        self.embed, self.lm_head = _floats(verifier_lean.embed), _floats(verifier_lean.lm_head)
+        self.verifier_layers = (feature_layer(head.cfg, verifier_lean.num_layers),)
         self.depth, self.generator = depth, generator
 
     def trainable(self):
@@ -285,6 +286,11 @@ class EagleStudent(Student):
         self.head.save(out, extra)
 
 
+def _floats(weight) -> torch.Tensor:
+    """A raw float tensor as fp32, or a drafter.quant weight object dequantized."""
+    return (weight if isinstance(weight, torch.Tensor) else weight.dequantize()).detach().float()
+
+
 def _shift_right(x: torch.Tensor) -> torch.Tensor:
     """[B, T, d] → position t holds x at t − 1 (zeros at t = 0)."""
     return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
@@ -313,7 +319,7 @@ def _build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path |
     if method == "dvi":
         return DVIStudent(DraftHead(verifier.hf, DVIConfig(layers=dvi_layers)).to(device))
     if method == "eagle":
-        return EagleStudent(new_head(verifier.lean).to(device), verifier.hf, k, generator)
+        return EagleStudent(new_head(verifier.lean).to(device), verifier.lean, k, generator)
     if drafter_dir is None:
         raise ValueError(f"method {method} needs a drafter LM directory")
     lm = load_model(drafter_dir, device=device, dtype=torch.float32, keep_module=True)  # trained in fp32
