@@ -98,9 +98,13 @@ class FeatureHead(nn.Module):
 
 
 def new_head(lean: LeanDecoder, intermediate: int = EagleConfig.intermediate) -> FeatureHead:
-    """An untrained head for the verifier `lean` (output norm from the verifier's final norm)."""
+    """An untrained head for the verifier `lean` (output norm from the verifier's final norm), the
+    same on every call (its random initialisation is seeded: two workers, or a worker and a learner,
+    start from one head)."""
     cfg = EagleConfig(hidden=lean.hidden_size, intermediate=intermediate, eps=lean.eps)
-    return FeatureHead(cfg, lean.final_norm)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return FeatureHead(cfg, lean.final_norm)
 
 
 def feature_layer(cfg: EagleConfig, num_layers: int) -> int:

@@ -87,7 +87,7 @@ class VersionInfo:
     objective: str  # "base", "kl", "klrl", "lk", ...
     loss: float | None
     sim_acceptance: float | None  # Σ min(p, q) on held-out replay records, mean per position
-    kind: str  # drafter kind: "pretrained", "sd2", "dvi"
+    kind: str  # drafter kind: "pretrained", "sd2", "dvi", "eagle"
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:

@@ -22,7 +22,7 @@ from services.buffer import check_spec
 from services.registry import forget_namespace, redis_namespace
 from services.prompts import encode, load_prompts
 from trainer.objectives import ObjectiveConfig
-from trainer.online import LearnerConfig
+from trainer.online import TRAINABLE_KINDS, LearnerConfig
 
 LEARNERS = ("off", "kl", "klrl", "lk")
 
@@ -56,8 +56,8 @@ class ReplayConfig:
             raise ValueError(f"unknown learner {self.learner!r}; choose one of {', '.join(LEARNERS)}")
         if self.k < 1 or self.max_tokens < 1:
             raise ValueError("--k and --max-tokens must be >= 1")
-        if self.learner != "off" and self.kind not in ("pretrained", "sd2", "dvi"):
-            raise ValueError(f"the learner trains pretrained, sd2 or dvi drafters, not {self.kind!r}")
+        if self.learner != "off" and self.kind not in TRAINABLE_KINDS:
+            raise ValueError(f"the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not {self.kind!r}")
         if not self.prompts:
             raise ValueError("give at least one prompt file")
         check_spec(self.buffer)  # here, not inside a Ray actor

@@ -111,3 +111,12 @@ def test_kinds_builds_an_eagle_drafter_and_refuses_what_does_not_fit(tmp_path, t
     (tmp_path / "x" / "manifest.json").write_text('{"kind": "dvi"}')
     with pytest.raises(ValueError, match="not an eagle head"):
         FeatureHead.load(tmp_path / "x")
+
+
+def test_an_untrained_head_is_the_same_on_every_build(verifier):
+    lean = LeanDecoder(verifier)
+    torch.manual_seed(1)
+    a = new_head(lean).state_dict()
+    torch.manual_seed(2)
+    b = new_head(lean).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)

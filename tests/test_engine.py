@@ -25,7 +25,7 @@ def verifier(tiny_pair):
 
 
 def _drafter(kind, verifier, tiny_pair):
-    drafter = build_drafter(kind, verifier, None if kind in ("ngram", "dvi") else tiny_pair[1])
+    drafter = build_drafter(kind, verifier, None if kind in ("ngram", "dvi", "eagle") else tiny_pair[1])
     if kind == "sd2":  # non-zero steering, so that a row's steering inputs matter
         with torch.no_grad():
             drafter.steering.w_s.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
@@ -70,7 +70,7 @@ def _run_staggered(engine: Engine, requests: list[EngineRequest]) -> dict[str, l
     return out
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram"])
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram", "eagle"])
 def test_requests_joining_a_running_pool_decode_exactly_as_alone(kind, verifier, tiny_pair):
     rule = StopRule(verifier.eos_ids)
     drafter = _drafter(kind, verifier, tiny_pair)
@@ -149,7 +149,7 @@ def _auto(requests: list[EngineRequest]) -> list[EngineRequest]:
     return [EngineRequest(r.id, r.prompt, r.params, None, r.stream) for r in requests]
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram"])
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram", "eagle"])
 def test_auto_rows_decode_greedy_as_the_verifier_alone_whatever_k_each_step_takes(kind, verifier, tiny_pair):
     rule = StopRule(verifier.eos_ids)
     requests = _auto([r for r in _requests(verifier, max_tokens=20) if r.params.greedy])
