@@ -87,11 +87,18 @@ def fuse_layer(get) -> _Layer:
     )
 
 
-def _check_structure(hf_model) -> None:
-    cfg = hf_model.config
+def check_config(cfg) -> None:
+    """What the config alone says about support: a SwiGLU MLP, full attention."""
     act = getattr(cfg, "hidden_act", None)
     if act not in SUPPORTED_ACT:
         raise UnsupportedModel(f"{cfg.model_type}: hidden_act={act!r}; specloop needs a SwiGLU (silu) MLP")
+    if getattr(cfg, "use_sliding_window", False):
+        raise UnsupportedModel(f"{cfg.model_type}: sliding-window attention is not supported")
+
+
+def _check_structure(hf_model) -> None:
+    check_config(hf_model.config)
+    cfg = hf_model.config
     layer = hf_model.model.layers[0]
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         if not hasattr(layer.self_attn, name):
@@ -99,17 +106,63 @@ def _check_structure(hf_model) -> None:
     for name in ("gate_proj", "up_proj", "down_proj"):
         if not hasattr(layer.mlp, name):
             raise UnsupportedModel(f"{cfg.model_type}: MLP has no {name} (not SwiGLU)")
-    if getattr(cfg, "use_sliding_window", False):
-        raise UnsupportedModel(f"{cfg.model_type}: sliding-window attention is not supported")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a decoder needs to know of its model besides the weights."""
+
+    config: object  # the transformers config
+    head_dim: int
+    scaling: float  # the attention's score scale
+    vocab_size: int  # rows of the LM head
+
+    @classmethod
+    def of_module(cls, hf_model) -> "Architecture":
+        """Read from a module (one on the meta device will do)."""
+        _check_structure(hf_model)
+        attn0 = hf_model.model.layers[0].self_attn
+        return cls(hf_model.config, int(attn0.head_dim), float(attn0.scaling), hf_model.lm_head.weight.shape[0])
+
+
+class StaticRope:
+    """The rotary embedding of a Llama / Qwen2 / Qwen3 module, without the module: inverse frequencies
+    and a scale fixed at construction (every rope type but the dynamic ones), applied as the module's
+    forward applies them (`cos/sin(position · inv_freq) · scale` in fp32, then cast), so the tables are
+    the module's bit for bit."""
+
+    DYNAMIC = ("dynamic", "longrope")  # their frequencies change with the sequence length: the module's own
+
+    def __init__(self, inv_freq: torch.Tensor, scale: float):
+        self.inv_freq, self.scale = inv_freq, scale
+
+    @classmethod
+    def of_config(cls, cfg, head_dim: int) -> "StaticRope | None":
+        """None where the rope type is dynamic or unknown here."""
+        params = getattr(cfg, "rope_parameters", None) or {}
+        kind = params.get("rope_type", "default")
+        if kind == "default":
+            base = params["rope_theta"]
+            return cls(1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0)
+        if kind in cls.DYNAMIC:
+            return None
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        init = ROPE_INIT_FUNCTIONS.get(kind)
+        return None if init is None else cls(*init(cfg))
+
+    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(x.dtype), (emb.sin() * self.scale).to(x.dtype)
 
 
 class LeanDecoder:
     """Fast inference forward for Llama / Qwen2 / Qwen3-style decoders, sharing the HF weights."""
 
     def __init__(self, hf_model, max_positions: int | None = None):
-        _check_structure(hf_model)
         base = hf_model.model
-        self._describe(hf_model)
+        self._describe(Architecture.of_module(hf_model))
         self.embed = base.embed_tokens.weight.detach()
         self.final_norm = base.norm.weight.detach()
         self.lm_head = hf_model.lm_head.weight.detach()
@@ -117,38 +170,35 @@ class LeanDecoder:
         self._finish(base.rotary_emb, max_positions)
 
     @classmethod
-    def from_parts(cls, skeleton, embed: torch.Tensor, final_norm: torch.Tensor, lm_head, layers: list[_Layer],
-                   rotary, max_positions: int | None = None) -> "LeanDecoder":
-        """A decoder of `skeleton`'s architecture over weights prepared elsewhere, without the module
-        that would own them: drafter.models streams a checkpoint into it tensor by tensor.
+    def from_parts(cls, arch: Architecture, embed: torch.Tensor, final_norm: torch.Tensor, lm_head,
+                   layers: list[_Layer], rotary, max_positions: int | None = None) -> "LeanDecoder":
+        """A decoder of architecture `arch` over weights prepared elsewhere, without the module that
+        would own them: drafter.models streams a checkpoint into it tensor by tensor.
 
-        `skeleton`: the Hugging Face module, typically on the meta device (only its config and structure
-        are read: head_dim, scaling, vocabulary rows); `embed`, `final_norm`, `lm_head` as `__init__`
-        takes them from a module (`lm_head` may already be a drafter.quant weight object); `layers`:
-        `fuse_layer` results (an empty list may be filled afterwards, e.g. by
-        `quantize_decoder(..., layers=...)`); `rotary`: the model's rotary-embedding module, on the
-        decoder's device. Activations, cache and RoPE tables take `embed`'s dtype, as in `__init__`."""
-        _check_structure(skeleton)
+        `embed`, `final_norm`, `lm_head` as `__init__` takes them from a module (`lm_head` may already
+        be a drafter.quant weight object); `layers`: `fuse_layer` results (an empty list may be filled
+        afterwards, e.g. by `quantize_decoder(..., layers=...)`); `rotary`: the model's rotary embedding
+        (its module, or a `StaticRope`), called as `rotary(x, position_ids)`. Activations, cache and
+        RoPE tables take `embed`'s dtype, as in `__init__`."""
+        check_config(arch.config)
         self = cls.__new__(cls)
-        self._describe(skeleton)
+        self._describe(arch)
         self.embed, self.final_norm, self.lm_head = embed, final_norm, lm_head
         self.layers = layers
         self._finish(rotary, max_positions)
         return self
 
-    def _describe(self, hf_model) -> None:
-        """Shapes and constants of the architecture (read from the config and the first attention
-        module: a module on the meta device will do)."""
-        cfg = hf_model.config
-        attn0 = hf_model.model.layers[0].self_attn
+    def _describe(self, arch: Architecture) -> None:
+        """Shapes and constants of the architecture."""
+        cfg = arch.config
         self.config = cfg
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
-        self.head_dim = attn0.head_dim
-        self.scaling = float(attn0.scaling)
+        self.head_dim = arch.head_dim
+        self.scaling = arch.scaling
         self.eps = float(cfg.rms_norm_eps)
         self.hidden_size = cfg.hidden_size
-        self.vocab_size = hf_model.lm_head.weight.shape[0]
+        self.vocab_size = arch.vocab_size
 
     def _finish(self, rotary, max_positions: int | None) -> None:
         self.device = self.embed.device

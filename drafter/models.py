@@ -15,7 +15,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from drafter.decoder import LeanDecoder, _check_structure, fuse_layer  # noqa: E402
+from drafter.quant import open_safetensors  # noqa: E402
+from drafter.decoder import Architecture, LeanDecoder, StaticRope, check_config, fuse_layer  # noqa: E402
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -201,47 +202,55 @@ def _safetensors_files(path: Path) -> list[Path] | None:
     return None
 
 
-def _open_safetensors(file: Path):
-    """A safetensors file opened to read tensors with pread(2) into memory of their own: the default
-    memory map keeps every page a read touched resident (and counted) while the file is open, the
-    whole float model by the end of a load."""
-    from safetensors import safe_open
+STREAMED_TYPES = ("llama", "qwen2", "qwen3")  # architectures read without their module (the rest: through it)
 
-    try:
-        return safe_open(str(file), framework="pt", backend="pread")
-    except TypeError:  # safetensors before the `backend` option: memory-mapped
-        return safe_open(str(file), framework="pt")
+
+def _layer_names(config) -> set[str] | None:
+    """A streamed architecture's parameter names within layer i ("self_attn.q_proj.weight", ...), as its
+    module names them, or None where the config is not one the stream reads (another model type, or
+    biases the decoder has no place for)."""
+    kind = config.model_type
+    bias = kind == "qwen2" or bool(getattr(config, "attention_bias", False))
+    if kind not in STREAMED_TYPES or (bias and kind != "qwen2") or getattr(config, "mlp_bias", False):
+        return None
+    names = {"input_layernorm.weight", "post_attention_layernorm.weight",
+             *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")), *(f"self_attn.{p}_proj.weight" for p in "qkvo")}
+    if bias:
+        names |= {f"self_attn.{p}_proj.bias" for p in "qkv"}
+    if kind == "qwen3":
+        names |= {"self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    return names
 
 
 def _stream_decoder(path: Path, config, device: torch.device, dtype: torch.dtype,
                     mode: str | None) -> LeanDecoder | None:
     """The decoder `_converted(LeanDecoder(module), mode)` would build, read from the safetensors files
-    tensor by tensor, without the module: its structure comes from a copy on the meta device (no
-    memory), the RoPE tables from a real rotary module of that class, every tensor is cast to `dtype`
-    as `from_pretrained` casts it, then the LM head and embedding are converted, then each layer is
-    read, fused and converted before the next is read (`quantize_decoder(layers=...)`). None where the
-    files do not hold the module's parameters under its own names (the module's loader knows the
-    conversions: the caller goes through it)."""
+    tensor by tensor, without the module nor its modelling code (importing it costs ~130 MB): the
+    architecture from the config (`_layer_names`, `StaticRope`), every tensor cast to `dtype` as
+    `from_pretrained` casts it, then the LM head and embedding are converted, then each layer is read,
+    fused and converted before the next is read (`quantize_decoder(layers=...)`). None where the files
+    do not hold exactly the parameters the module has, under its names, or the architecture is not
+    one read this way (the caller goes through the module, which knows the rest)."""
     files = _safetensors_files(path)
     if files is None:
         return None
-    try:
-        with torch.device("meta"):
-            skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
-    _check_structure(skeleton)
-    params = {name for name, _ in skeleton.named_parameters(remove_duplicate=False)}
-    if not {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} <= params:
+    check_config(config)
+    config.dtype = dtype  # as from_pretrained(dtype=...) leaves the module's config
+    per_layer = _layer_names(config)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    rotary = None if per_layer is None else StaticRope.of_config(config, head_dim)
+    if rotary is None:
         return None
-    tied = skeleton.lm_head.weight is skeleton.model.embed_tokens.weight
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    needed = {"model.embed_tokens.weight", "model.norm.weight", *([] if tied else ["lm_head.weight"]),
+              *(f"model.layers.{i}.{n}" for i in range(config.num_hidden_layers) for n in per_layer)}
     with ExitStack() as stack:
         try:
-            handles = [stack.enter_context(_open_safetensors(f)) for f in files]
+            handles = [stack.enter_context(open_safetensors(f)) for f in files]
         except Exception as exc:  # safetensors' own error type is not exported
             raise ModelError(f"cannot read {path}: {exc}") from exc
         where = {name: h for h in handles for name in h.keys()}
-        if not params - ({"lm_head.weight"} if tied else set()) <= where.keys():
+        if set(where) - {"lm_head.weight"} != needed - {"lm_head.weight"} or not needed <= where.keys():
             return None
 
         def read(name: str) -> torch.Tensor:
@@ -250,14 +259,14 @@ def _stream_decoder(path: Path, config, device: torch.device, dtype: torch.dtype
         def layer(i: int):
             _release_freed_memory()  # the previous layer's float temporaries
             prefix = f"model.layers.{i}."
-            return fuse_layer(lambda name: read(prefix + name) if prefix + name in params else None)
+            return fuse_layer(lambda name: read(prefix + name) if name in per_layer else None)
 
         embed = read("model.embed_tokens.weight")
         head = embed if tied else read("lm_head.weight")
-        rotary = type(skeleton.model.rotary_emb)(config=skeleton.config).to(device)
-        lean = LeanDecoder.from_parts(skeleton, embed, read("model.norm.weight"), head, [], rotary)
+        arch = Architecture(config, head_dim, float(head_dim ** -0.5), head.shape[0])
+        lean = LeanDecoder.from_parts(arch, embed, read("model.norm.weight"), head, [], rotary)
         del embed, head  # the decoder holds them: converting it lets the float copies go
-        _converted(lean, mode, path, layers=(layer(i) for i in range(len(skeleton.model.layers))))
+        _converted(lean, mode, path, layers=(layer(i) for i in range(config.num_hidden_layers)))
     _release_freed_memory()
     return lean
 

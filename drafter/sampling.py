@@ -13,9 +13,12 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 0.01  # a temperature in (0, this) samples at this one (as vLLM clamps it): logits / 1e-40 overflow
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy; (0, MIN_TEMPERATURE) is raised to MIN_TEMPERATURE
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     max_tokens: int = 64
@@ -23,8 +26,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:

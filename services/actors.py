@@ -84,6 +84,9 @@ class HostedBuffer:
     def stats(self) -> BufferStats:
         return BufferStats(**ray.get(self.handle.stats.remote()))
 
+    def cached_stats(self) -> BufferStats:
+        return self.stats()  # the host is a process of specloop's own (memory), never Redis
+
     def close(self) -> None:
         pass
 
@@ -169,7 +172,7 @@ class ServingActor:
     async def buffer_stats(self) -> dict | None:
         from dataclasses import asdict
 
-        return None if self.buffer is None else asdict(self.buffer.stats())
+        return None if self.buffer is None else asdict(self.buffer.cached_stats())
 
     async def stats(self) -> dict:
         return self.loop.worker.stats() | {"steps": self.loop.steps}

@@ -6,7 +6,8 @@ Endpoints
   `model` (required, the served id); `messages` / `prompt` (a string, a list of strings, a token-id
   list or a list of those); `max_tokens` (chat also `max_completion_tokens`; default: what fits the
   context, at most `DEFAULT_MAX_TOKENS` = 256; the context is the worker's positions less 2k + 2
-  reserved for drafting); `temperature` (0..2, default 1); `top_p` (0 < p ≤ 1); `top_k` (≥ 0, 0 or
+  reserved for drafting); `temperature` (0..2, default 1; 0 is greedy, and a temperature in (0, 0.01)
+  samples at 0.01, as vLLM clamps it, since dividing logits by 1e-40 overflows); `top_p` (0 < p ≤ 1); `top_k` (≥ 0, 0 or
   −1 = off; a vLLM extension); `n` (1..`MAX_CHOICES`); `stop` (a string or up to 4); `seed`
   (default: random when sampling, 0 when greedy); `stream_options.include_usage`; and the extension
   `speculative: {"enabled": bool, "k": "auto" | 1..16, "drafter_version": str}` (default: on, k =
@@ -25,10 +26,15 @@ Endpoints
 - whatever the operator router (`admin_router`) adds.
 
 Errors are OpenAI error objects `{"error": {"message", "type", "param", "code"}}`: 400
-`invalid_request_error` for every malformed request (never FastAPI's 422), 404 `not_found_error`
+`invalid_request_error` for every malformed request (never FastAPI's 422), 413 for a body over
+`MAX_BODY_BYTES` (refused while it is read), 404 `not_found_error`
 for an unknown model, 503 with `Retry-After` when the workers are overloaded or none is alive. An
 error after a stream began is sent in-band (`data: {"error": …}`) and the stream ends with
 `data: [DONE]`. A client that goes away stops its backend streams, so the worker frees the slots.
+
+Hostile input is cheap to refuse: JSON nested deeper than `MAX_JSON_DEPTH` is a 400; prompt text
+longer than any prompt that could fit the context (`prompt_bytes_limit`) is a 400 before it is
+tokenized; parsing and tokenizing run on a planner thread, never on the event loop that streams.
 
 A request with `n` choices (or several prompts) fans out into one `CompletionRequest` per choice,
 all with the request's seed and stream_index = choice index, merged in arrival order.
@@ -41,6 +47,7 @@ import logging
 import secrets
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Literal
 
@@ -65,6 +72,8 @@ RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 SD_JOB = "specloop-actors"  # the job label of /sd/targets
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering (nginx)
 CLIENT_CLOSED = 499  # status counted for a request whose client went away (nginx's code)
+MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this is refused (413) before it is parsed
+MAX_JSON_DEPTH = 32  # arrays / objects nested deeper are refused (400)
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -197,6 +206,25 @@ class ApiConfig:
     max_context: int  # positions of a worker slot: prompt + max_tokens + draft_reserve(k) must fit
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     retry_after_s: int = RETRY_AFTER_S
+    max_prompt_bytes: int | None = None  # prompt text beyond this cannot fit the context (`prompt_bytes_limit`)
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+def prompt_bytes_limit(tokenizer, max_context: int) -> int:
+    """The most UTF-8 bytes of prompt text that can encode to `max_context` tokens or fewer: each token
+    stands for at most as many input bytes as its own vocabulary string holds (an upper bound, so no
+    prompt that fits is refused), doubled for normalizers that shorten their input. Checked before
+    tokenizing, so a 12 MB prompt is refused in microseconds rather than after seconds of encoding."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max((len(t.encode("utf-8")) for t in tokens if isinstance(t, str)), default=1)
+    return 2 * max(longest, 4) * max_context
+
+
+def check_prompt_bytes(texts: list[str], cfg: ApiConfig, param: str) -> None:
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if cfg.max_prompt_bytes is not None and size > cfg.max_prompt_bytes:
+        raise invalid(f"the prompt has {size} bytes of text; at most {cfg.max_prompt_bytes} can fit this model's "
+                      f"context of {cfg.max_context} tokens. Please shorten it.", param)
 
 
 @dataclass
@@ -229,9 +257,10 @@ def message_text(message: Message, i: int) -> str:
     raise invalid("content must be a string or a list of text parts", f"messages.{i}.content")
 
 
-def chat_prompt(tokenizer, messages: list[Message]) -> list[int]:
+def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig) -> list[int]:
     """The chat template applied with a generation prompt (as `specloop generate` does)."""
     turns = tuple({"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages))
+    check_prompt_bytes([t["content"] for t in turns], cfg, "messages")
     try:
         return encode(tokenizer, PromptRecord(id="request", messages=turns))
     except PromptError:
@@ -240,13 +269,17 @@ def chat_prompt(tokenizer, messages: list[Message]) -> list[int]:
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
 
 
-def completion_prompts(tokenizer, prompt: Any) -> list[list[int]]:
+def completion_prompts(tokenizer, prompt: Any, cfg: ApiConfig) -> list[list[int]]:
     """`prompt` as token ids: a string, a list of strings, a token-id list, or a list of those."""
     if isinstance(prompt, str) or _is_ids(prompt):
         prompt = [prompt]
     if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
         raise invalid("prompt must be a string, a list of strings, a list of token ids, or a list of those",
                       "prompt")
+    if len(prompt) > MAX_CHOICES:
+        raise invalid(f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}", "prompt")
+    for p in prompt:
+        check_prompt_bytes([p] if isinstance(p, str) else [], cfg, "prompt")
     vocab = len(tokenizer)
     out = []
     for p in prompt:
@@ -316,7 +349,7 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
                        "not_found_error", "model", "model_not_found")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
-    prompts = [chat_prompt(tokenizer, req.messages)] if chat else completion_prompts(tokenizer, req.prompt)
+    prompts = [chat_prompt(tokenizer, req.messages, cfg)] if chat else completion_prompts(tokenizer, req.prompt, cfg)
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n × prompts is at most {MAX_CHOICES}, got {n} × {len(prompts)}", "n")
@@ -596,7 +629,10 @@ def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, adm
                metrics=None, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The API over `backend`. `tokenizer` is the verifier's (chat template, prompt encoding);
     `metrics` an ApiMetrics (services/metrics.py) or None (no /metrics, nothing recorded)."""
-    cfg = ApiConfig(model_id, max_context, default_max_tokens)
+    cfg = ApiConfig(model_id, max_context, default_max_tokens, max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context))
+    # parsing and tokenizing run here, one request at a time (a tokenizer is not safe to share between
+    # threads), so that a large prompt never holds the event loop and the streams it serves
+    planner = ThreadPoolExecutor(1, thread_name_prefix="specloop-planner")
     app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding")
     app.state.api = cfg
     meter = metrics if metrics is not None else NullMetrics()
@@ -617,7 +653,8 @@ def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, adm
         arrival = time.perf_counter()
         endpoint = request.url.path
         try:
-            plan = plan_request(await read_json(request), chat, cfg, tokenizer)
+            raw = await read_body(request, cfg.max_body_bytes)
+            plan = await asyncio.get_running_loop().run_in_executor(planner, plan_body, raw, chat, cfg, tokenizer)
             if not await live_workers(backend):
                 raise ApiError(503, "no worker is alive; retry later", "overloaded_error", code="no_worker")
         except ApiError as err:
@@ -701,12 +738,56 @@ def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, adm
     return app
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body has {'at least ' if size <= limit else ''}{size} bytes; this server "
+                    f"takes at most {limit}", code="request_too_large")
+
+
+def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """The body's JSON value; 400 when it is not JSON or nests deeper than `max_depth`."""
+    too_deep = invalid(f"the request body nests arrays or objects more than {max_depth} deep")
     try:
-        return json.loads(raw)
+        value = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise too_deep from None
+    if json_depth(value, max_depth) > max_depth:
+        raise too_deep
+    return value
+
+
+def plan_body(raw: bytes, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
+    """A raw request body parsed and planned: what runs on the planner thread, off the event loop."""
+    return plan_request(parse_json(raw), chat, cfg, tokenizer)
+
+
+def json_depth(value: Any, stop: int) -> int:
+    """How deep `value` nests lists and dicts (1 for a flat one), counted up to `stop` + 1 at most."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (list, dict)):
+            deepest = max(deepest, depth)
+            if deepest > stop:
+                return deepest
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)
+                        if isinstance(v, (list, dict)))
+    return deepest
 
 
 async def live_workers(backend: Backend) -> int:

@@ -84,7 +84,11 @@ class ReplayBuffer(Protocol):
         """Move entries pending for >= `min_idle_ms` (on any consumer) to `consumer`."""
 
     def stats(self) -> BufferStats:
-        """Counters and sizes; never raises."""
+        """Counters and sizes, read now (a Redis call with short timeouts); never raises."""
+
+    def cached_stats(self) -> BufferStats:
+        """What a serving thread or event loop reads: counters, and sizes as last read by the buffer's
+        own thread (about a second old; -1 when unknown). Never waits on I/O."""
 
     def close(self) -> None:
         """Drain briefly and stop; later appends are dropped."""
@@ -187,6 +191,9 @@ class MemoryBuffer:
             return BufferStats("memory", self._written, self._dropped, len(self._ids),
                                len(self._pending), self._bytes)
 
+    def cached_stats(self) -> BufferStats:
+        return self.stats()
+
     def close(self) -> None:
         with self._cond:
             self._closed = True
@@ -220,6 +227,7 @@ class RedisStreamBuffer:
 
     BATCH = 512  # payloads per XADD pipeline
     BACKOFF_MIN, BACKOFF_MAX = 0.2, 2.0  # seconds between attempts while Redis is down
+    SIZES_EVERY_S = 1.0  # the writer thread reads the stream's sizes this often (`cached_stats`)
 
     def __init__(self, url: str, prefix: str = "specloop", maxlen: int = 100_000,
                  group: str = "learners", queue_size: int = 10_000):
@@ -235,6 +243,8 @@ class RedisStreamBuffer:
         self._enqueued = self._settled = self._written = self._dropped = 0
         self._group_ready = False
         self._healthy = True
+        self._sizes: tuple[int, int, int | None] = (-1, -1, None)  # depth, pending, memory (writer thread)
+        self._sizes_at = float("-inf")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="specloop-buffer-writer", daemon=True)
         self._thread.start()
@@ -282,8 +292,16 @@ class RedisStreamBuffer:
         return out
 
     def stats(self) -> BufferStats:
+        sizes = self._read_sizes()
         with self._cond:
-            written, dropped = self._written, self._dropped
+            return BufferStats("redis", self._written, self._dropped, *sizes)
+
+    def cached_stats(self) -> BufferStats:
+        with self._cond:
+            return BufferStats("redis", self._written, self._dropped, *self._sizes)
+
+    def _read_sizes(self) -> tuple[int, int, int | None]:
+        """(depth, pending, memory) of the stream now; -1 / None for what could not be read."""
         depth, pending, memory = -1, -1, None
         try:
             depth = int(self._fast.xlen(self.key))
@@ -291,7 +309,14 @@ class RedisStreamBuffer:
             pending = self._pending_count()
         except redis.RedisError:
             pass
-        return BufferStats("redis", written, dropped, depth, pending, memory)
+        return depth, pending, memory
+
+    def _refresh_sizes(self) -> None:
+        if time.monotonic() - self._sizes_at < self.SIZES_EVERY_S:
+            return
+        sizes = self._read_sizes() if self._healthy else (-1, -1, None)
+        with self._cond:
+            self._sizes, self._sizes_at = sizes, time.monotonic()
 
     def close(self) -> None:
         if not self._stop.is_set():
@@ -340,6 +365,7 @@ class RedisStreamBuffer:
     def _run(self) -> None:
         backoff = self.BACKOFF_MIN
         while not (self._stop.is_set() and self._queue.empty()):
+            self._refresh_sizes()
             batch = self._take_batch()
             if not batch:
                 continue

@@ -268,11 +268,15 @@ class _FolderMeta:
 class _RedisMeta:
     """Metadata in Redis under f"{prefix}:registry:*"; alias changes are WATCH/MULTI transactions."""
 
+    CONNECT_TIMEOUT_S, TIMEOUT_S = 1.0, 2.0
+
     def __init__(self, url: str, prefix: str):
         import redis
 
         self._watch_error = redis.WatchError
-        self.r = redis.Redis.from_url(url, decode_responses=True)
+        # Timeouts on every call: a Redis that hangs fails a registry call in seconds, never holds it.
+        self.r = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=self.CONNECT_TIMEOUT_S,
+                                      socket_timeout=self.TIMEOUT_S)
         key = f"{prefix}:registry"
         self.k_info, self.k_state = f"{key}:info", f"{key}:state"
         self.k_events, self.k_counter = f"{key}:events", f"{key}:next_id"
@@ -327,6 +331,11 @@ def _event(kind: str, version: str | None, reason: str, **more) -> dict:
 
 class Registry:
     """Versions of the drafter, the champion alias, pin and rollback (see the module docstring)."""
+
+    @staticmethod
+    def redis_timeout_s() -> float:
+        """The longest a registry call waits on a Redis that does not answer."""
+        return _RedisMeta.TIMEOUT_S
 
     def __init__(self, root: str | Path, redis_url: str | None = None, prefix: str = "specloop"):
         self.root = Path(root).resolve()
@@ -488,10 +497,15 @@ class Registry:
 
         self._update(decide)
 
-    def rollback(self, reason: str) -> str:
-        """Champion := the previous champion; refused while pinned or with no history. Returns the new champion."""
+    def rollback(self, reason: str, expected: str | None = None) -> str:
+        """Champion := the previous champion; refused while pinned or with no history, and, given
+        `expected`, unless the champion is still `expected` (compare-and-set: several workers judging
+        one bad version roll it back once, not once each). Returns the new champion."""
 
         def decide(state: AliasState):
+            if expected is not None and state.champion != expected:
+                why = f"rollback refused: the champion is {state.champion}, not {expected} ({reason})"
+                return None, _event("refuse", expected, why)
             if state.pinned:
                 why = f"rollback refused: pinned to {state.pinned}; unpin first ({reason})"
                 return None, _event("refuse", state.champion, why)

@@ -384,7 +384,7 @@ def attach_metrics(loop: ServingLoop, metrics) -> None:
         for _ in worker.rollbacks[seen["rollbacks"]:]:
             metrics.rollback()
         seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks))
-        if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:  # buffer stats may be a Redis call
+        if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:
             seen["records_at"] = time.monotonic()
             rec = worker.logger.stats()
             metrics.records(rec["logged"], rec["dropped"])
@@ -420,7 +420,7 @@ class LocalBackend:
 
     async def buffer_stats(self) -> dict | None:
         buffer = self.loop.worker.logger.buffer if self.loop.worker.logger is not None else None
-        return None if buffer is None else asdict(buffer.stats())
+        return None if buffer is None else asdict(buffer.cached_stats())
 
     async def metrics_targets(self) -> list[str]:
         return [self.metrics_url] if self.metrics_url else []

@@ -2,11 +2,11 @@
 drafter versions between two steps (run as a Ray actor by `specloop replay` and `serve`).
 
 Per step (`drafter.speculative.StepHooks`):
-- `swap`: the registry's alias is read (one small file or one Redis GET) at the start of every request
-  and at most every `poll_interval_s` between steps; when the champion changed, its weights load on a
-  background thread while serving goes on; once loaded, the new drafter takes over the old one's
-  rows between two steps. The swap stall (the adopt itself, on the
-  serving thread) is timed. Output stays lossless whatever the drafter: the verifier decides.
+- `swap`: a registry watcher thread (services.watcher) reads the alias every `poll_interval_s` (an idle
+  worker asks for a fresh read before a request, waiting `FRESH_WAIT_S` at most, not at all while
+  the registry is down); when the champion changed, it loads its weights while serving goes on, and
+  the serving thread, which never reads the registry itself, lets the new drafter take over the old
+  one's rows between two steps. The swap stall (the adopt itself, on the serving thread) is timed. Output stays lossless whatever the drafter: the verifier decides.
 - KV cache of in-flight rows on a swap (`swap_cache`): "keep" (default) — a pretrained / SD²
   drafter's cache was computed with the old weights; positions written after the swap use the new
   ones, so the rows in flight draft from a mixed cache until they finish (a transient acceptance
@@ -20,7 +20,8 @@ Per step (`drafter.speculative.StepHooks`):
   the thread's Python work contends for the GIL (bench/online_overhead.py).
 - Auto-rollback: once a newly promoted version has served `rollback_window` blocks, its acceptance
   rate is compared with its predecessor's over the predecessor's last `rollback_window` blocks;
-  below by more than `rollback_margin`, the worker rolls the registry back (reason logged).
+  below by more than `rollback_margin`, the worker rolls the registry back (reason logged), on the
+  watcher's thread and only if that version is still the champion (`Registry.rollback(expected=)`).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -42,11 +43,14 @@ from drafter.speculative import StepTrace, StopRule
 from services.buffer import ReplayBuffer
 from services.protocol import CompletionRequest
 from services.registry import Registry, RegistryError
+from services.watcher import RegistryWatcher
 from trainer.online import is_finite
 from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, records_from_snapshot, snapshot
 
 log = logging.getLogger("specloop.worker")
 BASE_VERSION = "base"  # label of the drafter as loaded, before any registry version
+MIN_POLL_S = 0.02  # the registry watcher reads the alias at most this often
+FRESH_WAIT_S = 0.25  # an idle worker waits this long at most for a registry read before a request
 
 
 @dataclass
@@ -172,7 +176,7 @@ class RecordLogger:
             time.sleep(0.005)
 
     def stats(self) -> dict:
-        lost = self.buffer.stats().dropped
+        lost = self.buffer.cached_stats().dropped  # counters only: no I/O on the serving thread
         return {"logged": self.appended - lost, "dropped": self.dropped + lost, "bytes": self.bytes}
 
     def close(self) -> None:
@@ -205,22 +209,21 @@ class VerifierWorker:
         self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
         self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule, hooks=self)
         self.version = BASE_VERSION
-        self.token: str | None = None
-        self._polled = float("-inf")  # monotonic time of the last registry read
-        self.loader = ThreadPoolExecutor(1, thread_name_prefix="drafter-loader")
-        self.loading: tuple[str, float, Future] | None = None
+        self.loader = ThreadPoolExecutor(1, thread_name_prefix="drafter-loader")  # versions requests name
+        self.watcher = None if self.registry is None else RegistryWatcher(
+            self.registry, self._load, max(cfg.poll_interval_s, MIN_POLL_S), self.version)
         self.swaps: list[SwapEvent] = []
-        self.rollbacks: list[str] = []
+        self.rollbacks: list[str] = [] if self.watcher is None else self.watcher.rollbacks
         self.load_failures: list[str] = []
-        self.registry_errors = 0  # polls that could not read the registry (its Redis down): serving goes on
-        self._registry_down = False
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
         self.rows: dict[str, _Row] = {}  # running requests by id
         self.on_step: list = []  # callables(updates, engine, version) after every step (metrics)
-        self._poll(force=True)
-        self._finish_load(wait=True)
+        if self.watcher is not None:
+            self.watcher.poll()  # the champion serves from the first request (the one wait on the registry)
+            self._take(in_flight=False)
+            self.watcher.start()
 
     @property
     def drafter(self) -> Drafter:
@@ -230,9 +233,9 @@ class VerifierWorker:
 
     def admit(self, requests: list[EngineRequest]) -> None:
         """Requests join the running batch (free slots must exist: `engine.free`)."""
-        if not self.engine.running:
-            self._poll(force=True)
-            self._finish_load(wait=False)
+        if not self.engine.running and self.watcher is not None:
+            self.watcher.fresh(FRESH_WAIT_S)  # an idle worker starts a request on the champion of now
+            self._take(in_flight=False)
         self.engine.admit(requests)
         for r in requests:
             self.rows[r.id] = _Row(r.id, r.k, r.params.temperature, versions=[self.version])
@@ -270,24 +273,12 @@ class VerifierWorker:
     # -- StepHooks
 
     def swap(self, drafter: Drafter, histories: list[list[int]]) -> Drafter:
-        self._poll()
-        if self.loading is None or not self.loading[2].done():
-            return drafter
-        new_version, t_load, future = self.loading
-        self.loading = None
-        try:
-            new = future.result()
-        except Exception as exc:  # a bad version never stops serving
-            self._load_failed(new_version, exc)
-            return drafter
-        t0 = time.perf_counter()
-        recompute = self.cfg.swap_cache == "recompute"
-        new.refill(drafter, histories) if recompute else new.adopt(drafter)
-        self._switched(new, new_version, t0, t_load, in_flight=True)
-        for row in self.rows.values():
-            row.stale = not recompute and self.cfg.kind in ("pretrained", "sd2")
-            row.versions.append(new_version)
-        return new
+        return self._take(in_flight=True, histories=histories) or drafter
+
+    @property
+    def registry_errors(self) -> int:
+        """Registry reads that failed (its Redis down or hung): serving went on."""
+        return 0 if self.watcher is None else self.watcher.errors
 
     def traced(self, histories: list[list[int]]):
         return lambda trace: self._on_step(trace, histories)
@@ -318,60 +309,35 @@ class VerifierWorker:
 
     # -- versions
 
-    def _poll(self, force: bool = False) -> None:
-        """Start loading the champion in the background when the registry's alias changed. A registry
-        that cannot be read (metadata in a Redis that is down) keeps the current version serving."""
-        if self.registry is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._polled < self.cfg.poll_interval_s:
-            return
-        self._polled = now
-        try:
-            alias = self.registry.alias()  # one read: the token and the champion
-        except Exception as exc:  # noqa: BLE001 - serving never fails on the registry
-            if not self._registry_down:
-                log.warning("registry unreachable, serving %s until it answers: %s", self.version, exc)
-            self._registry_down = True
-            self.registry_errors += 1
-            return
-        if self._registry_down:
-            log.info("registry reachable again")
-            self._registry_down = False
-        token, champion = alias.token(), alias.champion
-        if token == self.token:
-            return
-        self.token = token
-        if champion is None or champion == self.version:
-            self.loading = None  # a load still under way is no longer the champion: never switch to it
-            return
-        if self.loading is not None and self.loading[0] == champion:
-            return
-        self.loading = (champion, time.perf_counter(), self.loader.submit(self._load, champion))
-
     def _load(self, version: str) -> Drafter:
         weights = self.registry.load_weights(version)
         if not is_finite(weights):
             raise RegistryError(f"{version} has non-finite weights")
         return self.builder.build(weights)
 
-    def _finish_load(self, wait: bool) -> None:
-        """Between requests: switch to a loaded version (no rows in flight, nothing to adopt)."""
-        if self.loading is None or not (wait or self.loading[2].done()):
-            return
-        version, t_load, future = self.loading
-        self.loading = None
-        try:
-            new = future.result()
-        except Exception as exc:
-            self._load_failed(version, exc)
-            return
-        t0 = time.perf_counter()
-        new.adopt(self.engine.drafter)  # no rows in flight: only the pool's (empty) state carries over
-        self._switched(new, version, t0, t_load, in_flight=False)
+    def _take(self, in_flight: bool, histories: list[list[int]] | None = None) -> Drafter | None:
+        """Switch to the champion the watcher loaded, if one is ready (no registry I/O here). Between
+        requests only the pool's (empty) state carries over; mid-request the new drafter adopts (or,
+        with swap_cache="recompute", refills) the rows in flight."""
+        ready = None if self.watcher is None else self.watcher.take()
+        if ready is None:
+            return None
+        if ready.error is not None:
+            self._load_failed(ready.version, ready.error)
+            return None
+        new, old, t0 = ready.drafter, self.engine.drafter, time.perf_counter()
+        recompute = in_flight and self.cfg.swap_cache == "recompute"
+        new.refill(old, histories) if recompute else new.adopt(old)
+        self._switched(new, ready.version, t0, ready.started, in_flight)
+        if in_flight:
+            for row in self.rows.values():
+                row.stale = not recompute and self.cfg.kind in ("pretrained", "sd2")
+                row.versions.append(ready.version)
+        return new
 
     def _switched(self, new: Drafter, version: str, t0: float, t_load: float, in_flight: bool) -> None:
         old, self.engine.drafter, self.version = self.version, new, version
+        self.watcher.serving = version
         stall = (time.perf_counter() - t0) * 1e3
         self.swaps.append(SwapEvent(time.time(), old, version, stall, (t0 - t_load) * 1e3, in_flight))
         self.monitor.promoted(old, version)
@@ -383,14 +349,8 @@ class VerifierWorker:
 
     def _check_rollback(self) -> None:
         reason = self.monitor.verdict()
-        if reason is None or self.registry is None:
-            return
-        try:
-            back = self.registry.rollback(reason)
-            self.rollbacks.append(reason)
-            log.warning("rolled back to %s: %s", back, reason)
-        except Exception as exc:  # noqa: BLE001 - refused, or the registry is unreachable: serving goes on
-            log.warning("automatic rollback refused: %s", exc)
+        if reason is not None and self.watcher is not None:
+            self.watcher.rollback(reason, expected=self.version)  # carried out off the serving thread
 
     # -- operations
 
@@ -412,6 +372,8 @@ class VerifierWorker:
     def close(self) -> None:
         if self.logger is not None:
             self.logger.close()
+        if self.watcher is not None:
+            self.watcher.close()
         self.loader.shutdown(wait=False)
 
 

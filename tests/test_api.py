@@ -334,6 +334,75 @@ def test_n_2_returns_two_choices_and_streams_them_by_index(url, backend):
     assert set(finishes) == {0, 1}
 
 
+# ------------------------------------------------------------------------------- hostile input
+
+
+def test_deeply_nested_json_is_a_400_never_a_500(url):
+    for body in (b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000, json.dumps({"model": MODEL, "prompt": [[[[[[[[[[
+            [[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}).encode()):
+        r = httpx.post(url + "/v1/completions", content=body, timeout=30, headers={"content-type": "application/json"})
+        assert "nests arrays or objects more than" in assert_openai_400(r)["message"]
+
+
+def test_a_body_over_the_limit_is_a_413_in_openai_shape(url):
+    from services.api import MAX_BODY_BYTES
+
+    body = json.dumps({"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}).encode()
+    r = httpx.post(url + "/v1/completions", content=body, timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 413, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "request_too_large" and str(MAX_BODY_BYTES) in err["message"]
+
+
+def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing_without_stalling_a_stream(url, backend):
+    """A 6 MB prompt (under the body limit) is refused from its size alone, on the planner thread,
+    while a stream is being served: the stream's chunks keep coming."""
+    huge = {"model": MODEL, "prompt": "def f(x):\n    return x\n" * 250_000, "max_tokens": 4}
+    arrivals: list[float] = []
+
+    def stream() -> None:
+        body = {"model": MODEL, "prompt": "import", "max_tokens": 48, "stream": True, "temperature": 0,
+                "speculative": {"enabled": False}}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    arrivals.append(time.monotonic())
+
+    import threading
+
+    streamer = threading.Thread(target=stream)
+    streamer.start()
+    while len(arrivals) < 2 and streamer.is_alive():
+        time.sleep(0.005)
+    err = assert_openai_400(httpx.post(url + "/v1/completions", json=huge, timeout=60), "prompt")
+    assert "bytes of text" in err["message"] and "Please shorten it" in err["message"]
+    streamer.join(60)
+    gap = max(b - a for a, b in zip(arrivals, arrivals[1:]))
+    assert len(arrivals) > 10 and gap < 1.0, f"the stream stalled {gap:.2f} s"
+
+
+def test_the_prompt_byte_limit_never_refuses_a_prompt_that_fits(verifier):
+    """Text that encodes to n tokens is never over the limit for a context of n tokens."""
+    from services.api import prompt_bytes_limit
+    from tests.tiny import TEXT
+
+    tok = verifier.tokenizer
+    for text in [*TEXT, " " * 300, "\n\t" * 200, "é" * 100, "日本語のテキスト" * 20, "<|user|>" * 10, "0123456789" * 50]:
+        n = len(tok.encode(text, add_special_tokens=False))
+        assert len(text.encode()) <= prompt_bytes_limit(tok, n), text[:40]
+
+
+def test_a_vanishing_temperature_samples_as_the_floor_temperature_does(client):
+    def sample(t: float) -> str:
+        out = client.completions.create(model=MODEL, prompt="import", max_tokens=8, temperature=t, seed=3,
+                                        extra_body={"speculative": {"k": 2}})
+        return out.choices[0].text
+
+    from drafter.sampling import MIN_TEMPERATURE
+
+    assert sample(1e-40) == sample(MIN_TEMPERATURE)
+
+
 def test_the_same_seed_samples_the_same_text(client):
     def sample():
         out = client.completions.create(model=MODEL, prompt="import", max_tokens=8, temperature=1.0, seed=5,

@@ -151,6 +151,7 @@ class Cluster:
         """nginx from deploy/nginx/nginx.conf.template in front of `upstreams` (host:port)."""
         folder = self.procs.folder / name
         folder.mkdir()
+        self.procs.folder.chmod(0o711)  # nginx's workers (user nobody) write request bodies under it
         port = free_port()
         conf = folder / "nginx.conf"
         conf.write_text(render.render_nginx({"LISTEN": f"127.0.0.1:{port}", "API_1": upstreams[0],
@@ -329,6 +330,11 @@ def test_no_request_fails_when_an_api_replica_shuts_down_mid_run(cluster):
     assert any(route == [api_1] for route in routes), "api-1 served nothing before it stopped"
     assert any(len(route) == 2 and route[0] == api_1 for route in routes), \
         "no request was retried on the other replica after api-1 stopped"
+
+    for size in (9 * 2**20, 17 * 2**20):  # over the API's limit (it answers), over nginx's (nginx answers)
+        r = httpx.post(f"{lb}/v1/completions", content=b"x" * size, timeout=60,
+                       headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
 
 
 def worker_tokens(api: str) -> dict[str, float]:

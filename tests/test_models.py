@@ -147,3 +147,17 @@ def test_a_tokenizers_backend_directory_loads_without_autotokenizer_and_tokenize
         assert tok.decode(ids) == reference.decode(ids)
     assert (tok.eos_token_id, tok.pad_token_id, tok.all_special_ids) == \
         (reference.eos_token_id, reference.pad_token_id, reference.all_special_ids)
+
+
+def test_a_streamed_load_never_imports_the_modelling_code(checkpoints):
+    """The modelling module (and what it pulls in) costs a serving process ~130 MB: a streamed load of
+    each architecture builds its decoder from the config and the files alone."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from drafter.models import load_model\n"
+            "for p in sys.argv[1:]: load_model(p, device=torch.device('cpu'), weights='int4')\n"
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.') and '.modeling_' in m and '.auto.' not in m))")
+    out = subprocess.run([sys.executable, "-c", code, *map(str, checkpoints.values())], capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout

@@ -256,6 +256,18 @@ def test_rollback_with_empty_history_raises(reg):
         reg.rollback("nothing to go back to")
 
 
+def test_a_rollback_expecting_another_champion_is_refused_and_changes_nothing(reg):
+    """Compare-and-set: two workers judging one bad version roll it back once, not twice."""
+    a, b, c = _publish(reg, sim=0.1), _publish(reg, sim=0.2), _publish(reg, sim=0.3)
+    for v in (a, b, c):
+        reg.promote(v.id)
+    assert reg.rollback("worker 1: acceptance fell", expected=c.id) == b.id
+    with pytest.raises(RegistryError, match=f"the champion is {b.id}, not {c.id}"):
+        reg.rollback("worker 2: acceptance fell", expected=c.id)
+    assert reg.champion() == b.id and reg.previous_champions() == [a.id]
+    assert [e["event"] for e in reg.events()][-2:] == ["rollback", "refuse"]
+
+
 def test_rollback_is_refused_while_pinned(reg):
     a, b = _publish(reg, sim=0.1), _publish(reg, sim=0.2)
     reg.promote(a.id)

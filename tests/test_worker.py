@@ -1,6 +1,8 @@
 """The verifier worker: hot swaps stay lossless, registry versions serve, roll back and get logged."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -11,10 +13,11 @@ from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
-from services.buffer import MemoryBuffer
+from services.buffer import MemoryBuffer, RedisStreamBuffer
 from services.registry import Registry
 from services.protocol import CompletionRequest
 from services.worker import AcceptanceMonitor, VerifierWorker, WorkerConfig
+from tests.redis_helpers import needs_redis_server
 from tests.stats import chi2_pvalue, exact_marginals
 from tests.tiny import TEXT, build_model, llama_config
 from trainer.records import decode
@@ -289,17 +292,60 @@ def test_rollback_restores_the_previous_champions_outputs_and_statistics_exactly
 
 def test_a_rollback_while_the_new_version_is_still_loading_keeps_the_champion_serving(tiny_pair, champion_worker):
     reg, v1, worker = champion_worker()
-    gate = threading.Event()
-    worker.loader.submit(gate.wait)  # the (single) loader thread is busy: v0002's load waits behind it
+    gate, loading = threading.Event(), threading.Event()
+    load = worker.watcher.load
+
+    def gated(version: str):
+        loading.set()
+        assert gate.wait(30)
+        return load(version)
+
+    worker.watcher.load = gated
     v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
     reg.promote(v2)
-    assert worker.swap(worker.drafter, [[1]]) is worker.drafter  # polls: v0002 starts loading, not loaded yet
+    assert loading.wait(30)  # the watcher is loading v0002
+    assert worker.swap(worker.drafter, [[1]]) is worker.drafter  # nothing ready: serving goes on
     assert reg.rollback("operator changed their mind") == "v0001"
     gate.set()
-    worker.loader.submit(lambda: None).result(timeout=30)  # FIFO: v0002's load has finished by now
+    assert worker.watcher.fresh(30)  # v0002's load finished, and the watcher read the alias after it
     results = serve_all(worker, requests(worker.verifier)[:3])
     assert [r["drafter_versions"] for r in results] == [["v0001"]] * 3
     assert worker.stats()["version"] == reg.champion() == "v0001"
+
+
+@needs_redis_server
+def test_a_worker_whose_redis_hangs_keeps_serving_and_follows_the_registry_again(tiny_pair, tmp_path, redis_server):
+    """Registry metadata and replay records in one Redis, paused (SIGSTOP) while the worker serves: no
+    step waits on it (the registry is read on the watcher's thread, the buffer's sizes on its writer's)."""
+    reg = Registry(tmp_path / "reg", redis_server.url, "hang")
+    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
+    assert reg.promote(v1).promoted
+    buffer = RedisStreamBuffer(redis_server.url, prefix="hang")
+    worker = start_worker(tiny_pair, tmp_path / "reg", buffer=buffer, redis_url=redis_server.url, prefix="hang",
+                          poll_interval_s=0.05)
+    try:
+        reqs = requests(worker.verifier)
+        steps: list[float] = []
+        worker.on_step.append(lambda *_: steps.append(time.monotonic()))
+        served = serve_all(worker, reqs[:2])
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)
+        try:
+            end = time.monotonic() + 2 * Registry.redis_timeout_s()
+            while time.monotonic() < end:
+                served.append(worker.serve(reqs[len(served) % len(reqs)]))
+                worker.stats()  # what a metrics scrape reads
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        gap = max(b - a for a, b in zip(steps, steps[1:]))
+        assert gap < 1.0, f"a step waited {gap:.2f} s on the paused Redis"
+        assert worker.registry_errors >= 1 and {r["drafter_version"] for r in served} == {v1}
+        assert [r["token_ids"] for r in served] == verifier_alone(worker, [reqs[i % len(reqs)] for i in range(len(served))])
+        v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
+        assert reg.promote(v2).promoted
+        settle(worker, v2)
+    finally:
+        worker.close()
+        buffer.close()
 
 
 def test_a_version_with_nan_weights_is_refused_and_the_champion_keeps_serving(tiny_pair, champion_worker):
