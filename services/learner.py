@@ -84,18 +84,21 @@ class LearnerService:
     # -- start-up
 
     def _resume_or_seed(self) -> None:
-        """Resume from the newest published version whose weights load, or publish the base weights as a
-        new champion (none published yet, or every version's weights gone: a registry folder deleted
-        while Redis kept its records)."""
-        for newest in reversed(self.registry.list()):
+        """Resume from the champion (never from a line the gate refused or a rollback left), else from
+        the newest published version whose weights load, or publish the base weights as a new champion
+        (none published yet, or every version unreadable: a registry folder deleted while Redis kept its
+        records, a truncated file). A version that cannot be read is skipped, never fatal."""
+        champion = self.registry.champion()
+        newest_first = [v.id for v in reversed(self.registry.list())]
+        for version in ([champion] if champion else []) + [v for v in newest_first if v != champion]:
             try:
-                weights = self.registry.load_weights(newest.id)
+                weights = self.registry.load_weights(version)
             except RegistryError as exc:
-                log.warning("cannot resume from %s: %s", newest.id, exc)
+                log.warning("cannot resume from %s: %s", version, exc)
                 continue
             self.learner.load_weights(weights)
-            self._now_serving(self.registry.champion() or newest.id)
-            log.info("learner resumes from %s", newest.id)
+            self._now_serving(champion or version)
+            log.info("learner resumes from %s", version)
             return
         info = self.registry.publish(self.learner.weights(), parent=None, learner_step=0, objective="base",
                                      loss=None, sim_acceptance=None, kind=self.cfg.learner.kind)

@@ -234,6 +234,10 @@ class WorkerMetrics(_Exporter):
         self.step_total = self._histogram("step_seconds", "Wall time of one engine step.", STEP_BUCKETS)
         self.swaps = self._counter("drafter_swaps", "Drafter versions swapped in while serving.")
         self.rollbacks = self._counter("drafter_rollbacks", "Automatic rollbacks to the previous drafter version.")
+        self.load_failures = self._counter("drafter_load_failures", "Drafter versions that could not be loaded "
+                                           "(unreadable or non-finite weights); the worker kept serving its own.")
+        self.registry_up = self._gauge("registry_up", "1 while the worker's last read of the drafter registry "
+                                       "succeeded, 0 while it is unreachable (the worker serves on).")
         self.drafter_info = self._gauge("drafter_info", "1 for the drafter version that serves.", v)
         self._gauge("worker_info", "1, labelled with the worker's name.", ("worker",)).labels(worker).set(1)
         self.totals = _Totals({PREFIX + "replay_records_logged": "Replay records handed to the buffer.",
@@ -327,6 +331,12 @@ class WorkerMetrics(_Exporter):
 
     def rollback(self) -> None:
         self.rollbacks.inc()
+
+    def load_failed(self) -> None:
+        self.load_failures.inc()
+
+    def registry_reachable(self, up: bool) -> None:
+        self.registry_up.set(1 if up else 0)
 
     # -- replay logging
 

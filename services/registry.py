@@ -63,6 +63,15 @@ class RegistryError(ValueError):
     """A bad version id, an unknown version, or an operation the registry refuses."""
 
 
+class UnknownVersion(RegistryError):
+    """No such version was published."""
+
+
+class UnservableVersion(RegistryError):
+    """A version whose weights are missing, unreadable (a truncated or corrupt file) or not finite:
+    never handed to a drafter, whoever asks."""
+
+
 # ---------------------------------------------------------------- dataclasses
 
 
@@ -408,15 +417,27 @@ class Registry:
         if info is None and (folder / INFO).is_file():  # metadata lost (a Redis without persistence restarted)
             info = VersionInfo.from_dict(json.loads((folder / INFO).read_text()))
         if info is None:
-            raise RegistryError(f"unknown version {version_id}")
+            raise UnknownVersion(f"unknown version {version_id}")
         return info
 
     def load_weights(self, version_id: str) -> dict[str, torch.Tensor]:
+        """The version's weights: UnknownVersion, or UnservableVersion when they are missing, unreadable
+        or hold NaN / inf (checked on every load: a refused version is never served by any path)."""
+        weights = self._read_weights(version_id)
+        bad = self._nonfinite_tensors(version_id, weights)
+        if bad:
+            raise UnservableVersion(f"{version_id} has non-finite weights in {', '.join(bad[:5])}")
+        return weights
+
+    def _read_weights(self, version_id: str) -> dict[str, torch.Tensor]:
         self.get(version_id)
         path = self._folder(version_id) / WEIGHTS
         if not path.is_file():
-            raise RegistryError(f"weights of {version_id} are missing at {path}")
-        return load_file(path)
+            raise UnservableVersion(f"weights of {version_id} are missing at {path}")
+        try:
+            return load_file(path)
+        except Exception as exc:  # safetensors' own error type (a truncated or corrupt file) is not exported
+            raise UnservableVersion(f"weights of {version_id} are unreadable ({path}): {exc}") from None
 
     def list(self) -> list[VersionInfo]:
         """Every published version, oldest first."""
@@ -538,9 +559,9 @@ class Registry:
         level = logging.WARNING if event["event"] in ("refuse", "rollback") else logging.INFO
         log.log(level, "%s %s: %s", event["event"], event["version"], event["reason"])
 
-    def _nonfinite_tensors(self, version_id: str) -> list[str]:
-        if version_id not in self._finite:
-            self._finite[version_id] = _nonfinite(self.load_weights(version_id))
+    def _nonfinite_tensors(self, version_id: str, weights: dict | None = None) -> list[str]:
+        if version_id not in self._finite:  # weights are immutable: checked once per version
+            self._finite[version_id] = _nonfinite(self._read_weights(version_id) if weights is None else weights)
         return self._finite[version_id]
 
     def _refusal(self, info: VersionInfo, state: AliasState, bad: list[str], force: bool) -> str | None:

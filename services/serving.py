@@ -24,6 +24,7 @@ from typing import AsyncIterator, Callable
 
 from drafter.engine import Engine, EngineRequest, RowUpdate
 from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage, WorkerInfo, WorkerLoad, invalid, overloaded
+from services.registry import UnknownVersion, UnservableVersion
 from services.worker import VerifierWorker, WorkerConfig
 
 log = logging.getLogger("specloop.serving")
@@ -82,6 +83,18 @@ class ServingConfig:
     max_versions: int = 2  # such engines kept at once (an idle one makes room for a new one)
 
 
+def version_refusal(version: str, exc: Exception | None) -> ErrorInfo:
+    """The error a request naming `version` gets: 404 for a version never published, 409 for one that
+    exists but cannot be served (unreadable or non-finite weights), 400 otherwise (a malformed id)."""
+    message = f"drafter_version {version!r} cannot be served" + ("" if exc is None else f": {exc}")
+    if isinstance(exc, UnknownVersion):
+        return ErrorInfo(message, "not_found_error", 404, param="speculative.drafter_version")
+    if isinstance(exc, UnservableVersion):
+        return ErrorInfo(message, "invalid_request_error", 409, param="speculative.drafter_version",
+                         code="version_not_servable")
+    return ErrorInfo(message, "invalid_request_error", 400, param="speculative.drafter_version")
+
+
 class VersionEngines:
     """Engines for requests that name a drafter version other than the serving one (an operator
     comparing a candidate, a client pinning a version): each its own small slot pool, weights from the
@@ -92,7 +105,7 @@ class VersionEngines:
         self.worker, self.slots, self.keep = worker, slots, keep
         self.engines: dict[str, Engine] = {}
         self.loading: dict[str, object] = {}  # version -> Future of an Engine
-        self.failures: dict[str, str] = {}
+        self.failures: dict[str, ErrorInfo] = {}
         self.requests: dict[str, str] = {}  # running request id -> version
 
     def free(self, version: str) -> int | None:
@@ -112,13 +125,14 @@ class VersionEngines:
         del self.loading[version]
         try:
             self.engines[version] = future.result()
-        except Exception as exc:  # noqa: BLE001 - unknown version, unreadable weights
-            self.failures[version] = f"drafter_version {version!r} cannot be served: {exc}"
+        except Exception as exc:  # noqa: BLE001 - unknown version, unreadable or non-finite weights
+            self.failures[version] = version_refusal(version, exc)
             return None
         return len(self.engines[version].free)
 
-    def failure(self, version: str) -> str:
-        return self.failures.pop(version, f"drafter_version {version!r} cannot be served")
+    def failure(self, version: str) -> ErrorInfo:
+        """Why the version's requests are refused (once: a later request tries to load it again)."""
+        return self.failures.pop(version, version_refusal(version, None))
 
     def _build(self, version: str) -> Engine:
         w = self.worker
@@ -315,8 +329,7 @@ class ServingLoop:
         with self.lock:
             self.waiting = deque(item for item in self.waiting if item[0].id not in taken)
         for r, sink in refused:
-            sink(Chunk(r.id, error=ErrorInfo(self.pinned.failure(r.drafter_version), "not_found_error", 404,
-                                             param="speculative.drafter_version")))
+            sink(Chunk(r.id, error=self.pinned.failure(r.drafter_version)))
         for key, batch in chosen.items():
             self._start(key, batch)
 
@@ -366,7 +379,7 @@ class ServingLoop:
 
 def attach_metrics(loop: ServingLoop, metrics) -> None:
     """Feed a `services.metrics.WorkerMetrics` from every step of `loop`'s worker (one call per step)."""
-    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "records_at": 0.0, "estimates_at": 0.0}
+    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "failures": 0, "records_at": 0.0, "estimates_at": 0.0}
     metrics.serving(worker.version)
 
     def on_step(updates: list[RowUpdate], engine, version: str) -> None:
@@ -383,7 +396,11 @@ def attach_metrics(loop: ServingLoop, metrics) -> None:
             metrics.swap(s.old, s.new)
         for _ in worker.rollbacks[seen["rollbacks"]:]:
             metrics.rollback()
-        seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks))
+        for _ in worker.load_failures[seen["failures"]:]:
+            metrics.load_failed()
+        seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks), failures=len(worker.load_failures))
+        if worker.watcher is not None:
+            metrics.registry_reachable(not worker.watcher.down)
         if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:
             seen["records_at"] = time.monotonic()
             rec = worker.logger.stats()

@@ -28,8 +28,11 @@ class Loaded:
 
 
 class RegistryWatcher:
+    RETRY_S = 5.0  # a champion that failed to load is tried again after this long (a file still being copied)
+
     def __init__(self, registry, load: Callable[[str], object], interval: float, serving: str):
         self.registry, self.load, self.interval = registry, load, interval
+        self._failed_at: float | None = None  # when the last load of the alias's champion failed
         self.serving = serving  # the version the serving thread runs (it writes this, the thread reads it)
         self.token: str | None = None  # the alias last acted on
         self.down = False  # the last read failed
@@ -111,9 +114,9 @@ class RegistryWatcher:
         while champion is not None:
             started = time.perf_counter()
             try:
-                loaded = Loaded(champion, started, drafter=self.load(champion))
+                loaded, self._failed_at = Loaded(champion, started, drafter=self.load(champion)), None
             except Exception as exc:  # noqa: BLE001 - a bad version never stops serving
-                loaded = Loaded(champion, started, error=exc)
+                loaded, self._failed_at = Loaded(champion, started, error=exc), time.monotonic()
             now = self._changed_champion()
             if now == champion or (now is None and self._champion == champion):
                 with self._lock:
@@ -138,12 +141,19 @@ class RegistryWatcher:
             log.info("registry reachable again")
             self.down = False
         if alias.token() == self.token:
-            return None
-        self.token, self._champion = alias.token(), alias.champion
+            return self._retry(alias.champion)
+        self.token, self._champion, self._failed_at = alias.token(), alias.champion, None
         if alias.champion is None or alias.champion == self.serving:
             self.take()  # a load that is no longer the champion is never switched to
             return None
         return alias.champion
+
+    def _retry(self, champion: str | None) -> str | None:
+        """The champion again once RETRY_S passed since its load failed, else None."""
+        if self._failed_at is None or time.monotonic() - self._failed_at < self.RETRY_S or champion == self.serving:
+            return None
+        self._failed_at = None
+        return champion
 
     def _rollback(self, reason: str, expected: str) -> None:
         try:

@@ -42,9 +42,8 @@ from drafter.proposer import Drafter
 from drafter.speculative import StepTrace, StopRule
 from services.buffer import ReplayBuffer
 from services.protocol import CompletionRequest
-from services.registry import Registry, RegistryError
+from services.registry import Registry
 from services.watcher import RegistryWatcher
-from trainer.online import is_finite
 from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, records_from_snapshot, snapshot
 
 log = logging.getLogger("specloop.worker")
@@ -310,10 +309,8 @@ class VerifierWorker:
     # -- versions
 
     def _load(self, version: str) -> Drafter:
-        weights = self.registry.load_weights(version)
-        if not is_finite(weights):
-            raise RegistryError(f"{version} has non-finite weights")
-        return self.builder.build(weights)
+        """A registry version's drafter (the registry refuses unreadable and non-finite weights)."""
+        return self.builder.build(self.registry.load_weights(version))
 
     def _take(self, in_flight: bool, histories: list[list[int]] | None = None) -> Drafter | None:
         """Switch to the champion the watcher loaded, if one is ready (no registry I/O here). Between

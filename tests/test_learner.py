@@ -147,7 +147,7 @@ def test_training_publishes_every_publish_every_updates_and_acks_entries_only_af
 
 
 @needs_redis
-def test_a_killed_learners_pending_records_go_to_the_next_learner_which_resumes_from_the_newest_version(
+def test_a_killed_learners_pending_records_go_to_the_next_learner_which_resumes_from_the_champion(
     tiny_pair, tmp_path, payloads, redis_buffers
 ):
     writer = redis_buffers()
@@ -163,7 +163,7 @@ def test_a_killed_learners_pending_records_go_to_the_next_learner_which_resumes_
     assert len(a.published) == 1 and a.unacked
     read_by_a = a.learner.seen
     assert writer.stats().pending == len(a.unacked) == read_by_a - acked_by_a
-    newest = Registry(tmp_path / "registry").list()[-1].id
+    newest = Registry(tmp_path / "registry").champion()
     del a  # killed: it never publishes or acks again (its client stays open, as a hung process's would)
 
     time.sleep(0.1)
@@ -255,3 +255,26 @@ def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_
     assert values["specloop:learner_versions_published_total"] == 1
     assert values["specloop:promotions_total"] + values["specloop:promotion_refusals_total"] == 1
     assert values["specloop:promotions_total"] == service.published[0]["promoted"]
+
+
+def test_a_new_learner_resumes_from_the_champion_not_a_rolled_back_or_unreadable_version(tiny_pair, tmp_path, payloads):
+    """The newest version was rolled back: the next learner starts from the champion. With the
+    champion's file truncated too, the next one still starts, from the newest version that reads."""
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    a = make_service(tiny_pair, tmp_path / "registry", buffer)
+    step_until(a, lambda: len(a.published) == 2)
+    registry = Registry(tmp_path / "registry")
+    *older, newest = [v.id for v in registry.list()]
+    registry.promote(newest, force=True)
+    champion = registry.rollback("live acceptance fell", expected=newest)
+    assert champion != newest
+    b = make_service(tiny_pair, tmp_path / "registry", MemoryBuffer(), consumer="learner-b")
+    assert same_weights(b.learner.weights(), registry.load_weights(champion))
+    assert not same_weights(b.learner.weights(), registry.load_weights(newest))
+
+    (tmp_path / "registry" / "versions" / champion / "weights.safetensors").write_bytes(b"\x08\x00\x00")  # truncated
+    readable = next(v for v in reversed([*older, newest]) if v != champion)
+    c = make_service(tiny_pair, tmp_path / "registry", MemoryBuffer(), consumer="learner-c")
+    assert same_weights(c.learner.weights(), registry.load_weights(readable))

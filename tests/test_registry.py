@@ -167,6 +167,21 @@ def test_non_finite_weights_are_refused_even_with_force(reg, fill, force):
     assert reg.champion() == base.id
 
 
+def test_a_version_that_cannot_be_served_is_never_loaded(reg):
+    from services.registry import UnknownVersion, UnservableVersion
+
+    good, nan, cut = _publish(reg, seed=1), _publish(reg, fill=float("nan")), _publish(reg, seed=2)
+    assert torch.equal(reg.load_weights(good.id)["embed.weight"], _weights(1)["embed.weight"])
+    with pytest.raises(UnservableVersion, match="non-finite weights in embed.weight"):
+        reg.load_weights(nan.id)
+    path = reg.root / "versions" / cut.id / "weights.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # a copy cut short
+    with pytest.raises(UnservableVersion, match=f"weights of {cut.id} are unreadable"):
+        reg.load_weights(cut.id)
+    with pytest.raises(UnknownVersion):
+        reg.load_weights("v9999")
+
+
 def test_non_finite_weights_are_refused_as_first_champion(reg):
     broken = _publish(reg, fill=float("nan"))
     assert not reg.promote(broken.id).promoted and reg.champion() is None

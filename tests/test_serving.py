@@ -184,3 +184,26 @@ def test_a_request_naming_another_version_is_decoded_by_that_version_beside_the_
         alone = generate(verifier.lean, builder.build(reg.load_weights(version)), [r.prompt_ids], r.sampling(), r.k, rule)[0]
         assert [t for c in chunks for t in c.token_ids] == alone.token_ids
     assert unknown[0].error.status == 404 and unknown[0].error.param == "speculative.drafter_version"
+
+
+def test_a_request_naming_a_version_with_non_finite_weights_is_a_409_and_never_decoded(tiny_pair, verifier, tmp_path):
+    """The gate refused it; a client naming it gets a 409 rather than garbage tokens at T > 0."""
+    from services.registry import Registry
+    from tests.test_worker import base_weights, publish
+
+    reg = Registry(tmp_path / "registry")
+    v1 = publish(reg, base_weights(tiny_pair[1]), None, 0.5)
+    bad = base_weights(tiny_pair[1])
+    bad[next(n for n in bad if "mlp" in n)][0, 0] = float("nan")
+    v2 = publish(reg, bad, v1, 0.9)
+    assert reg.promote(v1).promoted and not reg.promote(v2).promoted
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=4, registry=str(tmp_path / "registry"))
+    try:
+        chunks = asyncio.run(_collect(backend, CompletionRequest("nan", [5, 6], max_tokens=4, temperature=1.0,
+                                                                 drafter_version=v2)))
+    finally:
+        asyncio.run(backend.close())
+    assert len(chunks) == 1 and not chunks[0].token_ids
+    err = chunks[0].error
+    assert (err.status, err.code, err.param) == (409, "version_not_servable", "speculative.drafter_version")
+    assert "non-finite" in err.message

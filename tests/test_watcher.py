@@ -59,6 +59,30 @@ def test_a_version_that_fails_to_load_is_handed_over_as_its_error(tmp_path):
         watcher.close()
 
 
+def test_a_champion_that_failed_to_load_is_tried_again_without_an_alias_change(tmp_path, monkeypatch):
+    reg = Registry(tmp_path)
+    v1 = champion(reg)
+    attempts: list[str] = []
+
+    def load(version: str):
+        attempts.append(version)
+        if len(attempts) == 1:
+            raise OSError("the file is still being copied")
+        return f"drafter {version}"
+
+    monkeypatch.setattr(RegistryWatcher, "RETRY_S", 0.05)
+    watcher = RegistryWatcher(reg, load, 0.02, "base").start()
+    try:
+        assert watcher.fresh(10) and watcher.take().error is not None
+        deadline, ready = time.monotonic() + 10, None
+        while ready is None and time.monotonic() < deadline:
+            watcher.fresh(1.0)
+            ready = watcher.take()
+        assert ready.drafter == f"drafter {v1}" and attempts == [v1, v1]
+    finally:
+        watcher.close()
+
+
 def test_two_workers_judging_one_version_roll_it_back_once(tmp_path):
     reg = Registry(tmp_path)
     v1, v2 = champion(reg, 0.5), champion(reg, 0.6)
