@@ -1,16 +1,19 @@
 """The learner service: reads replay records from the buffer, trains (`trainer.online`), publishes
 versions to the registry and acknowledges what they used (run as a Ray actor by `specloop replay`).
 
-Delivery: records are read through the buffer's consumer group. Their entry ids are acknowledged
-only after a version trained on them is durable in the registry (published, weights on disk), so
-a learner killed in between leaves them pending; a new learner first claims every pending entry
-idle for `claim_idle_ms` (the dead consumer's) and starts from the newest published version.
-Malformed payloads are acknowledged and counted, never retried or executed.
+Delivery: records are read through the buffer's consumer group. An entry is acknowledged only once
+a version that used it is durable in the registry (published, weights on disk): its record was in a
+successful update, or was deliberately left out (held out for the gate, another drafter kind, let
+go of by the learner's bounded pools, a malformed payload: counted, never retried or executed).
+Entries still waiting for an update stay pending, so a learner killed in between leaves them to the
+next: every learner claims the entries pending for `claim_idle_ms` (a dead consumer's) at start and
+every `claim_every_s`, and starts from the champion.
 
 Publishing, every `publish_every` updates: the candidate's simulated acceptance and the current
 champion's are measured on the same held-out records; the registry publishes the candidate and
 promotes it through its gate (pinned, non-finite weights or lower acceptance: refused, logged).
-A candidate with non-finite weights also resets the learner to the champion's weights.
+Non-finite losses are skipped (no step, no publish); a candidate whose weights are non-finite anyway
+is never published: the learner resets to the champion's weights.
 
 Metrics (`services.metrics.LearnerMetrics`, one registry per service; `serve_metrics()` exposes it
 over HTTP): per update the loss, the lag in promoted versions of the newest record ingested and
@@ -50,6 +53,7 @@ class LearnerServiceConfig:
     read_count: int = 64  # entries per buffer read
     read_block_ms: int = 100  # wait for new entries when there is nothing to train on
     claim_idle_ms: int = 2000  # pending entries idle this long belong to a dead learner
+    claim_every_s: float = 30.0  # how often such entries are claimed (besides at start)
     updates_per_read: int = 1  # optimizer steps between two buffer reads
     extra: dict = field(default_factory=dict)
 
@@ -77,6 +81,7 @@ class LearnerService:
         self._served: dict[str, int] = {}  # promoted versions, in order (lag_versions)
         self._newest: tuple[str, float] | None = None  # (drafter version, append time) of the newest record
         self._stale_seen = 0
+        self._claimed_at = time.monotonic()
         self._buffer_polled = float("-inf")
         self._resume_or_seed()
         self._claim()
@@ -107,6 +112,7 @@ class LearnerService:
 
     def _claim(self) -> None:
         """Take over entries a dead learner read but never acknowledged."""
+        self._claimed_at = time.monotonic()
         claimed = self.buffer.claim_stale(self.cfg.consumer, self.cfg.claim_idle_ms, count=10_000)
         if claimed:
             log.info("claimed %d pending replay entries", len(claimed))
@@ -116,6 +122,8 @@ class LearnerService:
 
     def step(self) -> dict | None:
         """Read what arrived, take up to `updates_per_read` updates, publish when due."""
+        if time.monotonic() - self._claimed_at >= self.cfg.claim_every_s:
+            self._claim()
         block = 0 if self.learner.ready() else self.cfg.read_block_ms
         self._ingest(self.buffer.read(self.cfg.consumer, self.cfg.read_count, block_ms=block))
         info = None
@@ -123,9 +131,11 @@ class LearnerService:
             info = self.learner.update()
             if info is None:
                 break
-            if "loss" in info:
-                self.losses.append(info["loss"])
-                self._observe_update(info["loss"])
+            if "update" not in info:  # a non-finite loss: nothing changed, nothing to publish
+                self.metrics.skipped_update()
+                continue
+            self.losses.append(info["loss"])
+            self._observe_update(info["loss"])
             if self.learner.should_publish():
                 self.publish()
         self._observe_buffer()
@@ -137,6 +147,7 @@ class LearnerService:
             self.unacked.append(entry.id)
             try:
                 records.append(decode(entry.payload))
+                records[-1].entry = entry.id
             except RecordError as exc:
                 self.bad_records += 1
                 log.warning("dropped replay entry %s: %s", entry.id, exc)
@@ -144,11 +155,16 @@ class LearnerService:
             self._newest = (records[-1].drafter_version, _appended_at(entry.id))
         self.learner.ingest(records)
 
-    def publish(self) -> dict:
+    def publish(self) -> dict | None:
         weights = self.learner.weights()
         champion = self.registry.champion()
-        finite = is_finite(weights)
-        candidate = self.learner.evaluate() if finite else float("nan")
+        if not is_finite(weights):
+            log.warning("non-finite weights after update %d: not published; back to %s", self.learner.updates, champion)
+            self.metrics.skipped_update()
+            if champion:
+                self.learner.load_weights(self._champion_weights(champion))
+            return None
+        candidate = self.learner.evaluate()
         baseline = self.learner.evaluate(self._champion_weights(champion)) if champion else None
         recent = self.losses[-self.cfg.learner.publish_every:]
         info = self.registry.publish(
@@ -161,10 +177,8 @@ class LearnerService:
         self.metrics.promotion(refused=not result.promoted)
         if result.promoted:
             self._now_serving(info.id)
-        if not finite and champion:
-            self.learner.load_weights(self._champion_weights(champion))
-        self.buffer.ack(self.unacked)  # the version that used them is on disk
-        self.unacked = []
+        self._ack_used()
+
         event = {"version": info.id, "promoted": result.promoted, "reason": result.reason,
                  "sim_acceptance": candidate, "baseline": baseline, "update": self.learner.updates,
                  "time": time.time()}
@@ -177,6 +191,14 @@ class LearnerService:
         self._served.setdefault(version, len(self._served))
 
     # -- metrics
+
+    def _ack_used(self) -> None:
+        """Acknowledge what the version now on disk used or deliberately left out (module docstring)."""
+        waiting = self.learner.in_pools() - self.learner.trained
+        done = [e for e in self.unacked if e not in waiting]
+        self.buffer.ack(done)
+        self.unacked = [e for e in self.unacked if e in waiting]
+        self.learner.trained.clear()
 
     def _observe_update(self, loss: float) -> None:
         """Loss, lag and record age of one update, and the records it skipped as stale."""

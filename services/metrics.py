@@ -363,6 +363,8 @@ class LearnerMetrics(_Exporter):
         self.versions_published = self._counter("learner_versions_published", "Versions the learner published.")
         self.promotions = self._counter("promotions", "Published versions promoted to champion.")
         self.refusals = self._counter("promotion_refusals", "Published versions the gate refused.")
+        self.skipped = self._counter("learner_skipped_updates", "Updates skipped for a non-finite loss, and "
+                                     "candidates not published for non-finite weights.")
         self.stale_records = self._counter("learner_stale_records",
                                            "Records used for distillation only: drafted by a stale version.")
 
@@ -382,6 +384,9 @@ class LearnerMetrics(_Exporter):
 
     def promotion(self, refused: bool) -> None:
         (self.refusals if refused else self.promotions).inc()
+
+    def skipped_update(self) -> None:
+        self.skipped.inc()
 
     def stale(self, n: int) -> None:
         if n:

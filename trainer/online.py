@@ -184,6 +184,7 @@ class OnlineLearner:
         self.seen = 0
         self.updates = 0
         self.stale_skipped = 0  # records used for KL only because a newer version had been published
+        self.trained: set[str] = set()  # buffer entries of the records successful updates used (the service clears it)
         self.versions: deque[str] = deque(maxlen=cfg.max_policy_lag + 1)
         self.last_info: dict = {}
 
@@ -242,8 +243,13 @@ class OnlineLearner:
         torch.nn.utils.clip_grad_norm_([p for _, p, _ in self.params], self.cfg.grad_clip)
         self.optimizer.step()
         self.updates += 1
+        self.trained.update(r.entry for r in records if r.entry is not None)
         self.last_info = info | {"update": self.updates, "positions": len(batch.tokens)}
         return self.last_info
+
+    def in_pools(self) -> set[str]:
+        """Buffer entries of the records an update may still sample."""
+        return {r.entry for pool in (self.window, self.anchor) for r in pool if r.entry is not None}
 
     def should_publish(self) -> bool:
         return self.updates > 0 and self.updates % self.cfg.publish_every == 0

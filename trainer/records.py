@@ -58,6 +58,7 @@ class ReplayRecord:
     context: np.ndarray  # [W] int64 committed tokens ending with the block's first input (may be empty)
     steer: np.ndarray | None = None  # [3, d_verifier] float32 (sd2)
     hidden: np.ndarray | None = None  # [m, d] float32 (dvi)
+    entry: str | None = None  # the buffer entry it was read from (set by the learner service; never encoded)
 
     @property
     def positions(self) -> int:
