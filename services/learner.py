@@ -54,6 +54,7 @@ class LearnerServiceConfig:
     read_block_ms: int = 100  # wait for new entries when there is nothing to train on
     claim_idle_ms: int = 2000  # pending entries idle this long belong to a dead learner
     claim_every_s: float = 30.0  # how often such entries are claimed (besides at start)
+    keep_versions: int = 32  # the registry keeps this many newest versions (+ champion, pin, rollback history)
     updates_per_read: int = 1  # optimizer steps between two buffer reads
     extra: dict = field(default_factory=dict)
 
@@ -178,6 +179,7 @@ class LearnerService:
         if result.promoted:
             self._now_serving(info.id)
         self._ack_used()
+        self._prune()
 
         event = {"version": info.id, "promoted": result.promoted, "reason": result.reason,
                  "sim_acceptance": candidate, "baseline": baseline, "update": self.learner.updates,
@@ -191,6 +193,15 @@ class LearnerService:
         self._served.setdefault(version, len(self._served))
 
     # -- metrics
+
+    def _prune(self) -> None:
+        try:
+            deleted = self.registry.prune(self.cfg.keep_versions)
+        except Exception as exc:  # noqa: BLE001 - retention never stops learning
+            log.warning("could not prune the registry: %s", exc)
+            return
+        if deleted:
+            log.info("pruned %d old versions (%s ... %s)", len(deleted), deleted[0], deleted[-1])
 
     def _ack_used(self) -> None:
         """Acknowledge what the version now on disk used or deliberately left out (module docstring)."""

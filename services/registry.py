@@ -42,6 +42,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import tempfile
 import time
 from contextlib import contextmanager
@@ -56,6 +57,8 @@ log = logging.getLogger("specloop.registry")
 
 VERSION_RE = re.compile(r"v[0-9]{4,}")  # always used with fullmatch
 WEIGHTS = "weights.safetensors"
+EVENT_LOG_BYTES = 4 * 2**20  # events.jsonl is rotated past this size (one old file kept)
+EVENT_LOG_ENTRIES = 20_000  # events kept in Redis
 INFO = "info.json"
 
 
@@ -234,6 +237,9 @@ class _FolderMeta:
     def save_info(self, info: VersionInfo) -> None:
         pass  # info.json in the version folder is the record
 
+    def forget_info(self, vid: str) -> None:
+        pass  # deleting the folder forgets it
+
     def load_info(self, vid: str) -> VersionInfo | None:
         path = self.versions / vid / INFO
         return VersionInfo.from_dict(json.loads(path.read_text())) if path.is_file() else None
@@ -264,14 +270,46 @@ class _FolderMeta:
             self._append(event)
 
     def _append(self, event: dict) -> None:
-        with open(self.event_log, "a") as f:
-            f.write(json.dumps(event) + "\n")
+        """One write(2) of a whole line on an O_APPEND descriptor (a crash leaves at most one torn last
+        line, which readers skip and the next append ends); past EVENT_LOG_BYTES the log is rotated to
+        events.jsonl.1 (one old file kept)."""
+        line = (json.dumps(event) + "\n").encode()
+        if self.event_log.exists() and self.event_log.stat().st_size > EVENT_LOG_BYTES:
+            os.replace(self.event_log, self.event_log.with_name(self.event_log.name + ".1"))
+        fd = os.open(self.event_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if os.fstat(fd).st_size and not _ends_with_newline(self.event_log):
+                line = b"\n" + line  # a torn line before it: end it, so this one parses
+            os.write(fd, line)
+        finally:
+            os.close(fd)
 
     def read_events(self, limit: int | None) -> list[dict]:
-        if not self.event_log.exists():
-            return []
-        lines = self.event_log.read_text().splitlines()
-        return [json.loads(s) for s in (lines[-limit:] if limit else lines)]
+        files = [self.event_log.with_name(self.event_log.name + ".1"), self.event_log]
+        lines = [s for f in files if f.exists() for s in f.read_text(errors="replace").splitlines()]
+        events = _parsed_events(lines)
+        return events[-limit:] if limit else events
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
+def _parsed_events(lines: list[str]) -> list[dict]:
+    """The events of a log's lines; a line that does not parse (torn by a crash) is skipped and logged."""
+    events = []
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if isinstance(event, dict):
+            events.append(event)
+        elif line.strip():
+            log.warning("skipped a malformed event-log line: %.80r", line)
+    return events
 
 
 class _RedisMeta:
@@ -296,6 +334,9 @@ class _RedisMeta:
     def save_info(self, info: VersionInfo) -> None:
         self.r.hset(self.k_info, info.id, json.dumps(info.to_dict()))
 
+    def forget_info(self, vid: str) -> None:
+        self.r.hdel(self.k_info, vid)
+
     def load_info(self, vid: str) -> VersionInfo | None:
         raw = self.r.hget(self.k_info, vid)
         return VersionInfo.from_dict(json.loads(raw)) if raw else None
@@ -318,17 +359,20 @@ class _RedisMeta:
                         pipe.set(self.k_state, new.to_json())
                     if event is not None:
                         pipe.rpush(self.k_events, json.dumps(event))
+                        pipe.ltrim(self.k_events, -EVENT_LOG_ENTRIES, -1)
                     pipe.execute()
                     return (new or state), event
                 except self._watch_error:
                     continue  # another process changed the alias: decide again
 
     def append_event(self, event: dict) -> None:
-        self.r.rpush(self.k_events, json.dumps(event))
+        with self.r.pipeline() as pipe:
+            pipe.rpush(self.k_events, json.dumps(event))
+            pipe.ltrim(self.k_events, -EVENT_LOG_ENTRIES, -1)
+            pipe.execute()
 
     def read_events(self, limit: int | None) -> list[dict]:
-        raw = self.r.lrange(self.k_events, -limit if limit else 0, -1)
-        return [json.loads(s) for s in raw]
+        return _parsed_events(self.r.lrange(self.k_events, -limit if limit else 0, -1))
 
 
 # ---------------------------------------------------------------- registry
@@ -399,10 +443,16 @@ class Registry:
         return info
 
     def _new_folder(self, attempts: int = 10_000) -> tuple[str, Path]:
-        """A fresh id and its folder. An id whose folder exists (the counter was lost with a Redis
-        that keeps nothing on disk) is skipped: ids stay unique and increasing."""
+        """A fresh id and its folder. An id not above every folder's (the counter was lost with a Redis
+        that keeps nothing on disk; older versions may have been pruned) is skipped: ids stay unique
+        and increasing."""
+        newest = max((_version_number(p.name) for p in self.versions.iterdir() if VERSION_RE.fullmatch(p.name)),
+                     default=0)
         for _ in range(attempts):
-            vid = f"v{self._meta.allocate():04d}"
+            n = self._meta.allocate()
+            if n <= newest:
+                continue
+            vid = f"v{n:04d}"
             folder = self._folder(vid)
             try:
                 folder.mkdir()
@@ -438,6 +488,32 @@ class Registry:
             return load_file(path)
         except Exception as exc:  # safetensors' own error type (a truncated or corrupt file) is not exported
             raise UnservableVersion(f"weights of {version_id} are unreadable ({path}): {exc}") from None
+
+    def prune(self, keep: int) -> list[str]:
+        """Delete the versions older than the newest `keep`, except the champion, the pin and those a
+        rollback may return to (the history's last `keep`, which is trimmed to them); returns the ids
+        deleted. Bounded disk for a learner that publishes all day."""
+        if keep < 1:
+            raise RegistryError(f"keep must be >= 1, got {keep}")
+        older = [v.id for v in self.list()[:-keep]]
+        doomed: list[str] = []
+
+        def decide(now: AliasState):  # under the lock: a version promoted meanwhile is protected
+            protected = {now.champion, now.pinned, *now.history[-keep:]}
+            doomed[:] = [v for v in older if v not in protected]
+            history = [h for h in now.history[-keep:] if h not in doomed]
+            if not doomed and history == now.history:
+                return None, None
+            return (now.changed(history=history) if history != now.history else None), _event(
+                "prune", None, f"kept the newest {keep} versions, the champion, the pin and the rollback history",
+                deleted=list(doomed))
+
+        self._update(decide)
+        for vid in doomed:
+            self._meta.forget_info(vid)
+            shutil.rmtree(self._folder(vid), ignore_errors=True)
+            self._finite.pop(vid, None)
+        return doomed
 
     def list(self) -> list[VersionInfo]:
         """Every published version, oldest first."""

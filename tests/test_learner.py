@@ -311,3 +311,16 @@ def test_a_dead_consumers_entries_are_claimed_while_the_learner_runs_not_only_at
     time.sleep(0.3)
     service.step()
     assert service.learner.seen == 10 and len(service.unacked) == 10
+
+
+def test_the_learner_keeps_the_registry_bounded(tiny_pair, tmp_path, payloads):
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    service = make_service(tiny_pair, tmp_path / "registry", buffer, keep_versions=2)
+    step_until(service, lambda: len(service.published) == 4)
+    registry = Registry(tmp_path / "registry")
+    alias = registry.alias()
+    kept = {v.id for v in registry.list()}
+    assert len(kept) <= 2 + 1 + 2 and {alias.champion, *alias.history} <= kept  # newest 2, champion, rollback history
+    assert "v0001" not in kept and len(list((tmp_path / "registry" / "versions").iterdir())) == len(kept)

@@ -283,6 +283,40 @@ def test_a_rollback_expecting_another_champion_is_refused_and_changes_nothing(re
     assert [e["event"] for e in reg.events()][-2:] == ["rollback", "refuse"]
 
 
+def test_prune_keeps_the_newest_the_champion_the_pin_and_the_rollback_history(reg):
+    ids = [_publish(reg, sim=0.1 * i, seed=i).id for i in range(8)]
+    for v in ids[1:4]:
+        assert reg.promote(v).promoted  # champion ids[3], history [ids[1], ids[2]]
+    deleted = reg.prune(keep=2)
+    assert deleted == [ids[0], ids[4], ids[5]]
+    assert [v.id for v in reg.list()] == [ids[1], ids[2], ids[3], ids[6], ids[7]]
+    assert not (reg.root / "versions" / ids[0]).exists()
+    assert reg.champion() == ids[3] and reg.previous_champions() == [ids[1], ids[2]]
+    assert reg.events()[-1]["event"] == "prune" and reg.events()[-1]["deleted"] == deleted
+    assert reg.rollback("back", expected=ids[3]) == ids[2]  # what a rollback needs is still there
+    assert reg.prune(keep=2) == [ids[3]] and reg.prune(keep=2) == []
+    assert int(_publish(reg, seed=9).id[1:]) == 9  # ids keep increasing past pruned ones
+
+
+def test_a_torn_event_log_line_is_skipped_and_the_next_event_still_parses(tmp_path):
+    reg = Registry(tmp_path)
+    _publish(reg)
+    with open(tmp_path / "events.jsonl", "a") as f:
+        f.write('{"time": 1, "event": "promo')  # a crash mid-append
+    reg.pin(reg.list()[0].id)
+    assert [e["event"] for e in reg.events()] == ["publish", "pin"]
+
+
+def test_the_event_log_is_rotated_and_read_across_the_rotation(tmp_path, monkeypatch):
+    import services.registry as registry
+
+    monkeypatch.setattr(registry, "EVENT_LOG_BYTES", 600)
+    reg = Registry(tmp_path)
+    ids = [_publish(reg, seed=i).id for i in range(10)]
+    assert (tmp_path / "events.jsonl.1").exists() and (tmp_path / "events.jsonl").stat().st_size <= 600 + 300
+    assert [e["version"] for e in reg.events()][-3:] == ids[-3:]
+
+
 def test_rollback_is_refused_while_pinned(reg):
     a, b = _publish(reg, sim=0.1), _publish(reg, sim=0.2)
     reg.promote(a.id)
