@@ -14,6 +14,7 @@ import ray
 from services.buffer import BufferEntry, BufferStats, MemoryBuffer, ReplayBuffer, open_buffer
 
 ACTOR_CPUS = 0.5  # the worker and the learner fit beside the driver on 2 CPUs
+ACTOR_RESTARTS = 8  # Ray restarts a dead worker or learner this many times (each restart reloads it)
 
 
 NAMESPACE = "specloop"  # Ray namespace of the serving actors (named, so API processes find them)
@@ -131,7 +132,7 @@ class WorkerActor:
         return self.worker.stats()
 
 
-@ray.remote(num_cpus=ACTOR_CPUS)
+@ray.remote(num_cpus=ACTOR_CPUS, max_restarts=ACTOR_RESTARTS)
 class ServingActor:
     """A verifier worker serving a continuous batch: `stream` is an async generator of chunk dicts
     (a Ray streaming call); cancelling it (the client left) frees the request's slot. Its metrics are
@@ -186,7 +187,7 @@ class ServingActor:
         return self.loop.worker.stats()
 
 
-@ray.remote(num_cpus=ACTOR_CPUS, max_concurrency=4)
+@ray.remote(num_cpus=ACTOR_CPUS, max_concurrency=4, max_restarts=ACTOR_RESTARTS)
 class LearnerActor:
     """The learner trains on its own thread; stats/stop calls run beside it (max_concurrency)."""
 
@@ -197,6 +198,10 @@ class LearnerActor:
         self.buffer = make_buffer(buffer_spec, host, prefix)
         cfg = cfg | {"learner": LearnerConfig.from_dict(cfg["learner"])}
         self.service = LearnerService(LearnerServiceConfig(**cfg), self.buffer)
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            # restarted by Ray after its process died: it resumed from the champion and claims the dead
+            # one's pending entries; carry on training (the first start() came from serve / replay)
+            self.service.start()
 
     def start(self) -> bool:
         self.service.start()
@@ -206,7 +211,7 @@ class LearnerActor:
         return self.service.serve_metrics(host=ray.util.get_node_ip_address())
 
     def stats(self) -> dict:
-        return self.service.stats()
+        return self.service.stats() | {"pid": os.getpid()}
 
     def stop(self) -> dict:
         return self.service.stop()
