@@ -31,6 +31,7 @@ import torch
 
 from drafter.models import load_model
 from services.buffer import ReplayBuffer
+from services.canary import Canary, CanaryConfig
 from services.metrics import LearnerMetrics, serve_metrics
 from services.registry import Registry, RegistryError
 from trainer.online import LearnerConfig, OnlineLearner, is_finite, serving_student
@@ -38,6 +39,7 @@ from trainer.records import RecordError, decode
 
 log = logging.getLogger("specloop.learner")
 BUFFER_STATS_EVERY_S = 1.0
+ALIAS_EVERY_S = 1.0  # how often the learner reads the registry alias (to watch a new champion)
 
 
 @dataclass
@@ -55,6 +57,7 @@ class LearnerServiceConfig:
     claim_idle_ms: int = 2000  # pending entries idle this long belong to a dead learner
     claim_every_s: float = 30.0  # how often such entries are claimed (besides at start)
     keep_versions: int = 32  # the registry keeps this many newest versions (+ champion, pin, rollback history)
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # how a promoted version is judged on live traffic
     updates_per_read: int = 1  # optimizer steps between two buffer reads
     extra: dict = field(default_factory=dict)
 
@@ -72,6 +75,10 @@ class LearnerService:
         self.unacked: list[str] = []
         self.bad_records = 0
         self.published: list[dict] = []
+        self.canary: Canary | None = None  # the newly promoted version under watch (services.canary)
+        self.verdicts: list[dict] = []  # the canaries judged
+        self._alias = None  # the registry alias last read (`_watch_champion`)
+        self._alias_read = float("-inf")
         self.losses: list[float] = []
         self._champion: tuple[str, dict] | None = None
         self._stop = threading.Event()
@@ -139,6 +146,9 @@ class LearnerService:
             self._observe_update(info["loss"])
             if self.learner.should_publish():
                 self.publish()
+        self._watch_champion()
+        if self.canary is not None and self.canary.ready:
+            self.judge_canary()
         self._observe_buffer()
         return info
 
@@ -154,6 +164,8 @@ class LearnerService:
                 log.warning("dropped replay entry %s: %s", entry.id, exc)
                 continue
             self._newest = (records[-1].drafter_version, _appended_at(entry.id))
+            if self.canary is not None:
+                self.canary.offer(records[-1])
         self.learner.ingest(records)
 
     def publish(self) -> dict | None:
@@ -193,6 +205,51 @@ class LearnerService:
         self._served.setdefault(version, len(self._served))
 
     # -- metrics
+
+    def _watch_champion(self) -> None:
+        """Start a canary whenever a version is promoted over another (by this learner or by an operator);
+        a rollback (the champion returns to the last of the history) starts none."""
+        if time.monotonic() - self._alias_read < ALIAS_EVERY_S:
+            return
+        self._alias_read = time.monotonic()
+        try:
+            alias = self.registry.alias()
+        except Exception as exc:  # noqa: BLE001 - a registry that cannot be read now never stops training
+            log.debug("registry alias unavailable: %s", exc)
+            return
+        before, self._alias = self._alias, alias
+        if before is None or alias.champion == before.champion or alias.champion is None:
+            return
+        rolled_back = bool(before.history) and alias.champion == before.history[-1]
+        if (self.canary is None or self.canary.version != alias.champion) and not rolled_back and alias.history:
+            self.canary = Canary(alias.champion, alias.history[-1], self.cfg.canary)
+            log.info("canary: watching %s against %s on live traffic", alias.champion, alias.history[-1])
+        elif rolled_back:
+            self.canary = None
+
+    def judge_canary(self) -> dict:
+        """Score the watched version and its predecessor on the live records it drafted; roll back from
+        it when it fell too far (the learner then restarts from the champion rolled back to)."""
+        canary, self.canary = self.canary, None
+        new = self.learner.evaluate(self.registry.load_weights(canary.version), canary.records)
+        old = self.learner.evaluate(self._champion_weights(canary.predecessor), canary.records)
+        reason = canary.verdict(new, old)
+        verdict = {"version": canary.version, "predecessor": canary.predecessor, "sim_acceptance": new,
+                   "predecessor_sim_acceptance": old, "records": len(canary.records), "rolled_back": False,
+                   "time": time.time()}
+        if reason is not None:
+            try:
+                back = self.registry.rollback(reason, expected=canary.version)
+            except RegistryError as exc:  # pinned, or the champion moved on meanwhile
+                log.warning("canary rollback refused: %s", exc)
+            else:
+                verdict["rolled_back"] = True
+                self.metrics.canary_rollback()
+                self.learner.load_weights(self._champion_weights(back))
+                self._now_serving(back)
+                log.warning("rolled back to %s: %s", back, reason)
+        self.verdicts.append(verdict)
+        return verdict
 
     def _prune(self) -> None:
         try:
@@ -267,6 +324,7 @@ class LearnerService:
 
     def stats(self) -> dict:
         return {"learner": self.learner.stats(), "published": list(self.published), "unacked": len(self.unacked),
+                "canaries": list(self.verdicts),
                 "bad_records": self.bad_records, "champion": self.registry.champion(), "error": self.error,
                 "metrics_url": self.metrics_url}
 

@@ -363,6 +363,8 @@ class LearnerMetrics(_Exporter):
         self.versions_published = self._counter("learner_versions_published", "Versions the learner published.")
         self.promotions = self._counter("promotions", "Published versions promoted to champion.")
         self.refusals = self._counter("promotion_refusals", "Published versions the gate refused.")
+        self.canary_rollbacks = self._counter("canary_rollbacks", "Promoted versions rolled back because they "
+                                              "scored below their predecessor on the same live records.")
         self.skipped = self._counter("learner_skipped_updates", "Updates skipped for a non-finite loss, and "
                                      "candidates not published for non-finite weights.")
         self.stale_records = self._counter("learner_stale_records",
@@ -384,6 +386,9 @@ class LearnerMetrics(_Exporter):
 
     def promotion(self, refused: bool) -> None:
         (self.refusals if refused else self.promotions).inc()
+
+    def canary_rollback(self) -> None:
+        self.canary_rollbacks.inc()
 
     def skipped_update(self) -> None:
         self.skipped.inc()

@@ -18,8 +18,10 @@ Per step (`drafter.speculative.StepHooks`):
   the step never waits for the network. `log_thread=True` moves the building to a logger thread
   (a full queue drops and counts a step's records); on this 2-core CPU both cost the same, because
   the thread's Python work contends for the GIL (bench/online_overhead.py).
-- Auto-rollback: once a newly promoted version has served `rollback_window` blocks, its acceptance
-  rate is compared with its predecessor's over the predecessor's last `rollback_window` blocks;
+- Auto-rollback (opt-in, `rollback_window` > 0; the learner's canary, services.canary, judges
+  promotions by default: on the same traffic, so drift is not taken for a regression): once a newly
+  promoted version has served `rollback_window` blocks, its acceptance rate is compared with its
+  predecessor's over the predecessor's last `rollback_window` blocks;
   below by more than `rollback_margin`, the worker rolls the registry back (reason logged), on the
   watcher's thread and only if that version is still the champion (`Registry.rollback(expected=)`).
 """
@@ -64,7 +66,7 @@ class WorkerConfig:
     context: int = DEFAULT_CONTEXT  # committed tokens per record (pretrained / sd2)
     log_records: bool = True  # write replay records (needs a buffer)
     threads: int = 1  # torch threads of the serving process
-    rollback_window: int = 256  # blocks compared between a new champion and its predecessor
+    rollback_window: int = 0  # > 0: blocks compared between a new champion and its predecessor (0: off)
     rollback_margin: float = 0.1  # acceptance-rate drop that triggers an automatic rollback
     log_thread: bool = False  # build and encode records on a logger thread (else inline: no GIL contention)
     logger_queue: int = 256  # steps waiting for the logger thread before new ones are dropped
@@ -345,6 +347,8 @@ class VerifierWorker:
         log.warning("not serving %s: %s", version, exc)
 
     def _check_rollback(self) -> None:
+        if self.cfg.rollback_window <= 0:
+            return
         reason = self.monitor.verdict()
         if reason is not None and self.watcher is not None:
             self.watcher.rollback(reason, expected=self.version)  # carried out off the serving thread

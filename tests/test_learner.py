@@ -324,3 +324,48 @@ def test_the_learner_keeps_the_registry_bounded(tiny_pair, tmp_path, payloads):
     kept = {v.id for v in registry.list()}
     assert len(kept) <= 2 + 1 + 2 and {alias.champion, *alias.history} <= kept  # newest 2, champion, rollback history
     assert "v0001" not in kept and len(list((tmp_path / "registry" / "versions").iterdir())) == len(kept)
+
+
+def _serve_with(registry_dir, tiny_pair, buffer, n: int, start: int = 0) -> list[dict]:
+    """A worker on the registry serving n greedy requests (its records go to `buffer`)."""
+    worker = VerifierWorker(WorkerConfig(str(tiny_pair[0]), str(tiny_pair[1]), "pretrained", registry=str(registry_dir),
+                                         poll_interval_s=0.0), buffer)
+    tok = worker.verifier.tokenizer
+    prompts = [tok.encode(text[s : s + 20]) for text in TEXT for s in (0, 15, 30)]
+    try:
+        return [worker.serve(CompletionRequest(f"c{start + i}", prompts[i % len(prompts)], max_tokens=32, k=4,
+                                               stream_index=start + i)) for i in range(n)]
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("scale, rolled_back", [(0.0, True), (1.0, False)])
+def test_a_promoted_version_is_judged_against_its_predecessor_on_the_same_live_records(
+        tiny_pair, tmp_path, scale, rolled_back):
+    """An operator promotes a zeroed drafter (scale 0) or a copy of the champion (scale 1); the learner's
+    canary scores both versions on the records the new one drafted: the zeroed one is rolled back
+    (once, from that version), the copy stays."""
+    buffer = MemoryBuffer()
+    # seeds v0001 (the base drafter); no updates, so that no publish of its own moves the champion on
+    service = make_service(tiny_pair, tmp_path / "registry", buffer, updates_per_read=0)
+    registry = Registry(tmp_path / "registry")
+    v1 = registry.champion()
+    service.step()  # reads the alias
+    weights = {n: t * scale for n, t in registry.load_weights(v1).items()}
+    v2 = registry.publish(weights, parent=v1, learner_step=0, objective="operator", loss=None, sim_acceptance=None,
+                          kind="pretrained").id
+    assert registry.promote(v2, force=True).promoted
+    time.sleep(1.1)  # the learner reads the alias once a second
+    service.step()
+    assert service.canary is not None and (service.canary.version, service.canary.predecessor) == (v2, v1)
+    _serve_with(tmp_path / "registry", tiny_pair, buffer, 24)
+    step_until(service, lambda: service.verdicts)
+    verdict = service.verdicts[0]
+    print(f"scale {scale}: {verdict}")
+    # decided on the first 64 blocks the new version drafted (the target: within 256)
+    assert verdict["version"] == v2 and verdict["rolled_back"] == rolled_back and verdict["records"] <= 256
+    assert registry.champion() == (v1 if rolled_back else v2)
+    if rolled_back:
+        assert verdict["sim_acceptance"] < verdict["predecessor_sim_acceptance"] - 0.05
+        assert [e["event"] for e in registry.events()].count("rollback") == 1
+        assert same_weights(service.learner.weights(), registry.load_weights(v1))  # restarts from the champion

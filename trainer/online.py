@@ -255,17 +255,19 @@ class OnlineLearner:
         return self.updates > 0 and self.updates % self.cfg.publish_every == 0
 
     @torch.no_grad()
-    def evaluate(self, weights: dict[str, torch.Tensor] | None = None) -> float | None:
-        """Simulated acceptance on the held-out records, with the current weights or `weights`."""
-        if not self.holdout:
+    def evaluate(self, weights: dict[str, torch.Tensor] | None = None,
+                 records: list[ReplayRecord] | None = None) -> float | None:
+        """Simulated acceptance (Σ min(p, q) per drafted position, averaged) on `records` (default: the
+        held-out ones), with the current weights or `weights`."""
+        records = list(self.holdout) if records is None else records
+        if not records:
             return None
-        records = list(self.holdout)
         if weights is None:
             return simulated_acceptance(position_batch(records, None).to(self.device), record_logits(self.student, records))
         current = self.weights()
         self.load_weights(weights)
         try:
-            return self.evaluate()
+            return self.evaluate(records=records)
         finally:
             self.load_weights(current)
 
