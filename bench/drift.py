@@ -77,6 +77,8 @@ def _slim(summary: dict) -> dict:
                           "stale_skipped": lrn["learner"]["stale_skipped"], "published": len(lrn["published"]),
                           "promoted": sum(p["promoted"] for p in lrn["published"]),
                           "refused": [p["reason"] for p in lrn["published"] if not p["promoted"]][-5:],
+                          "canaries": len(lrn.get("canaries", [])),
+                          "canary_rollbacks": [c for c in lrn.get("canaries", []) if c["rolled_back"]],
                           "error": lrn["error"]}
     if "buffer" in summary:
         out["buffer"] = summary["buffer"]

@@ -20,7 +20,9 @@ Metadata has two backends behind one small interface:
   append-only event log; ROOT/next_id is the id counter. Every change happens
   under an fcntl lock on ROOT/.lock, so threads and processes share one registry.
 - Redis (`redis_url`): keys f"{prefix}:registry:*" — `info` (hash id → JSON),
-  `state` (JSON of the alias state), `events` (list), `next_id` (INCR).
+  `state` (JSON of the alias state), `events` (list), `next_id` (INCR). Every committed alias
+  change is also written to ROOT/champion.json, from which a Redis restarted empty gets the
+  champion and the pin back (versions' info.json likewise), so the gate is never bypassed.
   Alias changes are WATCH/MULTI transactions, so two processes cannot interleave.
 
 Promotion gate (`promote`): stored weights with NaN/inf are always refused,
@@ -317,9 +319,11 @@ class _RedisMeta:
 
     CONNECT_TIMEOUT_S, TIMEOUT_S = 1.0, 2.0
 
-    def __init__(self, url: str, prefix: str):
+    def __init__(self, url: str, prefix: str, mirror: Path):
         import redis
 
+        self.mirror = mirror  # the alias state as last committed, in the registry folder: a Redis that
+        # restarts empty gets it back (the champion and the pin survive, the gate keeps comparing)
         self._watch_error = redis.WatchError
         # Timeouts on every call: a Redis that hangs fails a registry call in seconds, never holds it.
         self.r = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=self.CONNECT_TIMEOUT_S,
@@ -345,14 +349,31 @@ class _RedisMeta:
         return [VersionInfo.from_dict(json.loads(v)) for v in self.r.hvals(self.k_info)]
 
     def read_state(self) -> AliasState:
-        return AliasState.from_json(self.r.get(self.k_state))
+        raw = self.r.get(self.k_state)
+        if raw is None and self._mirrored() is not None:
+            self.r.set(self.k_state, self._mirrored().to_json(), nx=True)
+            log.warning("registry alias restored from %s (Redis had lost it)", self.mirror)
+            raw = self.r.get(self.k_state)
+        return AliasState.from_json(raw)
+
+    def _mirrored(self) -> AliasState | None:
+        try:
+            return AliasState.from_json(self.mirror.read_text())
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def _mirror(self, state: AliasState) -> None:
+        old = self._mirrored()
+        if old is None or state.generation >= old.generation:
+            _atomic_write_text(self.mirror, state.to_json())
 
     def update(self, decide: Decision) -> tuple[AliasState, dict | None]:
         with self.r.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(self.k_state)
-                    state = AliasState.from_json(pipe.get(self.k_state))
+                    raw = pipe.get(self.k_state)
+                    state = AliasState.from_json(raw) if raw is not None else (self._mirrored() or AliasState())
                     new, event = decide(state)
                     pipe.multi()
                     if new is not None:
@@ -361,6 +382,8 @@ class _RedisMeta:
                         pipe.rpush(self.k_events, json.dumps(event))
                         pipe.ltrim(self.k_events, -EVENT_LOG_ENTRIES, -1)
                     pipe.execute()
+                    if new is not None:
+                        self._mirror(new)
                     return (new or state), event
                 except self._watch_error:
                     continue  # another process changed the alias: decide again
@@ -394,7 +417,8 @@ class Registry:
         self.root = Path(root).resolve()
         self.versions = self.root / "versions"
         self.versions.mkdir(parents=True, exist_ok=True)
-        self._meta = _RedisMeta(redis_url, prefix) if redis_url else _FolderMeta(self.root, self.versions)
+        self._meta = (_RedisMeta(redis_url, prefix, self.root / "champion.json") if redis_url
+                      else _FolderMeta(self.root, self.versions))
         self._finite: dict[str, list[str]] = {}  # version → non-finite tensor names (weights are immutable)
 
     # ---- ids and paths

@@ -169,8 +169,10 @@ def summary_line(summary: dict) -> str:
     if "learner" in summary:
         lrn = summary["learner"]
         promoted = sum(1 for p in lrn["published"] if p["promoted"])
+        rolled = sum(c["rolled_back"] for c in lrn.get("canaries", []))
         line += (f", learner updates={lrn['learner']['updates']} published={len(lrn['published'])}"
-                 f" promoted={promoted} champion={lrn['champion']}")
+                 f" promoted={promoted} canaries={len(lrn.get('canaries', []))} rolled back={rolled}"
+                 f" champion={lrn['champion']}")
     if w["records"]:
         line += f", records logged={w['records']['logged']} dropped={w['records']['dropped']}"
     return line + f"; registry {summary['registry']}"

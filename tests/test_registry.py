@@ -472,6 +472,29 @@ def test_versions_stay_readable_and_ids_unique_when_redis_metadata_is_lost(tmp_p
             client.delete(*keys)
 
 
+def test_the_champion_and_the_pin_survive_redis_losing_its_data_and_the_gate_still_compares(tmp_path):
+    client = _redis_or_skip()
+    prefix = f"test-registry-{uuid4().hex}"
+    try:
+        reg = Registry(tmp_path / "registry", redis_url=REDIS_URL, prefix=prefix)
+        v1, v2 = _publish(reg, sim=0.5).id, _publish(reg, sim=0.6, seed=1).id
+        assert reg.promote(v1).promoted and reg.promote(v2).promoted
+        client.delete(*client.scan_iter(f"{prefix}:*"))  # a restart without persistence
+        again = Registry(tmp_path / "registry", redis_url=REDIS_URL, prefix=prefix)  # another process
+        assert again.champion() == v2 and again.previous_champions() == [v1]
+        worse = _publish(again, sim=0.1, seed=2).id
+        refused = again.promote(worse)
+        assert not refused.promoted and f"< champion {v2}" in refused.reason  # compared, not waved through
+        again.pin()
+        client.delete(*client.scan_iter(f"{prefix}:*"))
+        better = reg.promote(_publish(reg, sim=0.9, seed=3).id)
+        assert reg.pinned() == v2 and not better.promoted and "pinned" in better.reason
+    finally:
+        keys = list(client.scan_iter(f"{prefix}:*"))
+        if keys:
+            client.delete(*keys)
+
+
 def test_a_registry_folder_has_one_stable_redis_namespace(tmp_path):
     from services.registry import redis_namespace
 
