@@ -10,7 +10,10 @@ Semantics (both follow Redis Streams consumer groups):
 - Payloads are opaque `bytes`; the buffer never decodes them.
 - Entry ids look like Redis stream ids, "ms-seq", and increase in append order.
 - The buffer is bounded: past `maxlen` the oldest entries are trimmed (Redis: `MAXLEN ~`,
-  so the stream may briefly hold somewhat more). A trimmed entry is gone, also from pending.
+  so the stream may briefly hold somewhat more), and a Redis stream also by bytes: it keeps
+  about `max_bytes` of payloads (256 MiB by default; never fewer than `MIN_ENTRIES` entries), so
+  the replay stream cannot fill Redis and starve the registry. A trimmed entry is gone, also
+  from pending.
 - `read` hands each new entry to exactly one consumer of the group (a group-wide cursor,
   like `XREADGROUP ... >`). A delivered entry stays *pending* on its consumer until `ack`.
   Ack only once the update that used the entry is durable (at-least-once delivery).
@@ -222,6 +225,9 @@ class MemoryBuffer:
 # ------------------------------------------------------------------------------ redis
 
 
+MIN_ENTRIES = 1024  # the byte bound never trims a Redis stream below this many entries
+
+
 class RedisStreamBuffer:
     """Redis stream `{prefix}:replay` with consumer group `group`; writes via a daemon thread."""
 
@@ -230,8 +236,10 @@ class RedisStreamBuffer:
     SIZES_EVERY_S = 1.0  # the writer thread reads the stream's sizes this often (`cached_stats`)
 
     def __init__(self, url: str, prefix: str = "specloop", maxlen: int = 100_000,
-                 group: str = "learners", queue_size: int = 10_000):
+                 group: str = "learners", queue_size: int = 10_000, max_bytes: int = 256 * 2**20):
         self.url, self.key, self.group, self.maxlen = url, f"{prefix}:replay", group, maxlen
+        self.max_bytes = max_bytes  # the stream's payload bytes are kept near this (`_bound`)
+        self._mean_bytes = 0.0  # running mean payload size (writer thread)
         # Writer and stats: short timeouts and no client-side retries (the writer backs off).
         self._fast = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5,
                                           retry=Retry(NoBackoff(), 0), decode_responses=False)
@@ -389,9 +397,10 @@ class RedisStreamBuffer:
 
     def _write(self, batch: list[bytes]) -> bool:
         try:
+            maxlen = self._bound(batch)
             pipe = self._fast.pipeline(transaction=False)
             for payload in batch:
-                pipe.xadd(self.key, {FIELD: payload}, maxlen=self.maxlen, approximate=True)
+                pipe.xadd(self.key, {FIELD: payload}, maxlen=maxlen, approximate=True)
             pipe.execute()
         except Exception as e:  # noqa: BLE001 - the writer thread must survive anything
             self._on_failure(batch, e)
@@ -402,6 +411,13 @@ class RedisStreamBuffer:
             self._cond.notify_all()
         self._set_healthy(True, None)
         return True
+
+    def _bound(self, batch: list[bytes]) -> int:
+        """Entries kept: `maxlen`, or fewer where that many payloads of the running mean size would
+        hold more than `max_bytes` (a Redis that fills its memory refuses registry writes too)."""
+        size = sum(map(len, batch)) / len(batch)
+        self._mean_bytes = size if not self._mean_bytes else 0.9 * self._mean_bytes + 0.1 * size
+        return min(self.maxlen, max(MIN_ENTRIES, int(self.max_bytes / self._mean_bytes)))
 
     def _on_failure(self, batch: list[bytes], error: Exception) -> None:
         """Drop the batch and everything queued behind it: Redis is not taking writes now."""

@@ -141,6 +141,18 @@ def test_redis_stream_stays_near_maxlen(redis_buffer_factory):
     assert 100 <= stats.depth < 300
 
 
+def test_redis_stream_stays_near_its_byte_bound(redis_buffer_factory, monkeypatch):
+    import services.buffer as buffer
+
+    monkeypatch.setattr(buffer, "MIN_ENTRIES", 10)
+    buf = redis_buffer_factory(max_bytes=200 * 1024)  # 100 payloads of 2 KiB
+    for i in range(2000):
+        buf.append(bytes([i % 256]) * 2048)
+    assert buf.flush()
+    stats = buf.stats()
+    assert stats.written == 2000 and 100 <= stats.depth < 300
+
+
 def test_unreachable_redis_drops_records_without_raising_or_blocking():
     buf = RedisStreamBuffer(f"redis://127.0.0.1:{free_port()}/0", prefix=f"test-buffer-{uuid4().hex}")
     try:
