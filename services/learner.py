@@ -231,12 +231,13 @@ class LearnerService:
         """Score the watched version and its predecessor on the live records it drafted; roll back from
         it when it fell too far (the learner then restarts from the champion rolled back to)."""
         canary, self.canary = self.canary, None
-        new = self.learner.evaluate(self.registry.load_weights(canary.version), canary.records)
-        old = self.learner.evaluate(self._champion_weights(canary.predecessor), canary.records)
+        new = self.learner.acceptance_by_record(canary.records, self.registry.load_weights(canary.version))
+        old = self.learner.acceptance_by_record(canary.records, self._champion_weights(canary.predecessor))
         reason = canary.verdict(new, old)
-        verdict = {"version": canary.version, "predecessor": canary.predecessor, "sim_acceptance": new,
-                   "predecessor_sim_acceptance": old, "records": len(canary.records), "rolled_back": False,
-                   "time": time.time()}
+        mean = lambda per_record: sum(map(sum, per_record)) / max(1, sum(map(len, per_record)))  # noqa: E731
+        verdict = {"version": canary.version, "predecessor": canary.predecessor, "sim_acceptance": mean(new),
+                   "predecessor_sim_acceptance": mean(old), "records": len(canary.records), "rolled_back": False,
+                   "reason": reason, "time": time.time()}
         if reason is not None:
             try:
                 back = self.registry.rollback(reason, expected=canary.version)

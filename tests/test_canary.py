@@ -17,10 +17,13 @@ def test_a_canary_keeps_only_the_watched_versions_records_up_to_its_sample():
 
 
 def test_the_verdict_rolls_back_only_a_version_clearly_below_its_predecessor():
-    canary = Canary("v0005", "v0004", CanaryConfig(records=2, margin=0.05))
-    canary.records = [record("v0005")] * 2
-    assert canary.verdict(0.50, 0.54) is None  # within the margin: drift moves both alike
-    assert canary.verdict(0.90, 0.20) is None  # better
-    assert canary.verdict(None, 0.5) is None and canary.verdict(0.1, None) is None
-    reason = canary.verdict(0.10, 0.60)
-    assert "v0005" in reason and "v0004" in reason and "0.100" in reason and "2 live records" in reason
+    canary = Canary("v0005", "v0004", CanaryConfig(records=4, margin=0.05, z=3.0))
+    canary.records = [record("v0005")] * 4
+    same = [[1.0, 0.0], [1.0], [0.0, 1.0, 1.0], [1.0]]
+    assert canary.verdict(same, same) is None
+    assert canary.verdict([[0.5]] * 4, [[0.54]] * 4) is None  # within the margin: drift moves both alike
+    assert canary.verdict([[0.9]] * 4, [[0.2]] * 4) is None  # better
+    noisy_old, noisy_new = [[1.0], [1.0], [0.0], [1.0]], [[0.0], [1.0], [1.0], [0.5]]  # 0.75 vs 0.625, by noise
+    assert canary.verdict(noisy_new, noisy_old) is None
+    reason = canary.verdict([[0.1, 0.0]] * 4, [[0.6, 0.7]] * 4)
+    assert "v0005" in reason and "v0004" in reason and "0.050" in reason and "4 live records" in reason

@@ -149,14 +149,19 @@ class Objective:
 
 
 @torch.no_grad()
-def simulated_acceptance(batch: PositionBatch, q_logits: torch.Tensor) -> float:
-    """Mean over positions of the probability that the drafter's token would be accepted, as the
-    request was served: Σ min(p, q) on the K + 1 buckets when it sampled (T > 0); at T = 0,
-    whether the drafter's argmax equals the verifier's (greedy acceptance is exactly that)."""
+def position_acceptance(batch: PositionBatch, q_logits: torch.Tensor) -> torch.Tensor:
+    """Per position [N], the probability that the drafter's token would be accepted, as the request
+    was served: Σ min(p, q) on the K + 1 buckets when it sampled (T > 0); at T = 0, whether the
+    drafter's argmax equals the verifier's (greedy acceptance is exactly that)."""
     log_p, log_q = bucket_logprobs(batch, q_logits)
     sampled = torch.minimum(log_p.exp(), log_q.exp()).sum(dim=-1)  # [N]
     greedy = (q_logits.argmax(dim=-1) == batch.top_ids[:, 0]).float()  # [N]
-    return float(torch.where(batch.temperature > 0, sampled, greedy).mean())
+    return torch.where(batch.temperature > 0, sampled, greedy)
+
+
+def simulated_acceptance(batch: PositionBatch, q_logits: torch.Tensor) -> float:
+    """`position_acceptance` averaged over the positions."""
+    return float(position_acceptance(batch, q_logits).mean())
 
 
 def _ema(old: float | None, new: float, decay: float) -> float:

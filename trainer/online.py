@@ -29,7 +29,7 @@ from drafter.dvi import DraftHead
 from drafter.eagle import FeatureHead, new_head
 from drafter.models import LoadedModel
 from drafter.sd2 import Steering
-from trainer.objectives import Objective, ObjectiveConfig, PositionBatch, simulated_acceptance
+from trainer.objectives import Objective, ObjectiveConfig, PositionBatch, position_acceptance
 from trainer.records import ReplayRecord
 from trainer.students import DistillStudent, DVIStudent, EagleStudent, SteeredStudent, Student, build_student
 
@@ -255,21 +255,30 @@ class OnlineLearner:
         return self.updates > 0 and self.updates % self.cfg.publish_every == 0
 
     @torch.no_grad()
-    def evaluate(self, weights: dict[str, torch.Tensor] | None = None,
-                 records: list[ReplayRecord] | None = None) -> float | None:
-        """Simulated acceptance (Σ min(p, q) per drafted position, averaged) on `records` (default: the
-        held-out ones), with the current weights or `weights`."""
-        records = list(self.holdout) if records is None else records
+    def evaluate(self, weights: dict[str, torch.Tensor] | None = None) -> float | None:
+        """Simulated acceptance on the held-out records (averaged over their positions), with the
+        current weights or `weights`."""
+        records = list(self.holdout)
         if not records:
             return None
-        if weights is None:
-            return simulated_acceptance(position_batch(records, None).to(self.device), record_logits(self.student, records))
-        current = self.weights()
-        self.load_weights(weights)
+        by_position = torch.cat([torch.tensor(a) for a in self.acceptance_by_record(records, weights)])
+        return float(by_position.mean())
+
+    @torch.no_grad()
+    def acceptance_by_record(self, records: list[ReplayRecord],
+                             weights: dict[str, torch.Tensor] | None = None) -> list[list[float]]:
+        """Each record's per-position simulated acceptance (`position_acceptance`), with the current
+        weights or `weights` (the current ones are restored after)."""
+        current = None if weights is None else self.weights()
+        if weights is not None:
+            self.load_weights(weights)
         try:
-            return self.evaluate(records=records)
+            batch = position_batch(records, None).to(self.device)
+            accepted = position_acceptance(batch, record_logits(self.student, records)).cpu()
         finally:
-            self.load_weights(current)
+            if current is not None:
+                self.load_weights(current)
+        return [part.tolist() for part in torch.split(accepted, [r.positions for r in records])]
 
     def weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone().cpu() for n, p, _ in self.params}
