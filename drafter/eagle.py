@@ -143,6 +143,8 @@ class EagleDrafter:
     def _head_rows(self) -> torch.Tensor:
         """The verifier's LM head over the draft vocabulary, as floats."""
         head = self.lean.lm_head
+        if self.vocab is not None and hasattr(head, "rows"):  # only those rows (the whole head in floats: 113 MB)
+            return head.rows(self.vocab.to(self.lean.device)).float()
         weight = (head if isinstance(head, torch.Tensor) else head.dequantize()).float()
         return weight if self.vocab is None else weight[self.vocab.to(weight.device)]
 
