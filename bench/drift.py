@@ -217,7 +217,8 @@ def main() -> None:
                                            "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
                 print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
     plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png")
-    print(markdown(analyse(runs, oracle, segments)))
+    if any(r["learner"] == "off" for r in runs):  # the ratios need the frozen run
+        print(markdown(analyse(runs, oracle, segments)))
 
 
 if __name__ == "__main__":
