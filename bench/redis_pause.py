@@ -59,9 +59,9 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: st
                         error = line[:200]
     except httpx.HTTPError as exc:
         error = repr(exc)
-    gaps = [b - a for a, b in zip([t0, *arrivals], arrivals)]
-    return {"status": status, "chunks": len(arrivals), "error": error, "start": t0,
-            "arrivals": arrivals, "max_gap_s": max(gaps, default=None)}
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]  # between two chunks (the wait for a slot is TTFT)
+    return {"status": status, "chunks": len(arrivals), "error": error, "start": t0, "arrivals": arrivals,
+            "ttft_s": arrivals[0] - t0 if arrivals else None, "max_gap_s": max(gaps, default=None)}
 
 
 async def traffic(url: str, model: str, prompts: list[str], max_tokens: int, redis: ThrowawayRedis | None,
@@ -84,6 +84,7 @@ def summary(streams: list[dict]) -> dict:
     pick = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else None  # noqa: E731
     return {"completed": sum(s["status"] == 200 and s["error"] is None and s["chunks"] > 0 for s in streams),
             "streams": len(streams), "largest_gap_s": max((s["max_gap_s"] or 0) for s in streams),
+            "largest_ttft_s": max((s["ttft_s"] or 0) for s in streams),
             "gap_p50_s": pick(0.5), "gap_p99_s": pick(0.99), "errors": [s["error"] for s in streams if s["error"]]}
 
 
