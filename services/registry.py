@@ -460,8 +460,12 @@ class Registry:
             id=vid, parent=parent, created=time.time(), learner_step=int(learner_step), objective=objective,
             loss=_float_in(loss), sim_acceptance=_float_in(sim_acceptance), kind=kind, extra=extra,
         )
-        _atomic_write(folder / WEIGHTS, lambda tmp: save_file(stored, tmp, metadata={"version": vid}))
-        _atomic_write_text(folder / INFO, json.dumps(info.to_dict(), indent=1))
+        try:
+            _atomic_write(folder / WEIGHTS, lambda tmp: save_file(stored, tmp, metadata={"version": vid}))
+            _atomic_write_text(folder / INFO, json.dumps(info.to_dict(), indent=1))
+        except Exception as exc:  # a full disk: no half-written version is left behind
+            shutil.rmtree(folder, ignore_errors=True)
+            raise RegistryError(f"could not write version {vid} to {folder}: {exc}") from exc
         self._meta.save_info(info)
         self._record(_event("publish", vid, f"{objective} step {learner_step}", parent=parent))
         return info

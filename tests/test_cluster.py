@@ -376,3 +376,63 @@ def test_both_workers_serve_when_one_runs_on_a_second_ray_node(cluster):
     served = {w: after[w] - before.get(w, 0.0) for w in after}
     assert len(served) == 2 and all(n > 0 for n in served.values()), f"a worker generated nothing: {served}"
     assert sum(served.values()) >= sum(o.completion_tokens for o in outcomes)
+
+
+def serving_actor_pids(cluster) -> list[int]:
+    """The processes of this cluster's ServingActors (their environment carries its Ray token)."""
+    token = f"RAY_AUTH_TOKEN={cluster.env['RAY_AUTH_TOKEN']}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and b"ray::ServingActor" in (proc / "cmdline").read_bytes() \
+                    and token in (proc / "environ").read_bytes().split(b"\0"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_worker_killed_mid_stream_ends_its_streams_in_band_and_ray_brings_it_back(cluster):
+    """Both workers' processes are SIGKILLed while streams run: every open stream ends within 5 s
+    with an in-band error and `data: [DONE]` (no hang), and Ray restarts the workers, which serve
+    again. (Last in this file: the workers it kills are the module's.)"""
+    model = model_id(cluster.api)
+
+    async def stream_until_killed() -> tuple[list[list[str]], float]:
+        async def one(client: httpx.AsyncClient, prompt: str, first: asyncio.Event) -> list[str]:
+            body = chat_body(model, prompt, True) | {"max_tokens": 200}
+            async with client.stream("POST", f"{cluster.api}/v1/chat/completions", json=body) as r:
+                events = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        first.set()
+                return events
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+            started = [asyncio.Event() for _ in range(4)]
+            tasks = [asyncio.create_task(one(client, p, e)) for p, e in zip(PROMPTS, started)]
+            await asyncio.gather(*(e.wait() for e in started))
+            victims = serving_actor_pids(cluster)
+            assert len(victims) == 2, victims
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            results = await asyncio.gather(*tasks)
+            return results, time.monotonic() - killed
+
+    results, ended_after = asyncio.run(stream_until_killed())
+    assert ended_after < 5.0, f"streams took {ended_after:.1f} s to end after the workers died"
+    for events in results:
+        assert events[-1] == "[DONE]", events[-3:]
+        finished = any('"finish_reason": "' in e or '"finish_reason":"' in e for e in events[:-1])
+        assert finished or any('"error"' in e and "worker" in e for e in events[:-1]), events[-3:]
+    assert any(any('"error"' in e for e in events) for events in results), "no stream was cut by the kill"
+
+    deadline = time.monotonic() + SERVE_STARTUP_S  # Ray restarts both workers (each reloads its models)
+    while time.monotonic() < deadline:
+        outcomes = asyncio.run(drive(cluster.api, model, PROMPTS[:2], concurrency=2))
+        if all(o.ok for o in outcomes):
+            break
+        time.sleep(1.0)
+    assert all(o.ok for o in outcomes), [o.problem for o in outcomes if not o.ok]

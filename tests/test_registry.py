@@ -317,6 +317,31 @@ def test_the_event_log_is_rotated_and_read_across_the_rotation(tmp_path, monkeyp
     assert [e["version"] for e in reg.events()][-3:] == ids[-3:]
 
 
+def test_a_full_disk_fails_a_publish_cleanly_and_the_registry_serves_on(tmp_path):
+    """The registry folder on a 512 KiB tmpfs: a version that does not fit raises, leaves no folder or
+    temporary file, changes neither the list nor the champion, and publishing works once it fits."""
+    import subprocess
+
+    root = tmp_path / "small"
+    root.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(root)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        reg = Registry(root)
+        v1 = _publish(reg).id
+        assert reg.promote(v1).promoted
+        with pytest.raises(RegistryError, match="No space left on device"):
+            reg.publish({"w": torch.zeros(300_000)}, parent=v1, learner_step=1, objective="kl", loss=0.1,
+                        sim_acceptance=0.9, kind="pretrained")
+        assert [v.id for v in reg.list()] == [v1] and reg.champion() == v1
+        assert sorted(p.name for p in (root / "versions").iterdir()) == [v1]
+        assert not [p for p in root.rglob("*.tmp")]
+        v3 = _publish(reg, seed=3).id
+        assert [v.id for v in reg.list()] == [v1, v3]
+    finally:
+        subprocess.run(["umount", str(root)], check=False)
+
+
 def test_rollback_is_refused_while_pinned(reg):
     a, b = _publish(reg, sim=0.1), _publish(reg, sim=0.2)
     reg.promote(a.id)
