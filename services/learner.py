@@ -122,6 +122,8 @@ class LearnerService:
         """Take over entries a dead learner read but never acknowledged."""
         self._claimed_at = time.monotonic()
         claimed = self.buffer.claim_stale(self.cfg.consumer, self.cfg.claim_idle_ms, count=10_000)
+        mine = set(self.unacked)  # its own entries still waiting for an update come back too: not read twice
+        claimed = [e for e in claimed if e.id not in mine]
         if claimed:
             log.info("claimed %d pending replay entries", len(claimed))
             self._ingest(claimed)

@@ -369,3 +369,14 @@ def test_a_promoted_version_is_judged_against_its_predecessor_on_the_same_live_r
         assert verdict["sim_acceptance"] < verdict["predecessor_sim_acceptance"] - 0.05
         assert [e["event"] for e in registry.events()].count("rollback") == 1
         assert same_weights(service.learner.weights(), registry.load_weights(v1))  # restarts from the champion
+
+
+def test_a_periodic_claim_never_reads_the_learners_own_waiting_entries_twice(tiny_pair, tmp_path, payloads):
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    service = make_service(tiny_pair, tmp_path / "registry", buffer, claim_idle_ms=0, claim_every_s=0.0)
+    step_until(service, lambda: len(service.published) == 2)
+    for _ in range(5):
+        service.step()  # each step claims every pending entry, its own included
+    assert len(service.unacked) == len(set(service.unacked)) and service.learner.seen <= len(payloads)
