@@ -102,34 +102,53 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("serve did not become ready")
 
 
-def run(args, paused: bool, folder: Path) -> dict:
-    redis = ThrowawayRedis(folder / ("redis-paused" if paused else "redis-steady"))
-    redis.folder.mkdir()
-    redis.start()
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
-        "SPECLOOP_REDIS_URL": redis.url, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    log = open(folder / f"serve-{'paused' if paused else 'steady'}.log", "w")
-    proc = subprocess.Popen([SPECLOOP, "--threads", "1", "serve", "--host", "127.0.0.1", "--port", str(port),
-                             "--verifier", args.verifier, "--drafter", args.drafter, "--learner", args.learner,
-                             "--slots", str(args.slots), "--max-queue", str(args.streams),
-                             "--registry", str(folder / f"registry-{paused}")], env=env, stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        prompts = chat_prompts(Path(args.prompts), args.streams)
-        asyncio.run(traffic(url, model, prompts[:2], 8, None, 0, 0))  # warm-up
-        streams, window = asyncio.run(traffic(url, model, prompts, args.max_tokens, redis if paused else None,
-                                              args.pause_at_s, args.pause_s))
-    finally:
-        proc.send_signal(signal.SIGINT)
+class Serve:
+    """`specloop serve` in a process of its own, its registry and replay stream in a throwaway Redis;
+    a context manager that stops both (the way the benchmarks start a deployment)."""
+
+    def __init__(self, folder: Path, name: str, flags: list[str]):
+        self.redis = ThrowawayRedis(folder / f"redis-{name}")
+        self.redis.folder.mkdir()
+        self.redis.start()
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
+            "SPECLOOP_REDIS_URL": self.redis.url, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
+        self.log = open(folder / f"serve-{name}.log", "w")
+        self.proc = subprocess.Popen([SPECLOOP, "--threads", "1", "serve", "--host", "127.0.0.1", "--port",
+                                      str(self.port), "--registry", str(folder / f"registry-{name}"), *flags],
+                                     env=env, stdout=self.log, stderr=self.log)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "Serve":
         try:
-            proc.wait(60)
+            wait_ready(self.url, self.proc)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-        redis.stop()
-        log.close()
+            self.proc.kill()
+        self.redis.stop()
+        self.log.close()
+
+    def model(self) -> str:
+        return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def run(args, paused: bool, folder: Path) -> dict:
+    flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", args.learner,
+             "--slots", str(args.slots), "--max-queue", str(args.streams)]
+    with Serve(folder, "paused" if paused else "steady", flags) as serve:
+        model = serve.model()
+        prompts = chat_prompts(Path(args.prompts), args.streams)
+        asyncio.run(traffic(serve.url, model, prompts[:2], 8, None, 0, 0))  # warm-up
+        streams, window = asyncio.run(traffic(serve.url, model, prompts, args.max_tokens,
+                                              serve.redis if paused else None, args.pause_at_s, args.pause_s))
     t0 = min(s["start"] for s in streams)
     return {"paused": paused, "pause_window_s": None if window is None else [window[0] - t0, window[1] - t0],
             **summary(streams), "arrivals_s": [[a - t0 for a in s["arrivals"]] for s in streams]}

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -26,13 +25,14 @@ import time
 from pathlib import Path
 
 import httpx
+import redis as redis_py
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine_info  # noqa: E402
-from bench.redis_pause import chat_prompts, wait_ready  # noqa: E402
-from tests.redis_helpers import ThrowawayRedis, free_port  # noqa: E402
+from bench.redis_pause import Serve, chat_prompts  # noqa: E402
+from tests.redis_helpers import free_port  # noqa: E402
 
 SPECLOOP = str(ROOT / ".venv" / "bin" / "specloop")
 WARM_UP_S = 120.0  # RSS growth is measured from this far into the soak (the learner's pools fill first)
@@ -168,57 +168,35 @@ def main() -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
     folder.chmod(0o711)
-    redis = ThrowawayRedis(folder / "redis")
-    redis.folder.mkdir()
-    redis.start()
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
-        "SPECLOOP_REDIS_URL": redis.url, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-    log = open(folder / "serve.log", "w")
-    serve = subprocess.Popen([SPECLOOP, "--threads", "1", "serve", "--host", "127.0.0.1", "--port", str(port),
-                              "--verifier", args.verifier, "--drafter", args.drafter, "--learner", "klrl",
-                              "--slots", str(args.slots), "--max-queue", str(2 * max(args.clients + [args.soak_clients])),
-                              "--registry", str(folder / "registry")], env=env, stdout=log, stderr=log)
-    api = f"http://127.0.0.1:{port}"
-    nginx = None
+    flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", "klrl", "--slots", str(args.slots),
+             "--max-queue", str(2 * max(args.clients + [args.soak_clients]))]
     rss: dict[str, list[tuple[float, int]]] = {}
     redis_memory: list[tuple[float, int]] = []
     t_start = time.monotonic()
+    with Serve(folder, "soak", flags) as serve:
+        redis_client = redis_py.Redis(port=serve.redis.port, socket_timeout=2)
 
-    import redis as redis_py
+        def sample() -> None:
+            now = time.monotonic() - t_start
+            for name, value in tree_rss(serve.proc.pid).items():
+                rss.setdefault(name, []).append((now, value))
+            try:
+                redis_memory.append((now, int(redis_client.info("memory")["used_memory"])))
+            except redis_py.RedisError:
+                pass
 
-    redis_client = redis_py.Redis(port=redis.port, socket_timeout=2)
-
-    def sample() -> None:
-        now = time.monotonic() - t_start
-        for name, value in tree_rss(serve.pid).items():
-            rss.setdefault(name, []).append((now, value))
+        nginx, url = start_nginx(folder / "nginx", f"127.0.0.1:{serve.port}")
         try:
-            redis_memory.append((now, int(redis_client.info("memory")["used_memory"])))
-        except redis_py.RedisError:
-            pass
-
-    try:
-        wait_ready(api, serve)
-        nginx, url = start_nginx(folder / "nginx", f"127.0.0.1:{port}")
-        time.sleep(1)
-        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-        prompts = chat_prompts(Path(args.prompts), 200)
-        soak = asyncio.run(phase(url, api, model, prompts, args.soak_clients, True, args.soak_minutes * 60,
-                                 args.max_tokens, sample))
-        soak_end = time.monotonic() - t_start
-        sweep = [asyncio.run(phase(url, api, model, prompts, n, spec, args.phase_s, args.max_tokens, sample))
-                 for n in args.clients for spec in (True, False)]
-    finally:
-        if nginx is not None:
+            time.sleep(1)
+            model = serve.model()
+            prompts = chat_prompts(Path(args.prompts), 200)
+            soak = asyncio.run(phase(url, serve.url, model, prompts, args.soak_clients, True, args.soak_minutes * 60,
+                                     args.max_tokens, sample))
+            soak_end = time.monotonic() - t_start
+            sweep = [asyncio.run(phase(url, serve.url, model, prompts, n, spec, args.phase_s, args.max_tokens, sample))
+                     for n in args.clients for spec in (True, False)]
+        finally:
             nginx.send_signal(signal.SIGQUIT)
-        serve.send_signal(signal.SIGINT)
-        try:
-            serve.wait(60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-        redis.stop()
-        log.close()
 
     big = {n: s for n, s in rss.items() if max(v for _, v in s) > 50 * 2**20}
     processes = {}
