@@ -43,6 +43,14 @@ def payloads(tiny_pair) -> list[bytes]:
     return out
 
 
+def filled(payloads: list[bytes]) -> MemoryBuffer:
+    """A memory buffer holding `payloads`, in order."""
+    buffer = MemoryBuffer()
+    for p in payloads:
+        buffer.append(p)
+    return buffer
+
+
 def make_service(tiny_pair, registry, buffer, consumer: str = "learner-0", **service) -> LearnerService:
     learner = LearnerConfig(kind="pretrained", objective=ObjectiveConfig(name="kl"), lr=3e-3, lm_lr=3e-3,
                             batch_records=BATCH, publish_every=PUBLISH_EVERY, replay_ratio=16.0, holdout_every=4)
@@ -112,9 +120,7 @@ def test_a_learner_whose_versions_lost_their_weights_seeds_a_new_champion_instea
 def test_training_publishes_every_publish_every_updates_and_acks_entries_only_after_a_publish(
     tiny_pair, tmp_path, payloads
 ):
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer)
     registry = Registry(tmp_path / "registry")
 
@@ -184,9 +190,7 @@ def test_a_killed_learners_pending_records_go_to_the_next_learner_which_resumes_
 
 
 def test_pinning_stops_promotion_while_the_learner_keeps_training(tiny_pair, tmp_path, payloads):
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer)
     registry = Registry(tmp_path / "registry")
     step_until(service, lambda: len(service.published) == 1)
@@ -237,9 +241,7 @@ def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_
 
     from services.metrics import stop_metrics
 
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer)
     step_until(service, lambda: len(service.published) == 1)
     address = service.serve_metrics()
@@ -263,9 +265,7 @@ def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_
 def test_a_new_learner_resumes_from_the_champion_not_a_rolled_back_or_unreadable_version(tiny_pair, tmp_path, payloads):
     """The newest version was rolled back: the next learner starts from the champion. With the
     champion's file truncated too, the next one still starts, from the newest version that reads."""
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     a = make_service(tiny_pair, tmp_path / "registry", buffer)
     step_until(a, lambda: len(a.published) == 2)
     registry = Registry(tmp_path / "registry")
@@ -284,9 +284,7 @@ def test_a_new_learner_resumes_from_the_champion_not_a_rolled_back_or_unreadable
 
 
 def test_a_non_finite_loss_is_skipped_and_never_publishes(tiny_pair, tmp_path, payloads):
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer)
     registry = Registry(tmp_path / "registry")
     step_until(service, lambda: len(service.published) == 1)  # updates == PUBLISH_EVERY: "due" until the next one
@@ -302,9 +300,7 @@ def test_a_non_finite_loss_is_skipped_and_never_publishes(tiny_pair, tmp_path, p
 
 
 def test_a_dead_consumers_entries_are_claimed_while_the_learner_runs_not_only_at_start(tiny_pair, tmp_path, payloads):
-    buffer = MemoryBuffer()
-    for p in payloads[:10]:
-        buffer.append(p)
+    buffer = filled(payloads[:10])
     assert len(buffer.read("dead-learner", 100)) == 10  # read, never acknowledged
     service = make_service(tiny_pair, tmp_path / "registry", buffer, claim_idle_ms=200, claim_every_s=0.05)
     assert service.learner.seen == 0  # not idle long enough at start: still the dead consumer's
@@ -314,9 +310,7 @@ def test_a_dead_consumers_entries_are_claimed_while_the_learner_runs_not_only_at
 
 
 def test_the_learner_keeps_the_registry_bounded(tiny_pair, tmp_path, payloads):
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer, keep_versions=2)
     step_until(service, lambda: len(service.published) == 4)
     registry = Registry(tmp_path / "registry")
@@ -372,9 +366,7 @@ def test_a_promoted_version_is_judged_against_its_predecessor_on_the_same_live_r
 
 
 def test_a_periodic_claim_never_reads_the_learners_own_waiting_entries_twice(tiny_pair, tmp_path, payloads):
-    buffer = MemoryBuffer()
-    for p in payloads:
-        buffer.append(p)
+    buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer, claim_idle_ms=0, claim_every_s=0.0)
     step_until(service, lambda: len(service.published) == 2)
     for _ in range(5):
