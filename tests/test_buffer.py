@@ -245,3 +245,48 @@ def test_open_buffer_builds_each_backend():
         assert isinstance(buf, RedisStreamBuffer) and buf.key == "p:replay"
     finally:
         buf.close()
+
+
+@needs_redis_server
+def test_a_byte_bounded_stream_leaves_a_memory_limited_redis_room_for_the_registry(tmp_path, monkeypatch):
+    """Redis at `maxmemory 8mb` (noeviction, as deploy/redis runs it): 24 MB of records stream through
+    a buffer bounded to 2 MiB, none is refused, and registry writes still succeed afterwards."""
+    import subprocess
+
+    import torch
+
+    import services.buffer as buffer
+    from services.registry import Registry
+
+    monkeypatch.setattr(buffer, "MIN_ENTRIES", 10)
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+                             "no", "--maxmemory", "8mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}"
+    buf = None
+    try:
+        client = redis.Redis(port=port, socket_connect_timeout=0.2)
+        for _ in range(100):
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                time.sleep(0.05)
+        buf = RedisStreamBuffer(url, prefix="bounded", max_bytes=2 * 2**20)
+        for i in range(3000):
+            buf.append(bytes([i % 256]) * 8192)
+            if i % 500 == 499:
+                assert buf.flush(timeout=30)
+        assert buf.flush(timeout=30)
+        stats = buf.stats()
+        assert (stats.written, stats.dropped) == (3000, 0) and stats.memory_bytes < 4 * 2**20
+        reg = Registry(tmp_path / "registry", url, "bounded")
+        version = reg.publish({"w": torch.ones(3)}, parent=None, learner_step=0, objective="kl", loss=None,
+                              sim_acceptance=0.5, kind="pretrained").id
+        assert reg.promote(version).promoted and reg.champion() == version
+    finally:
+        if buf is not None:
+            buf.close()
+        proc.kill()
+        proc.wait(10)
