@@ -337,6 +337,29 @@ def test_no_request_fails_when_an_api_replica_shuts_down_mid_run(cluster):
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text[:300]
 
 
+@needs_nginx
+def test_only_requests_in_flight_on_a_sigkilled_api_replica_fail(cluster):
+    """An API replica is SIGKILLed (no drain) while traffic flows through nginx: at most the requests
+    it was answering fail, and every request sent after it died is served by the other replica."""
+    model = model_id(cluster.api)
+    replicas = [cluster.start_api("api-3"), cluster.start_api("api-4")]
+    lb = cluster.start_nginx("nginx-kill", [u.removeprefix("http://") for u in replicas])
+    victim = dict(cluster.procs.procs)["api-3"]
+
+    async def traffic_with_a_kill() -> tuple[list[Outcome], list[Outcome]]:
+        during = asyncio.create_task(drive(lb, model, PROMPTS * 2, concurrency=6, stagger_s=0.1))
+        await asyncio.sleep(0.8)
+        victim.kill()
+        first = await during
+        await asyncio.to_thread(victim.wait, 30)
+        return first, await drive(lb, model, PROMPTS, concurrency=4)
+
+    during, after = asyncio.run(traffic_with_a_kill())
+    failed = [o for o in during if not o.ok]
+    assert len(failed) <= 6, f"{len(failed)} failed, more than the 6 in flight: {[o.problem for o in failed][:3]}"
+    assert all(o.ok for o in after), [o.problem for o in after if not o.ok]
+
+
 def worker_tokens(api: str) -> dict[str, float]:
     """Tokens each verifier worker generated so far, by worker name, read from the workers' own
     metric endpoints as Prometheus finds them (the API's /sd/targets)."""
