@@ -356,6 +356,7 @@ def test_only_requests_in_flight_on_a_sigkilled_api_replica_fail(cluster):
 
     during, after = asyncio.run(traffic_with_a_kill())
     failed = [o for o in during if not o.ok]
+    print(f"SIGKILL: {len(failed)} of {len(during)} requests failed; {len(after)} sent after it died all served")
     assert len(failed) <= 6, f"{len(failed)} failed, more than the 6 in flight: {[o.problem for o in failed][:3]}"
     assert all(o.ok for o in after), [o.problem for o in after if not o.ok]
 
