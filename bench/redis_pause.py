@@ -175,12 +175,18 @@ def plot(results: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
+def deployment_arguments(doc: str) -> argparse.ArgumentParser:
+    """A parser with the pair and prompts a benchmark's `specloop serve` runs (the reference pair)."""
     shared = ROOT.parent / "shared"
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", default=str(shared / "models" / "verifier"))
     p.add_argument("--drafter", default=str(shared / "models" / "drafter"))
     p.add_argument("--prompts", default=str(shared / "prompts" / "chat_dev.jsonl"))
+    return p
+
+
+def main() -> int:
+    p = deployment_arguments(__doc__)
     p.add_argument("--learner", default="klrl")
     p.add_argument("--streams", type=int, default=12)
     p.add_argument("--slots", type=int, default=4)

@@ -13,7 +13,6 @@ Writes bench/results/soak.json and soak.png.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -31,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.machine import machine_info  # noqa: E402
-from bench.redis_pause import Serve, chat_prompts  # noqa: E402
+from bench.redis_pause import Serve, chat_prompts, deployment_arguments  # noqa: E402
 from tests.redis_helpers import free_port  # noqa: E402
 
 SPECLOOP = str(ROOT / ".venv" / "bin" / "specloop")
@@ -152,11 +151,7 @@ def slope_per_minute(samples: list[tuple[float, int]]) -> float:
 
 
 def main() -> int:
-    shared = ROOT.parent / "shared"
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--verifier", default=str(shared / "models" / "verifier"))
-    p.add_argument("--drafter", default=str(shared / "models" / "drafter"))
-    p.add_argument("--prompts", default=str(shared / "prompts" / "chat_dev.jsonl"))
+    p = deployment_arguments(__doc__)
     p.add_argument("--soak-minutes", type=float, default=10.0)
     p.add_argument("--soak-clients", type=int, default=64)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
