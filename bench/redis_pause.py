@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,10 +26,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info  # noqa: E402
-from tests.redis_helpers import ThrowawayRedis, free_port  # noqa: E402
+from services.launch import ServeProcess  # noqa: E402
+from tests.redis_helpers import ThrowawayRedis  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPECLOOP = str(ROOT / ".venv" / "bin" / "specloop")
 
 
 def chat_prompts(path: Path, n: int) -> list[str]:
@@ -88,63 +87,30 @@ def summary(streams: list[dict]) -> dict:
             "gap_p50_s": pick(0.5), "gap_p99_s": pick(0.99), "errors": [s["error"] for s in streams if s["error"]]}
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("serve did not become ready")
-
-
-class Serve:
-    """`specloop serve` in a process of its own, its registry and replay stream in a throwaway Redis;
-    a context manager that stops both (the way the benchmarks start a deployment)."""
+class Serve(ServeProcess):
+    """`specloop serve` (services.launch.ServeProcess) with its registry and replay stream in a
+    throwaway Redis of its own, stopped with it."""
 
     def __init__(self, folder: Path, name: str, flags: list[str]):
         self.redis = ThrowawayRedis(folder / f"redis-{name}")
         self.redis.folder.mkdir()
         self.redis.start()
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {
-            "SPECLOOP_REDIS_URL": self.redis.url, "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
-        self.log = open(folder / f"serve-{name}.log", "w")
-        self.proc = subprocess.Popen([SPECLOOP, "--threads", "1", "serve", "--host", "127.0.0.1", "--port",
-                                      str(self.port), "--registry", str(folder / f"registry-{name}"), *flags],
-                                     env=env, stdout=self.log, stderr=self.log)
-        self.url = f"http://127.0.0.1:{self.port}"
+        os.environ.update(SPECLOOP_REDIS_URL=self.redis.url, RAY_USAGE_STATS_ENABLED="0", OMP_NUM_THREADS="1")
+        super().__init__(["--host", "127.0.0.1", *flags], threads=1, registry=folder / f"registry-{name}",
+                         log=folder / f"serve-{name}.log", cwd=ROOT)
 
-    def __enter__(self) -> "Serve":
+    def stop(self, timeout: float = 60.0) -> int | None:
         try:
-            wait_ready(self.url, self.proc)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *_) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.redis.stop()
-        self.log.close()
-
-    def model(self) -> str:
-        return httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+            return super().stop(timeout)
+        finally:
+            self.redis.stop()
 
 
 def run(args, paused: bool, folder: Path) -> dict:
     flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", args.learner,
              "--slots", str(args.slots), "--max-queue", str(args.streams)]
     with Serve(folder, "paused" if paused else "steady", flags) as serve:
-        model = serve.model()
+        model = serve.model
         prompts = chat_prompts(Path(args.prompts), args.streams)
         asyncio.run(traffic(serve.url, model, prompts[:2], 8, None, 0, 0))  # warm-up
         streams, window = asyncio.run(traffic(serve.url, model, prompts, args.max_tokens,

@@ -33,7 +33,6 @@ from bench.machine import machine_info  # noqa: E402
 from bench.redis_pause import Serve, chat_prompts, deployment_arguments  # noqa: E402
 from tests.redis_helpers import free_port  # noqa: E402
 
-SPECLOOP = str(ROOT / ".venv" / "bin" / "specloop")
 WARM_UP_S = 120.0  # RSS growth is measured from this far into the soak (the learner's pools fill first)
 
 
@@ -183,7 +182,7 @@ def main() -> int:
         nginx, url = start_nginx(folder / "nginx", f"127.0.0.1:{serve.port}")
         try:
             time.sleep(1)
-            model = serve.model()
+            model = serve.model
             prompts = chat_prompts(Path(args.prompts), 200)
             soak = asyncio.run(phase(url, serve.url, model, prompts, args.soak_clients, True, args.soak_minutes * 60,
                                      args.max_tokens, sample))

@@ -379,7 +379,8 @@ class ServingLoop:
 
 def attach_metrics(loop: ServingLoop, metrics) -> None:
     """Feed a `services.metrics.WorkerMetrics` from every step of `loop`'s worker (one call per step)."""
-    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "failures": 0, "records_at": 0.0, "estimates_at": 0.0}
+    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "failures": 0, "records_at": 0.0, "estimates_at": 0.0,
+                             "registry_at": 0.0}
     metrics.serving(worker.version)
 
     def on_step(updates: list[RowUpdate], engine, version: str) -> None:
@@ -399,12 +400,14 @@ def attach_metrics(loop: ServingLoop, metrics) -> None:
         for _ in worker.load_failures[seen["failures"]:]:
             metrics.load_failed()
         seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks), failures=len(worker.load_failures))
-        if worker.watcher is not None:
-            metrics.registry_reachable(not worker.watcher.down)
+
         if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:
             seen["records_at"] = time.monotonic()
             rec = worker.logger.stats()
             metrics.records(rec["logged"], rec["dropped"])
+        if worker.watcher is not None and time.monotonic() - seen["registry_at"] > 1.0:
+            seen["registry_at"] = time.monotonic()
+            metrics.registry_reachable(not worker.watcher.down)
 
     worker.on_step.append(on_step)
 

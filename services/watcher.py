@@ -42,6 +42,8 @@ class RegistryWatcher:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._polls = 0  # reads finished (successful or not)
+        self._reading = False  # a read is under way (set and cleared under the lock)
+        self._champion: str | None = None  # the champion of the alias last read
         self._kick = False
         self._tasks: list[Callable[[], None]] = []
         self._stop = False
@@ -83,8 +85,6 @@ class RegistryWatcher:
 
     # -- the thread
 
-    _reading = False
-
     def _submit(self, task: Callable[[], None]) -> None:
         with self._wake:
             self._tasks.append(task)
@@ -123,8 +123,6 @@ class RegistryWatcher:
                     self._ready = loaded
                 return
             champion = now
-
-    _champion: str | None = None  # the champion of the alias last read
 
     def _changed_champion(self) -> str | None:
         """Read the alias: the champion to load when it changed to a version not serving, else None
