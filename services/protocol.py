@@ -44,6 +44,7 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     k: int | None = None  # draft length; None = auto (the worker's controller, step by step); 0 = speculation off
     drafter_version: str | None = None  # None = the serving champion
+    logprobs: int | None = None  # None: no log-probabilities; n (0..20): each token's, with its n most likely alternatives
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, tuple(self.stop), self.seed)
@@ -77,6 +78,26 @@ class ErrorInfo:
     code: str | None = None
 
 
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the verifier's distribution as served (its raw
+    logits, before temperature / top-k / top-p, as vLLM reports them), and the `top` most likely
+    tokens at that position: (token id, log-probability) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TokenLogprob":
+        entry = _from_dict(cls, data)
+        entry.top = [(int(t), float(lp)) for t, lp in entry.top]
+        return entry
+
+
 @dataclass
 class Chunk:
     id: str
@@ -85,6 +106,7 @@ class Chunk:
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk
     usage: Usage | None = None  # on the last chunk
     error: ErrorInfo | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -92,6 +114,8 @@ class Chunk:
     @classmethod
     def from_dict(cls, data: dict) -> "Chunk":
         chunk = _from_dict(cls, data)
+        if chunk.logprobs is not None:
+            chunk.logprobs = [e if isinstance(e, TokenLogprob) else TokenLogprob.from_dict(e) for e in chunk.logprobs]
         if isinstance(chunk.usage, dict):
             chunk.usage = _from_dict(Usage, chunk.usage)
         if isinstance(chunk.error, dict):

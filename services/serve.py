@@ -41,10 +41,12 @@ class ServeConfig:
     registry: Path | None = None
     redis_url: str | None = None  # None: detect (SPECLOOP_REDIS_URL, then the local Redis, else embedded)
     admin_token: str | None = None
+    api_key: str | None = None  # when set, /v1 asks for `Authorization: Bearer KEY` (401 without it)
+    drain_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
     worker_threads: int = 1
     learner_threads: int = 1
     worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
-    model_id: str | None = None  # default: the verifier folder's name
+    model_id: str | None = None  # --served-model-name; default: the verifier folder's name
     weights: str = "auto"  # the verifier's weight mode (drafter.quant; auto = as stored / its manifest)
     drafter_weights: str = "auto"
 
