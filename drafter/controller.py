@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-AUTO_K_MAX = 4  # the most drafts per block a controller chooses by default (the context reserves 2 k + 2)
+from drafter.capacity import AUTO_K_MAX  # noqa: F401 - re-exported; the capacity rule owns it
 
 
 @dataclass(frozen=True)
