@@ -16,9 +16,8 @@ from drafter.models import load_model, load_tokenizer
 from drafter.sampling import SamplingParams
 from drafter.speculative import StopRule, generate
 from tests.admin_helpers import serving
-from drafter.controller import AUTO_K_MAX
-from services.api import (DEFAULT_MAX_TOKENS, ApiConfig, ApiError, completion_budget, create_app,
-                          draft_reserve, plan_request)
+from drafter.capacity import draft_reserve
+from services.api import create_app
 from services.generation import final_text
 from services.protocol import Chunk, CompletionRequest, ErrorInfo
 from services.serving import LocalBackend, wait_ready
@@ -276,41 +275,6 @@ def test_the_longest_request_that_fits_the_context_is_served(url, max_context):
         assert out["usage"]["completion_tokens"] <= 3 and out["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-def test_default_max_tokens_fills_the_context_up_to_a_cap():
-    cfg = ApiConfig(MODEL, 512)
-    usable = 512 - draft_reserve(4)
-    assert completion_budget(10, None, 4, cfg) == DEFAULT_MAX_TOKENS
-    assert completion_budget(usable - 3, None, 4, cfg) == 3
-    assert completion_budget(usable - 3, None, 0, cfg) == 3 + draft_reserve(4) - draft_reserve(0)
-    assert completion_budget(10, usable - 10, 4, cfg) == usable - 10
-    with pytest.raises(ApiError):
-        completion_budget(11, usable - 10, 4, cfg)
-
-
-def test_a_plan_fans_n_choices_out_with_one_seed_and_stream_indices(verifier):
-    cfg, tok = ApiConfig(MODEL, 512), verifier.tokenizer
-    body = {"model": MODEL, "messages": CHAT, "n": 3, "temperature": 0.7, "top_k": -1, "max_completion_tokens": 5,
-            "speculative": {"k": 2, "drafter_version": "v0003"}}
-    plan = plan_request(body, True, cfg, tok)
-    assert [r.stream_index for r in plan.requests] == [0, 1, 2] and len({r.seed for r in plan.requests}) == 1
-    assert all(r.k == 2 and r.drafter_version == "v0003" and r.max_tokens == 5 and r.top_k == 0 for r in plan.requests)
-    assert plan_request(body, True, cfg, tok).requests[0].seed != plan.requests[0].seed  # random per request
-    greedy = plan_request({"model": MODEL, "prompt": "x", "temperature": 0, "speculative": {"enabled": False}},
-                          False, cfg, tok)
-    assert greedy.requests[0].seed == 0 and greedy.requests[0].k == 0
-
-
-def test_k_is_auto_by_default_and_auto_reserves_room_for_the_most_the_controller_drafts(verifier):
-    cfg, tok = ApiConfig(MODEL, 512), verifier.tokenizer
-    for spec in (None, {}, {"k": "auto"}, {"enabled": True, "k": "auto"}):
-        body = {"model": MODEL, "prompt": "x"} | ({} if spec is None else {"speculative": spec})
-        assert plan_request(body, False, cfg, tok).requests[0].k is None  # None: auto
-    assert draft_reserve(None) == draft_reserve(AUTO_K_MAX)
-    assert completion_budget(512 - draft_reserve(None) - 3, None, None, cfg) == 3
-    with pytest.raises(ApiError, match="reserved for drafting with k=auto"):
-        completion_budget(600, None, None, cfg)
-
-
 # ------------------------------------------------------------------------------ sampling features
 
 
@@ -345,7 +309,7 @@ def test_deeply_nested_json_is_a_400_never_a_500(url):
 
 
 def test_a_body_over_the_limit_is_a_413_in_openai_shape(url):
-    from services.api import MAX_BODY_BYTES
+    from services.schemas import MAX_BODY_BYTES
 
     body = json.dumps({"model": MODEL, "prompt": "x" * (MAX_BODY_BYTES + 10)}).encode()
     r = httpx.post(url + "/v1/completions", content=body, timeout=60, headers={"content-type": "application/json"})
@@ -379,17 +343,6 @@ def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing_without
     streamer.join(60)
     gap = max(b - a for a, b in zip(arrivals, arrivals[1:]))
     assert len(arrivals) > 10 and gap < 1.0, f"the stream stalled {gap:.2f} s"
-
-
-def test_the_prompt_byte_limit_never_refuses_a_prompt_that_fits(verifier):
-    """Text that encodes to n tokens is never over the limit for a context of n tokens."""
-    from services.api import prompt_bytes_limit
-    from tests.tiny import TEXT
-
-    tok = verifier.tokenizer
-    for text in [*TEXT, " " * 300, "\n\t" * 200, "é" * 100, "日本語のテキスト" * 20, "<|user|>" * 10, "0123456789" * 50]:
-        n = len(tok.encode(text, add_special_tokens=False))
-        assert len(text.encode()) <= prompt_bytes_limit(tok, n), text[:40]
 
 
 def test_a_vanishing_temperature_samples_as_the_floor_temperature_does(client):

@@ -1,0 +1,214 @@
+"""Request planning: a validated request body becomes a `Plan`, one `CompletionRequest` per choice.
+
+Planning resolves the prompt (chat template or completion prompt, as token ids), the completion
+budget under the capacity rule (drafter/capacity.py: prompt + max_tokens + 2k + 2 positions), stop
+strings, the seed and the draft length. It runs on the API's planner thread (tokenizing never
+holds the event loop) and raises `ApiError` for anything off.
+
+A request with `n` choices (or several prompts) fans out into one `CompletionRequest` per choice,
+all with the request's seed and stream_index = choice index.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from drafter.capacity import draft_reserve
+from services.prompts import PromptError, PromptRecord, encode
+from services.protocol import CompletionRequest
+from services.schemas import (MAX_BODY_BYTES, MAX_CHOICES, RETRY_AFTER_S, ApiError, ChatBody, CompletionBody, Message,
+                              Speculative, check_supported, invalid, not_found, parse_json, validation_message)
+
+DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+
+
+@dataclass
+class ApiConfig:
+    model_id: str  # the id clients name in `model`
+    max_context: int  # positions of a worker slot: prompt + max_tokens + draft_reserve(k) must fit
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    retry_after_s: int = RETRY_AFTER_S
+    max_prompt_bytes: int | None = None  # prompt text beyond this cannot fit the context (`prompt_bytes_limit`)
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+@dataclass
+class Plan:
+    """One API request, validated: a CompletionRequest per choice (choice index = list index)."""
+
+    id: str
+    chat: bool
+    created: int
+    prompt_lens: list[int]  # tokens of each distinct prompt (usage counts each once)
+    requests: list[CompletionRequest]
+    stream: bool = False
+    include_usage: bool = False
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def prompt_bytes_limit(tokenizer, max_context: int) -> int:
+    """The most UTF-8 bytes of prompt text that can encode to `max_context` tokens or fewer: each token
+    stands for at most as many input bytes as its own vocabulary string holds (an upper bound, so no
+    prompt that fits is refused), doubled for normalizers that shorten their input. Checked before
+    tokenizing, so a 12 MB prompt is refused in microseconds rather than after seconds of encoding."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max((len(t.encode("utf-8")) for t in tokens if isinstance(t, str)), default=1)
+    return 2 * max(longest, 4) * max_context
+
+
+def check_prompt_bytes(texts: list[str], cfg: ApiConfig, param: str) -> None:
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if cfg.max_prompt_bytes is not None and size > cfg.max_prompt_bytes:
+        raise invalid(f"the prompt has {size} bytes of text; at most {cfg.max_prompt_bytes} can fit this model's "
+                      f"context of {cfg.max_context} tokens. Please shorten it.", param)
+
+
+def message_text(message: Message, i: int) -> str:
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                              f"messages.{i}.content.{j}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid("content must be a string or a list of text parts", f"messages.{i}.content")
+
+
+def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig) -> list[int]:
+    """The chat template applied with a generation prompt (as `specloop generate` does)."""
+    turns = tuple({"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages))
+    check_prompt_bytes([t["content"] for t in turns], cfg, "messages")
+    try:
+        return encode(tokenizer, PromptRecord(id="request", messages=turns))
+    except PromptError:
+        raise invalid("the messages encode to no tokens", "messages") from None
+    except Exception as exc:  # the template's own checks (jinja raise_exception)
+        raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+
+
+def completion_prompts(tokenizer, prompt: Any, cfg: ApiConfig) -> list[list[int]]:
+    """`prompt` as token ids: a string, a list of strings, a token-id list, or a list of those."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise invalid("prompt must be a string, a list of strings, a list of token ids, or a list of those",
+                      "prompt")
+    if len(prompt) > MAX_CHOICES:
+        raise invalid(f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}", "prompt")
+    for p in prompt:
+        check_prompt_bytes([p] if isinstance(p, str) else [], cfg, "prompt")
+    vocab = len(tokenizer)
+    out = []
+    for p in prompt:
+        ids = p if _is_ids(p) else tokenizer.encode(p, add_special_tokens=False)
+        if not ids:
+            raise invalid("the prompt is empty (it encodes to no tokens)", "prompt")
+        if not all(0 <= t < vocab for t in ids):
+            raise invalid(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        out.append(list(ids))
+    return out
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise invalid(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise invalid("stop strings must not be empty", "stop")
+    return stops
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+
+
+def completion_budget(prompt_len: int, requested: int | None, k: int | None, cfg: ApiConfig,
+                      prompt_param: str = "prompt") -> int:
+    """max_tokens for a prompt decoded with draft length k (None: auto): the requested count if it fits
+    the context, else a 400; by default what fits, at most cfg.default_max_tokens."""
+    reserve = draft_reserve(k)
+    usable = cfg.max_context - reserve
+    limit = (f"This model's maximum context length is {usable} tokens ({cfg.max_context} positions, {reserve} of "
+             f"them reserved for drafting with k={'auto' if k is None else k}).")
+    if requested is None:
+        if prompt_len >= usable:
+            raise invalid(f"{limit} However, the prompt has {prompt_len} tokens, which leaves no room for a "
+                          "completion. Please shorten the prompt.", prompt_param)
+        return min(usable - prompt_len, cfg.default_max_tokens)
+    if prompt_len + requested > usable:
+        raise invalid(f"{limit} However, you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                      f"{requested} for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+    return requested
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+def plan_body(raw: bytes, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
+    """A raw request body parsed and planned: what runs on the planner thread, off the event loop."""
+    return plan_request(parse_json(raw), chat, cfg, tokenizer)
+
+
+def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
+    """Validate a request body (a parsed JSON value) into a Plan; ApiError if anything is off."""
+    req = validated(body, chat, cfg)
+    prompts = [chat_prompt(tokenizer, req.messages, cfg)] if chat else completion_prompts(tokenizer, req.prompt, cfg)
+    n = req.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise invalid(f"n × prompts is at most {MAX_CHOICES}, got {n} × {len(prompts)}", "n")
+    requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    spec = req.speculative or Speculative()
+    k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
+    budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    common = sampling_fields(req) | dict(k=k, drafter_version=spec.drafter_version)
+    requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
+                                  stream_index=p * n + i, **common)
+                for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage)
+
+
+def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBody:
+    """The body as its pydantic model, with the checks that span fields."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    try:
+        req = (ChatBody if chat else CompletionBody).model_validate(body)
+    except ValidationError as exc:
+        raise validation_message(exc) from None
+    check_supported(body)
+    if req.model != cfg.model_id:
+        raise not_found(req.model, cfg.model_id)
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    return req
+
+
+def sampling_fields(req: ChatBody | CompletionBody) -> dict:
+    """temperature, top-k, top-p, seed and stop strings of the CompletionRequests."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    seed = req.seed if req.seed is not None else (secrets.randbits(63) if temperature > 0 else 0)
+    return dict(temperature=temperature, top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
+                seed=seed, stop=stop_strings(req.stop))

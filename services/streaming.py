@@ -1,0 +1,275 @@
+"""Answering a planned request: the backend streams of its choices merged (`Fanout`), what each
+choice has produced (`Progress`), and the OpenAI response shapes built from them: a full
+chat.completion / text_completion, or server-sent events (`data: {json}` … `data: [DONE]`).
+
+An error before any byte is sent becomes the HTTP status (`open_choices` waits for every choice's
+first chunk); an error after a stream began is sent in-band (`data: {"error": …}`) and the stream
+ends with `data: [DONE]`. A client that goes away stops its backend streams, so the worker frees
+the slots.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from services.backend import Backend
+from services.planning import Plan
+from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage
+from services.schemas import ApiError
+
+log = logging.getLogger("specloop.api")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering (nginx)
+CLIENT_CLOSED = 499  # status counted for a request whose client went away (nginx's code)
+
+
+# -------------------------------------------------------------------------------------------- fan-out
+
+
+def server_error(request_id: str, message: str) -> Chunk:
+    return Chunk(request_id, error=ErrorInfo(message, "server_error", 500))
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was complete."""
+
+
+class Fanout:
+    """The backend streams of one request's choices, merged in arrival order. `close()` stops them
+    all: each stream is closed, so the worker frees its slot. `watch(request)` makes `next()` raise
+    ClientGone as soon as the client disconnects (FastAPI itself does not notice before a response
+    is streamed)."""
+
+    def __init__(self, backend: Backend, requests: list[CompletionRequest]):
+        self.queue: asyncio.Queue[tuple[int, Chunk | None]] = asyncio.Queue()
+        self.tasks = [asyncio.create_task(self._pump(i, backend, r)) for i, r in enumerate(requests)]
+        self.watcher: asyncio.Task | None = None
+
+    async def _pump(self, index: int, backend: Backend, request: CompletionRequest) -> None:
+        stream = None
+        try:
+            stream = backend.stream(request)
+            async for chunk in stream:
+                await self.queue.put((index, chunk))
+                if chunk.last:
+                    return
+            await self.queue.put((index, server_error(request.id, "the worker ended the stream without a last chunk")))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a backend failure (a dead actor …) becomes this choice's error chunk
+            log.exception("backend stream of %s failed", request.id)
+            await self.queue.put((index, server_error(request.id, f"the backend failed: {type(exc).__name__}: {exc}")))
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def watch(self, request: Request) -> None:
+        self.watcher = asyncio.create_task(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.queue.put_nowait((-1, None))
+
+    def unwatch(self) -> None:
+        """Stop watching (a streamed response listens for the disconnect itself)."""
+        if self.watcher is not None:
+            self.watcher.cancel()
+            self.watcher = None
+
+    async def next(self) -> tuple[int, Chunk]:
+        index, chunk = await self.queue.get()
+        if chunk is None:
+            raise ClientGone()
+        return index, chunk
+
+    def close(self) -> None:
+        self.unwatch()
+        for task in self.tasks:
+            task.cancel()
+
+
+# -------------------------------------------------------------------------------------------- progress
+
+
+@dataclass
+class ChoiceState:
+    """What one choice has produced so far, and when."""
+
+    texts: list[str] = field(default_factory=list)
+    tokens: int = 0
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)  # between successive chunks that carried tokens
+    end_s: float | None = None
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class Progress:
+    """All choices of one request: updated per chunk, summarised into usage and metrics."""
+
+    arrival_s: float
+    choices: list[ChoiceState]
+    error: ErrorInfo | None = None
+    error_index: int | None = None  # the choice whose chunk carried the error
+
+    @classmethod
+    def start(cls, arrival_s: float, n: int) -> "Progress":
+        return cls(arrival_s, [ChoiceState() for _ in range(n)])
+
+    def observe(self, index: int, chunk: Chunk) -> None:
+        c, now = self.choices[index], time.perf_counter()
+        if chunk.token_ids:
+            if c.first_token_s is None:
+                c.first_token_s = now
+            else:
+                c.gaps_s.append(now - c.last_token_s)
+            c.last_token_s = now
+        c.tokens += len(chunk.token_ids)
+        c.texts.append(chunk.text)
+        if chunk.error is not None and self.error is None:
+            self.error, self.error_index = chunk.error, index
+        if chunk.last:
+            c.finish_reason, c.usage, c.end_s = chunk.finish_reason, chunk.usage, now
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or all(c.end_s is not None for c in self.choices)
+
+    @property
+    def status(self) -> int:
+        """For the request counter: 200, the error's status, or 499 (nginx's "client closed request")."""
+        return self.error.status if self.error is not None else 200 if self.done else CLIENT_CLOSED
+
+    def finish_reasons(self) -> list[str]:
+        """Every choice's end for the metrics: its finish_reason, "error" for the one that failed,
+        "abort" for one cut short (its client went away, or a sibling choice failed)."""
+        return [c.finish_reason or ("error" if i == self.error_index else "abort") for i, c in enumerate(self.choices)]
+
+
+def usage_dict(prompt_lens: list[int], choices: list[ChoiceState]) -> dict:
+    """OpenAI usage (prompts counted once each, completions summed over choices) plus the draft counts."""
+    completion = sum(c.usage.completion_tokens if c.usage else c.tokens for c in choices)
+    versions: list[str] = []
+    for c in choices:
+        for v in (c.usage.drafter_version or "").split(",") if c.usage else ():
+            if v and v not in versions:
+                versions.append(v)
+    return {
+        "prompt_tokens": sum(prompt_lens),
+        "completion_tokens": completion,
+        "total_tokens": sum(prompt_lens) + completion,
+        "drafted_tokens": sum(c.usage.drafted_tokens for c in choices if c.usage),
+        "accepted_tokens": sum(c.usage.accepted_tokens for c in choices if c.usage),
+        "drafter_version": ",".join(versions) or None,
+    }
+
+
+# ------------------------------------------------------------------------------------------ responses
+
+
+def full_response(plan: Plan, model: str, progress: Progress) -> dict:
+    """A non-streamed chat.completion / text_completion."""
+    choices = []
+    for i, c in enumerate(progress.choices):
+        text = "".join(c.texts)
+        body = {"message": {"role": "assistant", "content": text}} if plan.chat else {"text": text}
+        choices.append({"index": i, **body, "logprobs": None, "finish_reason": c.finish_reason})
+    return {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion", "created": plan.created,
+            "model": model, "choices": choices, "usage": usage_dict(plan.prompt_lens, progress.choices)}
+
+
+def stream_chunk(plan: Plan, model: str, index: int, text: str | None = None, role: bool = False,
+                 finish_reason: str | None = None) -> dict:
+    """One streamed chunk of choice `index`: the role opening (chat), a text delta, or the finish."""
+    if plan.chat:
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    out = {"id": plan.id, "object": "chat.completion.chunk" if plan.chat else "text_completion",
+           "created": plan.created, "model": model, "choices": [choice]}
+    if plan.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(plan: Plan, model: str, progress: Progress) -> dict:
+    return {"id": plan.id, "object": "chat.completion.chunk" if plan.chat else "text_completion",
+            "created": plan.created, "model": model, "choices": [],
+            "usage": usage_dict(plan.prompt_lens, progress.choices)}
+
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+# ---------------------------------------------------------------------------------------- answering
+
+
+async def open_choices(fanout: Fanout, progress: Progress) -> list[tuple[int, Chunk]]:
+    """Chunks until every choice has sent its first one (or one failed): before any byte is sent, so an
+    early error (overloaded, unknown drafter version …) becomes the HTTP status."""
+    events, started = [], set()
+    while len(started) < len(progress.choices) and progress.error is None:
+        index, chunk = await fanout.next()
+        progress.observe(index, chunk)
+        events.append((index, chunk))
+        started.add(index)
+    return events
+
+
+async def collect(fanout: Fanout, progress: Progress) -> None:
+    """Every remaining chunk (a non-streamed answer)."""
+    while not progress.done:
+        progress.observe(*await fanout.next())
+
+
+async def stream_events(plan: Plan, model: str, fanout: Fanout, progress: Progress,
+                        opened: list[tuple[int, Chunk]]) -> AsyncIterator[bytes]:
+    """The SSE body: role openings, text deltas and finishes by arrival, the usage chunk, [DONE]."""
+    if plan.chat:
+        for i in range(len(plan.requests)):
+            yield sse(stream_chunk(plan, model, i, role=True))
+    pending = list(opened)
+    while pending or not progress.done:
+        if pending:
+            index, chunk = pending.pop(0)
+        else:
+            index, chunk = await fanout.next()
+            progress.observe(index, chunk)
+        if chunk.error is not None:
+            yield sse(ApiError.from_info(chunk.error).body())
+            break
+        if chunk.text:
+            yield sse(stream_chunk(plan, model, index, text=chunk.text))
+        if chunk.finish_reason is not None:
+            yield sse(stream_chunk(plan, model, index, finish_reason=chunk.finish_reason))
+    if plan.include_usage and progress.error is None:
+        yield sse(usage_chunk(plan, model, progress))
+    yield sse("[DONE]")
+
+
+class ClosingStream(StreamingResponse):
+    """A StreamingResponse that runs `on_close` however it ends: finished, client gone, or never
+    started (a client gone before the first byte: the body generator never runs at all)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None], **kwargs):
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
