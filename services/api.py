@@ -13,6 +13,7 @@ closed and it is recorded in the metrics, however it ended.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +23,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from services.auth import ApiKeyAuth
 from services.backend import Backend
-from services.planning import DEFAULT_MAX_TOKENS, ApiConfig, Plan, plan_body, prompt_bytes_limit
+from services.planning import (DEFAULT_MAX_TOKENS, ApiConfig, Plan, detokenize, plan_body, prompt_bytes_limit,
+                               tokenize)
 from services.schemas import ApiError, error_response, not_found, read_body, validation_message
 from services.streaming import (CLIENT_CLOSED, SSE_HEADERS, ClientGone, ClosingStream, Fanout, Progress, collect,
                                 full_response, open_choices, stream_events)
@@ -31,6 +34,16 @@ from services.streaming import (CLIENT_CLOSED, SSE_HEADERS, ClientGone, ClosingS
 log = logging.getLogger("specloop.api")
 
 SD_JOB = "specloop-actors"  # the job label of /sd/targets
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("specloop")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
+VERSION = package_version()
 
 
 # -------------------------------------------------------------------------------------------- metrics
@@ -144,16 +157,20 @@ class Completions:
 
 
 def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, admin_router: APIRouter | None = None,
-               metrics=None, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+               metrics=None, default_max_tokens: int = DEFAULT_MAX_TOKENS, api_key: str | None = None) -> FastAPI:
     """The API over `backend`. `tokenizer` is the verifier's (chat template, prompt encoding);
-    `metrics` an ApiMetrics (services/metrics.py) or None (no /metrics, nothing recorded)."""
+    `metrics` an ApiMetrics (services/metrics.py) or None (no /metrics, nothing recorded); `api_key`
+    (when set) is asked of every /v1 route and /tokenize, /detokenize (services/auth.py)."""
     cfg = ApiConfig(model_id, max_context, default_max_tokens,
                     max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context))
-    app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding")
+    app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding", version=VERSION)
     app.state.api = cfg
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
     add_error_handlers(app, cfg)
     completions = Completions(backend, tokenizer, cfg, metrics if metrics is not None else NullMetrics())
     add_completion_routes(app, completions)
+    add_token_routes(app, completions)
     add_status_routes(app, backend, cfg)
     if metrics is not None:
         add_metrics_route(app, metrics)
@@ -186,6 +203,21 @@ def add_completion_routes(app: FastAPI, completions: Completions) -> None:
         return await completions(request, chat=False)
 
 
+def add_token_routes(app: FastAPI, completions: Completions) -> None:
+    """/tokenize and /detokenize (vLLM's shapes), on the planner thread like a completion's prompt."""
+    cfg, tokenizer = completions.cfg, completions.tokenizer
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict:
+        raw = await read_body(request, cfg.max_body_bytes)
+        return await completions.run_planner(tokenize, raw, cfg, tokenizer)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict:
+        raw = await read_body(request, cfg.max_body_bytes)
+        return await completions.run_planner(detokenize, raw, cfg, tokenizer)
+
+
 def add_status_routes(app: FastAPI, backend: Backend, cfg: ApiConfig) -> None:
     @app.get("/v1/models")
     async def models() -> dict:
@@ -207,6 +239,10 @@ def add_status_routes(app: FastAPI, backend: Backend, cfg: ApiConfig) -> None:
     async def ready() -> JSONResponse:
         ok = await backend_ready(backend)
         return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": VERSION}
 
     @app.get("/sd/targets")
     async def sd_targets() -> list:

@@ -21,8 +21,9 @@ from pydantic import ValidationError
 from drafter.capacity import draft_reserve
 from services.prompts import PromptError, PromptRecord, encode
 from services.protocol import CompletionRequest
-from services.schemas import (MAX_BODY_BYTES, MAX_CHOICES, RETRY_AFTER_S, ApiError, ChatBody, CompletionBody, Message,
-                              Speculative, check_supported, invalid, not_found, parse_json, validation_message)
+from services.schemas import (MAX_BODY_BYTES, MAX_CHOICES, RETRY_AFTER_S, ChatBody, CompletionBody, DetokenizeBody,
+                              Message, Speculative, TokenizeBody, check_supported, invalid, not_found, parse_body,
+                              parse_json, validation_message)
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -88,16 +89,26 @@ def message_text(message: Message, i: int) -> str:
     raise invalid("content must be a string or a list of text parts", f"messages.{i}.content")
 
 
-def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig) -> list[int]:
-    """The chat template applied with a generation prompt (as `specloop generate` does)."""
+def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig, add_generation_prompt: bool = True) -> list[int]:
+    """The chat template applied, by default with a generation prompt (as `specloop generate` does)."""
     turns = tuple({"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages))
     check_prompt_bytes([t["content"] for t in turns], cfg, "messages")
     try:
-        return encode(tokenizer, PromptRecord(id="request", messages=turns))
+        ids = template_ids(tokenizer, turns, add_generation_prompt)
     except PromptError:
-        raise invalid("the messages encode to no tokens", "messages") from None
+        ids = []
     except Exception as exc:  # the template's own checks (jinja raise_exception)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+    if not ids:
+        raise invalid("the messages encode to no tokens", "messages")
+    return ids
+
+
+def template_ids(tokenizer, turns: tuple[dict, ...], add_generation_prompt: bool) -> list[int]:
+    if add_generation_prompt:
+        return encode(tokenizer, PromptRecord(id="request", messages=turns))
+    ids = tokenizer.apply_chat_template(list(turns), add_generation_prompt=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def completion_prompts(tokenizer, prompt: Any, cfg: ApiConfig) -> list[list[int]]:
@@ -199,8 +210,7 @@ def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBod
     except ValidationError as exc:
         raise validation_message(exc) from None
     check_supported(body)
-    if req.model != cfg.model_id:
-        raise not_found(req.model, cfg.model_id)
+    check_model(req.model, cfg)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     return req
@@ -212,3 +222,37 @@ def sampling_fields(req: ChatBody | CompletionBody) -> dict:
     seed = req.seed if req.seed is not None else (secrets.randbits(63) if temperature > 0 else 0)
     return dict(temperature=temperature, top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
                 seed=seed, stop=stop_strings(req.stop))
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+
+
+def tokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
+    """POST /tokenize: a prompt or chat messages as the token ids a completion would be fed."""
+    body = parse_body(raw, TokenizeBody)
+    check_model(body.model, cfg)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give exactly one of `prompt` (a string) or `messages`", "prompt")
+    if body.messages is not None:
+        ids = chat_prompt(tokenizer, body.messages, cfg, body.add_generation_prompt)
+    else:
+        check_prompt_bytes([body.prompt], cfg, "prompt")
+        ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_context}
+
+
+def detokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
+    """POST /detokenize: token ids as text (special tokens kept)."""
+    body = parse_body(raw, DetokenizeBody)
+    check_model(body.model, cfg)
+    vocab = len(tokenizer)
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise invalid(f"token ids must lie in [0, {vocab}), got {bad}", "tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def check_model(model: str | None, cfg: ApiConfig) -> None:
+    """An optional `model` must name the served one."""
+    if model is not None and model != cfg.model_id:
+        raise not_found(model, cfg.model_id)

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
 from services.protocol import ErrorInfo
 
@@ -122,6 +122,23 @@ class ChatBody(Sampling):
 
 class CompletionBody(Sampling):
     prompt: Any  # checked by `completion_prompts`
+
+
+class TokenizeBody(_Lenient):
+    """POST /tokenize (vLLM's shape): a completion prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = Field(None, min_length=1)
+    add_generation_prompt: StrictBool = True  # messages: end with the assistant's turn opening
+    add_special_tokens: StrictBool = False  # prompt: as /v1/completions encodes it (no special tokens)
+
+
+class DetokenizeBody(_Lenient):
+    """POST /detokenize: token ids back to text."""
+
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 # parameters this server accepts only at their neutral value (it calls no tools, penalises nothing …)

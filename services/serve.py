@@ -160,8 +160,9 @@ def _opt(path) -> str | None:
     return None if path is None else str(path)
 
 
-def build_app(admin_token: str | None):
-    """The API over the cluster's workers (this process must have joined Ray)."""
+def build_app(admin_token: str | None, api_key: str | None = None):
+    """The API over the cluster's workers (this process must have joined Ray); `api_key`: asked of
+    every /v1 request (services/auth.py)."""
     import asyncio
 
     from drafter.models import load_tokenizer
@@ -177,14 +178,14 @@ def build_app(admin_token: str | None):
     info = workers[0]
     tokenizer = load_tokenizer(info.verifier)
     return create_app(backend, tokenizer, info.model, info.max_context, make_admin_router(backend, admin_token),
-                      ApiMetrics())
+                      ApiMetrics(), api_key=api_key)
 
 
 def run_serve(cfg: ServeConfig) -> int:
     deployment = Deployment(cfg)
     try:
         deployment.wait_ready()
-        app = build_app(cfg.admin_token)
+        app = build_app(cfg.admin_token, cfg.api_key)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
                     cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner, deployment.registry)
         serve_until_stopped(app, cfg.host, cfg.port)
@@ -203,7 +204,8 @@ def serve_until_stopped(app, host: str, port: int) -> None:
         log.warning("specloop stopping")
 
 
-def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None) -> int:
+def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None,
+                    api_key: str | None = None, drain_timeout: float = 30.0) -> int:
     """`specloop api`: attach to a running cluster's workers and serve the API."""
     import ray
 
@@ -211,7 +213,7 @@ def run_api_process(ray_address: str | None, host: str, port: int, admin_token: 
 
     init_ray(ray_address or "auto", NAMESPACE)
     try:
-        serve_until_stopped(build_app(admin_token), host, port)
+        serve_until_stopped(build_app(admin_token, api_key), host, port)
     finally:
         ray.shutdown()
     return 0

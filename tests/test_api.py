@@ -461,6 +461,55 @@ def test_an_admin_router_is_mounted(local):
         assert httpx.get(base + "/admin/ping").json() == {"pong": True}
 
 
+# --------------------------------------------------------------------------------- tokens, version
+
+
+def test_tokenize_gives_the_ids_a_completion_is_fed(url, client, verifier, max_context):
+    r = httpx.post(url + "/tokenize", json={"prompt": "The quick brown fox"}, timeout=10).json()
+    ids = verifier.tokenizer.encode("The quick brown fox", add_special_tokens=False)
+    assert r == {"tokens": ids, "count": len(ids), "max_model_len": max_context}
+    chat = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": CHAT}, timeout=10).json()
+    assert chat["tokens"] == chat_ids(verifier, CHAT)
+    out = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert out.usage.prompt_tokens == chat["count"]
+    bare = httpx.post(url + "/tokenize", json={"messages": CHAT, "add_generation_prompt": False}, timeout=10).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][: bare["count"]] == bare["tokens"]
+
+
+def test_detokenize_turns_ids_back_into_the_text(url, verifier):
+    ids = verifier.tokenizer.encode("import os\nimport sys", add_special_tokens=False)
+    assert httpx.post(url + "/detokenize", json={"tokens": ids}, timeout=10).json() == {"prompt": "import os\nimport sys"}
+    assert httpx.post(url + "/detokenize", json={"tokens": []}, timeout=10).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [1.5]}, "tokens.0"),
+    ("/detokenize", {"tokens": "1 2"}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": CHAT}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("/tokenize", {"messages": CHAT, "add_generation_prompt": "yes"}, "add_generation_prompt"),
+])
+def test_bad_token_requests_are_400s_naming_the_parameter(url, path, body, param):
+    assert_openai_400(httpx.post(url + path, json=body, timeout=10), param)
+
+
+def test_token_routes_refuse_another_model_and_garbage(url):
+    r = httpx.post(url + "/tokenize", json={"model": "gpt-4o", "prompt": "x"}, timeout=10)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    assert_openai_400(httpx.post(url + "/detokenize", content=b"[" * 1000, timeout=10))
+
+
+def test_version_is_the_package_version(url):
+    from importlib.metadata import version
+
+    assert httpx.get(url + "/version").json() == {"version": version("specloop")}
+
+
 # --------------------------------------------------------------------------- errors and clients
 
 
