@@ -4,8 +4,10 @@
     python dashboards/build.py --check    # exit 1 when the committed JSON is not a fresh build
 
 Every panel reads the `specloop:` metrics of services/metrics.py (whose docstring has the same
-PromQL); rates use `$__rate_interval`, the datasource is the `${datasource}` variable. Swaps and
-rollbacks of the serving drafter are annotations. tests/test_dashboards.py evaluates every
+PromQL); rates use `$__rate_interval`, the datasource is the `${datasource}` variable, and every
+selector filters on the `model_name` and `instance` variables (as vLLM's dashboards filter on
+`model_name`; "All" matches any value, an absent label included). Swaps and rollbacks of the
+serving drafter are annotations. tests/test_dashboards.py evaluates every
 query against a real Prometheus scraping a real `specloop serve`.
 """
 from __future__ import annotations
@@ -30,14 +32,33 @@ RI = "$__rate_interval"
 HEALTHY_ACCEPTANCE = 0.55  # the survey's rule of thumb for a healthy drafter (per drafted token)
 
 
+VARIABLES = ("model_name", "instance")  # template variables every selector filters on
+FILTER = ", ".join(f'{v}=~"${v}"' for v in VARIABLES)
+ANY = ".*"  # the variables' "All" value: matches an absent label too
+
+
+def sel(metric: str) -> str:
+    """The metric's selector, filtered by the dashboard's variables."""
+    return f"{metric}{{{FILTER}}}"
+
+
 def rate(metric: str, by: str = "") -> str:
-    """sum [by (labels)] (rate(metric[$__rate_interval]))."""
+    """sum [by (labels)] (rate(metric{filter}[$__rate_interval]))."""
     grouping = f" by ({by})" if by else ""
-    return f"sum{grouping} (rate({metric}[{RI}]))"
+    return f"sum{grouping} (rate({sel(metric)}[{RI}]))"
+
+
+def increase(metric: str) -> str:
+    return f"sum(increase({sel(metric)}[{RI}]))"
 
 
 def quantile(q: float, histogram: str) -> str:
-    return f"histogram_quantile({q}, sum by (le) (rate({histogram}_bucket[{RI}])))"
+    return f"histogram_quantile({q}, sum by (le) (rate({sel(histogram + '_bucket')}[{RI}])))"
+
+
+def quantiles(histogram: str) -> list[tuple[str, str]]:
+    """p50 and p99 of a histogram."""
+    return [(quantile(0.5, histogram), "p50"), (quantile(0.99, histogram), "p99")]
 
 
 SPEC = "specloop:spec_decode_num_"
@@ -87,23 +108,34 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(PER_POSITION, "{{drafter_version}} pos {{position}}")], unit="percentunit", min=0, max=1),
     ]),
     ("Traffic", [
-        Panel("Tokens / s", "Committed by the workers, and sent to clients by the API.",
-              [(rate("specloop:generation_tokens_total"), "committed (workers)"),
-               (rate("specloop:completion_tokens_total"), "sent (API)")], unit="short"),
+        Panel("Tokens / s", "Generated for clients and prompt tokens admitted (API), and committed by the workers.",
+              [(rate("specloop:generation_tokens_total"), "generated (API)"),
+               (rate("specloop:prompt_tokens_total"), "prompt (API)"),
+               (rate("specloop:committed_tokens_total"), "committed (workers)")], unit="short"),
         Panel("Time to first token", "p50 and p99 over the API replicas.",
-              [(quantile(0.5, "specloop:time_to_first_token_seconds"), "p50"),
-               (quantile(0.99, "specloop:time_to_first_token_seconds"), "p99")], unit="s"),
-        Panel("Time per output token", "p50 and p99 over the API replicas.",
-              [(quantile(0.5, "specloop:time_per_output_token_seconds"), "p50"),
-               (quantile(0.99, "specloop:time_per_output_token_seconds"), "p99")], unit="s"),
-        Panel("Queue depth", "Requests waiting for a slot and holding one, over all workers.",
-              [("sum(specloop:num_requests_waiting)", "waiting"),
-               ("sum(specloop:num_requests_running)", "running")], min=0),
+              quantiles("specloop:time_to_first_token_seconds"), unit="s"),
+        Panel("Inter-token latency", "Gap between two streamed chunks carrying tokens: p50 and p99 over the API "
+              "replicas (one speculative block may bring several tokens at once).",
+              quantiles("specloop:inter_token_latency_seconds"), unit="s"),
+        Panel("Request time per output token", "Each request's mean time per output token after the first: p50 "
+              "and p99 over the API replicas.",
+              quantiles("specloop:request_time_per_output_token_seconds"), unit="s"),
+        Panel("Queue depth", "Requests waiting for a cache slot and holding one, over all workers.",
+              [(f"sum({sel('specloop:num_requests_waiting')})", "waiting"),
+               (f"sum({sel('specloop:num_requests_running')})", "running")], min=0),
+        Panel("Cache slot usage", "Share of each worker's cache slots held by running requests (vLLM's KV cache "
+              "usage: specloop's cache holds one slot per running request).",
+              [(f"max by (instance) ({sel('specloop:cache_slot_usage_perc')})", "{{instance}}")],
+              unit="percentunit", min=0, max=1),
+        Panel("Queue time", "Time a request waited for a cache slot: p50 and p99 over the API replicas.",
+              quantiles("specloop:request_queue_time_seconds"), unit="s"),
         Panel("Requests / s by endpoint and status", "HTTP answers of the API replicas.",
               [(rate("specloop:http_requests_total", "endpoint, status"), "{{endpoint}} {{status}}")], unit="reqps"),
+        Panel("Finished requests / s by reason", "stop (stop token or string), length (max_tokens or the context), "
+              "abort (the client left), error.",
+              [(rate("specloop:request_success_total", "finished_reason"), "{{finished_reason}}")], unit="reqps"),
         Panel("End-to-end latency", "p50 and p99 over the API replicas.",
-              [(quantile(0.5, "specloop:e2e_request_latency_seconds"), "p50"),
-               (quantile(0.99, "specloop:e2e_request_latency_seconds"), "p99")], unit="s"),
+              quantiles("specloop:e2e_request_latency_seconds"), unit="s"),
     ]),
     ("Worker", [
         Panel("Step time split", "Mean time per engine step in forward passes (drafter + verifier) and in "
@@ -114,33 +146,34 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(rate("specloop:replay_records_logged_total"), "logged"),
                (rate("specloop:replay_records_dropped_total"), "dropped")], min=0, width=6),
         Panel("Drafter swaps and rollbacks", "Versions swapped in while serving, and automatic rollbacks.",
-              [(f"sum(increase(specloop:drafter_swaps_total[{RI}]))", "swaps"),
-               (f"sum(increase(specloop:drafter_rollbacks_total[{RI}]))", "rollbacks")], min=0, width=6),
+              [(increase("specloop:drafter_swaps_total"), "swaps"),
+               (increase("specloop:drafter_rollbacks_total"), "rollbacks")], min=0, width=6),
         Panel("Serving drafter version", "The version each worker drafts with.",
-              [("max by (drafter_version) (specloop:drafter_info)", "{{drafter_version}}")], stat=True, width=6),
+              [(f"max by (drafter_version) ({sel('specloop:drafter_info')})", "{{drafter_version}}")], stat=True,
+              width=6),
     ]),
     ("Learner", [
-        Panel("Learner loss", "Loss of the newest update.", [("max(specloop:learner_loss)", "loss")]),
+        Panel("Learner loss", "Loss of the newest update.", [(f"max({sel('specloop:learner_loss')})", "loss")]),
         Panel("Learner lag", "Versions between the newest record trained on and the newest promoted version.",
-              [("max(specloop:learner_lag_versions)", "lag (versions)")], min=0),
+              [(f"max({sel('specloop:learner_lag_versions')})", "lag (versions)")], min=0),
         Panel("Record age at update", "Age of the newest record (buffer append to training).",
-              [(quantile(0.5, "specloop:learner_record_age_seconds"), "p50"),
-               (quantile(0.99, "specloop:learner_record_age_seconds"), "p99")], unit="s"),
+              quantiles("specloop:learner_record_age_seconds"), unit="s"),
         Panel("Learner updates / s", "Optimizer steps, and records used for distillation only (stale version).",
               [(rate("specloop:learner_updates_total"), "updates"),
                (rate("specloop:learner_stale_records_total"), "stale records")], min=0),
         Panel("Replay buffer", "Entries held, and delivered but not acknowledged.",
-              [("max(specloop:buffer_depth)", "depth"), ("max(specloop:buffer_pending)", "pending")], min=0),
+              [(f"max({sel('specloop:buffer_depth')})", "depth"), (f"max({sel('specloop:buffer_pending')})", "pending")],
+              min=0),
         Panel("Publishing gate", "Versions published, promoted and refused by the gate.",
-              [(f"sum(increase(specloop:learner_versions_published_total[{RI}]))", "published"),
-               (f"sum(increase(specloop:promotions_total[{RI}]))", "promoted"),
-               (f"sum(increase(specloop:promotion_refusals_total[{RI}]))", "refused")], min=0),
+              [(increase("specloop:learner_versions_published_total"), "published"),
+               (increase("specloop:promotions_total"), "promoted"),
+               (increase("specloop:promotion_refusals_total"), "refused")], min=0),
     ]),
 ]
 
 ANNOTATIONS: list[tuple[str, str, str]] = [  # (name, PromQL, colour)
-    ("Drafter swaps", f"sum(increase(specloop:drafter_swaps_total[{RI}])) > 0", "blue"),
-    ("Drafter rollbacks", f"sum(increase(specloop:drafter_rollbacks_total[{RI}])) > 0", "red"),
+    ("Drafter swaps", f"{increase('specloop:drafter_swaps_total')} > 0", "blue"),
+    ("Drafter rollbacks", f"{increase('specloop:drafter_rollbacks_total')} > 0", "red"),
 ]
 
 
@@ -190,6 +223,23 @@ def bounded(panel, p: Panel):
     return panel
 
 
+def variable(name: str, label: str, selector: str) -> dash_b.QueryVariable:
+    """A multi-value query variable over the values of label `name` in the series of `selector`,
+    "All" matching any value (an absent label too); refreshed when the time range changes."""
+    return (dash_b.QueryVariable(name).label(label).datasource(DATASOURCE)
+            .query(f"label_values({selector}, {name})")
+            .current(dash_m.VariableOption(text="All", value="$__all", selected=True))
+            .refresh(dash_m.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dash_m.VariableSort.ALPHABETICAL_ASC)
+            .multi(True).include_all(True).all_value(ANY))
+
+
+SPECLOOP_SERIES = '{__name__=~"specloop:.+"}'
+VARIABLE_QUERIES = {  # name -> (label, selector of label_values): instances of the chosen models
+    "model_name": ("Model", SPECLOOP_SERIES),
+    "instance": ("Instance", '{__name__=~"specloop:.+", model_name=~"$model_name"}'),
+}
+
+
 def annotation(name: str, expr: str, colour: str) -> dash_b.AnnotationQuery:
     return dash_b.AnnotationQuery().name(name).datasource(DATASOURCE).expr(expr).icon_color(colour).enable(True)
 
@@ -202,6 +252,8 @@ def build() -> dict:
              .tags(["specloop", "speculative-decoding"]).editable().time("now-1h", "now").refresh("10s")
              .timezone("browser").tooltip(dash_m.DashboardCursorSync.CROSSHAIR)
              .with_variable(dash_b.DatasourceVariable("datasource").label("Data source").type("prometheus")))
+    for name, (label, selector) in VARIABLE_QUERIES.items():
+        board = board.with_variable(variable(name, label, selector))
     for name, expr, colour in ANNOTATIONS:
         board = board.annotation(annotation(name, expr, colour))
     ids = iter(range(1, 1000))

@@ -1,10 +1,15 @@
 """Prometheus metrics of every specloop process: the verifier worker, the learner and the HTTP API.
 
-Names follow vLLM, prefixed `specloop:`. Counters only for what is counted; every rate is taken
-in PromQL. The statistics of verified blocks (`BlockStats`) are plain Python, kept apart from
-the exporters (`WorkerMetrics`, `LearnerMetrics`, `ApiMetrics`), which own a `CollectorRegistry`
-each (a new one per instance unless one is passed, so tests and co-hosted components never
-collide; the three may share one registry: their names are disjoint).
+Names follow vLLM's (`vllm:x` is `specloop:x` wherever both mean the same thing), prefixed
+`specloop:`. Counters only for what is counted; every rate is taken in PromQL. The statistics of
+verified blocks (`BlockStats`) are plain Python, kept apart from the exporters (`WorkerMetrics`,
+`LearnerMetrics`, `ApiMetrics`), which own a `CollectorRegistry` each (a new one per instance unless
+one is passed, so tests and co-hosted components never collide; the three may share one registry:
+their names are disjoint).
+
+Every series carries `model_name` (as vLLM's), bound when the exporter is built: callers never pass
+it. An exporter built without a model name exports no `model_name` label, which Prometheus reads as
+`model_name=""` (an empty label and a missing one are the same series).
 
 Speculative decoding (worker, labelled `drafter_version`; a block drafts k tokens and the
 verifier accepts n ∈ [0, k] of them; a k = 0 block drafts nothing and counts no draft):
@@ -14,7 +19,8 @@ verifier accepts n ∈ [0, k] of them; a k = 0 block drafts nothing and counts n
     specloop:spec_decode_num_accepted_tokens_total              Σ n
     specloop:spec_decode_num_accepted_tokens_per_pos_total{position}   blocks with n > position (0-based)
 
-Derived rates (`$__rate_interval` in Grafana):
+Derived rates (`$__rate_interval` in Grafana; the dashboard adds `{model_name=~"$model_name",
+instance=~"$instance"}` to every selector):
 
     # acceptance rate α = accepted / drafted
     sum by (drafter_version) (rate(specloop:spec_decode_num_accepted_tokens_total[$__rate_interval]))
@@ -29,9 +35,12 @@ Derived rates (`$__rate_interval` in Grafana):
       / on (drafter_version) group_left
       sum by (drafter_version) (rate(specloop:spec_decode_num_drafts_total[$__rate_interval]))
 
-    # tokens/s committed by the workers; tokens/s sent to clients by the API
+    # tokens/s committed by the workers; tokens/s generated for clients (the API's, as vLLM's)
+    sum(rate(specloop:committed_tokens_total[$__rate_interval]))
     sum(rate(specloop:generation_tokens_total[$__rate_interval]))
-    sum(rate(specloop:completion_tokens_total[$__rate_interval]))
+
+    # requests finished per second by reason (stop, length, abort, error)
+    sum by (finished_reason) (rate(specloop:request_success_total[$__rate_interval]))
 
     # mean k the cost-aware controller chose for auto requests (one observation per step), and the
     # share of those steps that speculated at all
@@ -51,28 +60,41 @@ Worker (`WorkerMetrics`): the counters above, the histogram `specloop:spec_decod
 for the serving engine as gauges `specloop:spec_decode_est_acceptance{position}` (conditional
 acceptance of 0-based position i given the earlier ones accepted) and
 `specloop:spec_decode_est_speedup{k}` (expected tokens/s with draft length k over plain decoding, at
-the running batch; > 1 + margin is when it speculates), `specloop:generation_tokens_total`, gauges
-`specloop:num_requests_waiting` / `specloop:num_requests_running`, histograms
-`specloop:step_forward_seconds` / `specloop:step_seconds`, `specloop:drafter_swaps_total`,
-`specloop:drafter_rollbacks_total`, `specloop:drafter_info{drafter_version}` (1 for the serving
-version), `specloop:worker_info{worker}`, `specloop:replay_records_logged_total`,
+the running batch; > 1 + margin is when it speculates), `specloop:committed_tokens_total`, gauges
+`specloop:num_requests_waiting` / `specloop:num_requests_running` (vLLM's) and
+`specloop:cache_slot_usage_perc` (running / cache slots, 0..1: specloop's counterpart of vLLM's
+`kv_cache_usage_perc`, whose cache is paged in blocks where specloop's holds one slot per running
+request), histograms `specloop:step_forward_seconds` / `specloop:step_seconds`,
+`specloop:drafter_swaps_total`, `specloop:drafter_rollbacks_total`, `specloop:drafter_load_failures_total`,
+`specloop:registry_up`, `specloop:drafter_info{drafter_version}` (1 for the serving version),
+`specloop:worker_info{worker}`, `specloop:replay_records_logged_total`,
 `specloop:replay_records_dropped_total`.
 
 Learner (`LearnerMetrics`): `specloop:learner_updates_total`, `specloop:learner_loss`,
 `specloop:learner_lag_versions`, `specloop:learner_record_age_seconds`, `specloop:buffer_depth`,
 `specloop:buffer_pending`, `specloop:learner_versions_published_total`,
-`specloop:promotions_total`, `specloop:promotion_refusals_total`,
-`specloop:learner_stale_records_total`.
+`specloop:promotions_total`, `specloop:promotion_refusals_total`, `specloop:canary_rollbacks_total`,
+`specloop:learner_skipped_updates_total`, `specloop:learner_stale_records_total`.
 
-API (`ApiMetrics`): `specloop:http_requests_total{endpoint,status}`,
-`specloop:time_to_first_token_seconds`, `specloop:time_per_output_token_seconds`,
-`specloop:e2e_request_latency_seconds`, `specloop:completion_tokens_total`.
+API (`ApiMetrics`, vLLM's request metrics): `specloop:http_requests_total{endpoint,status}`,
+histograms `specloop:time_to_first_token_seconds`, `specloop:inter_token_latency_seconds` (one
+observation per gap between two streamed chunks that carry tokens),
+`specloop:request_time_per_output_token_seconds` (one per request: its mean time per output token
+after the first), `specloop:e2e_request_latency_seconds`, `specloop:request_queue_time_seconds`,
+counters `specloop:prompt_tokens_total`, `specloop:generation_tokens_total`,
+`specloop:request_success_total{finished_reason}` (stop | length | abort | error).
+
+Renamed for vLLM parity (issue 17): the API's `time_per_output_token_seconds` (a per-request mean)
+is `request_time_per_output_token_seconds`; its `completion_tokens_total` is
+`generation_tokens_total`, so the worker's former `generation_tokens_total` is
+`committed_tokens_total` (one name, one meaning: a sum over all targets never counts a token twice).
 
 Each worker and learner process serves its registry with `serve_metrics` on its own port; the API
 lists those addresses at `GET /sd/targets` for Prometheus's HTTP service discovery.
 """
 from __future__ import annotations
 
+import math
 import socket
 import threading
 from collections import OrderedDict
@@ -138,45 +160,78 @@ class BlockStats:
 
 
 class _Totals:
-    """A collector of counters that are set to absolute totals counted elsewhere (the replay logger's)."""
+    """A collector of counters that are set to absolute totals counted elsewhere (the replay logger's),
+    with the exporter's constant labels (`model_name`)."""
 
-    def __init__(self, names: dict[str, str]):
+    def __init__(self, names: dict[str, str], labels: dict[str, str]):
         self.names = names  # name without _total -> help
+        self.labels = labels
         self.values = dict.fromkeys(names, 0.0)
 
     def set(self, name: str, value: float) -> None:
         self.values[name] = float(value)
 
     def describe(self):
-        return [CounterMetricFamily(n, h) for n, h in self.names.items()]
+        return [CounterMetricFamily(n, h, labels=list(self.labels)) for n, h in self.names.items()]
 
     def collect(self):
         for name, doc in self.names.items():
-            yield CounterMetricFamily(name, doc, value=self.values[name])
+            family = CounterMetricFamily(name, doc, labels=list(self.labels))
+            family.add_metric(list(self.labels.values()), self.values[name])
+            yield family
+
+
+class _ModelBound:
+    """A labelled metric whose constant labels (`model_name`) are bound: `labels` and `remove` take
+    the other labels only, as if the metric had no constant label."""
+
+    def __init__(self, metric, constant: tuple[str, ...]):
+        self.metric, self.constant = metric, constant
+
+    def labels(self, *values: str):
+        return self.metric.labels(*self.constant, *values)
+
+    def remove(self, *values: str) -> None:
+        self.metric.remove(*self.constant, *values)
 
 
 # ----------------------------------------------------------------------------- exporters
 
 
 class _Exporter:
-    """A registry of our own and its exposition."""
+    """A registry of our own and its exposition. Every metric carries `model_name` (none when it is
+    empty: Prometheus reads a missing label as an empty one), bound here: a metric without other
+    labels is returned as its only child (`inc`, `set`, `observe`), one with other labels as a
+    `_ModelBound` (`labels(...)`, `remove(...)` without the model name)."""
 
-    def __init__(self, registry: CollectorRegistry | None):
+    def __init__(self, registry: CollectorRegistry | None, model_name: str = ""):
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        self.constant = {"model_name": model_name} if model_name else {}
 
     def render(self) -> tuple[bytes, str]:
         """(the text exposition, its content type): the body of a `/metrics` answer. Always the text
         format, never OpenMetrics (see `_MetricsHandler`: colons in names would be lost)."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+    def _bind(self, metric, labels: tuple[str, ...]):
+        constant = tuple(self.constant.values())
+        if labels:
+            return _ModelBound(metric, constant)
+        return metric.labels(*constant) if constant else metric
 
-    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
-        return Gauge(PREFIX + name, doc, labels, registry=self.registry)
+    def _names(self, labels: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(self.constant) + labels
 
-    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> Histogram:
-        return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()):
+        return self._bind(Counter(PREFIX + name, doc, self._names(labels), registry=self.registry), labels)
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()):
+        return self._bind(Gauge(PREFIX + name, doc, self._names(labels), registry=self.registry), labels)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()):
+        metric = Histogram(PREFIX + name, doc, self._names(labels), buckets=buckets, registry=self.registry)
+        return self._bind(metric, labels)
 
 
 class _VersionSeries:
@@ -208,11 +263,14 @@ class _VersionSeries:
 
 
 class WorkerMetrics(_Exporter):
-    """What a verifier worker exports: spec-decode counters, load, step times, swaps, replay logging."""
+    """What a verifier worker exports: spec-decode counters, load, step times, swaps, replay logging.
+    `slots`: the cache slots of its continuous batch (0: unknown until `load` is told; the slot usage
+    is NaN until then)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None, worker: str = "worker-0"):
-        super().__init__(registry)
-        self.worker = worker
+    def __init__(self, registry: CollectorRegistry | None = None, worker: str = "worker-0", model_name: str = "",
+                 slots: int = 0):
+        super().__init__(registry, model_name)
+        self.worker, self.slots = worker, slots
         v = ("drafter_version",)
         self.num_drafts = self._counter("spec_decode_num_drafts", "Verified blocks that drafted (k > 0).", v)
         self.num_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Drafted tokens (sum of k).", v)
@@ -226,9 +284,16 @@ class WorkerMetrics(_Exporter):
                                           "0-based position accepted | earlier drafts accepted).", ("position",))
         self.est_speedup = self._gauge("spec_decode_est_speedup", "The controller's expected tokens/s with draft "
                                        "length k over plain decoding, at the running batch.", ("k",))
-        self.generation_tokens = self._counter("generation_tokens", "Tokens committed to requests by the worker.")
-        self.waiting = self._gauge("num_requests_waiting", "Requests queued for a slot.")
-        self.running = self._gauge("num_requests_running", "Requests holding a slot.")
+        self.committed_tokens = self._counter("committed_tokens", "Tokens committed to requests by the worker "
+                                              "(the API counts those it sends as generation_tokens_total).")
+        self.waiting = self._gauge("num_requests_waiting", "Requests queued for a cache slot.")
+        self.running = self._gauge("num_requests_running", "Requests holding a cache slot.")
+        self.slot_usage = self._gauge(
+            "cache_slot_usage_perc", "Fraction of the worker's cache slots in use, 0..1 (running requests / slots; "
+            "NaN while the slot count is unknown). A slot is one request's row of the continuous batch's KV cache: "
+            "specloop's counterpart of vLLM's kv_cache_usage_perc, which counts paged cache blocks. Above 1 while "
+            "requests naming another drafter version run in engines of their own.")
+        self.slot_usage.set(0.0 if slots > 0 else math.nan)
         self.step_forward = self._histogram("step_forward_seconds", "Forward-pass time of one engine step.",
                                             STEP_BUCKETS)
         self.step_total = self._histogram("step_seconds", "Wall time of one engine step.", STEP_BUCKETS)
@@ -241,7 +306,8 @@ class WorkerMetrics(_Exporter):
         self.drafter_info = self._gauge("drafter_info", "1 for the drafter version that serves.", v)
         self._gauge("worker_info", "1, labelled with the worker's name.", ("worker",)).labels(worker).set(1)
         self.totals = _Totals({PREFIX + "replay_records_logged": "Replay records handed to the buffer.",
-                               PREFIX + "replay_records_dropped": "Replay records dropped (buffer or queue full)."})
+                               PREFIX + "replay_records_dropped": "Replay records dropped (buffer or queue full)."},
+                              self.constant)
         self.registry.register(self.totals)
         self._versions: OrderedDict[str, _VersionSeries] = OrderedDict()
         self._serving: str | None = None
@@ -294,11 +360,16 @@ class WorkerMetrics(_Exporter):
 
     def generated(self, tokens: int) -> None:
         """Tokens committed to requests (what clients receive, prefill's first token included)."""
-        self.generation_tokens.inc(tokens)
+        self.committed_tokens.inc(tokens)
 
-    def load(self, queued: int, running: int) -> None:
+    def load(self, queued: int, running: int, slots: int | None = None) -> None:
+        """Requests waiting for a cache slot and holding one; `slots` updates the slot count."""
         self.waiting.set(queued)
         self.running.set(running)
+        if slots is not None and slots > 0:
+            self.slots = slots
+        if self.slots > 0:
+            self.slot_usage.set(running / self.slots)
 
     def step(self, seconds_forward: float, seconds_total: float) -> None:
         """One engine step: time in forward passes (drafter + verifier) and its wall time."""
@@ -349,8 +420,8 @@ class WorkerMetrics(_Exporter):
 class LearnerMetrics(_Exporter):
     """What the learner exports: updates, loss, staleness, buffer depth, publishing and the gate."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
-        super().__init__(registry)
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
+        super().__init__(registry, model_name)
         self.updates = self._counter("learner_updates", "Optimizer steps taken by the learner.")
         self.loss = self._gauge("learner_loss", "Loss of the learner's last update.")
         self.lag = self._gauge("learner_lag_versions",
@@ -398,17 +469,32 @@ class LearnerMetrics(_Exporter):
             self.stale_records.inc(n)
 
 
-class ApiMetrics(_Exporter):
-    """What an API replica exports: requests by endpoint and status, latencies, tokens sent."""
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # request_success_total{finished_reason}
 
-    def __init__(self, registry: CollectorRegistry | None = None):
-        super().__init__(registry)
+
+class ApiMetrics(_Exporter):
+    """What an API replica exports (vLLM's request metrics): requests by endpoint and status,
+    latencies, prompt and generated tokens, finished requests by reason."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = ""):
+        super().__init__(registry, model_name)
         self.requests = self._counter("http_requests", "HTTP requests answered.", ("endpoint", "status"))
-        self.ttft_s = self._histogram("time_to_first_token_seconds", "Time to the first token.", LATENCY_BUCKETS)
-        self.tpot_s = self._histogram("time_per_output_token_seconds", "Time per output token after the first.",
+        self.ttft_s = self._histogram("time_to_first_token_seconds", "Time from arrival to the first token.",
                                       LATENCY_BUCKETS)
+        self.itl_s = self._histogram("inter_token_latency_seconds", "Time between two consecutive streamed chunks "
+                                     "that carry tokens (one observation per gap).", LATENCY_BUCKETS)
+        self.tpot_s = self._histogram("request_time_per_output_token_seconds", "Per request: its mean time per "
+                                      "output token after the first ((e2e - ttft) / (tokens - 1)).", LATENCY_BUCKETS)
         self.e2e_s = self._histogram("e2e_request_latency_seconds", "Request latency, end to end.", LATENCY_BUCKETS)
-        self.completion_tokens = self._counter("completion_tokens", "Completion tokens sent to clients.")
+        self.queue_s = self._histogram("request_queue_time_seconds", "Time a request waited for a cache slot.",
+                                       LATENCY_BUCKETS)
+        self.prompt_tokens_n = self._counter("prompt_tokens", "Prompt tokens of the requests admitted.")
+        self.generation_tokens = self._counter("generation_tokens", "Tokens generated for clients.")
+        self.success = self._counter("request_success", "Requests finished, by reason: stop (a stop token or "
+                                     "string), length (max_tokens or the context), abort (the client left), error.",
+                                     ("finished_reason",))
+        for reason in FINISHED_REASONS:  # every reason exported from the start: rate() sees the first one
+            self.success.labels(reason)
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -416,14 +502,35 @@ class ApiMetrics(_Exporter):
     def ttft(self, seconds: float) -> None:
         self.ttft_s.observe(seconds)
 
-    def tpot(self, seconds: float) -> None:
+    def itl(self, seconds: float) -> None:
+        """One gap between two streamed chunks that carry tokens."""
+        self.itl_s.observe(seconds)
+
+    def request_time_per_output_token(self, seconds: float) -> None:
+        """One request's mean time per output token after the first."""
         self.tpot_s.observe(seconds)
+
+    def tpot(self, seconds: float) -> None:
+        """Former name of `request_time_per_output_token` (kept while call sites move)."""
+        self.request_time_per_output_token(seconds)
 
     def e2e(self, seconds: float) -> None:
         self.e2e_s.observe(seconds)
 
+    def queue_time(self, seconds: float) -> None:
+        self.queue_s.observe(seconds)
+
+    def prompt_tokens(self, n: int) -> None:
+        self.prompt_tokens_n.inc(n)
+
     def generated(self, n: int) -> None:
-        self.completion_tokens.inc(n)
+        self.generation_tokens.inc(n)
+
+    def finished(self, reason: str) -> None:
+        """One request finished: `reason` in FINISHED_REASONS."""
+        if reason not in FINISHED_REASONS:
+            raise ValueError(f"finished_reason must be one of {FINISHED_REASONS}, not {reason!r}")
+        self.success.labels(reason).inc()
 
 
 # ----------------------------------------------------------------------------- HTTP endpoint

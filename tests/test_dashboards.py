@@ -1,12 +1,13 @@
 """The Grafana dashboard and the alert rules: the committed JSON is a fresh build of
-dashboards/build.py, every panel queries Prometheus through the `${datasource}` variable, the
-alert rules pass promtool, and every panel's PromQL returns data from a real Prometheus scraping
+dashboards/build.py, every panel queries Prometheus through the `${datasource}` variable and filters
+every selector on the `model_name` and `instance` variables, the alert rules pass promtool, and every panel's PromQL returns data from a real Prometheus scraping
 specloop metrics: exporters fed with known counts (checking the numbers the queries derive), and a
 real `specloop serve` under chat traffic."""
 from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -24,20 +25,37 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "dashboards" / "specloop.json"
 RULES = ROOT / "deploy" / "prometheus"
 RATE_INTERVAL = "15s"
+MODEL = "tiny-chat"  # the fake exporters' model_name
 
 
 def dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
 
-def panel_queries(board: dict) -> list[tuple[str, str]]:
-    """(panel title, PromQL with $__rate_interval filled in) of every panel target."""
-    return [(p["title"], t["expr"].replace("$__rate_interval", RATE_INTERVAL))
-            for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+def fill(expr: str, interval: str = RATE_INTERVAL, model: str = build.ANY, instance: str = build.ANY) -> str:
+    """What Grafana sends: the rate interval and the variables filled in ("All" is `.*`)."""
+    return (expr.replace("$__rate_interval", interval).replace("$model_name", model)
+            .replace("$instance", instance))
 
 
-def annotation_queries(board: dict) -> list[tuple[str, str]]:
-    return [(a["name"], a["expr"].replace("$__rate_interval", RATE_INTERVAL)) for a in board["annotations"]["list"]]
+def raw_panel_queries(board: dict) -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def panel_queries(board: dict, **variables) -> list[tuple[str, str]]:
+    """(panel title, PromQL with $__rate_interval and the variables filled in) of every panel target."""
+    return [(title, fill(expr, **variables)) for title, expr in raw_panel_queries(board)]
+
+
+def annotation_queries(board: dict, **variables) -> list[tuple[str, str]]:
+    return [(a["name"], fill(a["expr"], **variables)) for a in board["annotations"]["list"]]
+
+
+def variables(board: dict) -> dict[str, dict]:
+    return {v["name"]: v for v in board["templating"]["list"]}
+
+
+SELECTOR = re.compile(r"(specloop:\w+)(\{[^}]*\})?")
 
 
 # ---------------------------------------------------------------- the JSON and the rules
@@ -58,11 +76,37 @@ def test_every_panel_queries_prometheus_through_the_datasource_variable():
     for a in board["annotations"]["list"]:
         assert a["datasource"]["uid"] == "${datasource}" and "specloop:drafter_" in a["expr"]
     exprs = " ".join(q for _, q in panel_queries(board))
-    for metric in ("spec_decode_num_accepted_tokens_per_pos_total", "generation_tokens_total",
-                   "time_to_first_token_seconds", "time_per_output_token_seconds", "num_requests_waiting",
-                   "learner_loss", "learner_lag_versions", "buffer_depth", "replay_records_dropped_total",
-                   "step_forward_seconds"):
+    for metric in ("spec_decode_num_accepted_tokens_per_pos_total", "generation_tokens_total", "prompt_tokens_total",
+                   "committed_tokens_total", "time_to_first_token_seconds", "inter_token_latency_seconds",
+                   "request_time_per_output_token_seconds", "request_queue_time_seconds", "request_success_total",
+                   "num_requests_waiting", "num_requests_running", "cache_slot_usage_perc", "learner_loss",
+                   "learner_lag_versions", "buffer_depth", "replay_records_dropped_total", "step_forward_seconds"):
         assert f"specloop:{metric}" in exprs
+    for gone in ("specloop:time_per_output_token_seconds", "specloop:completion_tokens_total"):
+        assert gone not in exprs
+
+
+def test_the_model_name_and_instance_variables_list_the_label_values_of_specloop_series():
+    found = variables(dashboard())
+    assert list(found) == ["datasource", "model_name", "instance"]
+    for name in ("model_name", "instance"):
+        v = found[name]
+        assert v["type"] == "query" and v["datasource"]["uid"] == "${datasource}"
+        assert re.fullmatch(rf'label_values\(\{{__name__=~"specloop:\.\+"[^}}]*\}}, {name}\)', v["query"]), v["query"]
+        assert v["includeAll"] and v["multi"] and v["allValue"] == ".*" and v["current"]["value"] == "$__all"
+    assert 'model_name=~"$model_name"' in found["instance"]["query"]  # instances of the chosen models
+
+
+def test_every_selector_of_every_panel_and_annotation_filters_on_the_model_and_the_instance():
+    board = dashboard()
+    exprs = raw_panel_queries(board) + [(a["name"], a["expr"]) for a in board["annotations"]["list"]]
+    assert len(exprs) > 30
+    for title, expr in exprs:
+        selectors = SELECTOR.findall(expr)
+        assert selectors, f"{title}: no specloop metric in {expr}"
+        for metric, matchers in selectors:
+            assert 'model_name=~"$model_name"' in matchers and 'instance=~"$instance"' in matchers, \
+                f"{title}: {metric} is not filtered by the variables: {expr}"
 
 
 @needs_promtool
@@ -104,7 +148,8 @@ class FakeSpecloop:
     drafter v0001 accepts 2 of 4 drafts per block (α 0.5, τ 3), v0002 3 of 4 (after a swap)."""
 
     def __init__(self):
-        self.worker, self.learner, self.api = WorkerMetrics(worker="worker-0"), LearnerMetrics(), ApiMetrics()
+        self.worker = WorkerMetrics(worker="worker-0", model_name=MODEL, slots=8)
+        self.learner, self.api = LearnerMetrics(model_name=MODEL), ApiMetrics(model_name=MODEL)
         self.endpoints = [serve_metrics(self.worker), serve_metrics(self.learner)]
         handler = type("Handler", (_ApiHandler,), {"api": self.api, "targets": self.endpoints})
         self.http = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -138,10 +183,14 @@ class FakeSpecloop:
             self.learner.buffer(depth=logged, pending=8)
             self.learner.stale(1)
             self.api.request("/v1/chat/completions", 200)
+            self.api.queue_time(0.001)
             self.api.ttft(0.02)
-            self.api.tpot(0.004)
+            self.api.itl(0.004)
+            self.api.request_time_per_output_token(0.004)
             self.api.e2e(0.3)
+            self.api.prompt_tokens(10)
             self.api.generated(16)
+            self.api.finished("stop")
 
     def close(self) -> None:
         self.stop.set()
@@ -158,6 +207,10 @@ def fake_specloop():
     fake.close()
 
 
+def quantile_of(histogram: str) -> str:
+    return build.quantile(0.99, histogram)
+
+
 def last_value(result: list[dict], **labels) -> float:
     [match] = [r for r in result if all(r["metric"].get(k) == v for k, v in labels.items())]
     return float(match["value"][1])
@@ -172,22 +225,39 @@ def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fa
         fake_specloop.swap()
         prom.wait_for_samples('specloop:spec_decode_num_drafts_total{drafter_version="v0002"}', 4)
         board = dashboard()
-        for title, expr in panel_queries(board):
+        for title, expr in panel_queries(board, model=MODEL):
             assert prom.query(expr), f"{title}: no data for {expr}"
-        for name, expr in annotation_queries(board):
+        for name, expr in annotation_queries(board, model=MODEL):
             assert prom.query(expr), f"annotation {name}: no data for {expr}"
+        for title, expr in panel_queries(board, model="another-model") + annotation_queries(board, model="another-model"):
+            assert not prom.query(expr), f"{title}: data of another model for {expr}"
 
-        acceptance = prom.query(build.ACCEPTANCE_RATE.replace("$__rate_interval", "1m"))
+        acceptance = prom.query(fill(build.ACCEPTANCE_RATE, "1m", model=MODEL))
         assert last_value(acceptance, drafter_version="v0001") == pytest.approx(0.5, abs=0.02)
         assert last_value(acceptance, drafter_version="v0002") == pytest.approx(0.75, abs=0.02)
-        tau = prom.query(build.MEAN_ACCEPTANCE_LENGTH.replace("$__rate_interval", "1m"))
+        tau = prom.query(fill(build.MEAN_ACCEPTANCE_LENGTH, "1m"))
         assert last_value(tau, drafter_version="v0001") == pytest.approx(3.0, abs=0.05)
-        per_pos = prom.query(build.PER_POSITION.replace("$__rate_interval", "1m"))
+        per_pos = prom.query(fill(build.PER_POSITION, "1m"))
         assert [round(last_value(per_pos, drafter_version="v0002", position=str(i)), 2) for i in range(4)] == \
             [1.0, 1.0, 1.0, 0.0]
-        step = prom.query(build.STEP_FORWARD.replace("$__rate_interval", "1m"))
+        step = prom.query(fill(build.STEP_FORWARD, "1m"))
         assert float(step[0]["value"][1]) == pytest.approx(0.008)
         assert last_value(prom.query("max by (drafter_version) (specloop:drafter_info)"), drafter_version="v0002") == 1
+        [usage] = prom.query(fill('max by (instance) (specloop:cache_slot_usage_perc{model_name=~"$model_name"})'))
+        assert float(usage["value"][1]) == 0.5  # 4 running of 8 slots
+
+        # The variables: Grafana's label_values(selector, label) is the series API's label values.
+        def label_values(name: str, model: str = build.ANY) -> list[str]:
+            selector = fill(build.VARIABLE_QUERIES[name][1], model=model)
+            return prom.api(f"label/{name}/values", **{"match[]": selector})
+        assert label_values("model_name") == [MODEL]
+        worker, learner = fake_specloop.endpoints
+        assert sorted(label_values("instance", MODEL)) == sorted([fake_specloop.address, worker, learner])
+        assert label_values("instance", "another-model") == []
+        # One instance chosen: the worker's panels keep their data, the API's have none.
+        only_worker = dict(model=MODEL, instance=worker)
+        assert prom.query(fill(build.ACCEPTANCE_RATE, **only_worker))
+        assert not prom.query(fill(quantile_of("specloop:time_to_first_token_seconds"), **only_worker))
     finally:
         prom.stop()
 
@@ -269,7 +339,7 @@ def test_every_panel_query_returns_data_from_a_real_specloop_serve_under_traffic
         # The panel's rate ratio: Prometheus extrapolates each series' rate to the window's edges on
         # its own (a version that appeared mid-window is extrapolated by its first sample), so a
         # ratio of two rates may overshoot the true acceptance by a few percent; never by more.
-        rated = finite(prom.query(build.ACCEPTANCE_RATE.replace("$__rate_interval", "1m")))
+        rated = finite(prom.query(fill(build.ACCEPTANCE_RATE, "1m")))
         assert all(0 <= a <= 1.1 for a in rated), rated
         tokens = prom.query(f"sum(rate(specloop:generation_tokens_total[{RATE_INTERVAL}]))")
         assert finite(tokens) and finite(tokens)[0] > 0

@@ -2,12 +2,15 @@
 labels, per-position counts, absolute totals, swaps), block statistics, and `serve_metrics` over HTTP."""
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.metrics import (
+    FINISHED_REASONS,
     MAX_VERSIONS,
     ApiMetrics,
     BlockStats,
@@ -82,7 +85,7 @@ def test_blocks_without_a_draft_count_no_drafts_and_tokens_are_counted_by_genera
     m.generated(2)
     m.generated(5)
     assert value(m, "specloop:spec_decode_num_drafts_total", drafter_version="v1") is None
-    assert value(m, "specloop:generation_tokens_total") == 7
+    assert value(m, "specloop:committed_tokens_total") == 7
 
 
 def test_load_and_step_times_are_exported_as_gauges_and_histograms():
@@ -163,8 +166,8 @@ def test_two_exporters_get_separate_registries_and_may_share_one():
     worker.generated(3)
     api.generated(2)
     assert worker.render() == learner.render() == api.render()
-    assert value(api, "specloop:generation_tokens_total") == 3
-    assert value(api, "specloop:completion_tokens_total") == 2
+    assert value(api, "specloop:committed_tokens_total") == 3  # the worker's
+    assert value(api, "specloop:generation_tokens_total") == 2  # the API's (vLLM's name)
 
 
 # ---------------------------------------------------------------- learner and API
@@ -197,16 +200,123 @@ def test_api_metrics_export_requests_by_endpoint_and_status_and_latency_histogra
     m.request("/v1/chat/completions", 200)
     m.request("/v1/completions", 400)
     m.ttft(0.002)
-    m.tpot(0.03)
+    m.request_time_per_output_token(0.03)
+    m.tpot(0.02)  # the former name, while call sites move
+    for gap in (0.004, 0.004, 0.2):
+        m.itl(gap)
     m.e2e(1.5)
     m.e2e(90.0)
+    m.queue_time(0.3)
     s = samples(m)
     assert s[("specloop:http_requests_total", (("endpoint", "/v1/chat/completions"), ("status", "200")))] == 2
     assert s[("specloop:http_requests_total", (("endpoint", "/v1/completions"), ("status", "400")))] == 1
     assert s[("specloop:time_to_first_token_seconds_bucket", (("le", "0.0025"),))] == 1
-    assert s[("specloop:time_per_output_token_seconds_count", ())] == 1
+    assert s[("specloop:request_time_per_output_token_seconds_count", ())] == 2
+    assert s[("specloop:request_time_per_output_token_seconds_sum", ())] == pytest.approx(0.05)
+    assert s[("specloop:inter_token_latency_seconds_count", ())] == 3
+    assert s[("specloop:inter_token_latency_seconds_bucket", (("le", "0.005"),))] == 2
     assert s[("specloop:e2e_request_latency_seconds_bucket", (("le", "60.0"),))] == 1
     assert s[("specloop:e2e_request_latency_seconds_bucket", (("le", "+Inf"),))] == 2
+    assert s[("specloop:request_queue_time_seconds_bucket", (("le", "0.25"),))] == 0
+    assert s[("specloop:request_queue_time_seconds_bucket", (("le", "0.5"),))] == 1
+    assert not any(name.startswith("specloop:time_per_output_token") for name, _ in s)
+
+
+def test_api_metrics_count_prompt_and_generated_tokens_and_finished_requests_by_reason():
+    m = ApiMetrics()
+    assert {value(m, "specloop:request_success_total", finished_reason=r) for r in FINISHED_REASONS} == {0}
+    m.prompt_tokens(12)
+    m.prompt_tokens(30)
+    m.generated(5)
+    for reason in ("stop", "stop", "length", "abort", "error"):
+        m.finished(reason)
+    assert value(m, "specloop:prompt_tokens_total") == 42
+    assert value(m, "specloop:generation_tokens_total") == 5
+    assert [value(m, "specloop:request_success_total", finished_reason=r) for r in FINISHED_REASONS] == [2, 1, 1, 1]
+    with pytest.raises(ValueError):
+        m.finished("eos")
+    assert value(m, "specloop:request_success_total", finished_reason="eos") is None
+
+
+# ---------------------------------------------------------------- model_name and cache slots
+
+
+def fed_exporters(model_name: str):
+    """A worker, a learner and an API exporter with every method called once."""
+    worker = WorkerMetrics(worker="worker-3", model_name=model_name, slots=4)
+    worker.serving("v1")
+    worker.blocks("v1", [3, 0], [2, 0])
+    worker.chosen_k("v1", 3)
+    worker.estimates({"acceptance": [0.6], "speedup": [1.0, 1.3]})
+    worker.generated(4)
+    worker.load(queued=1, running=2)
+    worker.step(0.01, 0.02)
+    worker.swap("v1", "v2")
+    worker.rollback()
+    worker.load_failed()
+    worker.registry_reachable(True)
+    worker.records(3, 1)
+    learner = LearnerMetrics(model_name=model_name)
+    learner.update(0.5, 1, 2.0)
+    learner.buffer(10, 2)
+    learner.published("v2")
+    learner.promotion(refused=False)
+    learner.canary_rollback()
+    learner.skipped_update()
+    learner.stale(2)
+    api = ApiMetrics(model_name=model_name)
+    api.request("/v1/completions", 200)
+    for call in (api.ttft, api.itl, api.request_time_per_output_token, api.e2e, api.queue_time):
+        call(0.1)
+    api.prompt_tokens(7)
+    api.generated(4)
+    api.finished("stop")
+    return worker, learner, api
+
+
+def test_every_series_of_every_exporter_carries_the_model_name_bound_at_construction():
+    for exporter in fed_exporters("qwen-0.5b"):
+        s = samples(exporter)
+        assert len(s) > 20
+        unlabelled = [name for name, labels in s if dict(labels).get("model_name") != "qwen-0.5b"]
+        assert not unlabelled, unlabelled
+
+
+def test_without_a_model_name_no_series_has_a_model_name_label():
+    """Prometheus reads a missing label as an empty one: the default exports what it did before."""
+    for exporter in fed_exporters(""):
+        assert not [name for name, labels in samples(exporter) if "model_name" in dict(labels)]
+    worker = fed_exporters("")[0]
+    assert value(worker, "specloop:drafter_info", drafter_version="v2") == 1
+
+
+def test_cache_slot_usage_is_running_over_slots_and_nan_while_the_slot_count_is_unknown():
+    m = WorkerMetrics(model_name="m", slots=8)
+    m.load(queued=0, running=6)
+    assert value(m, "specloop:cache_slot_usage_perc", model_name="m") == 0.75
+    assert value(m, "specloop:num_requests_running", model_name="m") == 6
+    body, _ = m.render()
+    assert b"cache slots" in body  # the help text says what a slot is
+    unknown = WorkerMetrics()
+    unknown.load(queued=3, running=2)
+    assert math.isnan(value(unknown, "specloop:cache_slot_usage_perc"))
+    unknown.load(queued=3, running=2, slots=4)  # told later
+    assert value(unknown, "specloop:cache_slot_usage_perc") == 0.5
+    unknown.load(queued=0, running=1)
+    assert value(unknown, "specloop:cache_slot_usage_perc") == 0.25
+
+
+def test_a_model_name_bound_worker_still_evicts_and_removes_its_versions_series():
+    m = WorkerMetrics(model_name="m")
+    m.serving("v0000")
+    for i in range(MAX_VERSIONS + 3):
+        m.block(f"v{i:04d}", 2, 1)
+    m.swap("v0000", "v0100")
+    versions = {dict(labels)["drafter_version"] for name, labels in samples(m)
+                if name == "specloop:spec_decode_num_drafts_total"}
+    assert len(versions) == MAX_VERSIONS and "v0001" not in versions
+    assert value(m, "specloop:drafter_info", drafter_version="v0000", model_name="m") is None
+    assert value(m, "specloop:drafter_info", drafter_version="v0100", model_name="m") == 1
 
 
 # ---------------------------------------------------------------- HTTP
