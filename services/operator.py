@@ -8,12 +8,11 @@ Exit codes: 0 done; 2 bad input (an empty version, a bad URL, a request the serv
 HTTP 400); 1 refused or unreachable (any other HTTP error, with the server's message; a connection
 error). Errors are one line on stderr: `specloop: error: ...`.
 
-Kept free of torch and the registry: the CLI only speaks HTTP.
+Sub-apps of the one `specloop` app (services/cli.py). Kept free of torch and the registry: they only speak HTTP.
 """
 from __future__ import annotations
 
 import json
-import sys
 import time
 from dataclasses import dataclass
 from typing import Annotated, Callable
@@ -22,22 +21,14 @@ from urllib.parse import urlsplit
 import httpx
 import typer
 
-try:  # typer >= 0.2x vendors click: its usage errors derive from TyperException
-    from typer import TyperException as _CommandLineError
-except ImportError:  # older typer runs on click
-    from click import ClickException as _CommandLineError
+from services.cli_runtime import EXIT_REFUSED, EXIT_USAGE, CommandError
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 TIMEOUT_S = 10.0
-EXIT_REFUSED, EXIT_USAGE = 1, 2
 
 
-class OperatorError(Exception):
-    """A command that cannot be done: one line on stderr and its exit code."""
-
-    def __init__(self, message: str, exit_code: int = EXIT_REFUSED):
-        super().__init__(message)
-        self.exit_code = exit_code
+class OperatorError(CommandError):
+    """A command that cannot be done: one line on stderr and its exit code (services.cli_runtime.run)."""
 
 
 @dataclass(frozen=True)
@@ -177,14 +168,12 @@ def show(target: Target, body: dict, fmt: Callable[[dict], str]) -> None:
 Url = Annotated[str, typer.Option("--url", envvar="SPECLOOP_URL", help="base URL of the specloop API")]
 Token = Annotated[str | None, typer.Option("--token", envvar="SPECLOOP_ADMIN_TOKEN", show_default=False,
                                            help="admin token (the server's SPECLOOP_ADMIN_TOKEN)")]
-AsJson = Annotated[bool, typer.Option("--json", help="print the server's JSON instead of a table")]
+AsJson = Annotated[bool, typer.Option("--json", envvar="SPECLOOP_JSON", help="print the server's JSON instead of a table")]
 
-app = typer.Typer(name="specloop", help="Operator commands of a running specloop service.",
-                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-drafter = typer.Typer(help="The drafter registry: versions, champion, pin, rollback.", no_args_is_help=True)
-buffer = typer.Typer(help="The replay buffer.", no_args_is_help=True)
-app.add_typer(drafter, name="drafter")
-app.add_typer(buffer, name="buffer")
+# sub-apps of services.cli's app (`specloop drafter ...`, `specloop buffer ...`)
+drafter = typer.Typer(help="Operator: a running service's drafter registry.",
+                      no_args_is_help=True)
+buffer = typer.Typer(help="Operator: a running service's replay buffer.", no_args_is_help=True)
 
 
 @drafter.command("list")
@@ -236,30 +225,3 @@ def buffer_stats(url: Url = DEFAULT_URL, token: Token = None, as_json: AsJson = 
     """Written, dropped, depth, pending and memory of the replay buffer."""
     target = make_target(url, token, as_json)
     show(target, call(target, "GET", "/admin/buffer/stats"), format_stats)
-
-
-# ---------------------------------------------------------------- entry point
-
-
-def _fail(message: str, code: int) -> int:
-    print(f"specloop: error: {message}", file=sys.stderr)
-    return code
-
-
-def run(argv: list[str]) -> int:
-    """Run one operator command (argv starts with `drafter` or `buffer`); returns the exit code."""
-    command = typer.main.get_command(app)
-    try:
-        result = command.main(args=list(argv), prog_name="specloop", standalone_mode=False)
-    except OperatorError as exc:
-        return _fail(str(exc), exc.exit_code)
-    except _CommandLineError as exc:  # usage errors: unknown command, missing argument, bad option value
-        if type(exc).__name__ == "NoArgsIsHelpError":
-            exc.show()  # the group's help
-            return EXIT_USAGE
-        ctx = getattr(exc, "ctx", None)
-        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
-        return _fail(exc.format_message() + hint, getattr(exc, "exit_code", EXIT_USAGE))
-    except typer.Abort:
-        return _fail("aborted", EXIT_REFUSED)
-    return result if isinstance(result, int) else 0

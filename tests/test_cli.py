@@ -42,7 +42,7 @@ def test_generate_json_follows_the_contract(tiny_pair, tmp_path, capsys):
 def test_speculative_and_reference_runs_agree_through_the_cli(tiny_pair, tmp_path, capsys):
     v, d = tiny_pair
     f = _prompts(tmp_path, ROWS)
-    common = ["generate", "--verifier", v, "--prompts", f, "--max-tokens", 12, "--json"]
+    common = ["generate", v, "--prompts", f, "--max-tokens", 12, "--json"]
     _, ref, _ = _run(common + ["--no-speculation"], capsys)
     _, spec, _ = _run(common + ["--drafter", d, "--k", 3, "--batch-size", 2], capsys)
     _, ngram, _ = _run(common + ["--drafter-kind", "ngram", "--k", 2], capsys)
@@ -56,9 +56,8 @@ def test_k_is_auto_by_default_and_the_summary_says_what_was_chosen(tiny_pair, tm
     f = _prompts(tmp_path, ROWS)
     code, out, err = _run(["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--max-tokens", 8], capsys)
     assert code == 0 and "k=auto (mean " in err
-    with pytest.raises(SystemExit) as exc:  # argparse: neither auto nor an integer
-        _run(["generate", "--verifier", v, "--drafter", d, "--prompts", f, "--k", "many"], capsys)
-    assert exc.value.code == 2 and "expected 'auto' or an integer" in capsys.readouterr().err
+    code, out, err = _run(["generate", v, "--drafter", d, "--prompts", f, "--k", "many"], capsys)
+    assert code == 2 and out == "" and "expected 'auto' or an integer, got 'many'" in err
 
 
 def test_seeded_sampling_repeats_and_repeated_prompts_draw_independently(tiny_pair, tmp_path, capsys):
@@ -154,3 +153,122 @@ def test_replay_with_a_bad_argument_exits_with_code_2_before_ray_starts(tiny_pai
     assert code == 2 and out == ""
     assert err.splitlines() == [err.strip()] and err.startswith("specloop: error: ") and message in err
     assert not ray.is_initialized()
+
+
+# ---- one command line: MODEL, global options, environment, --config, --version
+
+
+def test_the_model_may_be_positional_or_given_with_verifier(tiny_pair, tmp_path, capsys):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS[:1])
+    common = ["--drafter", d, "--prompts", f, "--max-tokens", 6, "--k", 3, "--json"]  # a fixed k: the same stats
+    positional = _run(["generate", v, *common], capsys)
+    alias = _run(["generate", "--verifier", v, *common], capsys)
+    both = _run(["generate", v, "--verifier", v, *common], capsys)
+    assert positional[0] == alias[0] == both[0] == 0 and positional[1] == alias[1] == both[1] != ""
+    code, out, err = _run(["generate", v, "--verifier", tmp_path, *common], capsys)
+    assert (code, out) == (2, "") and "MODEL and --verifier name different directories" in err
+
+
+def test_the_command_line_model_wins_over_the_environment(tiny_pair, tmp_path, capsys, monkeypatch):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS[:1])
+    monkeypatch.setenv("SPECLOOP_VERIFIER", str(tmp_path / "stale"))
+    code, out, _ = _run(["generate", v, "--drafter", d, "--prompts", f, "--max-tokens", 4, "--json"], capsys)
+    assert code == 0 and len(out.splitlines()) == 1
+    monkeypatch.setenv("SPECLOOP_MODEL", str(tmp_path / "other"))  # the same source, two directories
+    code, _, err = _run(["generate", "--drafter", d, "--prompts", f], capsys)
+    assert code == 2 and "MODEL and --verifier name different directories" in err
+
+
+def test_options_come_from_the_environment_and_the_config_file(tiny_pair, tmp_path, capsys, monkeypatch):
+    v, d = tiny_pair
+    f = _prompts(tmp_path, ROWS)
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text(f"model: {v}\ndrafter: {d}\nprompts: {f}\nmax_tokens: 3\nlimit: 1\njson: true\n")
+    code, out, _ = _run(["generate", "--config", cfg], capsys)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and [r["id"] for r in rows] == ["a"] and len(rows[0]["token_ids"]) <= 3
+    monkeypatch.setenv("SPECLOOP_LIMIT", "2")
+    monkeypatch.setenv("SPECLOOP_MAX_TOKENS", "5")
+    out = _run(["generate", "--config", cfg, "--max-tokens", 1], capsys)[1]
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"] and {len(r["token_ids"]) for r in rows} == {1}
+
+
+def test_global_options_may_follow_the_command_and_win_there(tiny_pair, tmp_path, capsys):
+    import torch
+
+    f = _prompts(tmp_path, ROWS[:1])
+    args = [tiny_pair[0], "--drafter-kind", "ngram", "--prompts", f, "--max-tokens", 2, "--json"]
+    assert main(["--threads", "2", "generate", *args, "--threads", "1"]) == 0
+    assert torch.get_num_threads() == 1
+    assert main(["generate", *args, "--threads", "2"]) == 0
+    assert torch.get_num_threads() == 2
+    assert main(["--threads", "1", "generate", *args]) == 0
+    assert torch.get_num_threads() == 1
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--workers", "1", "--threads", "0"], "Invalid value for '--threads'"),
+    (["serve", "--drain-timeout", "-1"], "Invalid value for '--drain-timeout'"),
+    (["api", "--port", "http"], "Invalid value for '--port'"),
+    (["serve", "--weights", "int3"], "Invalid value for '--weights'"),
+    (["serve", "--bogus"], "No such option"),
+    (["teleport"], "No such command"),
+    (["serve", "--max-context", "0"], "--max-context must be >= 1"),
+    (["serve", "v", "--verifier", "w"], "MODEL and --verifier name different directories"),
+    (["serve", "--drafter", "d"], "--drafter without MODEL"),
+    (["serve", "v"], "give --drafter DIR and/or --drafter-kind"),
+    (["--threads", "1", "models", "fetch", "--drafter-minutes", "0"], "--drafter-minutes must be > 0"),
+])
+def test_bad_input_exits_2_with_one_line_before_anything_loads(capsys, argv, message):
+    code, out, err = _run(argv, capsys)
+    assert (code, out) == (2, "") and err.startswith("specloop: error: ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_serve_reads_its_options_from_the_environment_and_the_config(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("slots: 4\nmax-context: 0\napi_key: k\n")
+    assert _run(["serve", "v", "--config", cfg], capsys)[2].count("--max-context must be >= 1") == 1
+    monkeypatch.setenv("SPECLOOP_MAX_CONTEXT", "512")
+    monkeypatch.setenv("SPECLOOP_SLOTS", "0")
+    assert "--slots must be >= 1" in _run(["serve", "v", "--config", cfg], capsys)[2]
+    assert "give --drafter DIR" in _run(["serve", "v", "--config", cfg, "--slots", "2"], capsys)[2]
+    cfg.write_text("drain-timeout: 5\nserved-model-name: m\nbogus_key: 1\n")
+    code, _, err = _run(["serve", "v", "--config", cfg], capsys)
+    assert code == 2 and "unknown key 'bogus_key' for `specloop serve`" in err
+
+
+def test_replay_takes_several_prompt_files_after_one_prompts(tiny_pair, tmp_path, capsys):
+    import ray
+
+    good = _prompts(tmp_path, ROWS)
+    args = ["replay", tiny_pair[0], "--drafter", tiny_pair[1], "--prompts", good, tmp_path / "second.jsonl", "--json"]
+    code, out, err = _run(args, capsys)
+    assert (code, out) == (2, "") and f"prompt file not found: {tmp_path / 'second.jsonl'}" in err
+    assert not ray.is_initialized()
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    assert _run(["--version"], capsys)[:2] == (0, f"specloop {version('specloop')}\n")
+    assert main(["--version", "teleport"]) == 0  # eager: before the command is looked at
+
+
+def test_help_works_for_every_command(capsys):
+    for argv in (["serve"], ["generate"], ["replay"], ["api"], ["demo"], ["models", "fetch"], ["train", "offline"]):
+        code, out, _ = _run([*argv, "--help"], capsys)
+        assert code == 0 and out.startswith(f"Usage: specloop {' '.join(argv)} ") and "--threads" in out
+    assert "[MODEL]" in _run(["serve", "--help"], capsys)[1]
+    assert "--verifier" not in _run(["serve", "--help"], capsys)[1]  # the hidden alias
+
+
+def test_no_command_shows_the_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "Commands:" in capsys.readouterr().err
+    code, _, err = _run([], capsys)  # global options only
+    assert code == 2 and err == "specloop: error: Missing command. (see 'specloop --help')\n"

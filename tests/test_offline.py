@@ -1,6 +1,5 @@
 """Offline alignment: each method learns, SD² starts as the plain drafter, checkpoints resume
 exactly, generated data is cached, and every output loads as a drafter that decodes losslessly."""
-import argparse
 import json
 
 import pytest
@@ -21,8 +20,7 @@ from trainer.offline import (
     METHODS,
     OfflineConfig,
     OfflineTrainer,
-    add_offline_arguments,
-    config_from_args,
+    config_from_options,
     train_offline,
 )
 
@@ -212,18 +210,39 @@ def test_bad_configurations_are_refused(pair, tmp_path):
         OfflineTrainer(config(pair, tmp_path, "medusa"), progress=False)
 
 
+def _offline_options(argv: list[str]) -> dict:
+    """`specloop train offline ARGV` parsed by the real command (not run): its options by field name."""
+    from services.cli import app
+    from services.cli_runtime import command, group_from_params
+    from services.cli_train import OfflineOptions
+
+    leaf = command(app).commands["train"].commands["offline"]
+    with leaf.make_context("offline", list(argv)) as ctx:
+        return vars(group_from_params(OfflineOptions, dict(ctx.params)))
+
+
 def test_command_line_options_become_a_config(tmp_path):
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--threads", type=int, default=1)
-    add_offline_arguments(parser)
-    args = parser.parse_args(["--threads", "2", "--method", "sd2", "--verifier", "v", "--drafter", "d", "--out", "o",
-                              "--data", "generated", "--loss", "lk", "--k", "5", "--minutes", "2.5",
-                              "--steer-layers", "0", "2", "4", "--resume"])
-    cfg = config_from_args(args)
+    options = _offline_options(["--method", "sd2", "--verifier", "v", "--drafter", "d", "--out", "o",
+                                "--data", "generated", "--loss", "lk", "--k", "5", "--minutes", "2.5",
+                                "--steer-layers", "0", "2", "4", "--resume", "--draft-vocab", "dv"])
+    cfg = config_from_options(options, threads=2)
     assert (cfg.method, cfg.verifier, cfg.drafter, cfg.out_dir) == ("sd2", "v", "d", "o")
     assert (cfg.data, cfg.loss, cfg.k, cfg.minutes, cfg.max_steps) == ("generated", "lk", 5, 2.5, None)
-    assert (cfg.steer_layers, cfg.resume, cfg.threads) == ((0, 2, 4), True, 2)
-    cfg.validate()
+    assert (cfg.steer_layers, cfg.resume, cfg.threads, cfg.draft_vocab) == ((0, 2, 4), True, 2, "dv")
+
+
+def test_the_command_lines_defaults_are_the_configs(tmp_path):
+    cfg = config_from_options(_offline_options(["--method", "dvi", "--verifier", "v", "--out", "o"]))
+    assert cfg.description() == OfflineConfig(method="dvi", verifier="v", out_dir="o").description()
+
+
+def test_a_bad_offline_option_exits_2_before_training(tmp_path, capsys):
+    from services.cli import main
+
+    code = main(["train", "offline", "--method", "medusa", "--verifier", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--max-steps", "1"])
+    assert code == 2 and "unknown method 'medusa'" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_self_distilled_data_trains_an_eagle_head_within_the_minutes(pair, tmp_path):

@@ -195,18 +195,89 @@ def test_usage_errors_exit_2_with_one_line(specloop, args):
     assert err.startswith("specloop: error: ") and err.count("\n") == 1
 
 
-def test_specloop_help_mentions_the_operator_commands(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        main(["--help"])
-    assert exit_.value.code == 0
-    out = " ".join(capsys.readouterr().out.split())
-    assert "specloop drafter list|status|pin|unpin|rollback, specloop buffer stats" in out
+def test_specloop_help_lists_every_command_with_a_one_line_help(specloop):
+    code, out, _ = specloop("--help")
+    assert code == 0
+    commands = out.split("Commands:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split()[0] for line in commands] == ["generate", "replay", "serve", "api", "demo", "models", "train",
+                                                      "drafter", "buffer"]
+    assert all(len(line.split()) > 2 and not line.endswith("...") for line in commands)  # a help, not cut short
+    flat = " ".join(out.split())
+    assert "specloop drafter list|status|pin|unpin|rollback, specloop buffer stats" in flat
+    assert "specloop models bootstrap|fetch, specloop train offline" in flat
 
 
 def test_operator_help_lists_the_drafter_commands(specloop):
     code, out, _ = specloop("drafter", "--help")
     assert code == 0
     assert all(name in out for name in ("list", "status", "pin", "unpin", "rollback"))
+
+
+# ---- global options, environment, --config
+
+
+def test_global_options_go_before_or_after_an_operator_command(reg, specloop):
+    assert specloop("--threads", "2", "drafter", "list")[0] == 0
+    assert specloop("drafter", "list", "--threads", "2")[0] == 0
+    code, _, err = specloop("drafter", "list", "--threads", "0")
+    assert code == 2 and "Invalid value for '--threads'" in err and err.count("\n") == 1
+
+
+def test_the_log_level_after_the_command_wins_over_the_one_before(specloop):
+    import logging
+
+    bad = ("--url", "nope")  # the command runs (its globals settled) and stops before any request
+    try:
+        assert specloop("--log-level", "info", "buffer", "stats", *bad)[0] == 2
+        assert logging.getLogger("specloop").level == logging.INFO
+        assert specloop("--log-level", "info", "buffer", "stats", "--log-level", "error", *bad)[0] == 2
+        assert logging.getLogger("specloop").level == logging.ERROR
+    finally:
+        logging.getLogger("specloop").setLevel(logging.NOTSET)
+
+
+def _config(tmp_path, text: str) -> str:
+    path = tmp_path / "specloop.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_precedence_is_command_line_then_environment_then_config_then_default(specloop, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECLOOP_URL", raising=False)
+    cfg = _config(tmp_path, "url: cfg://x\n")
+    assert "bad --url 'http://127.0.0.1:99999'" in specloop("drafter", "list", "--url", "http://127.0.0.1:99999")[2]
+    assert "bad --url 'cfg://x'" in specloop("drafter", "list", "--config", cfg)[2]
+    assert "bad --url 'cfg://x'" in specloop("--config", cfg, "drafter", "list")[2]
+    monkeypatch.setenv("SPECLOOP_URL", "env://x")
+    assert "bad --url 'env://x'" in specloop("drafter", "list", "--config", cfg)[2]
+    assert "bad --url 'cli://x'" in specloop("drafter", "list", "--config", cfg, "--url", "cli://x")[2]
+    monkeypatch.setenv("SPECLOOP_CONFIG", cfg)
+    monkeypatch.delenv("SPECLOOP_URL")
+    assert "bad --url 'cfg://x'" in specloop("drafter", "list")[2]
+
+
+def test_config_keys_may_use_underscores_and_global_options(specloop, tmp_path):
+    code, _, err = specloop("drafter", "status", "--config", _config(tmp_path, "events: 5000\n"))
+    assert code == 2 and "Invalid value for '--events'" in err
+    code, _, err = specloop("drafter", "list", "--config", _config(tmp_path, "log_level: loud\n"))
+    assert code == 2 and "'--log-level'" in err
+
+
+@pytest.mark.parametrize("text,message", [
+    ("url: http://x\nbogus: 1\n", "unknown key 'bogus' for `specloop drafter list`"),
+    ("max_tokens: 5\n", "unknown key 'max_tokens'"),  # an option of another command
+    ("- url\n", "expected a mapping"),
+    ("url: [unclosed\n", "not YAML"),
+])
+def test_a_bad_config_file_exits_2_with_one_line(specloop, tmp_path, text, message):
+    code, out, err = specloop("drafter", "list", "--config", _config(tmp_path, text))
+    assert (code, out) == (2, "") and err.startswith("specloop: error: --config ") and message in err
+    assert err.count("\n") == 1
+
+
+def test_a_missing_config_file_exits_2(specloop, tmp_path):
+    code, _, err = specloop("drafter", "list", "--config", str(tmp_path / "none.yaml"))
+    assert code == 2 and "none.yaml" in err
 
 
 # ---- pure formatting

@@ -13,7 +13,6 @@ plus train_log.jsonl (one line per step) and checkpoint/ (safetensors + JSON, fo
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -428,54 +427,13 @@ def self_distilled(cfg: OfflineConfig, progress: bool) -> dict:
 # ----------------------------------------------------------------------------- command line
 
 
-def add_offline_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options of `specloop train offline` (threads come from the top-level --threads)."""
-    d = OfflineConfig
-    parser.add_argument("--method", choices=METHODS, required=True)
-    parser.add_argument("--verifier", type=Path, required=True)
-    parser.add_argument("--drafter", type=Path, help="drafter LM to start from (distill/sd2/sd2-frozen); "
-                        "with dvi only used to speed up --data generated when --gen-k > 0")
-    parser.add_argument("--out", type=Path, required=True, help="output (and checkpoint) directory")
-    parser.add_argument("--data", choices=DATA_MODES, default=d.data,
-                        help="self-distilled: the eagle head from the verifier's own answers (4/9 of --minutes decoding them)")
-    parser.add_argument("--loss", choices=LOSSES, default=d.loss)
-    parser.add_argument("--k", type=int, default=d.k, help="SD²: random offset δ ∈ [1, k]; eagle: unrolled up to k drafts")
-    parser.add_argument("--minutes", type=float, help="wall-clock budget (across resumed runs)")
-    parser.add_argument("--max-steps", type=int, help="step budget")
-    parser.add_argument("--lr", type=float, default=d.lr, help="peak LR of steering / LoRA parameters")
-    parser.add_argument("--lm-lr", type=float, default=d.lm_lr, help="peak LR of drafter LM parameters")
-    parser.add_argument("--weight-decay", type=float, default=d.weight_decay, help="drafter LM matrices only")
-    parser.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    parser.add_argument("--batch-size", type=int, default=d.batch_size)
-    parser.add_argument("--seq-len", type=int, default=d.seq_len)
-    parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--dvi-layers", type=int, default=d.dvi_layers, help="DVI: verifier layers s under the head")
-    parser.add_argument("--steer-layers", type=int, nargs=3, metavar="I",
-                        help="SD²: three 0-based verifier layers (default: layers 3, L/2, L−2)")
-    parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    parser.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
-    parser.add_argument("--data-cache", type=Path, help="directory of the generated-data cache (default OUT/data)")
-    parser.add_argument("--gen-batch", type=int, default=d.gen_batch)
-    parser.add_argument("--gen-k", type=int, default=d.gen_k, help="draft length while generating (0: verifier alone)")
-    parser.add_argument("--gen-max-tokens", type=int, default=d.gen_max_tokens)
-    parser.add_argument("--draft-vocab", type=Path, help="FR-Spec draft vocabulary (draft_vocab.safetensors): "
-                        "train over its rows only and draft over them when served")
-    parser.add_argument("--freeze-embeddings", action="store_true", help="distill / sd2: keep embeddings fixed")
-    parser.add_argument("--teacher-dtype", choices=("fp32", "bf16", "auto"), default=d.teacher_dtype,
-                        help="the verifier's forward (auto: bf16 where the CPU has native bf16)")
-
-
-def config_from_args(args: argparse.Namespace) -> OfflineConfig:
-    def opt(path):
-        return None if path is None else str(path)
-
-    return OfflineConfig(
-        method=args.method, verifier=str(args.verifier), drafter=opt(args.drafter), out_dir=str(args.out),
-        data=args.data, loss=args.loss, k=args.k, minutes=args.minutes, max_steps=args.max_steps,
-        lr=args.lr, lm_lr=args.lm_lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-        batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed, threads=getattr(args, "threads", 1),
-        dvi_layers=args.dvi_layers, steer_layers=None if args.steer_layers is None else tuple(args.steer_layers),
-        resume=args.resume, checkpoint_every=args.checkpoint_every, data_cache=opt(args.data_cache),
-        gen_batch=args.gen_batch, gen_k=args.gen_k, gen_max_tokens=args.gen_max_tokens,
-        draft_vocab=opt(args.draft_vocab), freeze_embeddings=args.freeze_embeddings, teacher_dtype=args.teacher_dtype,
-    )
+def config_from_options(options: dict, threads: int = 1) -> OfflineConfig:
+    """The OfflineConfig of `specloop train offline`'s options (services.cli_train.OfflineOptions, by
+    field name; `out` is out_dir), with paths as strings and the top-level --threads."""
+    fields = dict(options, out_dir=options["out"], threads=threads)
+    del fields["out"]
+    for name in ("verifier", "drafter", "out_dir", "data_cache", "draft_vocab"):
+        fields[name] = None if fields.get(name) is None else str(fields[name])
+    if fields.get("steer_layers") is not None:
+        fields["steer_layers"] = tuple(fields["steer_layers"])
+    return OfflineConfig(**fields)
