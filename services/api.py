@@ -28,8 +28,9 @@ from services.backend import Backend
 from services.planning import (DEFAULT_MAX_TOKENS, ApiConfig, Plan, detokenize, plan_body, prompt_bytes_limit,
                                tokenize)
 from services.schemas import ApiError, error_response, not_found, read_body, validation_message
-from services.streaming import (CLIENT_CLOSED, SSE_HEADERS, ClientGone, ClosingStream, Fanout, Progress, collect,
-                                full_response, open_choices, stream_events)
+from services.logprobs import TokenTexts
+from services.streaming import (CLIENT_CLOSED, SSE_HEADERS, ClientGone, ClosingStream, Fanout, Progress, Shapes,
+                                collect, open_choices, stream_events)
 
 log = logging.getLogger("specloop.api")
 
@@ -100,6 +101,7 @@ class Completions:
         # parsing and tokenizing run here, one request at a time (a tokenizer is not safe to share between
         # threads), so that a large prompt never holds the event loop and the streams it serves
         self.planner = ThreadPoolExecutor(1, thread_name_prefix="specloop-planner")
+        self.texts = TokenTexts(tokenizer)  # log-probabilities' token strings, decoded on the event loop
 
     async def __call__(self, request: Request, chat: bool) -> Response:
         arrival = time.perf_counter()
@@ -139,10 +141,13 @@ class Completions:
             await collect(call.fanout, call.progress)
             if call.progress.error is not None:
                 return error_response(ApiError.from_info(call.progress.error), self.cfg.retry_after_s)
-            return JSONResponse(full_response(call.plan, self.cfg.model_id, call.progress))
+            return JSONResponse(self.shapes(call.plan).full(call.progress))
         call.fanout.unwatch()
-        return ClosingStream(stream_events(call.plan, self.cfg.model_id, call.fanout, call.progress, opened),
+        return ClosingStream(stream_events(self.shapes(call.plan), call.fanout, call.progress, opened),
                              lambda: self.close(call), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def shapes(self, plan: Plan) -> Shapes:
+        return Shapes(plan, self.cfg.model_id, self.texts)
 
     def close(self, call: Call) -> None:
         """The one exit of an admitted request: its backend streams stop, and it is recorded."""

@@ -50,6 +50,7 @@ class Plan:
     requests: list[CompletionRequest]
     stream: bool = False
     include_usage: bool = False
+    logprobs: int | None = None  # None: none asked; n: each token's log-probability and its n most likely alternatives
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -184,6 +185,7 @@ def plan_body(raw: bytes, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
 def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     """Validate a request body (a parsed JSON value) into a Plan; ApiError if anything is off."""
     req = validated(body, chat, cfg)
+    logprobs = logprobs_asked(req)
     prompts = [chat_prompt(tokenizer, req.messages, cfg)] if chat else completion_prompts(tokenizer, req.prompt, cfg)
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
@@ -193,27 +195,40 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    common = sampling_fields(req) | dict(k=k, drafter_version=spec.drafter_version)
+    common = sampling_fields(req) | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs)
     requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
                                   stream_index=p * n + i, **common)
                 for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage)
+    return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage,
+                logprobs)
 
 
 def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBody:
     """The body as its pydantic model, with the checks that span fields."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    model = ChatBody if chat else CompletionBody
     try:
-        req = (ChatBody if chat else CompletionBody).model_validate(body)
+        req = model.model_validate(body)
     except ValidationError as exc:
         raise validation_message(exc) from None
-    check_supported(body)
+    check_supported(body, model)
     check_model(req.model, cfg)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     return req
+
+
+def logprobs_asked(req: ChatBody | CompletionBody) -> int | None:
+    """The alternatives per token a request asks for (None: no log-probabilities): chat's
+    `logprobs: true` with `top_logprobs` (0 by default; without logprobs it is a 400, as OpenAI's),
+    completions' `logprobs: n`."""
+    if isinstance(req, CompletionBody):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def sampling_fields(req: ChatBody | CompletionBody) -> dict:

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator
 
-from services.protocol import ErrorInfo
+from services.protocol import MAX_TOP_LOGPROBS, ErrorInfo
 
 DEFAULT_K = "auto"  # draft length when `speculative.k` is not given: chosen per step by the worker
 MAX_K = 16
@@ -118,10 +118,13 @@ class Sampling(_Lenient):
 class ChatBody(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # only with logprobs: true
 
 
 class CompletionBody(Sampling):
     prompt: Any  # checked by `completion_prompts`
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
 
 
 class TokenizeBody(_Lenient):
@@ -141,10 +144,10 @@ class DetokenizeBody(_Lenient):
     tokens: list[StrictInt]
 
 
-# parameters this server accepts only at their neutral value (it calls no tools, penalises nothing …)
+# parameters this server accepts only at their neutral value (it calls no tools, penalises nothing …),
+# unless the body's model declares them
 NEUTRAL = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
+    "top_logprobs": (None, 0),  # a chat parameter
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
@@ -160,9 +163,9 @@ NEUTRAL = {
 }
 
 
-def check_supported(body: dict) -> None:
+def check_supported(body: dict, model: type[BaseModel]) -> None:
     for name, neutral in NEUTRAL.items():
-        if not any(_same(body.get(name), v) for v in neutral):
+        if name not in model.model_fields and not any(_same(body.get(name), v) for v in neutral):
             raise invalid(f"`{name}` is not supported by this server (got {json.dumps(body.get(name))})", name)
 
 

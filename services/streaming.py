@@ -20,8 +20,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from services.backend import Backend
+from services.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from services.planning import Plan
-from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage
+from services.protocol import Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage
 from services.schemas import ApiError
 
 log = logging.getLogger("specloop.api")
@@ -112,6 +113,8 @@ class ChoiceState:
     end_s: float | None = None
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the worker sent them
+    text_offset: int = 0  # completions' log-probabilities: characters of token strings streamed so far
 
 
 @dataclass
@@ -137,6 +140,7 @@ class Progress:
             c.last_token_s = now
         c.tokens += len(chunk.token_ids)
         c.texts.append(chunk.text)
+        c.logprobs.extend(chunk.logprobs or ())
         if chunk.error is not None and self.error is None:
             self.error, self.error_index = chunk.error, index
         if chunk.last:
@@ -178,36 +182,72 @@ def usage_dict(prompt_lens: list[int], choices: list[ChoiceState]) -> dict:
 # ------------------------------------------------------------------------------------------ responses
 
 
-def full_response(plan: Plan, model: str, progress: Progress) -> dict:
-    """A non-streamed chat.completion / text_completion."""
-    choices = []
-    for i, c in enumerate(progress.choices):
-        text = "".join(c.texts)
-        body = {"message": {"role": "assistant", "content": text}} if plan.chat else {"text": text}
-        choices.append({"index": i, **body, "logprobs": None, "finish_reason": c.finish_reason})
-    return {"id": plan.id, "object": "chat.completion" if plan.chat else "text_completion", "created": plan.created,
-            "model": model, "choices": choices, "usage": usage_dict(plan.prompt_lens, progress.choices)}
+@dataclass
+class Shapes:
+    """The OpenAI response shapes of one planned request: a full answer, streamed chunks, the usage
+    chunk; `texts` gives the token strings of its log-probabilities (when it asked for them)."""
 
+    plan: Plan
+    model: str
+    texts: TokenTexts | None = None
 
-def stream_chunk(plan: Plan, model: str, index: int, text: str | None = None, role: bool = False,
-                 finish_reason: str | None = None) -> dict:
-    """One streamed chunk of choice `index`: the role opening (chat), a text delta, or the finish."""
-    if plan.chat:
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    else:
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-    out = {"id": plan.id, "object": "chat.completion.chunk" if plan.chat else "text_completion",
-           "created": plan.created, "model": model, "choices": [choice]}
-    if plan.include_usage:
-        out["usage"] = None
-    return out
+    @property
+    def object(self) -> str:
+        if self.plan.chat:
+            return "chat.completion.chunk" if self.plan.stream else "chat.completion"
+        return "text_completion"
 
+    def head(self) -> dict:
+        return {"id": self.plan.id, "object": self.object, "created": self.plan.created, "model": self.model}
 
-def usage_chunk(plan: Plan, model: str, progress: Progress) -> dict:
-    return {"id": plan.id, "object": "chat.completion.chunk" if plan.chat else "text_completion",
-            "created": plan.created, "model": model, "choices": [],
-            "usage": usage_dict(plan.prompt_lens, progress.choices)}
+    def full(self, progress: Progress) -> dict:
+        """A non-streamed chat.completion / text_completion."""
+        choices = []
+        for i, c in enumerate(progress.choices):
+            text = "".join(c.texts)
+            body = {"message": {"role": "assistant", "content": text}} if self.plan.chat else {"text": text}
+            choices.append({"index": i, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason})
+        return self.head() | {"choices": choices, "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
+
+    def chunk(self, index: int, text: str | None = None, role: bool = False, finish_reason: str | None = None,
+              logprobs: dict | None = None) -> dict:
+        """One streamed chunk of choice `index`: the role opening (chat), a text delta (with its tokens'
+        log-probabilities), or the finish."""
+        if self.plan.chat:
+            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        out = self.head() | {"choices": [choice]}
+        if self.plan.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, progress: Progress) -> dict:
+        return self.head() | {"choices": [], "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
+
+    def logprobs(self, entries: list[TokenLogprob] | None, choice: ChoiceState | None = None) -> dict | None:
+        """`choices[i].logprobs` for these entries (None when the request asked for none). Given the
+        streamed `choice`, completions' text offsets go on from where its last chunk left them."""
+        if self.plan.logprobs is None or self.texts is None:
+            return None
+        if self.plan.chat:
+            return chat_logprobs(entries or [], self.texts, self.plan.logprobs)
+        out, end = completion_logprobs(entries or [], self.texts, self.plan.logprobs,
+                                       choice.text_offset if choice else 0)
+        if choice is not None:
+            choice.text_offset = end
+        return out
+
+    def deltas(self, index: int, chunk: Chunk, choice: ChoiceState) -> list[dict]:
+        """The streamed chunks one backend chunk becomes: its text (or, with log-probabilities asked,
+        its tokens even when their text is held back), then its finish."""
+        out = []
+        if chunk.text or (self.plan.logprobs is not None and chunk.token_ids):
+            out.append(self.chunk(index, text=chunk.text, logprobs=self.logprobs(chunk.logprobs, choice)))
+        if chunk.finish_reason is not None:
+            out.append(self.chunk(index, finish_reason=chunk.finish_reason))
+        return out
 
 
 def sse(obj: dict | str) -> bytes:
@@ -235,12 +275,12 @@ async def collect(fanout: Fanout, progress: Progress) -> None:
         progress.observe(*await fanout.next())
 
 
-async def stream_events(plan: Plan, model: str, fanout: Fanout, progress: Progress,
+async def stream_events(shapes: Shapes, fanout: Fanout, progress: Progress,
                         opened: list[tuple[int, Chunk]]) -> AsyncIterator[bytes]:
     """The SSE body: role openings, text deltas and finishes by arrival, the usage chunk, [DONE]."""
-    if plan.chat:
-        for i in range(len(plan.requests)):
-            yield sse(stream_chunk(plan, model, i, role=True))
+    if shapes.plan.chat:
+        for i in range(len(shapes.plan.requests)):
+            yield sse(shapes.chunk(i, role=True))
     pending = list(opened)
     while pending or not progress.done:
         if pending:
@@ -251,12 +291,10 @@ async def stream_events(plan: Plan, model: str, fanout: Fanout, progress: Progre
         if chunk.error is not None:
             yield sse(ApiError.from_info(chunk.error).body())
             break
-        if chunk.text:
-            yield sse(stream_chunk(plan, model, index, text=chunk.text))
-        if chunk.finish_reason is not None:
-            yield sse(stream_chunk(plan, model, index, finish_reason=chunk.finish_reason))
-    if plan.include_usage and progress.error is None:
-        yield sse(usage_chunk(plan, model, progress))
+        for delta in shapes.deltas(index, chunk, progress.choices[index]):
+            yield sse(delta)
+    if shapes.plan.include_usage and progress.error is None:
+        yield sse(shapes.usage_chunk(progress))
     yield sse("[DONE]")
 
 

@@ -21,6 +21,20 @@ def scripted_logprob(token: int, position: int, top: int, vocab: int) -> TokenLo
     return TokenLogprob(token, lp, [((token + j) % vocab, lp - j) for j in range(top)])
 
 
+def incremental_texts(tokenizer, ids: list[int]) -> list[str]:
+    """The text each token adds, as the worker's detokenizer sends it: held back (empty) while the
+    text so far ends inside a character."""
+    out, sent = [], ""
+    for i in range(len(ids)):
+        text = tokenizer.decode(ids[: i + 1])
+        if text.endswith("\ufffd") and i < len(ids) - 1:
+            out.append("")
+            continue
+        out.append(text[len(sent):])
+        sent = text
+    return out
+
+
 @dataclass
 class Scripted:
     """A Backend without a model: every request streams `tokens` (cut to its max_tokens), one chunk
@@ -38,18 +52,18 @@ class Scripted:
         self.open_streams += 1
         try:
             ids = self.tokens[: request.max_tokens]
-            for i, t in enumerate(ids):
+            for i, (t, text) in enumerate(zip(ids, incremental_texts(self.tokenizer, ids))):
                 await asyncio.sleep(self.delay_s)
-                yield self.chunk(request, i, t, last=i == len(ids) - 1)
+                yield self.chunk(request, i, t, text, last=i == len(ids) - 1)
         finally:
             self.open_streams -= 1
 
-    def chunk(self, request: CompletionRequest, i: int, token: int, last: bool) -> Chunk:
+    def chunk(self, request: CompletionRequest, i: int, token: int, text: str, last: bool) -> Chunk:
         lps = None
         if request.logprobs is not None:
             lps = [scripted_logprob(token, i, request.logprobs, len(self.tokenizer))]
         usage = Usage(len(request.prompt_ids), i + 1) if last else None
-        return Chunk(request.id, [token], self.tokenizer.decode([token]), "length" if last else None, usage, None, lps)
+        return Chunk(request.id, [token], text, "length" if last else None, usage, None, lps)
 
     async def workers(self):
         return [WorkerInfo("scripted", self.verifier, MODEL, "pretrained", "base", MAX_CONTEXT, 4, 16)]

@@ -242,7 +242,13 @@ def test_malformed_json_is_a_400_in_openai_shape_never_a_422(url):
     ({"speculative": {"k": 0}}, "speculative.k"),
     ({"speculative": {"k": "sometimes"}}, "speculative.k"),
     ({"speculative": {"enabled": True, "kk": 3}}, "speculative.kk"),
-    ({"logprobs": True}, "logprobs"),
+    ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"logprobs": "yes"}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ])
 def test_wrong_parameters_are_400s_naming_the_parameter(url, extra, param):
