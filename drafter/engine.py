@@ -30,6 +30,7 @@ import torch
 
 from drafter.controller import Batch, Choice, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
+from drafter.logprobs import Scoring, TokenScore, scoring_for
 from drafter.proposer import Drafter, VerifierView, emitted_tokens, narrow_rows, widen_rows
 from drafter.rejection import rejection_sample
 from drafter.sampling import RowParams, SamplingParams, make_generators
@@ -44,6 +45,7 @@ class EngineRequest:
     params: SamplingParams
     k: int | None  # this request's draft length; 0 = the verifier alone; None = auto (the controller's, per step)
     stream: int = 0  # draws from the stream seeded by (params.seed, stream)
+    logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and n alternatives
 
 
 @dataclass
@@ -56,6 +58,7 @@ class RowUpdate:
     k: int  # drafts of this request's block (its own k, or the controller's choice; 0: the verifier alone)
     accepted: int  # drafts accepted in this block
     finish_reason: str | None  # set on the request's last step
+    logprobs: list[TokenScore] | None = None  # one per new token, when the request asked for them
 
 
 @dataclass
@@ -143,7 +146,8 @@ class Engine:
         for s, r in zip(slots, requests):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k
-            self.rows[s] = _Row(r, Generation([], None, RequestStats(positions)), gen)
+            scores = None if r.logprobs is None else []
+            self.rows[s] = _Row(r, Generation([], None, RequestStats(positions), scores), gen)
             self.last[s] = r.prompt[-1]
         self.behind.difference_update(slots)
         return slots
@@ -157,6 +161,8 @@ class Engine:
             raise ValueError("stop strings need a decode function")
         if r.k is not None and r.k < 0:
             raise ValueError(f"request {r.id}: k = {r.k} < 0")
+        if r.logprobs is not None and r.logprobs < 0:
+            raise ValueError(f"request {r.id}: logprobs = {r.logprobs} < 0")
         if not self.fits(len(r.prompt), r.params.max_tokens, r.k):
             raise ValueError(f"request {r.id}: {len(r.prompt)} prompt tokens + {r.params.max_tokens} new "
                              f"(+ {self.reserve(r.k)} for drafting) exceed the {self.capacity}-position context")
@@ -199,15 +205,16 @@ class Engine:
         cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
         narrowed = narrow_rows(drafter, m) if follow and m < self.slots else drafter
         clock = StepClock()
+        scoring = scoring_for({s: rows[s].request.logprobs for s in live if rows[s].request.logprobs is not None})
         t1 = time.perf_counter()
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
-                                   active, self.sampler, on_trace, limit, clock)
+                                   active, self.sampler, on_trace, limit, clock, scoring)
         t2 = time.perf_counter()
         if narrowed is not drafter:
             widen_rows(drafter, narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
-        updates = [self._commit(s, outcome, ks[s]) for s in live]
+        updates = [self._commit(s, outcome, ks[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0
         self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
@@ -274,13 +281,17 @@ class Engine:
             u[s, 2 * kmax] = drawn[2 * k]
         return u
 
-    def _commit(self, s: int, outcome, k: int) -> RowUpdate:
+    def _commit(self, s: int, outcome, k: int, scoring: Scoring | None) -> RowUpdate:
         row = self.rows[s]
         n = int(outcome.num_accepted[s])
         before = len(row.gen.token_ids)
         row.gen.stats.record(n, k)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
-        update = RowUpdate(row.request.id, s, row.gen.token_ids[before:], k, n, row.gen.finish_reason)
+        new = row.gen.token_ids[before:]  # cut as the stop rule cut them: their scores are cut the same way
+        scores = None if row.gen.logprobs is None else scoring.scores(s, new, row.request.logprobs)
+        if scores is not None:
+            row.gen.logprobs.extend(scores)
+        update = RowUpdate(row.request.id, s, new, k, n, row.gen.finish_reason, scores)
         if row.gen.finish_reason is not None:
             self.finished[row.request.id] = row.gen
             self.rows[s] = None

@@ -13,6 +13,7 @@ import torch
 
 from drafter.controller import Controller
 from drafter.decoder import KVCache, LeanDecoder, prefill
+from drafter.logprobs import Scoring, TokenScore
 from drafter.proposer import Drafter, Proposal, VerifierView, emitted_tokens
 from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
 from drafter.sampling import RowParams, SamplingParams, warp
@@ -71,6 +72,7 @@ def speculative_step(
     on_trace: Callable[[StepTrace], None] | None = None,  # replay logging; None costs nothing
     limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
     clock: StepClock | None = None,  # timing of the draft and verify passes; None costs nothing
+    scoring: Scoring | None = None,  # rows whose emitted tokens get log-probabilities; None costs nothing
 ) -> BlockOutcome:
     dev = verifier.device
     t_start = None if clock is None else clock.mark(dev)
@@ -95,6 +97,8 @@ def speculative_step(
     outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu())  # the host commits and rolls back
     if clock is not None:
         clock.read(t_start, t_drafted, t_verified)
+    if scoring is not None:  # after the clock: the controller's costs are those of the step itself
+        scoring.fill(logits, verdict.tokens)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if follow:
@@ -209,6 +213,7 @@ class Generation:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
     stats: RequestStats
+    logprobs: list[TokenScore] | None = None  # one per token id, when the request asked for them
 
 
 @dataclass

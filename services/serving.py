@@ -23,7 +23,9 @@ from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
 from drafter.engine import Engine, EngineRequest, RowUpdate
-from services.protocol import Chunk, CompletionRequest, ErrorInfo, Usage, WorkerInfo, WorkerLoad, invalid, overloaded
+from drafter.logprobs import TokenScore
+from services.protocol import (MAX_TOP_LOGPROBS, Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage, WorkerInfo,
+                               WorkerLoad, invalid, overloaded)
 from services.registry import UnknownVersion, UnservableVersion
 from services.worker import VerifierWorker, WorkerConfig
 
@@ -252,6 +254,8 @@ class ServingLoop:
             return invalid(r.id, "this worker has no drafter: set speculative.enabled false", "speculative")
         if r.k is not None and r.k < 0:
             return invalid(r.id, f"k = {r.k} < 0", "speculative.k")
+        if r.logprobs is not None and not 0 <= r.logprobs <= MAX_TOP_LOGPROBS:
+            return invalid(r.id, f"logprobs = {r.logprobs}: between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
         reserve = self.worker.engine.reserve(r.k)
         need = len(r.prompt_ids) + r.max_tokens + reserve
         if not r.prompt_ids or need > self.worker.max_context:
@@ -347,7 +351,7 @@ class ServingLoop:
 
     @staticmethod
     def _engine_request(r: CompletionRequest) -> EngineRequest:
-        return EngineRequest(r.id, list(r.prompt_ids), r.sampling(), r.k, r.stream_index)
+        return EngineRequest(r.id, list(r.prompt_ids), r.sampling(), r.k, r.stream_index, r.logprobs)
 
     def _deliver(self, u: RowUpdate) -> None:
         live = self.live.get(u.id)
@@ -360,7 +364,8 @@ class ServingLoop:
         if u.id not in self.pinned.requests and self.worker.version != live.versions[-1]:  # a hot swap mid-request
             live.versions.append(self.worker.version)
         final = u.finish_reason is not None
-        chunk = Chunk(u.id, list(u.new_tokens), live.text.push(u.new_tokens, final), u.finish_reason)
+        chunk = Chunk(u.id, list(u.new_tokens), live.text.push(u.new_tokens, final), u.finish_reason,
+                      logprobs=token_logprobs(u.logprobs))
         if final:
             self.worker.engine.finished.pop(u.id, None)
             self.pinned.forget(u.id)
@@ -375,6 +380,11 @@ class ServingLoop:
             self.worker.abort(rid) or self.pinned.abort(rid)
             live.sink(Chunk(rid, error=ErrorInfo(message, "server_error", 500)))
         self.live.clear()
+
+
+def token_logprobs(scores: list[TokenScore] | None) -> list[TokenLogprob] | None:
+    """The engine's scores of a chunk's tokens as the protocol carries them (None: not asked for)."""
+    return None if scores is None else [TokenLogprob(s.token_id, s.logprob, list(s.top)) for s in scores]
 
 
 def attach_metrics(loop: ServingLoop, metrics) -> None:

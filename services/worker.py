@@ -259,7 +259,8 @@ class VerifierWorker:
         """Decode one request to completion (replay: one at a time); the replay contract's JSON object,
         whose "index" is the request's stream index (its place in the traffic)."""
         t0 = time.perf_counter()
-        self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.stream_index)])
+        self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.stream_index,
+                                  request.logprobs)])
         row = self.rows[request.id]
         while request.id not in self.engine.finished:
             self.step()

@@ -241,3 +241,111 @@ def test_an_auto_request_reserves_room_for_the_most_the_controller_may_draft(ver
     engine.admit([EngineRequest("y", list(range(1, 19)), SamplingParams(max_tokens=4), None)])  # no drafter: plain
     while engine.running:
         assert all(u.k == 0 for u in engine.step())
+
+
+# ---------------------------------------------------------------- log-probabilities (OpenAI `logprobs`)
+
+
+def _scored(engine: Engine, requests: list[EngineRequest]) -> dict[str, tuple[list[int], list]]:
+    """Each request's tokens and scores over its updates; every update scores exactly the tokens it commits."""
+    waiting, out = list(requests), {}
+    while waiting or engine.running:
+        if waiting and engine.free:
+            engine.admit([waiting.pop(0)])
+        for u in engine.step():
+            tokens, scores = out.setdefault(u.id, ([], []))
+            tokens.extend(u.new_tokens)
+            if u.logprobs is None:
+                assert scores == []
+                continue
+            assert [s.token_id for s in u.logprobs] == u.new_tokens
+            scores.extend(u.logprobs)
+    return out
+
+
+def _asking(req: EngineRequest, k: int | None, n: int | None) -> EngineRequest:
+    return EngineRequest(req.id, req.prompt, req.params, k, req.stream, logprobs=n)
+
+
+def _assert_same_scores(got: list, expected: list) -> None:
+    assert [s.token_id for s in got] == [s.token_id for s in expected]
+    assert torch.allclose(torch.tensor([s.logprob for s in got]), torch.tensor([s.logprob for s in expected]), atol=1e-4)
+    for g, e in zip(got, expected):
+        assert [t for t, _ in g.top] == [t for t, _ in e.top]
+        assert torch.allclose(torch.tensor([lp for _, lp in g.top]), torch.tensor([lp for _, lp in e.top]), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "ngram", "sd2", "dvi", "eagle"])
+def test_greedy_logprobs_are_the_same_with_speculation_on_and_off_alone_and_batched(kind, verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    reqs = _requests(verifier, max_tokens=14)
+    asking = lambda k: _asking(reqs[0], k, 3)  # noqa: E731 - greedy, 3 alternatives
+    others = [_asking(reqs[1], 2, None), _asking(reqs[5], 1, None), _asking(reqs[3], None, None)]  # never asked
+    reference = _scored(Engine(verifier.lean, None, 1, 96, rule), [asking(0)])["r0"]
+    tokens, scores = reference
+    assert tokens == generate(verifier.lean, None, [reqs[0].prompt], reqs[0].params, 0, rule)[0].token_ids
+    assert len(scores) == len(tokens) and all(s.top[0][0] == s.token_id for s in scores)  # greedy: the top-1
+    for k in range(5):
+        alone = _scored(Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), 1, 96, rule), [asking(k)])["r0"]
+        batched = _scored(Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), 3, 96, rule),
+                          [others[0], asking(k), *others[1:]])
+        for got in (alone, batched["r0"]):
+            assert got[0] == tokens
+            _assert_same_scores(got[1], scores)
+
+
+def test_logprobs_are_the_verifiers_log_softmax_at_each_emitted_position(verifier, tiny_pair):
+    """Sampled rows too (raw logits: before temperature / top-k / top-p), checked against one plain
+    forward pass over prompt + output."""
+    rule = StopRule(verifier.eos_ids)
+    reqs = [_asking(r, r.k, i % 3 if i % 2 == 0 else None) for i, r in enumerate(_requests(verifier))]
+    got = _scored(Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), 3, 96, rule), reqs)
+    for r in reqs:
+        tokens, scores = got[r.id]
+        if r.logprobs is None:
+            assert scores == []
+            continue
+        seq = r.prompt + tokens
+        cache = verifier.lean.new_cache(1, len(seq))
+        logits = verifier.lean.forward(cache, torch.tensor([seq])).logits[0, len(r.prompt) - 1 : len(seq) - 1]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        assert torch.allclose(torch.tensor([s.logprob for s in scores]), lp[torch.arange(len(tokens)), tokens], atol=1e-4)
+        top = lp.topk(max(r.logprobs, 1), dim=-1)
+        for j, s in enumerate(scores):
+            assert len(s.top) == r.logprobs
+            assert [t for t, _ in s.top] == top.indices[j, : r.logprobs].tolist()
+
+
+def test_logprobs_are_cut_where_eos_a_stop_string_and_max_tokens_cut_the_tokens(verifier, tiny_pair):
+    tok = verifier.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    base = _requests(verifier)[0]
+    plain = generate(verifier.lean, None, [base.prompt], base.params, 0, StopRule(verifier.eos_ids))[0].token_ids
+    text = decode(plain)
+    cases = [  # (stop rule, params): each ends the request mid-block at k = 4
+        (StopRule(frozenset({plain[5]}), decode), base.params),
+        (StopRule(verifier.eos_ids, decode), SamplingParams(max_tokens=len(plain), stop=(text[len(text) // 2:][:2],))),
+        (StopRule(verifier.eos_ids, decode), SamplingParams(max_tokens=7)),
+    ]
+    for rule, params in cases:
+        req = EngineRequest("c", base.prompt, params, 4, logprobs=2)
+        engine = Engine(verifier.lean, _drafter("ngram", verifier, tiny_pair), 1, 96, rule)
+        tokens, scores = _scored(engine, [req])["c"]
+        expected = generate(verifier.lean, None, [base.prompt], params, 0, rule)[0].token_ids
+        assert tokens == expected and len(tokens) < len(plain)
+        assert [s.token_id for s in scores] == tokens
+
+
+def test_a_step_where_no_row_asked_computes_no_logprobs(verifier, tiny_pair, monkeypatch):
+    from drafter.logprobs import Scoring
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("log-probabilities computed for a step where no row asked")
+
+    monkeypatch.setattr(Scoring, "fill", refuse)
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), 3, 96, StopRule(verifier.eos_ids))
+    got = _scored(engine, _requests(verifier)[:4])
+    assert len(got) == 4
+    with pytest.raises(AssertionError, match="no row asked"):
+        engine.admit([_asking(_requests(verifier)[0], 2, 0)])
+        engine.step()

@@ -207,3 +207,46 @@ def test_a_request_naming_a_version_with_non_finite_weights_is_a_409_and_never_d
     err = chunks[0].error
     assert (err.status, err.code, err.param) == (409, "version_not_servable", "speculative.drafter_version")
     assert "non-finite" in err.message
+
+
+def test_logprobs_come_one_per_streamed_token_as_the_verifier_alone_scores_them(tiny_pair, verifier):
+    from drafter.engine import Engine, EngineRequest
+    from services.protocol import Chunk
+
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=3, max_queue=8)
+    prompt = verifier.tokenizer.encode("def main", add_special_tokens=False)
+    requests = [CompletionRequest("greedy", prompt, max_tokens=12, k=3, logprobs=4),
+                CompletionRequest("sampled", prompt, max_tokens=12, k=2, temperature=0.8, seed=1, logprobs=0),
+                CompletionRequest("plain", prompt, max_tokens=12, k=2)]
+    results = dict(zip([r.id for r in requests], _serve_all(backend, requests)))
+    for rid, chunks in results.items():
+        for c in chunks:
+            assert Chunk.from_dict(c.to_dict()) == c  # through the actor boundary
+            if rid == "plain":
+                assert c.logprobs is None
+            else:
+                assert [e.token_id for e in c.logprobs] == c.token_ids
+                assert all(len(e.top) == requests[rid == "sampled"].logprobs for e in c.logprobs)
+    engine = Engine(verifier.lean, None, 1, 64, StopRule(verifier.eos_ids))
+    engine.admit([EngineRequest("ref", prompt, requests[0].sampling(), 0, logprobs=4)])
+    while engine.running:
+        engine.step()
+    reference = engine.finished.pop("ref").logprobs
+    served = [e for c in results["greedy"] for e in c.logprobs]
+    assert [e.token_id for e in served] == [s.token_id for s in reference]
+    assert all(e.top[0][0] == e.token_id for e in served)
+    for e, s in zip(served, reference):
+        assert abs(e.logprob - s.logprob) < 1e-4 and [t for t, _ in e.top] == [t for t, _ in s.top]
+
+
+def test_logprobs_outside_0_to_20_are_refused(tiny_pair):
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=2)
+    try:
+        refused = [asyncio.run(_collect(backend, CompletionRequest(f"x{n}", [5, 6], max_tokens=2, logprobs=n)))
+                   for n in (-1, 21)]
+        ok = asyncio.run(_collect(backend, CompletionRequest("ok", [5, 6], max_tokens=2, logprobs=20)))
+    finally:
+        asyncio.run(backend.close())
+    for chunks in refused:
+        assert chunks[0].error.status == 400 and chunks[0].error.param == "logprobs"
+    assert ok[-1].finish_reason is not None and all(len(e.top) == 20 for c in ok for e in c.logprobs)

@@ -1,0 +1,59 @@
+"""Log-probabilities of emitted tokens (the OpenAI `logprobs` / `top_logprobs` of a request).
+
+"Raw" log-probabilities, as vLLM reports them by default: the log-softmax of the verifier's logits
+before temperature / top-k / top-p. Emitted token j of a block (accepted drafts 0..n−1, then the
+recovered or bonus token n) is scored by the verify pass's logits at block index j, which are the
+logits plain decoding computes for that token: speculation on or off, the same numbers.
+
+Computed only for the rows that asked (`Scoring`), after the verdict, from logits the step has
+anyway; a step where no row asked computes nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenScore:
+    """One emitted token: its log-probability and the `top` most likely tokens at its position,
+    (token id, log-probability), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Scoring:
+    """The rows of one step whose emitted tokens are scored; `speculative_step` fills in the rest."""
+
+    rows: list[int]  # batch rows that asked
+    top: int  # the most alternatives any of them asked for
+    logprob: torch.Tensor | None = None  # [R, k+1] float32 log p(emitted token j) per asking row
+    top_ids: torch.Tensor | None = None  # [R, k+1, top] int64
+    top_logprobs: torch.Tensor | None = None  # [R, k+1, top] float32
+
+    def fill(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """logits [B, k+1, V]: the verify pass's raw logits; tokens [B, k+1]: the block's emitted tokens."""
+        idx = torch.tensor(self.rows, dtype=torch.long, device=logits.device)
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)  # [R, k+1, V]
+        self.logprob = lp.gather(-1, tokens.to(lp.device)[idx][..., None]).squeeze(-1).cpu()
+        if self.top:
+            values, ids = lp.topk(min(self.top, lp.shape[-1]), dim=-1)
+            self.top_logprobs, self.top_ids = values.cpu(), ids.cpu()
+
+    def scores(self, row: int, tokens: list[int], top: int) -> list[TokenScore]:
+        """The first len(tokens) emitted tokens of batch row `row`, with `top` alternatives each."""
+        i = self.rows.index(row)
+        out = []
+        for j, t in enumerate(tokens):
+            alts = [] if not top else list(zip(self.top_ids[i, j, :top].tolist(), self.top_logprobs[i, j, :top].tolist()))
+            out.append(TokenScore(t, float(self.logprob[i, j]), alts))
+        return out
+
+
+def scoring_for(asked: dict[int, int]) -> Scoring | None:
+    """row -> alternatives asked for (0..); None when no row asked (the default path computes nothing)."""
+    return Scoring(sorted(asked), max(asked.values())) if asked else None
