@@ -141,8 +141,9 @@ class Globals:
     `specloop serve --threads 2`); --config names a YAML file of option defaults."""
 
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = min(os.cpu_count() or 1, 8)
-    log_level: Annotated[Literal["debug", "info", "warning", "error", "critical"], typer.Option(
-        help="level of specloop's log messages")] = "warning"
+    log_level: Annotated[Optional[Literal["debug", "info", "warning", "error", "critical"]], typer.Option(
+        show_default=False, help="level of specloop's log messages (default: as Python's logging has it, "
+                                 "warning)")] = None
     config: Annotated[Optional[Path], typer.Option(
         show_default=False, metavar="FILE",
         help="YAML file of option defaults (keys: option long names; the command line and SPECLOOP_* "

@@ -113,9 +113,10 @@ def settle_globals(ctx: typer.Context, own: Globals) -> Globals:
     if before is not None:
         own = dataclasses.replace(before, **{f: getattr(own, f) for f in own.sources if own.sources[f] == "COMMANDLINE"})
     ctx.obj = own
-    logging.getLogger("specloop").setLevel(own.log_level.upper())
-    if not logging.getLogger().handlers:
-        logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if own.log_level is not None:  # only when asked: tests and embedders keep their logging set-up
+        logging.getLogger("specloop").setLevel(own.log_level.upper())
+        if not logging.getLogger().handlers:
+            logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return own
 
 
