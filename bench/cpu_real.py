@@ -272,7 +272,7 @@ class SpecloopRunner:
         import torch
 
         from drafter.models import load_model
-        from drafter.speculative import StopRule
+        from drafter.requests import StopRule
 
         self.torch = torch
         self.sys = sys_
@@ -318,7 +318,7 @@ class SpecloopRunner:
 
     def run(self, ids, temperature, seed, index, max_tokens):
         from drafter.sampling import SamplingParams
-        from drafter.speculative import generate
+        from drafter.engine import generate
 
         params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, seed=seed)
         for t in self.timers:

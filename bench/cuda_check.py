@@ -21,7 +21,8 @@ from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from drafter.vocab import frequency_ranked
 from services.prompts import encode, load_prompts
 

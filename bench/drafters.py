@@ -28,7 +28,8 @@ from drafter.kinds import build_drafter  # noqa: E402
 from drafter.models import load_model  # noqa: E402
 from drafter.sampling import SamplingParams  # noqa: E402
 from drafter.sd2 import SteeredDrafter  # noqa: E402
-from drafter.speculative import StopRule, generate  # noqa: E402
+from drafter.engine import generate  # noqa: E402
+from drafter.requests import StopRule  # noqa: E402
 from services.prompts import encode, load_prompts  # noqa: E402
 
 SHARED = ROOT.parent / "shared"

@@ -11,7 +11,8 @@ from pathlib import Path
 from trainer.offline import OfflineConfig, train_offline
 from drafter.models import load_model
 from drafter.kinds import build_drafter
-from drafter.speculative import generate, StopRule
+from drafter.engine import generate
+from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
 from services.prompts import load_prompts, encode
 D = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"

@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 from drafter.models import LoadedModel, load_model  # noqa: E402
 from drafter.pretrained import PretrainedDrafter  # noqa: E402
 from drafter.sampling import SamplingParams  # noqa: E402
-from drafter.speculative import StopRule, generate  # noqa: E402
+from drafter.engine import generate  # noqa: E402
+from drafter.requests import StopRule  # noqa: E402
 from services.prompts import encode, load_prompts  # noqa: E402
 
 SHARED = ROOT.parent / "shared"

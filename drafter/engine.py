@@ -30,35 +30,13 @@ import torch
 
 from drafter.controller import Batch, Choice, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
-from drafter.logprobs import Scoring, TokenScore, scoring_for
+from drafter.logprobs import Scoring, scoring_for
 from drafter.proposer import Drafter, VerifierView, emitted_tokens, narrow_rows, widen_rows
 from drafter.rejection import rejection_sample
+from drafter.requests import EngineRequest, Generation, RowUpdate, StopRule
 from drafter.sampling import RowParams, SamplingParams, make_generators
-from drafter.speculative import (Generation, RequestStats, Sampler, StepClock, StepHooks, StopRule, follows_plain,
-                                 speculative_step)
-
-
-@dataclass
-class EngineRequest:
-    id: str
-    prompt: list[int]  # token ids (>= 1)
-    params: SamplingParams
-    k: int | None  # this request's draft length; 0 = the verifier alone; None = auto (the controller's, per step)
-    stream: int = 0  # draws from the stream seeded by (params.seed, stream)
-    logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and n alternatives
-
-
-@dataclass
-class RowUpdate:
-    """What one step gave one request."""
-
-    id: str
-    slot: int
-    new_tokens: list[int]  # committed this step (cut at EOS / stop / max tokens)
-    k: int  # drafts of this request's block (its own k, or the controller's choice; 0: the verifier alone)
-    accepted: int  # drafts accepted in this block
-    finish_reason: str | None  # set on the request's last step
-    logprobs: list[TokenScore] | None = None  # one per new token, when the request asked for them
+from drafter.speculative import Sampler, StepClock, StepHooks, follows_plain, speculative_step
+from drafter.stats import RequestStats
 
 
 @dataclass
@@ -297,3 +275,34 @@ class Engine:
             self.rows[s] = None
             self.behind.discard(s)
         return update
+
+
+def generate(
+    verifier: LeanDecoder,
+    drafter: Drafter | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    k: int | None,
+    stop_rule: StopRule,
+    sampler: Sampler = rejection_sample,
+    first_request: int = 0,
+    hooks: "StepHooks | None" = None,
+    controller: Controller | None = None,
+) -> list[Generation]:
+    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone,
+    k = None lets `controller` (drafter/controller.py; a new one when None) choose k step by step.
+    Request i draws from the stream seeded by (params.seed, first_request + i).
+
+    `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
+    old one's rows), and `traced(histories)` returns a callback for the step's trace."""
+    if k and drafter is None:
+        raise ValueError("k > 0 needs a drafter")
+    controller = Controller() if controller is None else controller
+    reserve = controller.cfg.k_max if k is None else k
+    capacity = max(map(len, prompts)) + params.max_tokens + 2 * reserve + 2
+    engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
+                    controller=controller)
+    engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
+    while engine.running:
+        engine.step()
+    return [engine.finished.pop(str(i)) for i in range(len(prompts))]

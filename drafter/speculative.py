@@ -1,20 +1,20 @@
-"""Speculative decoding: one `speculative_step` (draft → verify → accept) and the loop around it.
+"""Speculative decoding: one `speculative_step` (draft → verify → accept) and its verdict.
 
 With k = 0 and no drafter the same step is plain verifier decoding (one token per pass), which is
-how `--no-speculation`, the reference, runs.
+how `--no-speculation`, the reference, runs. The loop around it (requests, stopping, `generate`)
+is drafter/engine.py's; this module knows nothing of requests.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
-from drafter.controller import Controller
-from drafter.decoder import KVCache, LeanDecoder, prefill
-from drafter.logprobs import Scoring, TokenScore
-from drafter.proposer import Drafter, Proposal, VerifierView, emitted_tokens
+from drafter.decoder import KVCache, LeanDecoder
+from drafter.logprobs import Scoring
+from drafter.proposer import Drafter, Proposal, VerifierView
 from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample
 from drafter.sampling import RowParams, SamplingParams, warp
 
@@ -142,130 +142,3 @@ class StepHooks(Protocol):
 
     def traced(self, histories: list[list[int]]) -> Callable[[StepTrace], None] | None:
         """A trace callback for the next step (same histories)."""
-
-
-@dataclass
-class RequestStats:
-    """Counts over a request's blocks. A block drafts its own k (a request's explicit k, or the
-    controller's choice of the step, 0 for a plain step); positions are counted up to `k`, the most
-    a block of the request may draft."""
-
-    k: int
-    blocks: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)  # [k] blocks that accepted position i
-    drafted_per_position: list[int] = field(default_factory=list)  # [k] blocks that drafted position i
-
-    def __post_init__(self):
-        self.accepted_per_position = self.accepted_per_position or [0] * self.k
-        self.drafted_per_position = self.drafted_per_position or [0] * self.k
-
-    def record(self, n: int, k: int | None = None) -> None:
-        """One block: k drafts (default: this request's k), the first n accepted."""
-        k = self.k if k is None else k
-        self.blocks += 1
-        self.drafted += k
-        self.accepted += n
-        self._grow(k)
-        for i in range(k):
-            self.drafted_per_position[i] += 1
-        for i in range(n):
-            self.accepted_per_position[i] += 1
-
-    def _grow(self, k: int) -> None:
-        for counts in (self.accepted_per_position, self.drafted_per_position):
-            counts.extend([0] * (k - len(counts)))
-
-    def merge(self, other: "RequestStats") -> None:
-        """Add another request's counts into these (positions up to the longer of the two)."""
-        self.blocks += other.blocks
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self._grow(len(other.accepted_per_position))
-        for mine, theirs in ((self.accepted_per_position, other.accepted_per_position),
-                             (self.drafted_per_position, other.drafted_per_position)):
-            for i, c in enumerate(theirs):
-                mine[i] += c
-
-    @property
-    def acceptance_rate(self) -> float:
-        """α = accepted / drafted."""
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def block_efficiency(self) -> float:
-        """τ = mean(n + 1) over blocks."""
-        return (self.accepted + self.blocks) / self.blocks if self.blocks else 0.0
-
-    def to_dict(self) -> dict:
-        return {
-            "blocks": self.blocks,
-            "drafted": self.drafted,
-            "accepted": self.accepted,
-            "block_efficiency": self.block_efficiency,
-            "accepted_per_position": list(self.accepted_per_position),
-        }
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
-    stats: RequestStats
-    logprobs: list[TokenScore] | None = None  # one per token id, when the request asked for them
-
-
-@dataclass
-class StopRule:
-    """When a request ends: EOS, a stop string (params.stop), or params.max_tokens, whichever first."""
-
-    eos_ids: frozenset[int] = frozenset()
-    decode: Callable[[list[int]], str] | None = None  # needed only for stop strings
-
-    def extend(self, gen: Generation, new: list[int], params: SamplingParams) -> None:
-        """Append tokens one at a time, as plain decoding would, stopping where it would stop."""
-        for t in new:
-            if t in self.eos_ids:
-                gen.finish_reason = "stop"
-                return
-            gen.token_ids.append(t)
-            if params.stop and any(s in self.decode(gen.token_ids) for s in params.stop):
-                gen.finish_reason = "stop"
-                return
-            if len(gen.token_ids) >= params.max_tokens:
-                gen.finish_reason = "length"
-                return
-
-
-def generate(
-    verifier: LeanDecoder,
-    drafter: Drafter | None,
-    prompts: list[list[int]],
-    params: SamplingParams,
-    k: int | None,
-    stop_rule: StopRule,
-    sampler: Sampler = rejection_sample,
-    first_request: int = 0,
-    hooks: "StepHooks | None" = None,
-    controller: Controller | None = None,
-) -> list[Generation]:
-    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone,
-    k = None lets `controller` (drafter/controller.py; a new one when None) choose k step by step.
-    Request i draws from the stream seeded by (params.seed, first_request + i).
-
-    `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
-    old one's rows), and `traced(histories)` returns a callback for the step's trace."""
-    from drafter.engine import Engine, EngineRequest  # the engine drives this module's step
-
-    if k and drafter is None:
-        raise ValueError("k > 0 needs a drafter")
-    controller = Controller() if controller is None else controller
-    reserve = controller.cfg.k_max if k is None else k
-    capacity = max(map(len, prompts)) + params.max_tokens + 2 * reserve + 2
-    engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
-                    controller=controller)
-    engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
-    while engine.running:
-        engine.step()
-    return [engine.finished.pop(str(i)) for i in range(len(prompts))]

@@ -10,10 +10,12 @@ from typing import Iterator
 from tqdm import tqdm
 
 from drafter.controller import Controller
+from drafter.engine import generate
 from drafter.kinds import DRAFTER_KINDS, build_drafter
 from drafter.models import load_model
+from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams
-from drafter.speculative import Generation, RequestStats, StopRule, generate
+from drafter.stats import RequestStats
 from services.prompts import encode, load_prompts
 
 

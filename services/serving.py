@@ -22,8 +22,9 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator, Callable
 
-from drafter.engine import Engine, EngineRequest, RowUpdate
+from drafter.engine import Engine
 from drafter.logprobs import TokenScore
+from drafter.requests import EngineRequest, RowUpdate
 from services.protocol import (MAX_TOP_LOGPROBS, Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage, WorkerInfo,
                                WorkerLoad, invalid, overloaded)
 from services.registry import UnknownVersion, UnservableVersion

@@ -37,11 +37,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from drafter.engine import Engine, EngineRequest, RowUpdate
+from drafter.engine import Engine
 from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
 from drafter.proposer import Drafter
-from drafter.speculative import StepTrace, StopRule
+from drafter.requests import EngineRequest, RowUpdate, StopRule
+from drafter.speculative import StepTrace
 from services.buffer import ReplayBuffer
 from services.protocol import CompletionRequest
 from services.registry import Registry

@@ -14,7 +14,8 @@ import torch
 
 from drafter.models import load_model, load_tokenizer
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from tests.admin_helpers import serving
 from drafter.capacity import draft_reserve
 from services.api import create_app

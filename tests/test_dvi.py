@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from drafter.decoder import LeanDecoder, prefill
+from drafter.dvi import DVIConfig, DVIDrafter, DraftHead
+from drafter.engine import generate
 from drafter.proposer import VerifierView
-from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
+from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
 from tests.tiny import build_model, llama_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]]

@@ -6,10 +6,12 @@ import torch
 
 from drafter.decoder import LeanDecoder, prefill
 from drafter.eagle import EagleConfig, EagleDrafter, FeatureHead, new_head
+from drafter.engine import generate
 from drafter.kinds import build_drafter
 from drafter.proposer import VerifierView
+from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate, speculative_step
+from drafter.speculative import speculative_step
 from tests.tiny import build_model, llama_config
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]]

@@ -6,12 +6,14 @@ import torch
 
 from drafter.controller import Batch, Choice, Controller, ControllerConfig
 from drafter.decoder import prefill
-from drafter.engine import Engine, EngineRequest
+from drafter.engine import Engine, EngineRequest, generate
 from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.proposer import VerifierView, emitted_tokens
+from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams, draw_uniforms, make_generators
-from drafter.speculative import Generation, RequestStats, StopRule, generate, speculative_step
+from drafter.speculative import speculative_step
+from drafter.stats import RequestStats
 
 PROMPTS = ["def main():\n    print(", "hello world", "import os\nimport sys\n", "class Config:\n    def", "the quick brown"]
 # (k, temperature, top_k, top_p, seed, stream): rows of one pool differ in all of them

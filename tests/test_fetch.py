@@ -72,7 +72,8 @@ def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(tmp_pat
     prompt = v.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True)
     from drafter.sampling import SamplingParams
-    from drafter.speculative import StopRule, generate
+    from drafter.engine import generate
+    from drafter.requests import StopRule
 
     ids = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
     answer = generate(v.lean, None, [ids], SamplingParams(max_tokens=12), 0, StopRule(v.eos_ids))[0]

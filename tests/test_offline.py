@@ -9,7 +9,8 @@ from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from tests.tiny import CONVERSATIONS, TEXT
 from trainer.data import GENERATED_FILE
 from trainer.offline import (

@@ -12,7 +12,8 @@ from drafter.quant import (DTYPE_MODES, Dense, Int4Weight, Int8Weight, OwnInt4We
                            quantize_decoder, quantize_weight)
 from drafter.sampling import SamplingParams
 from drafter.sd2 import SteeredDrafter
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
 from tests.test_speculative import perturbed_head, perturbed_steering

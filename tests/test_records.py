@@ -19,7 +19,8 @@ from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
 from drafter.sd2 import SteeredDrafter, steering_for
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from trainer.records import MAGIC, SCHEMA, RecordError, ReplayRecord, RowTag, decode, encode, records_from_snapshot, snapshot
 from trainer.students import verifier_targets
 

@@ -2,11 +2,12 @@ import pytest
 import torch
 
 from drafter.decoder import LeanDecoder, prefill
-from drafter.proposer import VerifierView
+from drafter.engine import generate
 from drafter.pretrained import PretrainedDrafter
+from drafter.proposer import VerifierView
+from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
-from drafter.sd2 import Steering, SteeredDrafter, default_steer_layers, steering_for, width_map
-from drafter.speculative import StopRule, generate
+from drafter.sd2 import SteeredDrafter, Steering, default_steer_layers, steering_for, width_map
 from tests.tiny import build_model, llama_config
 
 

@@ -8,7 +8,8 @@ import torch
 from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from trainer.selfdistill import (TOP_K, DistillConfig, Sequence, decode_batch, distill_eagle, soft_cross_entropy,
                                  train_head, vocab_index)
 from trainer.students import build_student

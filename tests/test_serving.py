@@ -6,9 +6,10 @@ import time
 
 import pytest
 
+from drafter.engine import generate
 from drafter.kinds import build_drafter
 from drafter.models import load_model
-from drafter.speculative import StopRule, generate
+from drafter.requests import StopRule
 from services.protocol import CompletionRequest
 from services.serving import LocalBackend, TextStream, cut_at_stop
 

@@ -5,14 +5,15 @@ import torch
 
 from drafter.controller import Controller, ControllerConfig
 from drafter.decoder import LeanDecoder
-from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
-from drafter.sd2 import SteeredDrafter, steering_for
+from drafter.dvi import DVIConfig, DVIDrafter, DraftHead
+from drafter.engine import generate
 from drafter.models import load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
 from drafter.rejection import BlockOutcome, rejection_sample
+from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.sd2 import SteeredDrafter, steering_for
 from services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
 from tests.stats import chi2_pvalue, exact_marginals
@@ -269,7 +270,8 @@ def test_a_wrong_sampler_fails_the_same_distribution_test(tiny, setting):
 
 
 def test_stop_rule_ends_at_eos_stop_string_or_max_tokens_whichever_first():
-    from drafter.speculative import Generation, RequestStats
+    from drafter.requests import Generation
+    from drafter.stats import RequestStats
 
     decode = lambda ids: "".join(chr(96 + t) for t in ids)  # 1 → a, 2 → b, ...
     rule = StopRule(frozenset([9]), decode)

@@ -8,7 +8,8 @@ from drafter.decoder import LeanDecoder
 from drafter.dvi import DVIDrafter
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from drafter.vocab import VOCAB_FILE, expand, frequency_ranked, load_vocab, save_vocab
 from tests.stats import chi2_pvalue, exact_marginals
 from tests.test_speculative import perturbed_head

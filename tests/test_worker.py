@@ -9,10 +9,11 @@ import time
 import pytest
 import torch
 
+from drafter.engine import generate
 from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
+from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
 from services.buffer import MemoryBuffer, RedisStreamBuffer
 from services.registry import Registry
 from services.protocol import CompletionRequest

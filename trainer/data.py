@@ -25,7 +25,8 @@ from tqdm import tqdm
 from drafter.models import LoadedModel, check_same_vocabulary, load_model
 from drafter.pretrained import PretrainedDrafter
 from drafter.sampling import SamplingParams
-from drafter.speculative import StopRule, generate
+from drafter.engine import generate
+from drafter.requests import StopRule
 from trainer.corpora import iter_sharegpt_train, iter_stdlib_code_files, render_chat
 
 GENERATED_FILE = "generated.jsonl"

@@ -466,7 +466,8 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> d
     from drafter.kinds import build_drafter, resolve_kind
     from drafter.models import load_model
     from drafter.sampling import SamplingParams
-    from drafter.speculative import StopRule, generate
+    from drafter.engine import generate
+    from drafter.requests import StopRule
 
     v = load_model(verifier_dir, weights="auto")  # as served by default
     d = build_drafter(resolve_kind(None, drafter_dir), v, drafter_dir, weights="auto")

@@ -1,0 +1,64 @@
+"""What a request is and what it gets, in the engine's terms (drafter/engine.py): a request, the
+update one step gives it, its finished generation, and the rule that ends it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from drafter.logprobs import TokenScore
+from drafter.sampling import SamplingParams
+from drafter.stats import RequestStats
+
+
+@dataclass
+class EngineRequest:
+    id: str
+    prompt: list[int]  # token ids (>= 1)
+    params: SamplingParams
+    k: int | None  # this request's draft length; 0 = the verifier alone; None = auto (the controller's, per step)
+    stream: int = 0  # draws from the stream seeded by (params.seed, stream)
+    logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and n alternatives
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
+    stats: RequestStats
+    logprobs: list[TokenScore] | None = None  # one per token id, when the request asked for them
+
+
+@dataclass
+class StopRule:
+    """When a request ends: EOS, a stop string (params.stop), or params.max_tokens, whichever first."""
+
+    eos_ids: frozenset[int] = frozenset()
+    decode: Callable[[list[int]], str] | None = None  # needed only for stop strings
+
+    def extend(self, gen: Generation, new: list[int], params: SamplingParams) -> None:
+        """Append tokens one at a time, as plain decoding would, stopping where it would stop."""
+        for t in new:
+            if t in self.eos_ids:
+                gen.finish_reason = "stop"
+                return
+            gen.token_ids.append(t)
+            if params.stop and any(s in self.decode(gen.token_ids) for s in params.stop):
+                gen.finish_reason = "stop"
+                return
+            if len(gen.token_ids) >= params.max_tokens:
+                gen.finish_reason = "length"
+                return
+
+
+
+@dataclass
+class RowUpdate:
+    """What one step gave one request."""
+
+    id: str
+    slot: int
+    new_tokens: list[int]  # committed this step (cut at EOS / stop / max tokens)
+    k: int  # drafts of this request's block (its own k, or the controller's choice; 0: the verifier alone)
+    accepted: int  # drafts accepted in this block
+    finish_reason: str | None  # set on the request's last step
+    logprobs: list[TokenScore] | None = None  # one per new token, when the request asked for them
