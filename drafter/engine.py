@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from drafter.capacity import draft_reserve, positions_needed
 from drafter.controller import Batch, Choice, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
 from drafter.logprobs import Scoring, scoring_for
@@ -67,7 +68,7 @@ class Engine:
     verifier: LeanDecoder
     drafter: Drafter | None
     slots: int
-    capacity: int  # positions per slot: prompt + max_tokens + 2 k + 2 must fit
+    capacity: int  # positions per slot: a request's `drafter.capacity.positions_needed` must fit
     stop_rule: StopRule
     sampler: Sampler = rejection_sample
     hooks: StepHooks | None = None
@@ -101,11 +102,11 @@ class Engine:
         return [s for s, r in enumerate(self.rows) if r is None]
 
     def reserve(self, k: int | None) -> int:
-        """Positions a request of draft length k needs beyond prompt + output: 2 k + 2 (auto: k_max)."""
-        return 2 * (self.controller.cfg.k_max if k is None else k) + 2
+        """Positions a request of draft length k needs beyond prompt + output (auto: the controller's k_max)."""
+        return draft_reserve(k, self.controller.cfg.k_max)
 
     def fits(self, prompt_len: int, max_tokens: int, k: int | None) -> bool:
-        return prompt_len + max_tokens + self.reserve(k) <= self.capacity
+        return positions_needed(prompt_len, max_tokens, k, self.controller.cfg.k_max) <= self.capacity
 
     def admit(self, requests: list[EngineRequest]) -> list[int]:
         """Prefill `requests` into free slots (at most len(free) of them); returns their slots."""
@@ -298,8 +299,7 @@ def generate(
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
     controller = Controller() if controller is None else controller
-    reserve = controller.cfg.k_max if k is None else k
-    capacity = max(map(len, prompts)) + params.max_tokens + 2 * reserve + 2
+    capacity = positions_needed(max(map(len, prompts)), params.max_tokens, k, controller.cfg.k_max)
     engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
                     controller=controller)
     engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])

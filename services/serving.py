@@ -257,10 +257,9 @@ class ServingLoop:
             return invalid(r.id, f"k = {r.k} < 0", "speculative.k")
         if r.logprobs is not None and not 0 <= r.logprobs <= MAX_TOP_LOGPROBS:
             return invalid(r.id, f"logprobs = {r.logprobs}: between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
-        reserve = self.worker.engine.reserve(r.k)
-        need = len(r.prompt_ids) + r.max_tokens + reserve
-        if not r.prompt_ids or need > self.worker.max_context:
-            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} (+ {reserve} "
+        engine = self.worker.engine  # its capacity rule (drafter.capacity) with its controller's k_max
+        if not r.prompt_ids or not engine.fits(len(r.prompt_ids), r.max_tokens, r.k):
+            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} (+ {engine.reserve(r.k)} "
                                  f"for drafting) exceeds the context of {self.worker.max_context} positions", "max_tokens")
         try:
             r.sampling()

@@ -74,7 +74,7 @@ class WorkerConfig:
     poll_interval_s: float = 0.05  # registry reads between steps at most this often (each request starts with one)
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
     slots: int = 1  # cache slots of the continuous batch (requests decoded together)
-    max_context: int = 1024  # positions per slot: prompt + max_tokens + 2 k + 2 (capped by the model)
+    max_context: int = 1024  # positions per slot: drafter.capacity.positions_needed must fit (capped by the model)
     weights: str = "auto"  # the verifier's weight mode (drafter.quant: auto = as stored / its manifest; fp32, bf16, int8, int4, w4a8)
     drafter_weights: str = "fp32"  # a drafter LM's own weight mode (pretrained / sd2)
 

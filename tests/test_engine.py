@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafter.capacity import positions_needed
 from drafter.controller import Batch, Choice, Controller, ControllerConfig
 from drafter.decoder import prefill
 from drafter.engine import Engine, EngineRequest, generate
@@ -47,7 +48,7 @@ def _requests(verifier, max_tokens=12):
 def _alone(verifier, drafter, req: EngineRequest, rule):
     """The reference, independent of the engine: one request, its own cache, the step loop written out."""
     lean, k, params = verifier.lean, req.k, req.params
-    capacity = len(req.prompt) + params.max_tokens + 2 * k + 2
+    capacity = positions_needed(len(req.prompt), params.max_tokens, k)
     cache, features = prefill(lean, [req.prompt], capacity, drafter.verifier_layers if k else ())
     if k:
         drafter.start([req.prompt], capacity, VerifierView(cache, features))
