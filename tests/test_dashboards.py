@@ -1,8 +1,9 @@
 """The Grafana dashboard and the alert rules: the committed JSON is a fresh build of
 dashboards/build.py, every panel queries Prometheus through the `${datasource}` variable and filters
-every selector on the `model_name` and `instance` variables, the alert rules pass promtool, and every panel's PromQL returns data from a real Prometheus scraping
-specloop metrics: exporters fed with known counts (checking the numbers the queries derive), and a
-real `specloop serve` under chat traffic."""
+every selector on the `model_name` and `instance` variables, the alert rules pass promtool, and
+every panel's PromQL returns data from a real Prometheus scraping specloop metrics: exporters fed
+with known counts (checking the numbers the queries derive, and that another model's name or another
+instance filters them out), and a real `specloop serve` under chat traffic."""
 from __future__ import annotations
 
 import json
@@ -229,7 +230,8 @@ def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fa
             assert prom.query(expr), f"{title}: no data for {expr}"
         for name, expr in annotation_queries(board, model=MODEL):
             assert prom.query(expr), f"annotation {name}: no data for {expr}"
-        for title, expr in panel_queries(board, model="another-model") + annotation_queries(board, model="another-model"):
+        other = dict(model="another-model")
+        for title, expr in panel_queries(board, **other) + annotation_queries(board, **other):
             assert not prom.query(expr), f"{title}: data of another model for {expr}"
 
         acceptance = prom.query(fill(build.ACCEPTANCE_RATE, "1m", model=MODEL))
