@@ -25,8 +25,10 @@ from fastapi.responses import JSONResponse, Response
 
 from services.auth import ApiKeyAuth
 from services.backend import Backend
+from services.drain import DRAIN_TIMEOUT_S, Drain, DrainingServer
 from services.planning import (DEFAULT_MAX_TOKENS, ApiConfig, Plan, detokenize, plan_body, prompt_bytes_limit,
                                tokenize)
+from services.protocol import Chunk, ErrorInfo
 from services.schemas import ApiError, error_response, not_found, read_body, validation_message
 from services.logprobs import TokenTexts
 from services.streaming import (CLIENT_CLOSED, SSE_HEADERS, ClientGone, ClosingStream, Fanout, Progress, Shapes,
@@ -35,6 +37,7 @@ from services.streaming import (CLIENT_CLOSED, SSE_HEADERS, ClientGone, ClosingS
 log = logging.getLogger("specloop.api")
 
 SD_JOB = "specloop-actors"  # the job label of /sd/targets
+SHUTTING_DOWN = "shutting_down"  # the code of a 503 from a draining replica
 
 
 def package_version() -> str:
@@ -81,6 +84,11 @@ def record(metrics, endpoint: str, status: int, progress: Progress | None = None
 # ---------------------------------------------------------------------------------------- completions
 
 
+# what a draining replica answers a new request with, and ends a request in flight with at the deadline
+SHUTDOWN = ErrorInfo("this API replica is shutting down; retry the request", "overloaded_error", 503,
+                     code=SHUTTING_DOWN)
+
+
 @dataclass
 class Call:
     """One admitted completion request: its plan, backend streams and progress."""
@@ -89,6 +97,7 @@ class Call:
     plan: Plan
     fanout: Fanout
     progress: Progress
+    drain_token: int | None = None  # in flight for the drain (services/drain.py) until closed
     closed: bool = False
 
 
@@ -96,8 +105,8 @@ class Completions:
     """`POST /v1/chat/completions` and `/v1/completions`: admit (read, plan, check the workers), open
     the choices, answer in full or as a stream, and close the call once."""
 
-    def __init__(self, backend: Backend, tokenizer, cfg: ApiConfig, metrics):
-        self.backend, self.tokenizer, self.cfg, self.metrics = backend, tokenizer, cfg, metrics
+    def __init__(self, backend: Backend, tokenizer, cfg: ApiConfig, metrics, drain: Drain):
+        self.backend, self.tokenizer, self.cfg, self.metrics, self.drain = backend, tokenizer, cfg, metrics, drain
         # parsing and tokenizing run here, one request at a time (a tokenizer is not safe to share between
         # threads), so that a large prompt never holds the event loop and the streams it serves
         self.planner = ThreadPoolExecutor(1, thread_name_prefix="specloop-planner")
@@ -109,8 +118,10 @@ class Completions:
             plan = await self.admit(request, chat)
         except ApiError as err:
             record(self.metrics, request.url.path, err.status)
-            return error_response(err, self.cfg.retry_after_s)
+            closing = {"Connection": "close"} if err.code == SHUTTING_DOWN else None
+            return error_response(err, self.cfg.retry_after_s, closing)
         call = Call(request.url.path, plan, Fanout(self.backend, plan.requests), Progress.start(arrival, len(plan.requests)))
+        call.drain_token = self.drain.enter(lambda: call.fanout.abort(Chunk(plan.id, error=SHUTDOWN)))
         response = None
         try:
             response = await self.answer(call, request)
@@ -122,6 +133,8 @@ class Completions:
                 self.close(call)
 
     async def admit(self, request: Request, chat: bool) -> Plan:
+        if self.drain.draining:
+            raise ApiError.from_info(SHUTDOWN)
         raw = await read_body(request, self.cfg.max_body_bytes)
         plan = await self.run_planner(plan_body, raw, chat, self.cfg, self.tokenizer)
         if not await live_workers(self.backend):
@@ -155,6 +168,7 @@ class Completions:
             return
         call.closed = True
         call.fanout.close()
+        self.drain.leave(call.drain_token)
         record(self.metrics, call.endpoint, call.progress.status, call.progress)
 
 
@@ -169,14 +183,14 @@ def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, adm
     cfg = ApiConfig(model_id, max_context, default_max_tokens,
                     max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context))
     app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding", version=VERSION)
-    app.state.api = cfg
+    app.state.api, app.state.drain = cfg, Drain()
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     add_error_handlers(app, cfg)
-    completions = Completions(backend, tokenizer, cfg, metrics if metrics is not None else NullMetrics())
+    completions = Completions(backend, tokenizer, cfg, metrics if metrics is not None else NullMetrics(), app.state.drain)
     add_completion_routes(app, completions)
     add_token_routes(app, completions)
-    add_status_routes(app, backend, cfg)
+    add_status_routes(app, backend, cfg, app.state.drain)
     if metrics is not None:
         add_metrics_route(app, metrics)
     if admin_router is not None:
@@ -223,7 +237,7 @@ def add_token_routes(app: FastAPI, completions: Completions) -> None:
         return await completions.run_planner(detokenize, raw, cfg, tokenizer)
 
 
-def add_status_routes(app: FastAPI, backend: Backend, cfg: ApiConfig) -> None:
+def add_status_routes(app: FastAPI, backend: Backend, cfg: ApiConfig, drain: Drain) -> None:
     @app.get("/v1/models")
     async def models() -> dict:
         return {"object": "list", "data": [await model_card(backend, cfg)]}
@@ -242,6 +256,8 @@ def add_status_routes(app: FastAPI, backend: Backend, cfg: ApiConfig) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        if drain.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         ok = await backend_ready(backend)
         return JSONResponse({"status": "ready" if ok else "not ready"}, status_code=200 if ok else 503)
 
@@ -291,13 +307,18 @@ async def model_card(backend: Backend, cfg: ApiConfig) -> dict:
 # ---------------------------------------------------------------------------------------------- serving
 
 
-def api_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000):
-    """A uvicorn server for `app` (warnings only, no access log); `.run()` blocks, `.should_exit` stops it."""
+def api_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
+               drain_timeout: float = DRAIN_TIMEOUT_S) -> DrainingServer:
+    """A uvicorn server for `app` (warnings only, no access log); `.run()` blocks until SIGTERM / SIGINT
+    and the drain (services/drain.py), `.handle_exit(signal.SIGTERM, None)` starts the drain from
+    anywhere, `.should_exit` stops it without one."""
     import uvicorn
 
-    return uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=drain_timeout)
+    return DrainingServer(config, app.state.drain, drain_timeout)
 
 
-def run_api(app: FastAPI, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Serve `app` until interrupted (`specloop serve` / `specloop api`)."""
-    api_server(app, host, port).run()
+def run_api(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
+    """Serve `app` until SIGTERM / SIGINT, then drain (`specloop serve` / `specloop api`)."""
+    api_server(app, host, port, drain_timeout).run()

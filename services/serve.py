@@ -4,7 +4,8 @@ serve: starts a local Ray instance (or joins `--ray-address`), the verifier work
 `specloop-worker-<i>` in the Ray namespace "specloop", each asking for a GPU when the cluster has
 one), the learner actor (unless `--learner off`), the registry, and the HTTP API in this process.
 api: an extra API process that attaches to the workers of a running cluster (what sits behind the
-load balancer). Both stop cleanly on SIGINT / SIGTERM; serve also stops the actors it started.
+load balancer). Both drain on SIGTERM / SIGINT (services/drain.py: not ready at once, requests in
+flight finish within `drain_timeout`), then stop; serve also stops the actors it started.
 
 Embedded defaults: Redis from `SPECLOOP_REDIS_URL`, else 127.0.0.1:6379 when it answers, else the
 embedded buffer (said once in the log); models from the flags or the bootstrap cache; the registry
@@ -188,20 +189,22 @@ def run_serve(cfg: ServeConfig) -> int:
         app = build_app(cfg.admin_token, cfg.api_key)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
                     cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner, deployment.registry)
-        serve_until_stopped(app, cfg.host, cfg.port)
+        serve_until_stopped(app, cfg.host, cfg.port, cfg.drain_timeout)
     finally:
         deployment.stop()
     return 0
 
 
-def serve_until_stopped(app, host: str, port: int) -> None:
-    """The API until SIGINT / SIGTERM (uvicorn shuts down gracefully, then re-raises the interrupt)."""
+def serve_until_stopped(app, host: str, port: int, drain_timeout: float = 30.0) -> None:
+    """The API until SIGTERM / SIGINT, then its drain (services/drain.py: /ready 503 at once, new
+    requests 503, those in flight finish within `drain_timeout` s); returns once uvicorn has shut down."""
     from services.api import run_api
 
     try:
-        run_api(app, host, port)
-    except KeyboardInterrupt:
-        log.warning("specloop stopping")
+        run_api(app, host, port, drain_timeout)
+    except KeyboardInterrupt:  # a signal that came before uvicorn took the handlers over
+        pass
+    log.warning("specloop stopping")
 
 
 def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None,
@@ -213,7 +216,7 @@ def run_api_process(ray_address: str | None, host: str, port: int, admin_token: 
 
     init_ray(ray_address or "auto", NAMESPACE)
     try:
-        serve_until_stopped(build_app(admin_token, api_key), host, port)
+        serve_until_stopped(build_app(admin_token, api_key), host, port, drain_timeout)
     finally:
         ray.shutdown()
     return 0

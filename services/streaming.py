@@ -92,6 +92,10 @@ class Fanout:
             raise ClientGone()
         return index, chunk
 
+    def abort(self, chunk: Chunk) -> None:
+        """End the request with `chunk` (an error) as if its first choice had sent it."""
+        self.queue.put_nowait((0, chunk))
+
     def close(self) -> None:
         self.unwatch()
         for task in self.tasks:

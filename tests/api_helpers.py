@@ -1,10 +1,15 @@
-"""Shared by the API's tests (test_api, test_auth, test_streaming, test_drain): a `Scripted` backend
+"""Shared by the API's tests (test_auth, test_streaming, test_drain, test_serve): a `Scripted` backend
 that needs no model (it streams given token ids, one chunk each, with their text from the verifier's
-tokenizer and made-up log-probabilities when the request asks for them) and an app over it."""
+tokenizer and made-up log-probabilities when the request asks for them), an app over it, and a
+`Streamer` that reads a streamed completion in a thread."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from dataclasses import dataclass, field
+
+import httpx
 
 from drafter.models import load_tokenizer
 from services.api import create_app
@@ -92,3 +97,28 @@ def scripted(verifier_dir, text: str = "Sure, here is an example", delay_s: floa
 
 def scripted_app(backend: Scripted, **kwargs):
     return create_app(backend, backend.tokenizer, MODEL, MAX_CONTEXT, **kwargs)
+
+
+class Streamer(threading.Thread):
+    """A streamed completion read in a thread: its `data:` payloads, in order."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.events, self.status, self.cut = url, [], None, False
+
+    def run(self) -> None:
+        try:
+            body = {"model": MODEL, "prompt": "x", "max_tokens": 64, "stream": True}
+            with httpx.stream("POST", self.url + "/v1/completions", json=body, timeout=30) as r:
+                self.status = r.status_code
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.events.append(line[6:])
+        except httpx.RemoteProtocolError:  # the server went away mid-stream
+            self.cut = True
+
+    def wait_for(self, n: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.events) < n:
+            assert time.monotonic() < deadline, f"only {len(self.events)} events"
+            time.sleep(0.01)
