@@ -17,12 +17,12 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from services import operator
 from services.cli_options import (DEFAULT_CACHE, Cache, DraftLen, DraftLenAuto, DrafterKind, Endpoint, Globals,
-                                  Json, Learner, MaxTokens, Minutes, Models, Prompts, RayAddress, Registry,
+                                  Json, Learner, MaxTokens, Models, Prompts, RayAddress, Registry,
                                   Sampling, Seed, Stop, Temperature, UsageError, Weights)
 from services.cli_runtime import EXIT_USAGE, Greedy, run, show_version, use_threads
 from services.cli_train import models, train
+from services.operator import buffer as operator_buffer, drafter as operator_drafter
 
 __all__ = ["EXIT_USAGE", "UsageError", "app", "main"]
 EXAMPLES = Path(__file__).resolve().parent / "examples" / "prompts.jsonl"
@@ -31,8 +31,8 @@ app = typer.Typer(name="specloop", no_args_is_help=True, add_completion=False, p
                   rich_markup_mode=None)
 app.add_typer(models, name="models")
 app.add_typer(train, name="train")
-app.add_typer(operator.drafter, name="drafter")
-app.add_typer(operator.buffer, name="buffer")
+app.add_typer(operator_drafter, name="drafter")
+app.add_typer(operator_buffer, name="buffer")
 
 
 @app.callback()

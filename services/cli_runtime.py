@@ -54,8 +54,9 @@ def _is_group(annotation) -> bool:
 
 def _fields(cls) -> list[inspect.Parameter]:
     hints = typing.get_type_hints(cls, include_extras=True)
-    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name], default=f.default)
-            for f in dataclasses.fields(cls) if f.init]
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=hints[f.name],
+                              default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(cls) if f.init]  # a field without a default: a required option
 
 
 def group_from_params(cls, params: dict, ctx=None):

@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from services.cli_options import Globals, Minutes, Out, Seed, UsageError, Verifier
+from services.cli_options import DEFAULT_CACHE, Cache, Globals, Minutes, Out, Seed, UsageError, Verifier
 from services.cli_runtime import CommandError, use_threads
 
 models = typer.Typer(help="Fetch a real model pair, or bootstrap one locally.", no_args_is_help=True)
@@ -43,7 +43,7 @@ def fetch(glob: Globals,
                    "distill (the same copy, plain; OUT/drafter-distill)")] = "eagle",
           drafter_minutes: Annotated[Optional[float], typer.Option(
               help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for eagle)")] = None,
-          cache: Annotated[Path, typer.Option(help="the cache folder")] = Path.home() / ".cache" / "specloop") -> int:
+          cache: Cache = DEFAULT_CACHE) -> int:
     """A real pretrained verifier and a drafter built for it."""
     from trainer.fetch import FetchConfig, FetchError, default_out, fetch_models
 

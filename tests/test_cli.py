@@ -222,6 +222,7 @@ def test_global_options_may_follow_the_command_and_win_there(tiny_pair, tmp_path
     (["serve", "--drafter", "d"], "--drafter without MODEL"),
     (["serve", "v"], "give --drafter DIR and/or --drafter-kind"),
     (["--threads", "1", "models", "fetch", "--drafter-minutes", "0"], "--drafter-minutes must be > 0"),
+    (["train", "offline", "--verifier", "v", "--out", "o"], "Missing option '--method'"),
 ])
 def test_bad_input_exits_2_with_one_line_before_anything_loads(capsys, argv, message):
     code, out, err = _run(argv, capsys)

@@ -237,6 +237,17 @@ def test_the_command_lines_defaults_are_the_configs(tmp_path):
     assert cfg.description() == OfflineConfig(method="dvi", verifier="v", out_dir="o").description()
 
 
+def test_the_help_names_the_trainers_choices():
+    from services.cli import app
+    from services.cli_runtime import command
+    from trainer.losses import LOSSES
+    from trainer.offline import DATA_MODES
+
+    helps = {p.name: p.help for p in command(app).commands["train"].commands["offline"].params}
+    for name, choices in (("method", METHODS), ("data", DATA_MODES), ("loss", LOSSES)):
+        assert helps[name].startswith(" | ".join(choices)), name
+
+
 def test_a_bad_offline_option_exits_2_before_training(tmp_path, capsys):
     from services.cli import main
 
