@@ -22,9 +22,10 @@ def free_port() -> int:
 
 class ServeProcess:
     def __init__(self, flags: list[str], threads: int = 2, registry: Path | None = None, log: Path | None = None,
-                 cwd: Path | None = None):
+                 cwd: Path | None = None, api_key: str | None = None):
         """flags: `serve`'s own (models, learner, ...); `--port` and `--registry` are added here.
-        log: where its output goes (None: this process's stdout/stderr)."""
+        log: where its output goes (None: this process's stdout/stderr). api_key: the key `/v1` asks for
+        (None: SPECLOOP_API_KEY, which the child reads as well; `--api-key` in flags needs it here too)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.registry = None if registry is None else Path(registry).resolve()
@@ -35,6 +36,8 @@ class ServeProcess:
         self.proc: subprocess.Popen | None = None
         self.redis_url: str | None = None
         self.model: str | None = None
+        key = api_key if api_key is not None else os.environ.get("SPECLOOP_API_KEY")
+        self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def start(self, timeout: float = 300.0) -> "ServeProcess":
         from services.serve import detect_redis
@@ -49,7 +52,7 @@ class ServeProcess:
                 self.stop()
                 raise TimeoutError(f"specloop serve was not ready after {timeout:.0f} s{self._tail()}")
             time.sleep(0.25)
-        self.model = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        self.model = httpx.get(f"{self.url}/v1/models", headers=self.headers, timeout=10).json()["data"][0]["id"]
         return self
 
     def ready(self) -> bool:

@@ -278,26 +278,18 @@ def test_no_command_shows_the_help_and_exits_2(capsys):
 def test_serve_answers_as_the_served_model_name_and_asks_for_the_api_key(tiny_pair, tmp_path, monkeypatch):
     """End to end (a real `specloop serve` process): MODEL positional, --served-model-name from the
     command line, the API key from SPECLOOP_API_KEY, the drain timeout and learner from --config."""
-    import time
-
     import httpx
 
     from services.launch import ServeProcess
-    from services.serve import detect_redis
 
     monkeypatch.setenv("SPECLOOP_API_KEY", "sekret")
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("drain-timeout: 2\nlearner: 'off'\nslots: 1\n")
     flags = [tiny_pair[0], "--drafter", tiny_pair[1], "--served-model-name", "tiny-chat", "--config", cfg]
-    server = ServeProcess(flags, threads=1, registry=tmp_path / "registry")
-    # not server.start(): it reads /v1/models without the key
-    server.redis_url = detect_redis()  # what serve picks, for forget_redis_keys
-    server.proc = subprocess.Popen(server.cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, start_new_session=True)
+    server = ServeProcess(flags, threads=1, registry=tmp_path / "registry")  # its key: SPECLOOP_API_KEY
     try:
-        deadline = time.monotonic() + 240
-        while not server.ready() and time.monotonic() < deadline:
-            time.sleep(0.25)
+        server.start(timeout=240)
+        assert server.model == "tiny-chat" and server.headers == {"Authorization": "Bearer sekret"}
         assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 401
         models = httpx.get(f"{server.url}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["tiny-chat"]
