@@ -58,27 +58,37 @@ class NullMetrics:
 
     def request(self, endpoint: str, status: int) -> None: ...
     def ttft(self, seconds: float) -> None: ...
-    def tpot(self, seconds: float) -> None: ...
+    def itl(self, seconds: float) -> None: ...
+    def request_time_per_output_token(self, seconds: float) -> None: ...
     def e2e(self, seconds: float) -> None: ...
-    def generated(self, tokens: int) -> None: ...
+    def queue_time(self, seconds: float) -> None: ...
+    def prompt_tokens(self, n: int) -> None: ...
+    def generated(self, n: int) -> None: ...
+    def finished(self, reason: str) -> None: ...
 
 
-def record(metrics, endpoint: str, status: int, progress: Progress | None = None) -> None:
-    """The request's status; for an admitted one, TTFT (arrival → first token) and TPOT ((e2e − ttft)
-    / (tokens − 1)) per choice, e2e when it was answered."""
+def record(metrics, endpoint: str, status: int, call: Call | None = None) -> None:
+    """The request's status; for an admitted one (vLLM's request metrics): its prompt tokens, the time
+    before it reached the workers (queue), and per choice TTFT (arrival → first token), each gap
+    between two chunks that carried tokens (ITL), the mean time per output token after the first
+    ((end − first token) / (tokens − 1)), its tokens and its finish reason; e2e when answered."""
     metrics.request(endpoint, status)
-    if progress is None:
+    if call is None:
         return
-    now = time.perf_counter()
-    for c in progress.choices:
+    progress = call.progress
+    metrics.prompt_tokens(sum(call.plan.prompt_lens))
+    metrics.queue_time(progress.sent_s - progress.arrival_s)
+    for c, reason in zip(progress.choices, progress.finish_reasons()):
         if c.first_token_s is not None:
-            ttft = c.first_token_s - progress.arrival_s
-            metrics.ttft(ttft)
+            metrics.ttft(c.first_token_s - progress.arrival_s)
             if c.tokens > 1 and c.end_s is not None:
-                metrics.tpot((c.end_s - progress.arrival_s - ttft) / (c.tokens - 1))
+                metrics.request_time_per_output_token((c.end_s - c.first_token_s) / (c.tokens - 1))
+        for gap in c.gaps_s:
+            metrics.itl(gap)
         metrics.generated(c.tokens)
+        metrics.finished(reason)
     if status == 200:
-        metrics.e2e(now - progress.arrival_s)
+        metrics.e2e(time.perf_counter() - progress.arrival_s)
 
 
 # ---------------------------------------------------------------------------------------- completions
@@ -169,7 +179,7 @@ class Completions:
         call.closed = True
         call.fanout.close()
         self.drain.leave(call.drain_token)
-        record(self.metrics, call.endpoint, call.progress.status, call.progress)
+        record(self.metrics, call.endpoint, call.progress.status, call)
 
 
 # ---------------------------------------------------------------------------------------------- the app

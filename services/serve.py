@@ -179,7 +179,7 @@ def build_app(admin_token: str | None, api_key: str | None = None):
     info = workers[0]
     tokenizer = load_tokenizer(info.verifier)
     return create_app(backend, tokenizer, info.model, info.max_context, make_admin_router(backend, admin_token),
-                      ApiMetrics(), api_key=api_key)
+                      ApiMetrics(model_name=info.model), api_key=api_key)
 
 
 def run_serve(cfg: ServeConfig) -> int:

@@ -126,13 +126,15 @@ class Progress:
     """All choices of one request: updated per chunk, summarised into usage and metrics."""
 
     arrival_s: float
+    sent_s: float  # when its requests were handed to the backend
     choices: list[ChoiceState]
     error: ErrorInfo | None = None
     error_index: int | None = None  # the choice whose chunk carried the error
 
     @classmethod
     def start(cls, arrival_s: float, n: int) -> "Progress":
-        return cls(arrival_s, [ChoiceState() for _ in range(n)])
+        """The progress of n choices whose requests go to the backend now."""
+        return cls(arrival_s, time.perf_counter(), [ChoiceState() for _ in range(n)])
 
     def observe(self, index: int, chunk: Chunk) -> None:
         c, now = self.choices[index], time.perf_counter()

@@ -445,18 +445,48 @@ def test_sd_targets_is_prometheus_http_service_discovery(url, local):
         assert httpx.get(base + "/sd/targets").json() == []
 
 
-def test_metrics_count_requests_and_latencies(local):
+def test_metrics_count_requests_latencies_tokens_and_finish_reasons(local, verifier):
     from prometheus_client import CollectorRegistry
 
     from services.metrics import ApiMetrics
 
-    metrics = ApiMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
+    metrics = ApiMetrics(registry, model_name=MODEL)
+
+    def value(name: str, **labels) -> float:
+        return registry.get_sample_value(f"specloop:{name}", {"model_name": MODEL, **labels}) or 0.0
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 6, "temperature": 0, "n": 2, "speculative": {"enabled": False}}
     with serving(make_app(local, metrics=metrics)) as base:
-        httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0})
+        plain = httpx.post(base + "/v1/completions", json=body, timeout=30).json()
+        _, events = post_stream(base, "/v1/completions", {**body, "n": 1, "stream": True,
+                                                          "stream_options": {"include_usage": True}})
         httpx.post(base + "/v1/completions", json={"model": MODEL})
         text = httpx.get(base + "/metrics").text
     assert 'endpoint="/v1/completions"' in text and 'status="200"' in text and 'status="400"' in text
-    assert "time_to_first_token_seconds_count" in text and "e2e_request_latency_seconds_count" in text
+    generated = plain["usage"]["completion_tokens"] + events[-2]["usage"]["completion_tokens"]
+    assert value("generation_tokens_total") == generated and value("prompt_tokens_total") == 2  # "x": 1 token each
+    assert value("request_success_total", finished_reason="length") + value(
+        "request_success_total", finished_reason="stop") == 3  # every choice of the two answered requests
+    assert value("time_to_first_token_seconds_count") == 3 and value("e2e_request_latency_seconds_count") == 2
+    assert value("request_queue_time_seconds_count") == 2 and value("request_time_per_output_token_seconds_count") >= 1
+    assert value("inter_token_latency_seconds_count") >= 1
+
+
+def test_a_client_gone_counts_its_choices_as_aborted(local):
+    from prometheus_client import CollectorRegistry
+
+    from services.metrics import ApiMetrics
+
+    registry = CollectorRegistry()
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 200, "temperature": 0, "stream": True,
+            "speculative": {"enabled": False}}
+    with slow_steps(local, 0.05), serving(make_app(local, metrics=ApiMetrics(registry))) as base:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=30) as r:
+            next(r.iter_lines())
+        assert wait_until(lambda: registry.get_sample_value("specloop:request_success_total",
+                                                            {"finished_reason": "abort"}) == 1, 3.0)
+    assert registry.get_sample_value("specloop:http_requests_total", {"endpoint": "/v1/completions", "status": "499"}) == 1
 
 
 def test_an_admin_router_is_mounted(local):
