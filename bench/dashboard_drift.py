@@ -53,7 +53,8 @@ def dashboard_queries(rate_interval: str) -> dict:
     """The acceptance and τ panels' PromQL and the annotations', exactly as the dashboard holds them."""
     board = json.loads(DASHBOARD.read_text())
     panels = {p["title"]: p for p in board["panels"] if p.get("type") != "row"}
-    fill = lambda expr: expr.replace("$__rate_interval", rate_interval)  # noqa: E731
+    fill = lambda expr: (expr.replace("$__rate_interval", rate_interval)  # noqa: E731 - every model and instance
+                         .replace("$model_name", ".*").replace("$instance", ".*"))
     [acceptance] = panels[ACCEPTANCE_TITLE]["targets"]
     [tau] = panels[TAU_TITLE]["targets"]
     return {"acceptance": fill(acceptance["expr"]), "tau": fill(tau["expr"]),

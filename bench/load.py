@@ -257,7 +257,7 @@ def worker_figures(before: dict, after: dict, seconds: float) -> dict:
     drafts = delta(before, after, "specloop:spec_decode_num_drafts_total")
     drafted = delta(before, after, "specloop:spec_decode_num_draft_tokens_total")
     accepted = delta(before, after, "specloop:spec_decode_num_accepted_tokens_total")
-    gen = delta(before, after, "specloop:generation_tokens_total")
+    gen = delta(before, after, "specloop:committed_tokens_total")
     return {"steps": int(steps), "steps_per_s": steps / seconds,
             "step_ms": 1e3 * total / steps if steps else None,
             "forward_ms_per_step": 1e3 * fwd / steps if steps else None,

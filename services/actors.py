@@ -148,7 +148,7 @@ class ServingActor:
         self.buffer = make_buffer(buffer_spec, host, prefix)
         wcfg = WorkerConfig(**cfg)
         self.loop = ServingLoop(ServingConfig(wcfg, max_queue, model, name), VerifierWorker(wcfg, self.buffer))
-        self.metrics = WorkerMetrics(worker=name)
+        self.metrics = WorkerMetrics(worker=name, model_name=model, slots=wcfg.slots)
         attach_metrics(self.loop, self.metrics)
         self.metrics_url = serve_metrics(self.metrics, host=ray.util.get_node_ip_address())
         self.loop.start()

@@ -369,7 +369,7 @@ def worker_tokens(api: str) -> dict[str, float]:
         for target in group["targets"]:
             text = httpx.get(f"http://{target}/metrics", timeout=10).text
             if worker := re.search(r'specloop:worker_info\{[^}]*worker="([^"]+)"', text):
-                counted = re.findall(r"^specloop:generation_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+                counted = re.findall(r"^specloop:committed_tokens_total(?:\{[^}]*\})? (\S+)$", text, re.M)
                 tokens[worker.group(1)] = sum(float(v) for v in counted)
     return tokens
 
