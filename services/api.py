@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.auth import ApiKeyAuth
 from services.backend import Backend
@@ -216,6 +217,12 @@ def add_error_handlers(app: FastAPI, cfg: ApiConfig) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return error_response(exc, cfg.retry_after_s)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:  # unknown route, wrong method
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        err = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind)
+        return error_response(err, cfg.retry_after_s, exc.headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:  # logged by the server as well

@@ -144,22 +144,52 @@ class DetokenizeBody(_Lenient):
     tokens: list[StrictInt]
 
 
-# parameters this server accepts only at their neutral value (it calls no tools, penalises nothing …),
-# unless the body's model declares them
+# parameters this server accepts only at their neutral value, unless the body's model declares them:
+# each would change what is generated (or how it is returned), so one is refused, never ignored.
+# Other unknown fields (user, store, metadata, service_tier …) change nothing and are ignored.
 NEUTRAL = {
-    "top_logprobs": (None, 0),  # a chat parameter
+    # OpenAI
+    "top_logprobs": (None, 0),  # a chat parameter (on /v1/completions: refused)
+    "max_completion_tokens": (None,),  # a chat parameter
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
     "tools": (None, []),
     "functions": (None, []),
     "tool_choice": (None, "none", "auto"),
+    "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    # vLLM's extensions
     "repetition_penalty": (None, 1),
+    "length_penalty": (None, 1),
     "min_tokens": (None, 0),
+    "min_p": (None, 0),
+    "ignore_eos": (None, False),
+    "stop_token_ids": (None, []),
+    "bad_words": (None, []),
+    "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "prompt_logprobs": (None,),
+    "use_beam_search": (None, False),
+    "truncate_prompt_tokens": (None,),
+    "add_special_tokens": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "logits_processors": (None,),
 }
 
 

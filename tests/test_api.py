@@ -251,10 +251,34 @@ def test_malformed_json_is_a_400_in_openai_shape_never_a_422(url):
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"min_p": 0.1}, "min_p"),
+    ({"ignore_eos": True}, "ignore_eos"),
+    ({"stop_token_ids": [4]}, "stop_token_ids"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
 ])
 def test_wrong_parameters_are_400s_naming_the_parameter(url, extra, param):
     body = {"model": MODEL, "messages": CHAT, **extra}
     assert_openai_400(httpx.post(url + "/v1/chat/completions", json=body, timeout=10), param)
+
+
+def test_neutral_values_of_unsupported_parameters_and_unknown_fields_are_accepted(url):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "presence_penalty": 0, "tool_choice": "none",
+            "ignore_eos": False, "response_format": {"type": "text"}, "user": "u-1", "store": False}
+    assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+    plain = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert_openai_400(httpx.post(url + "/v1/completions", json={**plain, "max_completion_tokens": 2}),
+                      "max_completion_tokens")
+    assert_openai_400(httpx.post(url + "/v1/completions", json={**plain, "echo": True}), "echo")
+
+
+def test_unknown_routes_and_methods_are_openai_errors(url):
+    r = httpx.get(url + "/v1/engines")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] and "allow" in r.headers
 
 
 def test_a_missing_model_or_prompt_is_a_400(url):
@@ -445,7 +469,7 @@ def test_sd_targets_is_prometheus_http_service_discovery(url, local):
         assert httpx.get(base + "/sd/targets").json() == []
 
 
-def test_metrics_count_requests_latencies_tokens_and_finish_reasons(local, verifier):
+def test_metrics_count_requests_latencies_tokens_and_finish_reasons(local):
     from prometheus_client import CollectorRegistry
 
     from services.metrics import ApiMetrics
