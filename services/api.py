@@ -180,7 +180,10 @@ class Completions:
         call.closed = True
         call.fanout.close()
         self.drain.leave(call.drain_token)
-        record(self.metrics, call.endpoint, call.progress.status, call)
+        try:
+            record(self.metrics, call.endpoint, call.progress.status, call)
+        except Exception:  # a metric never fails the answer it measures
+            log.exception("recording the metrics of %s failed", call.plan.id)
 
 
 # ---------------------------------------------------------------------------------------------- the app
