@@ -12,16 +12,16 @@ import openai
 import pytest
 import torch
 
-from drafter.models import load_model, load_tokenizer
-from drafter.sampling import SamplingParams
-from drafter.engine import generate
-from drafter.requests import StopRule
-from tests.admin_helpers import serving
 from drafter.capacity import draft_reserve
+from drafter.engine import generate
+from drafter.models import load_model, load_tokenizer
+from drafter.requests import StopRule
+from drafter.sampling import SamplingParams
 from services.api import create_app
 from services.generation import final_text
 from services.protocol import Chunk, CompletionRequest, ErrorInfo
 from services.serving import LocalBackend, wait_ready
+from tests.admin_helpers import serving
 
 torch.set_num_threads(1)
 
@@ -304,6 +304,51 @@ def test_the_longest_request_that_fits_the_context_is_served(url, max_context):
         body = {"model": MODEL, "prompt": prompt, "temperature": 0, "speculative": spec}
         out = httpx.post(url + "/v1/completions", json=body, timeout=30).json()  # default max_tokens: the 3 left
         assert out["usage"]["completion_tokens"] <= 3 and out["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+# ------------------------------------------------------------------------------------ log-probs
+
+
+def verifier_logprobs(verifier_dir, ids: list[int], start: int) -> torch.Tensor:
+    """[len(ids) - start, vocab]: the verifier's own log-softmax (transformers, fp32) predicting ids[start:]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, start - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def test_logprobs_are_the_verifiers_own_with_or_without_speculation(url, verifier, tiny_pair):
+    ids = verifier.tokenizer.encode("def main():", add_special_tokens=False)
+
+    def ask(spec: dict) -> dict:
+        body = {"model": MODEL, "prompt": ids, "max_tokens": 10, "temperature": 0, "logprobs": 3, "speculative": spec}
+        return httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+
+    off, on, auto = ask({"enabled": False}), ask({"k": 3}), ask({"k": "auto"})
+    tok = verifier.tokenizer
+    rule = StopRule(verifier.eos_ids, lambda t: tok.decode(t, skip_special_tokens=True))
+    greedy = generate(verifier.lean, None, [ids], SamplingParams(0.0, max_tokens=10), 0, rule)[0].token_ids
+    assert off["tokens"] == on["tokens"] == auto["tokens"] == [tok.decode([t]) for t in greedy]
+    ref = verifier_logprobs(tiny_pair[0], ids + greedy, len(ids))
+    expected = [ref[i, t].item() for i, t in enumerate(greedy)]
+    for got in (off, on, auto):
+        assert max(abs(a - b) for a, b in zip(got["token_logprobs"], expected)) < 1e-3
+        for i, alternatives in enumerate(got["top_logprobs"]):  # greedy: the emitted token is the most likely
+            assert max(alternatives.values()) == got["token_logprobs"][i] and 3 <= len(alternatives) <= 4
+            best = sorted(ref[i].topk(3).values.tolist(), reverse=True)
+            assert abs(sorted(alternatives.values(), reverse=True)[0] - best[0]) < 1e-3
+
+
+def test_chat_logprobs_stream_as_they_come_in_full(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    streamed = [e for c in client.chat.completions.create(**kwargs, stream=True)
+                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
 
 
 # ------------------------------------------------------------------------------ sampling features
