@@ -12,6 +12,7 @@ An untrained head (LoRA B = 0) is an early exit: the verifier's own norm and LM 
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafter.decoder import LeanDecoder
-from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
+from drafter.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from drafter.quant import quantize_like
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
@@ -100,8 +101,8 @@ class DVIDrafter:
     """Drafts with the verifier's first s layers and the draft head, on the verifier's own cache."""
 
     kind = "dvi"
-    row_state: tuple[str, ...] = ("cache", "last")  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
+    follows_plain = False  # its last tokens miss plain steps
 
     def __init__(self, verifier: LeanDecoder, head: DraftHead, vocab: torch.Tensor | None = None):
         self.lean = verifier
@@ -139,6 +140,14 @@ class DVIDrafter:
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         self.last = torch.where(active, outcome.last_tokens, self.last)
+
+    def narrow(self, m: int) -> "DVIDrafter":
+        view = copy.copy(self)
+        view.cache, view.last = first_rows(self.cache, m), first_rows(self.last, m)
+        return view
+
+    def widen(self, view: "DVIDrafter", m: int) -> None:
+        self.cache, self.last = with_rows(self.cache, view.cache, m), with_rows(self.last, view.last, m)
 
     def adopt(self, old: "DVIDrafter") -> None:
         """Continue `old`'s rows with this head: the cache is the verifier's, valid for any head."""

@@ -20,6 +20,7 @@ draft depth as at inference; online from replay records, whose `steer` holds f_t
 """
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from drafter.decoder import LeanDecoder
-from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
+from drafter.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from drafter.quant import linear, quantize_like
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
@@ -119,7 +120,6 @@ class EagleDrafter:
     """Drafts k tokens per row with the head, from the verifier's newest feature and committed token."""
 
     kind = "eagle"
-    row_state: tuple[str, ...] = ("feature", "last")
     record_layers: tuple[int, ...] = ()
     follows_plain = True  # plain (k = 0) steps also hand it the verifier's features: never behind
 
@@ -187,6 +187,14 @@ class EagleDrafter:
         new = view.features[self.verifier_layers[0]].to(self.feature.dtype)
         self.feature = torch.where(active[:, None].to(new.device), new, self.feature)
         self.last = torch.where(active, outcome.last_tokens, self.last)
+
+    def narrow(self, m: int) -> "EagleDrafter":
+        view = copy.copy(self)
+        view.feature, view.last = first_rows(self.feature, m), first_rows(self.last, m)
+        return view
+
+    def widen(self, view: "EagleDrafter", m: int) -> None:
+        self.feature, self.last = with_rows(self.feature, view.feature, m), with_rows(self.last, view.last, m)
 
     def adopt(self, old: "EagleDrafter") -> None:
         """Continue `old`'s rows: its state is the verifier's, valid for any head."""

@@ -16,6 +16,11 @@ Pure torch, no processes: `generate()` and the serving worker both drive an `Eng
   for that first block: fewer accepted drafts, never other output).
 - A request leaves the moment it finishes (EOS, stop string, max tokens) or is aborted; its slot is
   free for the next `admit`. Empty slots ride along inactive (their cache never advances).
+- The engine owns each running request's state (`LiveRequest`: the request, its generation so far,
+  its random stream), found by id with `get`; `step()` hands a finished request's `Generation` over
+  on its last update.
+- `offer_swap()` (between steps, and before every drafting step) lets the hooks hand over a new
+  drafter version: the one place `drafter` is written after construction.
 
 Uniform layout per step (kmax = max k of the live rows), row b with its own k_b drawing 2 k_b + 1
 uniforms from its stream, as `generate` alone would: columns [0, k_b) drive drafting, [kmax,
@@ -32,18 +37,21 @@ from drafter.capacity import draft_reserve, positions_needed
 from drafter.controller import Batch, Choice, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
 from drafter.logprobs import Scoring, scoring_for
-from drafter.proposer import Drafter, VerifierView, emitted_tokens, narrow_rows, widen_rows
+from drafter.proposer import Drafter, VerifierView, emitted_tokens
 from drafter.rejection import rejection_sample
 from drafter.requests import EngineRequest, Generation, RowUpdate, StopRule
 from drafter.sampling import RowParams, SamplingParams, make_generators
 from drafter.speculative import Sampler, StepClock, StepHooks, follows_plain, speculative_step
-from drafter.stats import RequestStats
+from drafter.stats import AcceptanceStats
 
 
 @dataclass
-class _Row:
+class LiveRequest:
+    """A running request as the engine holds it."""
+
     request: EngineRequest
-    gen: Generation
+    slot: int
+    gen: Generation  # its tokens, stats (and log-probabilities) so far
     generator: torch.Generator | None  # None when greedy
 
     @property
@@ -73,15 +81,14 @@ class Engine:
     sampler: Sampler = rejection_sample
     hooks: StepHooks | None = None
     controller: Controller = field(default_factory=Controller)  # chooses k for the auto rows
-    finished: dict[str, Generation] = field(default_factory=dict)  # generations of finished requests
     timing: StepTiming = field(default_factory=StepTiming)  # of the last step
 
     def __post_init__(self):
         self.cache = self.verifier.new_cache(self.slots, self.capacity)
-        self.rows: list[_Row | None] = [None] * self.slots
+        self.rows: list[LiveRequest | None] = [None] * self.slots
+        self._slot_of: dict[str, int] = {}  # running request id -> slot
         self.last = torch.zeros(self.slots, dtype=torch.long)
         self.behind: set[int] = set()  # slots whose drafter state missed plain steps
-        self._drafter_seen = self.drafter
         if self.drafter is not None:
             self._start_drafter()
 
@@ -100,6 +107,15 @@ class Engine:
     @property
     def free(self) -> list[int]:
         return [s for s, r in enumerate(self.rows) if r is None]
+
+    def get(self, request_id: str) -> LiveRequest | None:
+        """The running request `request_id` (None once it finished or was aborted)."""
+        slot = self._slot_of.get(request_id)
+        return None if slot is None else self.rows[slot]
+
+    def live(self) -> list[LiveRequest]:
+        """Every running request, by slot."""
+        return [r for r in self.rows if r is not None]
 
     def reserve(self, k: int | None) -> int:
         """Positions a request of draft length k needs beyond prompt + output (auto: the controller's k_max)."""
@@ -126,7 +142,8 @@ class Engine:
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k
             scores = None if r.logprobs is None else []
-            self.rows[s] = _Row(r, Generation([], None, RequestStats(positions), scores), gen)
+            self.rows[s] = LiveRequest(r, s, Generation([], None, AcceptanceStats(positions), scores), gen)
+            self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
         self.behind.difference_update(slots)
         return slots
@@ -134,6 +151,8 @@ class Engine:
     def _check(self, r: EngineRequest) -> None:
         if not r.prompt:
             raise ValueError(f"request {r.id}: empty prompt")
+        if r.id in self._slot_of:
+            raise ValueError(f"request {r.id} is already running")
         if r.k and self.drafter is None:
             raise ValueError(f"request {r.id}: k = {r.k} needs a drafter")
         if r.params.stop and self.stop_rule.decode is None:
@@ -148,12 +167,28 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Free the request's slot now (between steps); False if it is not running."""
-        for s, row in enumerate(self.rows):
-            if row is not None and row.request.id == request_id:
-                self.rows[s] = None
-                self.behind.discard(s)
-                return True
-        return False
+        if request_id not in self._slot_of:
+            return False
+        self._leave(self._slot_of[request_id])
+        return True
+
+    def _leave(self, slot: int) -> None:
+        del self._slot_of[self.rows[slot].request.id]
+        self.rows[slot] = None
+        self.behind.discard(slot)
+
+    def offer_swap(self) -> None:
+        """Between steps: the hooks may hand over a new drafter version that took over the old one's
+        rows (a hot swap, or a version switched in between requests); the controller is told."""
+        if self.hooks is None or self.drafter is None:
+            return
+        new = self.hooks.swap(self.drafter, self._histories())
+        if new is not self.drafter:
+            self.drafter = new
+            self.controller.drafter_swapped()
+
+    def _histories(self) -> list[list[int]]:
+        return [r.history if r is not None else [0] for r in self.rows]
 
     # -- one step
 
@@ -167,14 +202,12 @@ class Engine:
             return []
         m = live[-1] + 1
         rows = self.rows[:m]
-        self._note_swap()
         choice = self._choose(rows, live, m)
         auto_k = 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
         kmax = max(ks[s] for s in live)
         active = torch.tensor([r is not None for r in rows])
         drafter, on_trace = self._hooked(kmax)
-        self._note_swap()
         resync_s = self._resync([s for s in live if ks[s] and s in self.behind]) if kmax else 0.0
         follow = bool(kmax) or follows_plain(drafter)
         if not kmax and self.drafter is not None and not follow:
@@ -182,7 +215,7 @@ class Engine:
         params, limit = self._params(rows, live, ks, kmax)
         uniforms = None if params.greedy else self._uniforms(rows, ks, kmax)
         cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
-        narrowed = narrow_rows(drafter, m) if follow and m < self.slots else drafter
+        narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
         clock = StepClock()
         scoring = scoring_for({s: rows[s].request.logprobs for s in live if rows[s].request.logprobs is not None})
         t1 = time.perf_counter()
@@ -190,7 +223,7 @@ class Engine:
                                    active, self.sampler, on_trace, limit, clock, scoring)
         t2 = time.perf_counter()
         if narrowed is not drafter:
-            widen_rows(drafter, narrowed, m)
+            drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
         updates = [self._commit(s, outcome, ks[s], scoring) for s in live]
@@ -211,12 +244,6 @@ class Engine:
             return None
         return self.controller.choose(Batch(m, len(live) - len(fixed), fixed))
 
-    def _note_swap(self) -> None:
-        """A new drafter (a hot swap, or a version switched in between requests): tell the controller."""
-        if self.drafter is not self._drafter_seen:
-            self._drafter_seen = self.drafter
-            self.controller.drafter_swapped()
-
     def _resync(self, slots: list[int]) -> float:
         """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`);
         returns the seconds it took (0 when no row needed it)."""
@@ -232,9 +259,9 @@ class Engine:
     def _hooked(self, kmax: int):
         if self.hooks is None or not kmax:
             return self.drafter, None
-        histories = [r.history if r is not None else [0] for r in self.rows]
-        self.drafter = self.hooks.swap(self.drafter, histories)
-        return self.drafter, self.hooks.traced(histories)
+        self.offer_swap()
+        ids = [r.request.id if r is not None else None for r in self.rows]
+        return self.drafter, self.hooks.traced(self._histories(), ids)
 
     @staticmethod
     def _params(rows: list, live: list[int], ks: list[int], kmax: int):
@@ -264,17 +291,16 @@ class Engine:
         row = self.rows[s]
         n = int(outcome.num_accepted[s])
         before = len(row.gen.token_ids)
-        row.gen.stats.record(n, k)
+        row.gen.stats.observe(k, n)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
         new = row.gen.token_ids[before:]  # cut as the stop rule cut them: their scores are cut the same way
         scores = None if row.gen.logprobs is None else scoring.scores(s, new, row.request.logprobs)
         if scores is not None:
             row.gen.logprobs.extend(scores)
-        update = RowUpdate(row.request.id, s, new, k, n, row.gen.finish_reason, scores)
-        if row.gen.finish_reason is not None:
-            self.finished[row.request.id] = row.gen
-            self.rows[s] = None
-            self.behind.discard(s)
+        done = row.gen.finish_reason is not None
+        update = RowUpdate(row.request.id, s, new, k, n, row.gen.finish_reason, scores, row.gen if done else None)
+        if done:
+            self._leave(s)
         return update
 
 
@@ -303,6 +329,7 @@ def generate(
     engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
                     controller=controller)
     engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
+    finished = {}
     while engine.running:
-        engine.step()
-    return [engine.finished.pop(str(i)) for i in range(len(prompts))]
+        finished.update((u.id, u.generation) for u in engine.step() if u.generation is not None)
+    return [finished[str(i)] for i in range(len(prompts))]

@@ -1,10 +1,12 @@
 """N-gram prompt lookup: draft the continuation of the latest earlier occurrence of the suffix."""
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 
-from drafter.proposer import Proposal, VerifierView, emitted_tokens
+from drafter.proposer import Proposal, VerifierView, emitted_tokens, first_rows, with_rows
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 
@@ -33,9 +35,9 @@ class NgramDrafter:
     """Deterministic drafts (q is one-hot on the drafted token), so sampling stays lossless."""
 
     kind = "ngram"
-    row_state: tuple[str, ...] = ("history",)  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
     record_layers: tuple[int, ...] = ()
+    follows_plain = False  # its histories miss the tokens of plain steps
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
@@ -56,3 +58,18 @@ class NgramDrafter:
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():
             self.history[b].extend(emitted_tokens(outcome, b))
+
+    def narrow(self, m: int) -> "NgramDrafter":
+        view = copy.copy(self)
+        view.history = first_rows(self.history, m)
+        return view
+
+    def widen(self, view: "NgramDrafter", m: int) -> None:
+        self.history = with_rows(self.history, view.history, m)
+
+    def adopt(self, old: "NgramDrafter") -> None:
+        """Continue `old`'s rows: its state is the committed tokens, valid for any lookup."""
+        self.history = old.history
+
+    def refill(self, old: "NgramDrafter", histories: list[list[int]]) -> None:
+        self.history = [list(h) for h in histories]

@@ -1,10 +1,12 @@
 """An independent pretrained LM as drafter, with its own KV cache rolled back on rejection."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from drafter.decoder import LeanDecoder, pad_right, prefill, prefill_rows
-from drafter.proposer import Proposal, VerifierView, choose, stack_proposal
+from drafter.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 
@@ -17,9 +19,9 @@ class PretrainedDrafter:
     """
 
     kind = "pretrained"
-    row_state: tuple[str, ...] = ("cache", "pending")  # per-row state (continuous batching narrows it)
     verifier_layers: tuple[int, ...] = ()
     record_layers: tuple[int, ...] = ()
+    follows_plain = False  # its cache misses the tokens of plain steps
 
     def __init__(self, lean: LeanDecoder):
         self.lean = lean
@@ -57,6 +59,14 @@ class PretrainedDrafter:
     def block_inputs(self) -> torch.Tensor | None:
         """[B, 3, d_verifier] steering inputs of this block (steered kinds); None for a plain LM."""
         return None
+
+    def narrow(self, m: int) -> "PretrainedDrafter":
+        view = copy.copy(self)
+        view.cache, view.pending = first_rows(self.cache, m), first_rows(self.pending, m)
+        return view
+
+    def widen(self, view: "PretrainedDrafter", m: int) -> None:
+        self.cache, self.pending = with_rows(self.cache, view.cache, m), with_rows(self.pending, view.pending, m)
 
     def adopt(self, old: "PretrainedDrafter") -> None:
         """Continue `old`'s rows with these weights, keeping its KV cache (computed with the old

@@ -1,11 +1,13 @@
 """The drafter interface: `propose()` k tokens per row, then `observe()` what the verifier kept.
 
-Every drafter kind (pretrained LM, n-gram lookup, and the trainable kinds) implements this, so the
-speculative step never knows which one it drives.
+Every drafter kind (drafter/kinds.py: pretrained LM, n-gram lookup, SD², DVI, EAGLE head) implements
+all of `Drafter`, so neither the speculative step, the engine nor the serving worker knows which
+one it drives: rows join (`start`, `join`), draft and learn the verdict (`propose`, `observe`), a
+step over the first m slots of a pool sees only those rows (`narrow`, `widen`), and a new version
+takes over a running one's rows on a hot swap (`adopt`, `refill`).
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,7 +49,7 @@ class Drafter(Protocol):
     kind: str
     verifier_layers: tuple[int, ...]  # hidden states it needs from the verifier (SD² steering)
     record_layers: tuple[int, ...]  # residual streams a replay record needs to recompute its forward (DVI)
-    row_state: tuple[str, ...]  # attributes holding per-row state (batch dim 0): see narrow_rows
+    follows_plain: bool  # plain steps (k = 0) keep it up to date: it reads only the verifier's features and tokens
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         """Begin a batch: remember (or prefill) each row's prompt; capacity bounds its length."""
@@ -61,24 +63,24 @@ class Drafter(Protocol):
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         """Take the verifier's verdict; rows where active [B] is False are finished."""
 
+    def narrow(self, m: int) -> "Drafter":
+        """A shallow copy that sees only rows [0, m) of the per-row state: a step over the occupied prefix
+        of a slot pool costs what m rows cost. KV caches and tensors are views (in-place writes reach
+        this drafter); `widen` takes back what the step rebound. Built with `first_rows`."""
 
-def narrow_rows(drafter, m: int):
-    """A shallow copy of `drafter` that sees only batch rows [0, m) of its per-row state (the fields
-    named in its `row_state`): a step over the occupied prefix of a slot pool costs what m rows cost.
-    KV caches and tensors are views (in-place writes reach the pool); `widen_rows` writes back what
-    the step rebound (cache lengths, lists, tensors)."""
-    view = copy.copy(drafter)
-    for name in drafter.row_state:
-        setattr(view, name, _narrow(getattr(drafter, name), m))
-    return view
+    def widen(self, view: "Drafter", m: int) -> None:
+        """After a step on `view` (= self.narrow(m)): its rows [0, m) become these rows [0, m) (`with_rows`)."""
+
+    def adopt(self, old: "Drafter") -> None:
+        """A hot swap: continue `old`'s rows (same kind, other weights) with its per-row state as it is."""
+
+    def refill(self, old: "Drafter", histories: list[list[int]]) -> None:
+        """A hot swap: continue `old`'s rows with per-row state these weights recompute from each row's
+        committed tokens (histories[b], ending with the token the next step starts from)."""
 
 
-def widen_rows(drafter, view, m: int) -> None:
-    for name in drafter.row_state:
-        setattr(drafter, name, _widen(getattr(drafter, name), getattr(view, name), m))
-
-
-def _narrow(value, m: int):
+def first_rows(value, m: int):
+    """Rows [0, m) of one piece of per-row state: a KV cache, a dict of tensors, a list or a tensor."""
     if isinstance(value, KVCache):
         return KVCache([k[:m] for k in value.keys], [v[:m] for v in value.values], value.lens[:m].clone())
     if isinstance(value, dict):
@@ -86,9 +88,10 @@ def _narrow(value, m: int):
     return value[:m]  # list (a copy of the first m entries) or tensor (a view)
 
 
-def _widen(pool, view, m: int):
-    """The pool's state with rows [0, m) taken from the view. Tensors are rebuilt, never written in
-    place: the pool's may be inference tensors (made inside a forward pass)."""
+def with_rows(pool, view, m: int):
+    """The pool's state with rows [0, m) taken from the view (`first_rows`' inverse after a step).
+    Tensors are rebuilt, never written in place: the pool's may be inference tensors (made inside a
+    forward pass)."""
     if isinstance(pool, KVCache):
         pool.lens = torch.cat([view.lens, pool.lens[m:]])
         return pool

@@ -2,12 +2,12 @@
 update one step gives it, its finished generation, and the rule that ends it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from drafter.logprobs import TokenScore
 from drafter.sampling import SamplingParams
-from drafter.stats import RequestStats
+from drafter.stats import AcceptanceStats
 
 
 @dataclass
@@ -24,8 +24,10 @@ class EngineRequest:
 class Generation:
     token_ids: list[int]
     finish_reason: str | None  # "stop" (EOS or a stop string) or "length"
-    stats: RequestStats
+    stats: AcceptanceStats
     logprobs: list[TokenScore] | None = None  # one per token id, when the request asked for them
+    drafter_versions: list[str] = field(default_factory=list)  # versions that drafted it (noted by a serving
+    #                                                            worker: the engine knows drafters, not versions)
 
 
 @dataclass
@@ -62,3 +64,4 @@ class RowUpdate:
     accepted: int  # drafts accepted in this block
     finish_reason: str | None  # set on the request's last step
     logprobs: list[TokenScore] | None = None  # one per new token, when the request asked for them
+    generation: Generation | None = None  # the whole generation, on the request's last update

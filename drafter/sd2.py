@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from drafter.pretrained import PretrainedDrafter
-from drafter.proposer import VerifierView
+from drafter.proposer import VerifierView, first_rows, with_rows
 
 MANIFEST = "manifest.json"
 STEERING_FILE = "steering.safetensors"
@@ -117,7 +117,6 @@ class SteeredDrafter(PretrainedDrafter):
     """A pretrained drafter whose MLPs are biased, block by block, by the verifier's steering vector."""
 
     kind = "sd2"
-    row_state = ("cache", "pending", "_features")
 
     def __init__(self, lean, steering: Steering):
         super().__init__(lean)
@@ -146,6 +145,15 @@ class SteeredDrafter(PretrainedDrafter):
 
     def block_inputs(self) -> torch.Tensor:
         return torch.stack([self._features[i] for i in self.verifier_layers], dim=1)  # [B, 3, d_verifier]
+
+    def narrow(self, m: int) -> "SteeredDrafter":
+        view = super().narrow(m)
+        view._features = first_rows(self._features, m)
+        return view
+
+    def widen(self, view: "SteeredDrafter", m: int) -> None:
+        super().widen(view, m)
+        self._features = with_rows(self._features, view._features, m)
 
     def adopt(self, old: "SteeredDrafter") -> None:
         super().adopt(old)

@@ -140,5 +140,5 @@ class StepHooks(Protocol):
         (`adopt`, or `refill` from the histories). histories[b] = row b's committed tokens, ending
         with the token the next step starts from."""
 
-    def traced(self, histories: list[list[int]]) -> Callable[[StepTrace], None] | None:
-        """A trace callback for the next step (same histories)."""
+    def traced(self, histories: list[list[int]], ids: list[str | None]) -> Callable[[StepTrace], None] | None:
+        """A trace callback for the next step (same histories; ids[b]: the request in row b, None if empty)."""

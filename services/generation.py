@@ -15,7 +15,7 @@ from drafter.kinds import DRAFTER_KINDS, build_drafter
 from drafter.models import load_model
 from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams
-from drafter.stats import RequestStats
+from drafter.stats import AcceptanceStats
 from services.prompts import encode, load_prompts
 
 
@@ -62,10 +62,10 @@ class RunSummary:
     requests: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    totals: RequestStats | None = None
+    totals: AcceptanceStats | None = None
 
     def __post_init__(self):
-        self.totals = self.totals or RequestStats(self.k or 0)  # positions grow with the blocks merged in
+        self.totals = self.totals or AcceptanceStats(self.k or 0)  # positions grow with the blocks merged in
 
     def add(self, gen: Generation) -> None:
         self.requests += 1
@@ -80,7 +80,7 @@ class RunSummary:
             "seconds": round(self.seconds, 3),
             "tokens_per_s": self.tokens / self.seconds if self.seconds else 0.0,
             "block_efficiency": t.block_efficiency,
-            "acceptance_rate": t.acceptance_rate,
+            "acceptance_rate": t.acceptance_rate() or 0.0,
             "acceptance_per_position": [a / d if d else 0.0 for a, d in zip(t.accepted_per_position,
                                                                            t.drafted_per_position)],
             "mean_k": t.drafted / t.blocks if t.blocks else 0.0,  # drafts per block (k = auto: the chosen ones)

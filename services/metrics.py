@@ -105,6 +105,8 @@ from typing import Iterable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily
 
+from drafter.stats import AcceptanceStats
+
 PREFIX = "specloop:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0)
 K_BUCKETS = tuple(float(k) for k in range(9))  # chosen k: 0 (plain) .. 8
@@ -116,47 +118,7 @@ MAX_VERSIONS = 16  # drafter versions whose spec-decode series a worker keeps (o
 # ----------------------------------------------------------------------------- statistics
 
 
-@dataclass
-class BlockStats:
-    """Counts over verified blocks of one drafter version (no Prometheus here)."""
-
-    drafts: int = 0  # blocks with k > 0
-    draft_tokens: int = 0  # Σ k
-    accepted_tokens: int = 0  # Σ n
-    accepted_per_pos: list[int] = field(default_factory=list)  # [max k]: blocks with n > i
-
-    def observe(self, k: int, accepted: int) -> None:
-        """One block: k drafted tokens, `accepted` of them accepted."""
-        if not 0 <= accepted <= k:
-            raise ValueError(f"a block accepts 0..k tokens: k={k}, accepted={accepted}")
-        if k == 0:
-            return
-        self.drafts += 1
-        self.draft_tokens += k
-        self.accepted_tokens += accepted
-        if len(self.accepted_per_pos) < k:
-            self.accepted_per_pos.extend([0] * (k - len(self.accepted_per_pos)))
-        for i in range(accepted):
-            self.accepted_per_pos[i] += 1
-
-    @classmethod
-    def of(cls, k: Iterable[int], accepted: Iterable[int]) -> "BlockStats":
-        """The statistics of many blocks (one engine step's rows)."""
-        k, accepted = list(k), list(accepted)
-        if len(k) != len(accepted):
-            raise ValueError(f"{len(k)} draft lengths for {len(accepted)} accepted counts")
-        stats = cls()
-        for k_i, n_i in zip(k, accepted):
-            stats.observe(k_i, n_i)
-        return stats
-
-    def acceptance_rate(self) -> float | None:
-        """α = accepted / drafted."""
-        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
-
-    def mean_acceptance_length(self) -> float | None:
-        """τ = 1 + accepted / drafts."""
-        return 1 + self.accepted_tokens / self.drafts if self.drafts else None
+BlockStats = AcceptanceStats  # counts over verified blocks: the one stats type (drafter/stats.py)
 
 
 class _Totals:

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Callable
 
 from drafter.engine import Engine
 from drafter.logprobs import TokenScore
-from drafter.requests import EngineRequest, RowUpdate
+from drafter.requests import EngineRequest, Generation, RowUpdate
 from services.protocol import (MAX_TOP_LOGPROBS, Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage, WorkerInfo,
                                WorkerLoad, invalid, overloaded)
 from services.registry import UnknownVersion, UnservableVersion
@@ -65,14 +65,11 @@ def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
 
 @dataclass
 class _Live:
+    """What serving keeps of a running request (its tokens and counts are the engine's)."""
+
     request: CompletionRequest
     sink: Sink
     text: TextStream
-    versions: list[str]
-    blocks: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    completion: int = 0
 
 
 @dataclass
@@ -153,7 +150,10 @@ class VersionEngines:
         return sum(e.running for e in self.engines.values())
 
     def admit(self, version: str, requests: list[EngineRequest]) -> None:
-        self.engines[version].admit(requests)
+        engine = self.engines[version]
+        engine.admit(requests)
+        for r in requests:
+            engine.get(r.id).gen.drafter_versions.append(version)
         self.requests.update((r.id, version) for r in requests)
 
     def step(self) -> list[RowUpdate]:
@@ -163,9 +163,6 @@ class VersionEngines:
                 mine = engine.step()
                 for callback in self.worker.on_step:
                     callback(mine, engine, version)
-                for u in mine:
-                    if u.finish_reason is not None:
-                        engine.finished.pop(u.id, None)
                 updates += mine
         return updates
 
@@ -301,7 +298,6 @@ class ServingLoop:
         self.worker.admit([self._engine_request(req)])
         while self.worker.engine.running:
             self.worker.step()
-        self.worker.engine.finished.pop(req.id, None)
         self.worker.engine.controller.reset()  # first calls carry one-time costs: not what a step costs
         self.ready = True
 
@@ -347,7 +343,7 @@ class ServingLoop:
                 sink(invalid(r.id, str(exc)))
             return
         for r, sink in batch:
-            self.live[r.id] = _Live(r, sink, TextStream(self.decode, tuple(r.stop)), [version or self.worker.version])
+            self.live[r.id] = _Live(r, sink, TextStream(self.decode, tuple(r.stop)))
 
     @staticmethod
     def _engine_request(r: CompletionRequest) -> EngineRequest:
@@ -357,21 +353,13 @@ class ServingLoop:
         live = self.live.get(u.id)
         if live is None:
             return
-        live.blocks += 1
-        live.drafted += u.k
-        live.accepted += u.accepted
-        live.completion += len(u.new_tokens)
-        if u.id not in self.pinned.requests and self.worker.version != live.versions[-1]:  # a hot swap mid-request
-            live.versions.append(self.worker.version)
-        final = u.finish_reason is not None
+        final = u.generation is not None
         chunk = Chunk(u.id, list(u.new_tokens), live.text.push(u.new_tokens, final), u.finish_reason,
                       logprobs=token_logprobs(u.logprobs))
         if final:
-            self.worker.engine.finished.pop(u.id, None)
             self.pinned.forget(u.id)
             del self.live[u.id]
-            chunk.usage = Usage(len(live.request.prompt_ids), live.completion, live.drafted, live.accepted,
-                                live.blocks, ",".join(live.versions))
+            chunk.usage = usage(live.request, u.generation)
         if chunk.token_ids or final:
             live.sink(chunk)
 
@@ -380,6 +368,13 @@ class ServingLoop:
             self.worker.abort(rid) or self.pinned.abort(rid)
             live.sink(Chunk(rid, error=ErrorInfo(message, "server_error", 500)))
         self.live.clear()
+
+
+def usage(request: CompletionRequest, gen: Generation) -> Usage:
+    """A finished request's usage, from the engine's generation."""
+    s = gen.stats
+    return Usage(len(request.prompt_ids), len(gen.token_ids), s.drafted, s.accepted, s.blocks,
+                 ",".join(gen.drafter_versions))
 
 
 def token_logprobs(scores: list[TokenScore] | None) -> list[TokenLogprob] | None:

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -43,6 +43,7 @@ from drafter.models import load_model
 from drafter.proposer import Drafter
 from drafter.requests import EngineRequest, RowUpdate, StopRule
 from drafter.speculative import StepTrace
+from drafter.stats import AcceptanceStats
 from services.buffer import ReplayBuffer
 from services.protocol import CompletionRequest
 from services.registry import Registry
@@ -99,20 +100,18 @@ class AcceptanceMonitor:
 
     def __init__(self, window: int, margin: float):
         self.window, self.margin = window, margin
-        self.recent: dict[str, deque] = {}
-        self.totals: dict[str, list[int]] = {}  # version -> [drafted, accepted]
+        self.recent: dict[str, deque] = {}  # version -> its last `window` blocks, (k, accepted) each
+        self.totals: dict[str, AcceptanceStats] = {}  # version -> all its blocks
         self.watch: tuple[str, str, float] | None = None  # (new, predecessor, predecessor α)
 
     def observe(self, version: str, drafted: int, accepted: int) -> None:
         self.recent.setdefault(version, deque(maxlen=self.window)).append((drafted, accepted))
-        tot = self.totals.setdefault(version, [0, 0])
-        tot[0] += drafted
-        tot[1] += accepted
+        self.totals.setdefault(version, AcceptanceStats()).observe(drafted, accepted)
 
     def rate(self, version: str) -> float | None:
+        """α over the version's recent window."""
         blocks = self.recent.get(version)
-        drafted = sum(d for d, _ in blocks) if blocks else 0
-        return sum(a for _, a in blocks) / drafted if drafted else None
+        return AcceptanceStats.of(*zip(*blocks)).acceptance_rate() if blocks else None
 
     def promoted(self, old: str, new: str) -> None:
         """Start watching `new` if `old` has a full window to compare with."""
@@ -188,16 +187,6 @@ class RecordLogger:
             self.thread.join(timeout=5)
 
 
-@dataclass
-class _Row:
-    id: str
-    k: int | None  # the request's draft length (None: auto; a step's own k is in its trace)
-    temperature: float
-    blocks: int = 0
-    stale: bool = False  # its drafter cache predates the serving version
-    versions: list[str] = field(default_factory=list)
-
-
 class VerifierWorker:
     def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
         torch.set_num_threads(cfg.threads)
@@ -218,13 +207,13 @@ class VerifierWorker:
         self.rollbacks: list[str] = [] if self.watcher is None else self.watcher.rollbacks
         self.load_failures: list[str] = []
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
-        self.stale = [0, 0]  # blocks decoded on a stale drafter cache: [drafted, accepted]
+        self.stale = AcceptanceStats()  # blocks decoded on a stale drafter cache
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
-        self.rows: dict[str, _Row] = {}  # running requests by id
+        self.stale_rows: set[str] = set()  # running requests whose drafter cache predates the serving version
         self.on_step: list = []  # callables(updates, engine, version) after every step (metrics)
         if self.watcher is not None:
             self.watcher.poll()  # the champion serves from the first request (the one wait on the registry)
-            self._take(in_flight=False)
+            self.engine.offer_swap()
             self.watcher.start()
 
     @property
@@ -237,23 +226,23 @@ class VerifierWorker:
         """Requests join the running batch (free slots must exist: `engine.free`)."""
         if not self.engine.running and self.watcher is not None:
             self.watcher.fresh(FRESH_WAIT_S)  # an idle worker starts a request on the champion of now
-            self._take(in_flight=False)
+            self.engine.offer_swap()
         self.engine.admit(requests)
         for r in requests:
-            self.rows[r.id] = _Row(r.id, r.k, r.params.temperature, versions=[self.version])
+            self.engine.get(r.id).gen.drafter_versions.append(self.version)
 
     def step(self) -> list[RowUpdate]:
-        """One speculative step over the running requests."""
+        """One speculative step over the running requests (a finished one's update carries its generation)."""
         updates = self.engine.step()
         for u in updates:
-            if u.finish_reason is not None:
-                self.rows.pop(u.id, None)
+            if u.generation is not None:
+                self.stale_rows.discard(u.id)
         for callback in self.on_step:
             callback(updates, self.engine, self.version)
         return updates
 
     def abort(self, request_id: str) -> bool:
-        self.rows.pop(request_id, None)
+        self.stale_rows.discard(request_id)
         return self.engine.abort(request_id)
 
     def serve(self, request: CompletionRequest) -> dict:
@@ -262,12 +251,11 @@ class VerifierWorker:
         t0 = time.perf_counter()
         self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.stream_index,
                                   request.logprobs)])
-        row = self.rows[request.id]
-        while request.id not in self.engine.finished:
-            self.step()
-        gen = self.engine.finished.pop(request.id)
+        gen = None
+        while gen is None:
+            gen = next((u.generation for u in self.step() if u.id == request.id and u.generation is not None), None)
         return {"index": request.stream_index, "id": request.id, "drafter_version": self.version,
-                "drafter_versions": row.versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
+                "drafter_versions": gen.drafter_versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
                 "block_efficiency": gen.stats.block_efficiency, "token_ids": gen.token_ids,
                 "text": self.verifier.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
                 "finish_reason": gen.finish_reason, "blocks": gen.stats.blocks,
@@ -276,39 +264,39 @@ class VerifierWorker:
     # -- StepHooks
 
     def swap(self, drafter: Drafter, histories: list[list[int]]) -> Drafter:
-        return self._take(in_flight=True, histories=histories) or drafter
+        """The engine's one hot-swap path (mid-request, or between requests when it is idle)."""
+        return self._take(in_flight=self.engine.running > 0, histories=histories) or drafter
 
     @property
     def registry_errors(self) -> int:
         """Registry reads that failed (its Redis down or hung): serving went on."""
         return 0 if self.watcher is None else self.watcher.errors
 
-    def traced(self, histories: list[list[int]]):
-        return lambda trace: self._on_step(trace, histories)
+    def traced(self, histories: list[list[int]], ids: list[str | None]):
+        return lambda trace: self._on_step(trace, histories, ids)
 
-    def _on_step(self, trace: StepTrace, histories: list[list[int]]) -> None:
+    def _on_step(self, trace: StepTrace, histories: list[list[int]], ids: list[str | None]) -> None:
         slots = torch.nonzero(trace.active).flatten().tolist()
-        rows = {b: self.rows[self.engine.rows[b].request.id] for b in slots}
         kmax = trace.proposal.tokens.shape[1]
         by_k: dict[int, list[int]] = {}
-        for b, row in rows.items():
+        for b in slots:
             k = kmax if trace.limit is None else int(trace.limit[b])  # this block's k (auto rows: the controller's)
             n = int(trace.outcome.num_accepted[b])
             if k:
                 self.monitor.observe(self.version, k, n)
                 by_k.setdefault(k, []).append(b)
-            if row.stale:
-                self.stale[0] += k
-                self.stale[1] += n
+            if ids[b] in self.stale_rows:
+                self.stale.observe(k, n)
         if self.logger is not None:
             for k, group in by_k.items():
-                self.logger.submit(trace, group, [self._tag(rows[b], histories[b]) for b in group], k)
-        for row in rows.values():
-            row.blocks += 1
+                self.logger.submit(trace, group, [self._tag(ids[b], histories[b]) for b in group], k)
         self._check_rollback()
 
-    def _tag(self, row: _Row, history: list[int]) -> RowTag:
-        return RowTag(row.id, self.version, row.blocks, history[-self.cfg.context:], row.temperature)
+    def _tag(self, request_id: str, history: list[int]) -> RowTag:
+        """The record tag of a request's block being verified (the index of its drafting blocks)."""
+        live = self.engine.get(request_id)
+        return RowTag(request_id, self.version, live.gen.stats.drafts, history[-self.cfg.context:],
+                      live.request.params.temperature)
 
     # -- versions
 
@@ -329,15 +317,16 @@ class VerifierWorker:
         new, old, t0 = ready.drafter, self.engine.drafter, time.perf_counter()
         recompute = in_flight and self.cfg.swap_cache == "recompute"
         new.refill(old, histories) if recompute else new.adopt(old)
-        self._switched(new, ready.version, t0, ready.started, in_flight)
-        if in_flight:
-            for row in self.rows.values():
-                row.stale = not recompute and self.cfg.kind in ("pretrained", "sd2")
-                row.versions.append(ready.version)
+        self._switched(ready.version, t0, ready.started, in_flight)
+        running = {live.request.id for live in self.engine.live()}
+        stale = not recompute and self.cfg.kind in ("pretrained", "sd2")  # their cache holds the old weights' KV
+        self.stale_rows = self.stale_rows | running if stale else self.stale_rows - running
+        for live in self.engine.live():
+            live.gen.drafter_versions.append(ready.version)
         return new
 
-    def _switched(self, new: Drafter, version: str, t0: float, t_load: float, in_flight: bool) -> None:
-        old, self.engine.drafter, self.version = self.version, new, version
+    def _switched(self, version: str, t0: float, t_load: float, in_flight: bool) -> None:
+        old, self.version = self.version, version
         self.watcher.serving = version
         stall = (time.perf_counter() - t0) * 1e3
         self.swaps.append(SwapEvent(time.time(), old, version, stall, (t0 - t_load) * 1e3, in_flight))
@@ -366,8 +355,8 @@ class VerifierWorker:
         return {
             "version": self.version, "swaps": [asdict(s) for s in self.swaps], "rollbacks": list(self.rollbacks),
             "load_failures": list(self.load_failures), "registry_errors": self.registry_errors,
-            "stale_blocks": {"drafted": self.stale[0], "accepted": self.stale[1]},
-            "acceptance_by_version": {v: {"drafted": d, "accepted": a} for v, (d, a) in self.monitor.totals.items()},
+            "stale_blocks": {"drafted": self.stale.drafted, "accepted": self.stale.accepted},
+            "acceptance_by_version": {v: {"drafted": t.drafted, "accepted": t.accepted} for v, t in self.monitor.totals.items()},
             "records": None if self.logger is None else self.logger.stats(),
             "swap_stall_ms": _quantiles(stalls),
         }

@@ -14,7 +14,7 @@ from drafter.proposer import VerifierView, emitted_tokens
 from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams, draw_uniforms, make_generators
 from drafter.speculative import speculative_step
-from drafter.stats import RequestStats
+from drafter.stats import AcceptanceStats
 
 PROMPTS = ["def main():\n    print(", "hello world", "import os\nimport sys\n", "class Config:\n    def", "the quick brown"]
 # (k, temperature, top_k, top_p, seed, stream): rows of one pool differ in all of them
@@ -52,7 +52,7 @@ def _alone(verifier, drafter, req: EngineRequest, rule):
     cache, features = prefill(lean, [req.prompt], capacity, drafter.verifier_layers if k else ())
     if k:
         drafter.start([req.prompt], capacity, VerifierView(cache, features))
-    last, gen = torch.tensor([req.prompt[-1]]), Generation([], None, RequestStats(k))
+    last, gen = torch.tensor([req.prompt[-1]]), Generation([], None, AcceptanceStats(k))
     generators = make_generators(params.seed, 1, start=req.stream)
     while gen.finish_reason is None:
         uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
@@ -211,7 +211,7 @@ def test_explicit_k_rows_keep_their_k_and_auto_rows_take_the_controllers(verifie
     first, second = engine.step(), engine.step()
     assert {u.id: u.k for u in first} == {"fixed": 1, "r0": 1}  # auto chose 0: it rides on the explicit k
     assert {u.id: u.k for u in second} == {"fixed": 1, "r0": 3}
-    stats = engine.rows[1].gen.stats
+    stats = engine.get("r0").gen.stats
     assert stats.drafted == 4 and stats.drafted_per_position == [2, 1, 1, 0] and stats.blocks == 2
 
 
@@ -223,14 +223,30 @@ def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
             swaps.append(1)
             super().drafter_swapped()
 
+    class SwapOnce:
+        def __init__(self):
+            self.new = None
+
+        def swap(self, drafter, histories):
+            return drafter if self.new is None or self.new is drafter else self._adopted(drafter)
+
+        def _adopted(self, drafter):
+            self.new.adopt(drafter)
+            return self.new
+
+        def traced(self, histories, ids):
+            return None
+
+    hooks = SwapOnce()
     engine = Engine(verifier.lean, _drafter("ngram", verifier, tiny_pair), slots=1, capacity=96,
-                    stop_rule=StopRule(verifier.eos_ids), controller=Watching())
+                    stop_rule=StopRule(verifier.eos_ids), controller=Watching(), hooks=hooks)
     engine.admit(_auto(_requests(verifier)[:1]))
     engine.step()
+    engine.offer_swap()
     assert swaps == []
-    new = _drafter("ngram", verifier, tiny_pair)
-    new.history = engine.drafter.history
-    engine.drafter = new
+    hooks.new = _drafter("ngram", verifier, tiny_pair)
+    engine.offer_swap()  # the one path that writes engine.drafter
+    assert engine.drafter is hooks.new and swaps == [1]
     engine.step()
     assert swaps == [1]
 

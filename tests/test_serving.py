@@ -230,9 +230,9 @@ def test_logprobs_come_one_per_streamed_token_as_the_verifier_alone_scores_them(
                 assert all(len(e.top) == requests[rid == "sampled"].logprobs for e in c.logprobs)
     engine = Engine(verifier.lean, None, 1, 64, StopRule(verifier.eos_ids))
     engine.admit([EngineRequest("ref", prompt, requests[0].sampling(), 0, logprobs=4)])
-    while engine.running:
-        engine.step()
-    reference = engine.finished.pop("ref").logprobs
+    reference = None
+    while reference is None:
+        reference = next((u.generation.logprobs for u in engine.step() if u.generation is not None), None)
     served = [e for c in results["greedy"] for e in c.logprobs]
     assert [e.token_id for e in served] == [s.token_id for s in reference]
     assert all(e.top[0][0] == e.token_id for e in served)

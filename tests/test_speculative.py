@@ -271,7 +271,7 @@ def test_a_wrong_sampler_fails_the_same_distribution_test(tiny, setting):
 
 def test_stop_rule_ends_at_eos_stop_string_or_max_tokens_whichever_first():
     from drafter.requests import Generation
-    from drafter.stats import RequestStats
+    from drafter.stats import AcceptanceStats
 
     decode = lambda ids: "".join(chr(96 + t) for t in ids)  # 1 → a, 2 → b, ...
     rule = StopRule(frozenset([9]), decode)
@@ -282,7 +282,7 @@ def test_stop_rule_ends_at_eos_stop_string_or_max_tokens_whichever_first():
         ([1, 2], SamplingParams(max_tokens=10), [1, 2], None),
     ]
     for new, params, kept, reason in cases:
-        gen = Generation([], None, RequestStats(1))
+        gen = Generation([], None, AcceptanceStats(1))
         rule.extend(gen, new, params)
         assert (gen.token_ids, gen.finish_reason) == (kept, reason)
 

@@ -58,7 +58,7 @@ class SwapEveryStep:
         self.swaps += 1
         return new
 
-    def traced(self, histories):
+    def traced(self, histories, ids):
         return None
 
 
