@@ -69,8 +69,8 @@ class NullMetrics:
 
 
 def record(metrics, endpoint: str, status: int, call: Call | None = None) -> None:
-    """The request's status; for an admitted one (vLLM's request metrics): its prompt tokens, the time
-    before it reached the workers (queue), and per choice TTFT (arrival → first token), each gap
+    """The request's status; for an admitted one (vLLM's request metrics): its prompt tokens, per choice the
+    time before a worker's slot took it (queue), and per choice TTFT (arrival → first token), each gap
     between two chunks that carried tokens (ITL), the mean time per output token after the first
     ((end − first token) / (tokens − 1)), its tokens and its finish reason; e2e when answered."""
     metrics.request(endpoint, status)
@@ -78,8 +78,9 @@ def record(metrics, endpoint: str, status: int, call: Call | None = None) -> Non
         return
     progress = call.progress
     metrics.prompt_tokens(sum(call.plan.prompt_lens))
-    metrics.queue_time(progress.sent_s - progress.arrival_s)
     for c, reason in zip(progress.choices, progress.finish_reasons()):
+        # queue: planning and hand-off here, then the wait for a worker's cache slot (in its usage)
+        metrics.queue_time(progress.sent_s - progress.arrival_s + (c.usage.queue_time_s if c.usage else 0.0))
         if c.first_token_s is not None:
             metrics.ttft(c.first_token_s - progress.arrival_s)
             if c.tokens > 1 and c.end_s is not None:

@@ -1,7 +1,7 @@
 """Incremental detokenization of one request's tokens, linear in the output's length.
 
-`IncrementalText` is a drop-in for `services.serving.TextStream` (same constructor arguments, same
-`push(new, final) -> str`) with the same guarantees:
+`IncrementalText` is what serving streams each request's text with (`push(new, final) -> str`); it
+keeps the guarantees of the full re-decode it replaced (`TextStream`):
 
 - no partial UTF-8: text whose decoding ends with U+FFFD (a character whose bytes are split across
   tokens) is held back until the character completes; the final push releases whatever is left;
@@ -227,5 +227,3 @@ class IncrementalText:
         self.held = text[cut:]
         return text[:cut]
 
-
-TextStream = IncrementalText  # the name serving.py uses

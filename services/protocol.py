@@ -67,6 +67,7 @@ class Usage:
     accepted_tokens: int = 0
     blocks: int = 0
     drafter_version: str | None = None  # the version(s) that drafted, comma-joined when it changed
+    queue_time_s: float = 0.0  # how long the request waited in the worker's queue for a cache slot
 
 
 @dataclass

@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 from drafter.engine import Engine
 from drafter.logprobs import TokenScore
 from drafter.requests import EngineRequest, Generation, RowUpdate
+from services.detokenize import IncrementalText
 from services.protocol import (MAX_TOP_LOGPROBS, Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage, WorkerInfo,
                                WorkerLoad, invalid, overloaded)
 from services.registry import UnknownVersion, UnservableVersion
@@ -35,32 +36,12 @@ Sink = Callable[[Chunk], None]
 
 
 @dataclass
-class TextStream:
-    """Incremental detokenization of one request's tokens."""
+class _Waiting:
+    """A request waiting for a cache slot, since when (time.monotonic)."""
 
-    decode: Callable[[list[int]], str]
-    stop: tuple[str, ...] = ()
-    tokens: list[int] = field(default_factory=list)
-    sent: int = 0  # characters already streamed
-
-    def push(self, new: list[int], final: bool) -> str:
-        """The new text that may be streamed now."""
-        self.tokens.extend(new)
-        text = self.decode(self.tokens)
-        if final:
-            text = cut_at_stop(text, self.stop)
-        else:
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
-                text = text.rstrip("\ufffd")
-            if self.stop:
-                text = text[: max(self.sent, len(text) - (max(map(len, self.stop)) - 1))]
-        delta, self.sent = text[self.sent:], max(self.sent, len(text))
-        return delta
-
-
-def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
-    cuts = [text.find(s) for s in stop if s in text]
-    return text[: min(cuts)] if cuts else text
+    request: CompletionRequest
+    sink: Sink
+    since: float
 
 
 @dataclass
@@ -69,7 +50,8 @@ class _Live:
 
     request: CompletionRequest
     sink: Sink
-    text: TextStream
+    text: IncrementalText
+    queued_s: float  # how long it waited for a slot (vLLM's queue time)
 
 
 @dataclass
@@ -177,9 +159,9 @@ class VersionEngines:
 class ServingLoop:
     def __init__(self, cfg: ServingConfig, worker: VerifierWorker):
         self.cfg, self.worker = cfg, worker
-        tok = worker.verifier.tokenizer
+        self.tokenizer = tok = worker.verifier.tokenizer  # each request's text: IncrementalText over its DecodeStream
         self.decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        self.waiting: deque[tuple[CompletionRequest, Sink]] = deque()
+        self.waiting: deque[_Waiting] = deque()
         self.cancelled: set[str] = set()
         self.live: dict[str, _Live] = {}
         self.pinned = VersionEngines(worker, cfg.version_slots, cfg.max_versions)  # requests naming another version
@@ -204,7 +186,7 @@ class ServingLoop:
         with self.lock:
             if len(self.waiting) >= self.cfg.max_queue:
                 return sink(overloaded(request.id))
-            self.waiting.append((request, sink))
+            self.waiting.append(_Waiting(request, sink, time.monotonic()))
         self.wake.set()
 
     def cancel(self, request_id: str) -> None:
@@ -304,7 +286,7 @@ class ServingLoop:
     def _drop_cancelled(self) -> None:
         with self.lock:
             gone, self.cancelled = self.cancelled, set()
-            self.waiting = deque(item for item in self.waiting if item[0].id not in gone)
+            self.waiting = deque(item for item in self.waiting if item.request.id not in gone)
         for rid in gone:
             if self.live.pop(rid, None) is not None:
                 self.worker.abort(rid) or self.pinned.abort(rid)
@@ -316,34 +298,38 @@ class ServingLoop:
             pending = list(self.waiting)
         chosen: dict[str | None, list] = {}  # engine (None: the serving version's) -> requests
         refused = []
-        for r, sink in pending:
-            key = None if r.drafter_version in (None, self.worker.version) else r.drafter_version
+        for item in pending:
+            version = item.request.drafter_version
+            key = None if version in (None, self.worker.version) else version
             free = len(self.worker.engine.free) if key is None else self.pinned.free(key)
             if free is None:  # the version failed to load: refuse its requests
-                refused.append((r, sink))
+                refused.append(item)
             elif len(chosen.setdefault(key, [])) < free:
-                chosen[key].append((r, sink))
-        taken = {r.id for batch in [*chosen.values(), refused] for r, _ in batch}
+                chosen[key].append(item)
+        taken = {item.request.id for batch in [*chosen.values(), refused] for item in batch}
         if not taken:
             return
         with self.lock:
-            self.waiting = deque(item for item in self.waiting if item[0].id not in taken)
-        for r, sink in refused:
-            sink(Chunk(r.id, error=self.pinned.failure(r.drafter_version)))
+            self.waiting = deque(item for item in self.waiting if item.request.id not in taken)
+        for item in refused:
+            item.sink(Chunk(item.request.id, error=self.pinned.failure(item.request.drafter_version)))
         for key, batch in chosen.items():
             self._start(key, batch)
 
-    def _start(self, version: str | None, batch: list) -> None:
+    def _start(self, version: str | None, batch: list[_Waiting]) -> None:
         try:
-            requests = [self._engine_request(r) for r, _ in batch]
+            requests = [self._engine_request(item.request) for item in batch]
             self.worker.admit(requests) if version is None else self.pinned.admit(version, requests)
         except Exception as exc:  # noqa: BLE001 - e.g. a request that does not fit: refuse it, keep serving
             log.warning("admission failed: %s", exc)
-            for r, sink in batch:
-                sink(invalid(r.id, str(exc)))
+            for item in batch:
+                item.sink(invalid(item.request.id, str(exc)))
             return
-        for r, sink in batch:
-            self.live[r.id] = _Live(r, sink, TextStream(self.decode, tuple(r.stop)))
+        now = time.monotonic()
+        for item in batch:
+            r = item.request
+            text = IncrementalText(self.decode, tuple(r.stop), tokenizer=self.tokenizer)
+            self.live[r.id] = _Live(r, item.sink, text, now - item.since)
 
     @staticmethod
     def _engine_request(r: CompletionRequest) -> EngineRequest:
@@ -359,7 +345,7 @@ class ServingLoop:
         if final:
             self.pinned.forget(u.id)
             del self.live[u.id]
-            chunk.usage = usage(live.request, u.generation)
+            chunk.usage = usage(live.request, u.generation, live.queued_s)
         if chunk.token_ids or final:
             live.sink(chunk)
 
@@ -370,11 +356,11 @@ class ServingLoop:
         self.live.clear()
 
 
-def usage(request: CompletionRequest, gen: Generation) -> Usage:
-    """A finished request's usage, from the engine's generation."""
+def usage(request: CompletionRequest, gen: Generation, queued_s: float = 0.0) -> Usage:
+    """A finished request's usage, from the engine's generation and its wait for a slot."""
     s = gen.stats
     return Usage(len(request.prompt_ids), len(gen.token_ids), s.drafted, s.accepted, s.blocks,
-                 ",".join(gen.drafter_versions))
+                 ",".join(gen.drafter_versions), queued_s)
 
 
 def token_logprobs(scores: list[TokenScore] | None) -> list[TokenLogprob] | None:

@@ -538,7 +538,8 @@ def test_metrics_count_requests_latencies_tokens_and_finish_reasons(local):
     assert value("request_success_total", finished_reason="length") + value(
         "request_success_total", finished_reason="stop") == 3  # every choice of the two answered requests
     assert value("time_to_first_token_seconds_count") == 3 and value("e2e_request_latency_seconds_count") == 2
-    assert value("request_queue_time_seconds_count") == 2 and value("request_time_per_output_token_seconds_count") >= 1
+    assert value("request_queue_time_seconds_count") == 3  # per choice: each waits for its own cache slot
+    assert value("request_time_per_output_token_seconds_count") >= 1
     assert value("inter_token_latency_seconds_count") >= 1
 
 

@@ -12,9 +12,34 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 
 from services import detokenize
-from services.detokenize import MAX_PENDING, IncrementalText, StreamDecoder, TextStream, WindowDecoder
+from services.detokenize import MAX_PENDING, IncrementalText, StreamDecoder, WindowDecoder
 from tests.conftest import SHARED_MODELS
 from tests.tiny import make_tokenizer
+
+
+class FullRedecode:
+    """The detokenizer serving used before IncrementalText, kept as a reference: it decodes every
+    token again at every push (quadratic) and cuts at the earliest-starting stop string."""
+
+    def __init__(self, decode, stop=()):
+        self.decode, self.stop, self.tokens, self.sent = decode, tuple(stop), [], 0
+
+    def push(self, new: list[int], final: bool) -> str:
+        self.tokens.extend(new)
+        text = self.decode(self.tokens)
+        if final:
+            text = cut_at_stop(text, self.stop)
+        else:
+            text = text.rstrip("\ufffd")  # an incomplete UTF-8 sequence waits for its next bytes
+            if self.stop:
+                text = text[: max(self.sent, len(text) - (max(map(len, self.stop)) - 1))]
+        delta, self.sent = text[self.sent:], max(self.sent, len(text))
+        return delta
+
+
+def cut_at_stop(text: str, stop: tuple[str, ...]) -> str:
+    cuts = [text.find(s) for s in stop if s in text]
+    return text[: min(cuts)] if cuts else text
 
 MULTILINGUAL = ("Héllo wörld 😀👍🏽 — 世界你好, café déjà vu. Ünïcödé 🇫🇷 naïve 한국어 テスト "
                 "def f(x):\n    return x ** 2  # ∑ ≤ ∞\n")
@@ -207,9 +232,6 @@ def test_random_texts_with_stop_strings_stream_the_text_before_the_first_complet
 
 def test_a_generation_ending_on_its_stop_string_streams_what_textstream_streams(reference):
     """What the engine produces (tokens up to the one completing a stop) gives TextStream's text."""
-    from services.serving import TextStream as OldTextStream
-    from services.serving import cut_at_stop
-
     rng = random.Random(3)
     ids = reference.encode(MULTILINGUAL)
     ends = [n for n in range(1, len(ids) + 1) if not reference.decode(ids[:n]).endswith("\ufffd")]
@@ -218,11 +240,11 @@ def test_a_generation_ending_on_its_stop_string_streams_what_textstream_streams(
         tail = reference.decode(ids[:end])[-4:]
         stop = (tail[-rng.randint(1, len(tail)):], "zzz")
         parts = chunks(ids[:end], rng)
-        new = "".join(streamed(TextStream(reference.decode, stop, tokenizer=reference.tokenizer), parts))
+        new = "".join(streamed(IncrementalText(reference.decode, stop, tokenizer=reference.tokenizer), parts))
         full = reference.decode(ids[:end])
         assert new == cut_at_stop(full, stop)
         if full.index(stop[0]) == len(full) - len(stop[0]):  # TextStream, blind to stops before the end, agrees
-            assert new == "".join(streamed(OldTextStream(reference.decode, stop), parts))
+            assert new == "".join(streamed(FullRedecode(reference.decode, stop), parts))
 
 
 def test_a_stop_string_completed_by_a_push_that_goes_on_is_cut_there(reference):
@@ -261,8 +283,7 @@ def test_the_window_decoder_decodes_a_bounded_number_of_tokens_per_push(referenc
     assert worst <= bound
     assert counting.tokens <= bound * len(ids)
     old = CountingDecode(reference.decode)  # the quadratic TextStream fails the same bound
-    from services.serving import TextStream as OldTextStream
-    streamed(OldTextStream(old, ("STOP!",)), [[i] for i in ids])
+    streamed(FullRedecode(old, ("STOP!",)), [[i] for i in ids])
     assert old.tokens > bound * len(ids)
 
 
@@ -308,7 +329,7 @@ def test_a_long_run_of_invalid_bytes_is_released_once_more_than_max_pending_toke
 
 def test_it_is_built_and_pushed_as_serving_builds_and_pushes_textstream(tiny):
     ids = tiny.encode("hello world, the quick brown fox")
-    text = TextStream(tiny.decode, tuple(["fox"]))  # serving: TextStream(self.decode, tuple(r.stop))
+    text = IncrementalText(tiny.decode, tuple(["fox"]))  # as the old TextStream(self.decode, tuple(r.stop)) was
     assert isinstance(text.decoder, WindowDecoder)  # no tokenizer given: the window decoder
     out = "".join(text.push(ids[i:i + 2], i + 2 >= len(ids)) for i in range(0, len(ids), 2))
     assert out == "hello world, the quick brown "
@@ -322,3 +343,28 @@ def test_a_tokenizer_whose_decode_cleans_up_spaces_falls_back_to_the_window(tiny
     assert detokenize.rust_backend(tiny.tokenizer) is None
     monkeypatch.setattr(detokenize, "DecodeStream", None)
     assert isinstance(IncrementalText(tiny.decode, (), tokenizer=llama_style().tokenizer).decoder, WindowDecoder)
+
+
+# ---------------------------------------------------------------- byte-level guarantees (serving's former tests)
+
+
+def _utf8(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_never_streams_part_of_a_stop_string():
+    stream, sent = IncrementalText(_utf8, stop=("STOP",)), []
+    pieces = [b"hello ", b"wor", b"ld S", b"TO", b"P and more"]
+    for i, piece in enumerate(pieces):
+        sent.append(stream.push(list(piece), final=i == len(pieces) - 1))
+    assert "".join(sent) == "hello world "
+    assert all("S" not in s for s in sent)
+
+
+def test_text_stream_holds_back_an_incomplete_utf8_character():
+    stream = IncrementalText(_utf8)
+    euro = "€".encode()
+    sent = [stream.push([ord("a"), euro[0]], final=False), stream.push([euro[1]], final=False)]
+    assert all("\ufffd" not in s and "€" not in s for s in sent)  # the character's first bytes are held back
+    sent.append(stream.push([euro[2]], final=True))
+    assert "".join(sent) == "a€"

@@ -11,33 +11,7 @@ from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.requests import StopRule
 from services.protocol import CompletionRequest
-from services.serving import LocalBackend, TextStream, cut_at_stop
-
-
-def _utf8(ids: list[int]) -> str:
-    return bytes(ids).decode("utf-8", errors="replace")
-
-
-def test_text_stream_never_streams_part_of_a_stop_string():
-    stream, sent = TextStream(_utf8, stop=("STOP",)), []
-    pieces = [b"hello ", b"wor", b"ld S", b"TO", b"P and more"]
-    for i, piece in enumerate(pieces):
-        sent.append(stream.push(list(piece), final=i == len(pieces) - 1))
-    assert "".join(sent) == "hello world "
-    assert all("S" not in s for s in sent)
-
-
-def test_text_stream_holds_back_an_incomplete_utf8_character():
-    stream = TextStream(_utf8)
-    euro = "€".encode()
-    assert stream.push([ord("a"), euro[0]], final=False) == "a"
-    assert stream.push([euro[1]], final=False) == ""
-    assert stream.push([euro[2]], final=True) == "€"
-
-
-def test_cut_at_stop_cuts_at_the_earliest_stop_string():
-    assert cut_at_stop("abc END x STOP", ("STOP", "END")) == "abc "
-    assert cut_at_stop("abc", ()) == "abc"
+from services.serving import LocalBackend
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +95,18 @@ def test_requests_beyond_the_queue_are_refused_as_overloaded(tiny_pair):
     refused = [chunks[0].error for chunks in results if chunks[0].error is not None]
     assert refused and all(e.status == 503 and e.type == "overloaded_error" for e in refused)
     assert any(chunks[-1].finish_reason == "length" for chunks in results)
+
+
+def test_a_request_waiting_for_the_only_slot_reports_its_queue_time_in_usage(tiny_pair):
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=4)
+    first, second = (CompletionRequest(f"w{i}", [5, 6, 7], max_tokens=24, k=0) for i in range(2))
+    results = _serve_all(backend, [first, second])
+    usages = {chunks[-1].id: chunks[-1].usage for chunks in results}
+    ends = {chunks[-1].id: chunks[-1].finish_reason for chunks in results}
+    assert ends == {"w0": "length", "w1": "length"}
+    waited, at_once = max(usages.values(), key=lambda u: u.queue_time_s), min(usages.values(), key=lambda u: u.queue_time_s)
+    assert at_once.queue_time_s < waited.queue_time_s  # one waited while the other held the slot for 24 steps
+    assert waited.queue_time_s > 0
 
 
 def test_a_cancelled_request_leaves_its_slot_at_the_next_step(tiny_pair):
