@@ -51,7 +51,7 @@ def traffic_files(tmp: Path, segments: tuple[int, int, int]) -> list[Path]:
 
 
 def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | None, files: list[Path]) -> dict:
-    from services.replay import Replay, ReplayConfig
+    from services.replay_traffic import Replay, ReplayConfig
 
     cfg = ReplayConfig(verifier=args.verifier, drafter=drafter, kind=kind, prompts=files, learner=learner,
                        buffer=args.buffer, max_tokens=args.max_tokens, k=args.k, temperature=temperature,

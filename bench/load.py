@@ -61,7 +61,7 @@ NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/bin"
 CLIENT_LEVELS = (1, 8, 32)
 # `specloop serve` with the replay buffer forced to the embedded one (the default picks a Redis on
 # 127.0.0.1:6379 when one answers, which on this machine is the shared test Redis)
-SERVE_EMBEDDED = ("import sys, services.serve as s; s.detect_redis = lambda: None; print(\"services from\", s.__file__, file=sys.stderr); "
+SERVE_EMBEDDED = ("import sys, services.deployment as s; s.detect_redis = lambda: None; print(\"services from\", s.__file__, file=sys.stderr); "
                   "from services.cli import main; sys.exit(main(sys.argv[1:]))")
 SERVE_AUTO = "import sys; from services.cli import main; sys.exit(main(sys.argv[1:]))"
 

@@ -141,7 +141,7 @@ class ServingActor:
     def __init__(self, cfg: dict, buffer_spec: str | None, host=None, prefix: str = "specloop",
                  name: str = "worker-0", model: str = "specloop", max_queue: int = 64):
         from services.metrics import WorkerMetrics, serve_metrics
-        from services.serving import ServingConfig, ServingLoop, attach_metrics
+        from services.serving_loop import ServingConfig, ServingLoop, attach_metrics
         from services.worker import VerifierWorker, WorkerConfig
 
         self.buffer_spec = buffer_spec

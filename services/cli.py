@@ -112,7 +112,7 @@ def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
                help="a hot swap keeps in-flight rows' drafter KV cache, or recomputes it")] = "keep",
            as_json: Json = False) -> int:
     """Replay prompt files as traffic, the online learner alongside."""
-    from services.replay import Replay, ReplayConfig, summary_line
+    from services.replay_traffic import Replay, ReplayConfig, summary_line
 
     use_threads(glob.threads)
     cfg = ReplayConfig(verifier=pair.require_verifier(), drafter=pair.drafter, kind=_kind(drafter_kind, pair.drafter),
@@ -175,7 +175,7 @@ def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, dra
     """Serve the OpenAI-compatible API (Ray workers, learner).
 
     MODEL: the verifier directory; without it, the fetched default pair."""
-    from services.serve import ServeConfig, run_serve
+    from services.deployment import ServeConfig, run_serve
 
     for flag, value in (("--workers", workers), ("--slots", slots), ("--max-context", max_context)):
         if value < 1:
@@ -198,7 +198,7 @@ def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, dra
 def api(endpoint: Endpoint, glob: Globals, ray_address: Annotated[Optional[str], typer.Option(
         help="the cluster (default: RAY_ADDRESS or the local one)")] = None) -> int:
     """An extra API process for a running cluster's workers."""
-    from services.serve import run_api_process
+    from services.deployment import run_api_process
 
     use_threads(glob.threads)
     return run_api_process(ray_address, endpoint.host, endpoint.port, endpoint.admin_token or None,

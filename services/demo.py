@@ -14,7 +14,7 @@ import httpx
 
 from services.launch import ServeProcess
 from services.prompts import load_prompts
-from services.serve import default_registry
+from services.deployment import default_registry
 
 READY_TIMEOUT_S = 300.0
 

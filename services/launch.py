@@ -40,7 +40,7 @@ class ServeProcess:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def start(self, timeout: float = 300.0) -> "ServeProcess":
-        from services.serve import detect_redis
+        from services.deployment import detect_redis
 
         self.redis_url = detect_redis()  # what serve picks by the same rule (for forget_redis_keys)
         out = None if self.log_path is None else open(self.log_path, "wb")

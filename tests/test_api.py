@@ -20,7 +20,7 @@ from drafter.sampling import SamplingParams
 from services.api import create_app
 from services.generation import final_text
 from services.protocol import Chunk, CompletionRequest, ErrorInfo
-from services.serving import LocalBackend, wait_ready
+from services.serving_loop import LocalBackend, wait_ready
 from tests.admin_helpers import serving
 
 torch.set_num_threads(1)

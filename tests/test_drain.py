@@ -1,7 +1,7 @@
 """services/drain.py: a draining API replica is not ready at once, refuses new requests with a 503,
 lets the streams in flight finish (or cuts them in-band at the deadline), then its uvicorn stops.
 A real uvicorn (`api_server`) in a thread over a slowly streaming scripted backend; the drain is
-started as SIGTERM starts it (`handle_exit`). The real signal to a real process: test_serve.py."""
+started as SIGTERM starts it (`handle_exit`). The real signal to a real process: test_deployment.py."""
 from __future__ import annotations
 
 import json

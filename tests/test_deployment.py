@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from services.cli import main
-from services.serve import LOCAL_REDIS, default_registry, detect_redis
+from services.deployment import LOCAL_REDIS, default_registry, detect_redis
 from tests.api_helpers import MODEL, Streamer
 from tests.redis_helpers import free_port
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # `serve_until_stopped` over a slowly streaming scripted backend, as `specloop api` serves its app
 API_PROCESS = """
 import sys
-from services.serve import serve_until_stopped
+from services.deployment import serve_until_stopped
 from tests.api_helpers import scripted, scripted_app
 backend = scripted(sys.argv[1], "Sure, here is an example of how you could write", delay_s=0.1)
 serve_until_stopped(scripted_app(backend), "127.0.0.1", int(sys.argv[2]), drain_timeout=20.0)
@@ -34,7 +34,7 @@ def test_redis_comes_from_the_environment_first(monkeypatch):
 
 
 def test_redis_is_the_local_one_when_it_answers_else_none(monkeypatch):
-    import services.serve as serve
+    import services.deployment as serve
 
     monkeypatch.delenv("SPECLOOP_REDIS_URL", raising=False)
     monkeypatch.setattr(serve, "LOCAL_REDIS", f"redis://127.0.0.1:{free_port()}")

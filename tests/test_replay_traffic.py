@@ -19,7 +19,7 @@ from drafter.models import load_model
 from drafter.sampling import SamplingParams
 from drafter.engine import generate
 from drafter.requests import StopRule
-from services.replay import Replay, ReplayConfig
+from services.replay_traffic import Replay, ReplayConfig
 from tests.redis_helpers import REDIS_URL, needs_redis, needs_redis_server, redis_up
 from tests.tiny import TEXT, make_pair
 

@@ -11,7 +11,7 @@ from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.requests import StopRule
 from services.protocol import CompletionRequest
-from services.serving import LocalBackend
+from services.serving_loop import LocalBackend
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_concurrent_requests_decode_exactly_as_generate_alone(tiny_pair, verifie
 
 def test_auto_requests_beside_explicit_ones_stay_lossless_and_export_the_chosen_k(tiny_pair, verifier):
     from services.metrics import WorkerMetrics
-    from services.serving import attach_metrics
+    from services.serving_loop import attach_metrics
 
     backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=3, max_queue=8)
     metrics = WorkerMetrics()
