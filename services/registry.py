@@ -34,488 +34,37 @@ the "specloop.registry" logger.
 
 Nothing is pickled: weights are safetensors, metadata is JSON (non-finite
 floats are written as the strings "nan", "inf", "-inf").
+
+Modules: `services.registry_types` (errors, records, atomic writes), `services.registry_meta` (the
+folder and Redis metadata backends, the event log, Redis namespaces), `services.registry_versions`
+(versions on disk: publish, get, load weights, list) and this one (`Registry`: pruning, the alias
+state, promote / pin / unpin / rollback and the gate). Every name is importable from here.
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import json
-import logging
 import math
-import os
-import re
 import shutil
-import tempfile
-import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
-from typing import Callable, Iterator
 
-import torch
-from safetensors.torch import load_file, save_file
+from services.registry_meta import EVENT_LOG_BYTES, EVENT_LOG_ENTRIES, forget_namespace, redis_namespace
+from services.registry_types import (
+    INFO, VERSION_RE, WEIGHTS, AliasState, Decision, PromotionResult, RegistryError, UnknownVersion,
+    UnservableVersion, VersionInfo, new_event,
+)
+from services.registry_versions import VersionStore
 
-log = logging.getLogger("specloop.registry")
-
-VERSION_RE = re.compile(r"v[0-9]{4,}")  # always used with fullmatch
-WEIGHTS = "weights.safetensors"
-EVENT_LOG_BYTES = 4 * 2**20  # events.jsonl is rotated past this size (one old file kept)
-EVENT_LOG_ENTRIES = 20_000  # events kept in Redis
-INFO = "info.json"
-
-
-class RegistryError(ValueError):
-    """A bad version id, an unknown version, or an operation the registry refuses."""
-
-
-class UnknownVersion(RegistryError):
-    """No such version was published."""
-
-
-class UnservableVersion(RegistryError):
-    """A version whose weights are missing, unreadable (a truncated or corrupt file) or not finite:
-    never handed to a drafter, whoever asks."""
-
-
-# ---------------------------------------------------------------- dataclasses
-
-
-def _float_out(x: float | None) -> float | str | None:
-    """JSON-safe float: non-finite values become "nan" / "inf" / "-inf"."""
-    if x is None:
-        return None
-    x = float(x)
-    return x if math.isfinite(x) else str(x)
-
-
-def _float_in(x: float | str | None) -> float | None:
-    return None if x is None else float(x)
-
-
-@dataclass
-class VersionInfo:
-    id: str
-    parent: str | None
-    created: float  # unix time
-    learner_step: int
-    objective: str  # "base", "kl", "klrl", "lk", ...
-    loss: float | None
-    sim_acceptance: float | None  # Σ min(p, q) on held-out replay records, mean per position
-    kind: str  # drafter kind: "pretrained", "sd2", "dvi", "eagle"
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["loss"], d["sim_acceptance"] = _float_out(self.loss), _float_out(self.sim_acceptance)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "VersionInfo":
-        missing = [f.name for f in fields(cls) if f.name not in d and f.name != "extra"]
-        if missing:
-            raise RegistryError(f"version info lacks {', '.join(missing)}")
-        kw = {f.name: d[f.name] for f in fields(cls) if f.name in d}
-        kw["loss"], kw["sim_acceptance"] = _float_in(kw["loss"]), _float_in(kw["sim_acceptance"])
-        return cls(**kw)
-
-
-@dataclass
-class PromotionResult:
-    promoted: bool
-    version: str
-    reason: str  # why promoted / refused, human readable
-    champion: str | None  # champion after the call
-
-
-@dataclass
-class AliasState:
-    """What serves: the champion, the pin, the champion history and a change counter."""
-
-    champion: str | None = None
-    pinned: str | None = None
-    history: list[str] = field(default_factory=list)  # previous champions, most recent last
-    generation: int = 0  # +1 on every champion / pin change
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | None) -> "AliasState":
-        return cls(**json.loads(text)) if text else cls()
-
-    def token(self) -> str:
-        return f"{self.champion or '-'}:{self.generation}"
-
-    def changed(self, **kw) -> "AliasState":
-        base = asdict(self) | kw
-        base["generation"] = self.generation + 1
-        return AliasState(**base)
-
-
-# A decision runs against the current alias state (under the lock / WATCH) and
-# returns the new state (None: unchanged) and the event to log (None: nothing).
-Decision = Callable[[AliasState], "tuple[AliasState | None, dict | None]"]
-
-
-# ---------------------------------------------------------------- file helpers
-
-
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write through a temporary file in the same folder, fsync, then os.replace."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    _atomic_write(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def _storable(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, no shared storage (safetensors refuses tied tensors)."""
-    out, seen = {}, set()
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-            raise RegistryError(f"weights must map str to torch.Tensor, got {name!r}: {type(t).__name__}")
-        t = t.detach().to("cpu").contiguous()
-        if t.numel() and t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        out[name] = t
-    return out
-
-
-def _nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
-    """Names of floating tensors holding NaN or inf."""
-    return [n for n, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
-
+__all__ = [
+    "EVENT_LOG_BYTES", "EVENT_LOG_ENTRIES", "INFO", "VERSION_RE", "WEIGHTS", "AliasState", "PromotionResult",
+    "Registry", "RegistryError", "UnknownVersion", "UnservableVersion", "VersionInfo", "forget_namespace",
+    "redis_namespace",
+]
 
 def _fmt(x: float | None) -> str:
     return "None" if x is None else f"{x:.4f}"
 
 
-def _version_number(vid: str) -> int:
-    return int(vid[1:])
-
-
-# ---------------------------------------------------------------- backends
-
-
-class _FolderMeta:
-    """Metadata in ROOT: champion.json, events.jsonl, next_id, all under ROOT/.lock."""
-
-    def __init__(self, root: Path, versions: Path):
-        self.root, self.versions = root, versions
-        self.alias = root / "champion.json"
-        self.event_log = root / "events.jsonl"
-        self.counter = root / "next_id"
-        self.lock_path = root / ".lock"
-
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        # flock is per open file description: a fresh open() also excludes other threads.
-        with open(self.lock_path, "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
-    def allocate(self) -> int:
-        with self._locked():
-            last = int(self.counter.read_text()) if self.counter.exists() else 0
-            on_disk = [_version_number(p.name) for p in self.versions.iterdir() if VERSION_RE.fullmatch(p.name)]
-            n = max([last, *on_disk]) + 1
-            _atomic_write_text(self.counter, str(n))
-            return n
-
-    def save_info(self, info: VersionInfo) -> None:
-        pass  # info.json in the version folder is the record
-
-    def forget_info(self, vid: str) -> None:
-        pass  # deleting the folder forgets it
-
-    def load_info(self, vid: str) -> VersionInfo | None:
-        path = self.versions / vid / INFO
-        return VersionInfo.from_dict(json.loads(path.read_text())) if path.is_file() else None
-
-    def all_infos(self) -> list[VersionInfo]:
-        ids = [p.name for p in self.versions.iterdir() if VERSION_RE.fullmatch(p.name)]
-        infos = (self.load_info(v) for v in ids)
-        return [i for i in infos if i is not None]
-
-    def read_state(self) -> AliasState:
-        try:
-            return AliasState.from_json(self.alias.read_text())
-        except FileNotFoundError:
-            return AliasState()
-
-    def update(self, decide: Decision) -> tuple[AliasState, dict | None]:
-        with self._locked():
-            state = self.read_state()
-            new, event = decide(state)
-            if new is not None:
-                _atomic_write_text(self.alias, new.to_json())
-            if event is not None:
-                self._append(event)
-            return (new or state), event
-
-    def append_event(self, event: dict) -> None:
-        with self._locked():
-            self._append(event)
-
-    def _append(self, event: dict) -> None:
-        """One write(2) of a whole line on an O_APPEND descriptor (a crash leaves at most one torn last
-        line, which readers skip and the next append ends); past EVENT_LOG_BYTES the log is rotated to
-        events.jsonl.1 (one old file kept)."""
-        line = (json.dumps(event) + "\n").encode()
-        if self.event_log.exists() and self.event_log.stat().st_size > EVENT_LOG_BYTES:
-            os.replace(self.event_log, self.event_log.with_name(self.event_log.name + ".1"))
-        fd = os.open(self.event_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            if os.fstat(fd).st_size and not _ends_with_newline(self.event_log):
-                line = b"\n" + line  # a torn line before it: end it, so this one parses
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-
-    def read_events(self, limit: int | None) -> list[dict]:
-        files = [self.event_log.with_name(self.event_log.name + ".1"), self.event_log]
-        lines = [s for f in files if f.exists() for s in f.read_text(errors="replace").splitlines()]
-        events = _parsed_events(lines)
-        return events[-limit:] if limit else events
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) == b"\n"
-
-
-def _parsed_events(lines: list[str]) -> list[dict]:
-    """The events of a log's lines; a line that does not parse (torn by a crash) is skipped and logged."""
-    events = []
-    for line in lines:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if isinstance(event, dict):
-            events.append(event)
-        elif line.strip():
-            log.warning("skipped a malformed event-log line: %.80r", line)
-    return events
-
-
-class _RedisMeta:
-    """Metadata in Redis under f"{prefix}:registry:*"; alias changes are WATCH/MULTI transactions."""
-
-    CONNECT_TIMEOUT_S, TIMEOUT_S = 1.0, 2.0
-
-    def __init__(self, url: str, prefix: str, mirror: Path):
-        import redis
-
-        self.mirror = mirror  # the alias state as last committed, in the registry folder: a Redis that
-        # restarts empty gets it back (the champion and the pin survive, the gate keeps comparing)
-        self._watch_error = redis.WatchError
-        # Timeouts on every call: a Redis that hangs fails a registry call in seconds, never holds it.
-        self.r = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=self.CONNECT_TIMEOUT_S,
-                                      socket_timeout=self.TIMEOUT_S)
-        key = f"{prefix}:registry"
-        self.k_info, self.k_state = f"{key}:info", f"{key}:state"
-        self.k_events, self.k_counter = f"{key}:events", f"{key}:next_id"
-
-    def allocate(self) -> int:
-        return int(self.r.incr(self.k_counter))
-
-    def save_info(self, info: VersionInfo) -> None:
-        self.r.hset(self.k_info, info.id, json.dumps(info.to_dict()))
-
-    def forget_info(self, vid: str) -> None:
-        self.r.hdel(self.k_info, vid)
-
-    def load_info(self, vid: str) -> VersionInfo | None:
-        raw = self.r.hget(self.k_info, vid)
-        return VersionInfo.from_dict(json.loads(raw)) if raw else None
-
-    def all_infos(self) -> list[VersionInfo]:
-        return [VersionInfo.from_dict(json.loads(v)) for v in self.r.hvals(self.k_info)]
-
-    def read_state(self) -> AliasState:
-        raw = self.r.get(self.k_state)
-        if raw is None and self._mirrored() is not None:
-            self.r.set(self.k_state, self._mirrored().to_json(), nx=True)
-            log.warning("registry alias restored from %s (Redis had lost it)", self.mirror)
-            raw = self.r.get(self.k_state)
-        return AliasState.from_json(raw)
-
-    def _mirrored(self) -> AliasState | None:
-        try:
-            return AliasState.from_json(self.mirror.read_text())
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def _mirror(self, state: AliasState) -> None:
-        old = self._mirrored()
-        if old is None or state.generation >= old.generation:
-            _atomic_write_text(self.mirror, state.to_json())
-
-    def update(self, decide: Decision) -> tuple[AliasState, dict | None]:
-        with self.r.pipeline() as pipe:
-            while True:
-                try:
-                    pipe.watch(self.k_state)
-                    raw = pipe.get(self.k_state)
-                    state = AliasState.from_json(raw) if raw is not None else (self._mirrored() or AliasState())
-                    new, event = decide(state)
-                    pipe.multi()
-                    if new is not None:
-                        pipe.set(self.k_state, new.to_json())
-                    if event is not None:
-                        pipe.rpush(self.k_events, json.dumps(event))
-                        pipe.ltrim(self.k_events, -EVENT_LOG_ENTRIES, -1)
-                    pipe.execute()
-                    if new is not None:
-                        self._mirror(new)
-                    return (new or state), event
-                except self._watch_error:
-                    continue  # another process changed the alias: decide again
-
-    def append_event(self, event: dict) -> None:
-        with self.r.pipeline() as pipe:
-            pipe.rpush(self.k_events, json.dumps(event))
-            pipe.ltrim(self.k_events, -EVENT_LOG_ENTRIES, -1)
-            pipe.execute()
-
-    def read_events(self, limit: int | None) -> list[dict]:
-        return _parsed_events(self.r.lrange(self.k_events, -limit if limit else 0, -1))
-
-
-# ---------------------------------------------------------------- registry
-
-
-def _event(kind: str, version: str | None, reason: str, **more) -> dict:
-    return {"time": time.time(), "event": kind, "version": version, "reason": reason, **more}
-
-
-class Registry:
-    """Versions of the drafter, the champion alias, pin and rollback (see the module docstring)."""
-
-    @staticmethod
-    def redis_timeout_s() -> float:
-        """The longest a registry call waits on a Redis that does not answer."""
-        return _RedisMeta.TIMEOUT_S
-
-    def __init__(self, root: str | Path, redis_url: str | None = None, prefix: str = "specloop"):
-        self.root = Path(root).resolve()
-        self.versions = self.root / "versions"
-        self.versions.mkdir(parents=True, exist_ok=True)
-        self._meta = (_RedisMeta(redis_url, prefix, self.root / "champion.json") if redis_url
-                      else _FolderMeta(self.root, self.versions))
-        self._finite: dict[str, list[str]] = {}  # version → non-finite tensor names (weights are immutable)
-
-    # ---- ids and paths
-
-    def _folder(self, version_id: object) -> Path:
-        """The version's folder; RegistryError unless the id is well formed and stays inside ROOT/versions."""
-        if not isinstance(version_id, str) or not VERSION_RE.fullmatch(version_id):
-            raise RegistryError(f"bad version id {version_id!r}: expected 'v' and at least 4 digits, e.g. 'v0001'")
-        path = (self.versions / version_id).resolve()
-        if path.parent != self.versions:
-            raise RegistryError(f"version id {version_id!r} resolves outside {self.versions}")
-        return path
-
-    # ---- versions
-
-    def publish(
-        self,
-        tensors: dict[str, torch.Tensor],
-        *,
-        parent: str | None,
-        learner_step: int,
-        objective: str,
-        loss: float | None,
-        sim_acceptance: float | None,
-        kind: str,
-        extra: dict | None = None,
-    ) -> VersionInfo:
-        """Store a new immutable version (does not promote it)."""
-        if parent is not None:
-            self.get(parent)
-        extra = dict(extra or {})
-        try:
-            json.dumps(extra, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise RegistryError(f"extra must be plain JSON: {e}") from None
-        stored = _storable(tensors)
-        vid, folder = self._new_folder()
-        info = VersionInfo(
-            id=vid, parent=parent, created=time.time(), learner_step=int(learner_step), objective=objective,
-            loss=_float_in(loss), sim_acceptance=_float_in(sim_acceptance), kind=kind, extra=extra,
-        )
-        try:
-            _atomic_write(folder / WEIGHTS, lambda tmp: save_file(stored, tmp, metadata={"version": vid}))
-            _atomic_write_text(folder / INFO, json.dumps(info.to_dict(), indent=1))
-        except Exception as exc:  # a full disk: no half-written version is left behind
-            shutil.rmtree(folder, ignore_errors=True)
-            raise RegistryError(f"could not write version {vid} to {folder}: {exc}") from exc
-        self._meta.save_info(info)
-        self._record(_event("publish", vid, f"{objective} step {learner_step}", parent=parent))
-        return info
-
-    def _new_folder(self, attempts: int = 10_000) -> tuple[str, Path]:
-        """A fresh id and its folder. An id not above every folder's (the counter was lost with a Redis
-        that keeps nothing on disk; older versions may have been pruned) is skipped: ids stay unique
-        and increasing."""
-        newest = max((_version_number(p.name) for p in self.versions.iterdir() if VERSION_RE.fullmatch(p.name)),
-                     default=0)
-        for _ in range(attempts):
-            n = self._meta.allocate()
-            if n <= newest:
-                continue
-            vid = f"v{n:04d}"
-            folder = self._folder(vid)
-            try:
-                folder.mkdir()
-                return vid, folder
-            except FileExistsError:
-                continue
-        raise RegistryError(f"no free version id in {self.root} after {attempts} attempts")
-
-    def get(self, version_id: str) -> VersionInfo:
-        folder = self._folder(version_id)
-        info = self._meta.load_info(version_id)
-        if info is None and (folder / INFO).is_file():  # metadata lost (a Redis without persistence restarted)
-            info = VersionInfo.from_dict(json.loads((folder / INFO).read_text()))
-        if info is None:
-            raise UnknownVersion(f"unknown version {version_id}")
-        return info
-
-    def load_weights(self, version_id: str) -> dict[str, torch.Tensor]:
-        """The version's weights: UnknownVersion, or UnservableVersion when they are missing, unreadable
-        or hold NaN / inf (checked on every load: a refused version is never served by any path)."""
-        weights = self._read_weights(version_id)
-        bad = self._nonfinite_tensors(version_id, weights)
-        if bad:
-            raise UnservableVersion(f"{version_id} has non-finite weights in {', '.join(bad[:5])}")
-        return weights
-
-    def _read_weights(self, version_id: str) -> dict[str, torch.Tensor]:
-        self.get(version_id)
-        path = self._folder(version_id) / WEIGHTS
-        if not path.is_file():
-            raise UnservableVersion(f"weights of {version_id} are missing at {path}")
-        try:
-            return load_file(path)
-        except Exception as exc:  # safetensors' own error type (a truncated or corrupt file) is not exported
-            raise UnservableVersion(f"weights of {version_id} are unreadable ({path}): {exc}") from None
+class Registry(VersionStore):
+    """Versions of the drafter (`VersionStore`), the champion alias, pin and rollback (see the module
+    docstring)."""
 
     def prune(self, keep: int) -> list[str]:
         """Delete the versions older than the newest `keep`, except the champion, the pin and those a
@@ -532,7 +81,7 @@ class Registry:
             history = [h for h in now.history[-keep:] if h not in doomed]
             if not doomed and history == now.history:
                 return None, None
-            return (now.changed(history=history) if history != now.history else None), _event(
+            return (now.changed(history=history) if history != now.history else None), new_event(
                 "prune", None, f"kept the newest {keep} versions, the champion, the pin and the rollback history",
                 deleted=list(doomed))
 
@@ -542,10 +91,6 @@ class Registry:
             shutil.rmtree(self._folder(vid), ignore_errors=True)
             self._finite.pop(vid, None)
         return doomed
-
-    def list(self) -> list[VersionInfo]:
-        """Every published version, oldest first."""
-        return sorted(self._meta.all_infos(), key=lambda i: _version_number(i.id))
 
     # ---- alias state
 
@@ -580,11 +125,11 @@ class Registry:
         def decide(state: AliasState):
             reason = self._refusal(info, state, bad, force)
             if reason:
-                return None, _event("refuse", version_id, reason, champion=state.champion)
+                return None, new_event("refuse", version_id, reason, champion=state.champion)
             history = state.history + [state.champion] if state.champion else state.history
             why = self._promotion_reason(info, state, force)
             pinned = version_id if state.pinned else None  # a forced promotion through a pin moves the pin
-            return state.changed(champion=version_id, pinned=pinned, history=history), _event(
+            return state.changed(champion=version_id, pinned=pinned, history=history), new_event(
                 "promote", version_id, why, previous=state.champion, forced=force
             )
 
@@ -608,7 +153,7 @@ class Registry:
             history = state.history
             if state.champion and state.champion != target:
                 history = history + [state.champion]
-            return state.changed(champion=target, pinned=target, history=history), _event(
+            return state.changed(champion=target, pinned=target, history=history), new_event(
                 "pin", target, "operator pin", previous=state.champion
             )
 
@@ -618,7 +163,7 @@ class Registry:
         def decide(state: AliasState):
             if state.pinned is None:
                 return None, None
-            return state.changed(pinned=None), _event("unpin", state.pinned, "operator unpin")
+            return state.changed(pinned=None), new_event("unpin", state.pinned, "operator unpin")
 
         self._update(decide)
 
@@ -630,14 +175,14 @@ class Registry:
         def decide(state: AliasState):
             if expected is not None and state.champion != expected:
                 why = f"rollback refused: the champion is {state.champion}, not {expected} ({reason})"
-                return None, _event("refuse", expected, why)
+                return None, new_event("refuse", expected, why)
             if state.pinned:
                 why = f"rollback refused: pinned to {state.pinned}; unpin first ({reason})"
-                return None, _event("refuse", state.champion, why)
+                return None, new_event("refuse", state.champion, why)
             if not state.history:
-                return None, _event("refuse", state.champion, f"rollback refused: no previous champion ({reason})")
+                return None, new_event("refuse", state.champion, f"rollback refused: no previous champion ({reason})")
             back = state.history[-1]
-            return state.changed(champion=back, history=state.history[:-1]), _event(
+            return state.changed(champion=back, history=state.history[:-1]), new_event(
                 "rollback", back, reason, previous=state.champion
             )
 
@@ -653,20 +198,6 @@ class Registry:
         if event is not None:
             self._log(event)
         return state, event
-
-    def _record(self, event: dict) -> None:
-        self._meta.append_event(event)
-        self._log(event)
-
-    @staticmethod
-    def _log(event: dict) -> None:
-        level = logging.WARNING if event["event"] in ("refuse", "rollback") else logging.INFO
-        log.log(level, "%s %s: %s", event["event"], event["version"], event["reason"])
-
-    def _nonfinite_tensors(self, version_id: str, weights: dict | None = None) -> list[str]:
-        if version_id not in self._finite:  # weights are immutable: checked once per version
-            self._finite[version_id] = _nonfinite(self._read_weights(version_id) if weights is None else weights)
-        return self._finite[version_id]
 
     def _refusal(self, info: VersionInfo, state: AliasState, bad: list[str], force: bool) -> str | None:
         """Why `info` may not become champion now, or None."""
@@ -706,23 +237,3 @@ class Registry:
             return f"{info.id} is the first champion"
         best = self._champion_acceptance(info, state.champion)
         return f"{info.id} sim_acceptance {_fmt(info.sim_acceptance)} >= champion {state.champion} {_fmt(best)}"
-
-
-def redis_namespace(folder: str | Path, base: str = "specloop") -> str:
-    """The Redis key namespace of one registry folder: its version metadata and its replay stream
-    (a reused folder resumes both)."""
-    return f"{base}:{hashlib.sha1(str(Path(folder).resolve()).encode()).hexdigest()[:12]}"
-
-
-def forget_namespace(redis_url: str, namespace: str) -> int:
-    """Delete every key under `namespace` (a throwaway run's stream and metadata); how many."""
-    import redis
-
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*"))
-        return client.delete(*keys) if keys else 0
-    except redis.RedisError:
-        return 0
-    finally:
-        client.close()

@@ -308,9 +308,9 @@ def test_a_torn_event_log_line_is_skipped_and_the_next_event_still_parses(tmp_pa
 
 
 def test_the_event_log_is_rotated_and_read_across_the_rotation(tmp_path, monkeypatch):
-    import services.registry as registry
+    import services.registry_meta as registry_meta
 
-    monkeypatch.setattr(registry, "EVENT_LOG_BYTES", 600)
+    monkeypatch.setattr(registry_meta, "EVENT_LOG_BYTES", 600)
     reg = Registry(tmp_path)
     ids = [_publish(reg, seed=i).id for i in range(10)]
     assert (tmp_path / "events.jsonl.1").exists() and (tmp_path / "events.jsonl").stat().st_size <= 600 + 300
