@@ -68,7 +68,7 @@ def _logits(loaded) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("mode", WEIGHT_MODES)
 def test_a_streamed_decoder_is_bit_identical_to_one_built_from_the_module(checkpoints, arch, mode, monkeypatch):
-    import drafter.quant as quant
+    import drafter.linears as quant  # Int4Weight's module (drafter.quant re-exports it)
 
     monkeypatch.setattr(quant, "_INT4_BLOCK_ROWS", 64)  # int4: the head and qkv pack in several row blocks
     kept = load_model(checkpoints[arch], device=torch.device("cpu"), weights=mode, keep_module=True)

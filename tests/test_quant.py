@@ -245,10 +245,10 @@ def test_quantize_decoder_serves_a_checkpoints_own_int4_groups_exactly():
 def test_int4_weights_quantize_and_pack_in_row_blocks_as_in_one_piece(monkeypatch):
     """Int4Weight works in blocks of _INT4_BLOCK_ROWS rows (an LM head never has full-size float
     temporaries); the CPU packing lays out 64-row blocks independently, so the result is the same bytes."""
-    import drafter.quant as quant
+    import drafter.linears as linears  # where Int4Weight reads _INT4_BLOCK_ROWS
 
     w = torch.randn(200, 64, generator=torch.Generator().manual_seed(0))  # N % 16 != 0: padded rows too
-    whole = quant.Int4Weight(w, group_size=32)
-    monkeypatch.setattr(quant, "_INT4_BLOCK_ROWS", 64)
-    blocked = quant.Int4Weight(w, group_size=32)
+    whole = linears.Int4Weight(w, group_size=32)
+    monkeypatch.setattr(linears, "_INT4_BLOCK_ROWS", 64)
+    blocked = linears.Int4Weight(w, group_size=32)
     assert torch.equal(whole.packed, blocked.packed) and torch.equal(whole.scales_zeros, blocked.scales_zeros)
