@@ -10,6 +10,10 @@ tokens; anything beyond is stale and is always overwritten before a query can se
 writes all of its T positions before attending, and the causal mask hides positions beyond each
 query). Rolling back after a rejection is therefore only `lens[b] = new_len`: the accepted prefix is
 never recomputed and nothing reallocates.
+
+Where the parts live (every name importable from here): drafter.architecture (what is read from a
+model: support checks, shapes, fused layer weights, RoPE), drafter.kv_cache (the cache, prefills),
+drafter.attention (the reference attention path and the cache layout's constants).
 """
 from __future__ import annotations
 
@@ -19,142 +23,18 @@ import torch
 import torch.nn.functional as F
 
 from drafter import kernels
+from drafter.architecture import (SUPPORTED_ACT, Architecture, StaticRope, UnsupportedModel, _Layer, _tensor,  # noqa: F401
+                                  check_config, fuse_layer)
+from drafter.attention import KEY_BLOCK, KV_DTYPE, QUERY_CHUNK, StepPositions, _rope, _round_up, exact_attention  # noqa: F401
+from drafter.kv_cache import KVCache, pad_right, prefill, prefill_rows  # noqa: F401
 from drafter.quant import linear
 from drafter.vocab import expand
-
-SUPPORTED_ACT = {"silu", "swish"}
-
-
-class UnsupportedModel(ValueError):
-    """The checkpoint is not a SwiGLU decoder this forward pass reproduces exactly."""
-
-
-@dataclass
-class KVCache:
-    keys: list[torch.Tensor]  # per layer [B, H_kv, capacity, D], KV_DTYPE (capacity: whole KEY_BLOCKs)
-    values: list[torch.Tensor]  # per layer [B, H_kv, capacity, D]
-    lens: torch.Tensor  # [B] int64 on the host: valid positions per row
-
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[2]
 
 
 @dataclass
 class ForwardOut:
     logits: torch.Tensor  # [B, T, V] (or [B, 1, V] when only the last valid position was asked for)
     hidden: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] (residual stream after that layer)
-
-
-@dataclass
-class _Layer:
-    in_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden] (the linears: raw tensors, or drafter.quant weight objects)
-    qkv_bias: torch.Tensor | None
-    q_norm: torch.Tensor | None  # Qwen3-style per-head RMSNorm weights [D]
-    k_norm: torch.Tensor | None
-    o: torch.Tensor
-    post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 I, hidden]
-    down: torch.Tensor
-
-
-def _tensor(module, name: str) -> torch.Tensor | None:
-    """The detached tensor at dotted `name` under `module` ("self_attn.q_proj.bias"), or None where the
-    module has none (no such submodule, or a None bias)."""
-    for part in name.split("."):
-        module = getattr(module, part, None)
-        if module is None:
-            return None
-    return module.detach()
-
-
-def fuse_layer(get) -> _Layer:
-    """One decoder layer's inference weights, q|k|v and gate|up concatenated (copies; the rest as
-    given). `get(name)` returns the tensor of the layer's parameter `name` ("self_attn.q_proj.weight",
-    names as in a Hugging Face Llama / Qwen2 / Qwen3 layer), or None where the layer has none."""
-    biases = [get(f"self_attn.{p}_proj.bias") for p in "qkv"]
-    return _Layer(
-        in_norm=get("input_layernorm.weight"),
-        qkv=torch.cat([get(f"self_attn.{p}_proj.weight") for p in "qkv"]),
-        qkv_bias=None if biases[0] is None else torch.cat(biases),
-        q_norm=get("self_attn.q_norm.weight"),
-        k_norm=get("self_attn.k_norm.weight"),
-        o=get("self_attn.o_proj.weight"),
-        post_norm=get("post_attention_layernorm.weight"),
-        gate_up=torch.cat([get("mlp.gate_proj.weight"), get("mlp.up_proj.weight")]),
-        down=get("mlp.down_proj.weight"),
-    )
-
-
-def check_config(cfg) -> None:
-    """What the config alone says about support: a SwiGLU MLP, full attention."""
-    act = getattr(cfg, "hidden_act", None)
-    if act not in SUPPORTED_ACT:
-        raise UnsupportedModel(f"{cfg.model_type}: hidden_act={act!r}; specloop needs a SwiGLU (silu) MLP")
-    if getattr(cfg, "use_sliding_window", False):
-        raise UnsupportedModel(f"{cfg.model_type}: sliding-window attention is not supported")
-
-
-def _check_structure(hf_model) -> None:
-    check_config(hf_model.config)
-    cfg = hf_model.config
-    layer = hf_model.model.layers[0]
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        if not hasattr(layer.self_attn, name):
-            raise UnsupportedModel(f"{cfg.model_type}: attention has no {name}")
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        if not hasattr(layer.mlp, name):
-            raise UnsupportedModel(f"{cfg.model_type}: MLP has no {name} (not SwiGLU)")
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """What a decoder needs to know of its model besides the weights."""
-
-    config: object  # the transformers config
-    head_dim: int
-    scaling: float  # the attention's score scale
-    vocab_size: int  # rows of the LM head
-
-    @classmethod
-    def of_module(cls, hf_model) -> "Architecture":
-        """Read from a module (one on the meta device will do)."""
-        _check_structure(hf_model)
-        attn0 = hf_model.model.layers[0].self_attn
-        return cls(hf_model.config, int(attn0.head_dim), float(attn0.scaling), hf_model.lm_head.weight.shape[0])
-
-
-class StaticRope:
-    """The rotary embedding of a Llama / Qwen2 / Qwen3 module, without the module: inverse frequencies
-    and a scale fixed at construction (every rope type but the dynamic ones), applied as the module's
-    forward applies them (`cos/sin(position · inv_freq) · scale` in fp32, then cast), so the tables are
-    the module's bit for bit."""
-
-    DYNAMIC = ("dynamic", "longrope")  # their frequencies change with the sequence length: the module's own
-
-    def __init__(self, inv_freq: torch.Tensor, scale: float):
-        self.inv_freq, self.scale = inv_freq, scale
-
-    @classmethod
-    def of_config(cls, cfg, head_dim: int) -> "StaticRope | None":
-        """None where the rope type is dynamic or unknown here."""
-        params = getattr(cfg, "rope_parameters", None) or {}
-        kind = params.get("rope_type", "default")
-        if kind == "default":
-            base = params["rope_theta"]
-            return cls(1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0)
-        if kind in cls.DYNAMIC:
-            return None
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        init = ROPE_INIT_FUNCTIONS.get(kind)
-        return None if init is None else cls(*init(cfg))
-
-    def __call__(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scale).to(x.dtype), (emb.sin() * self.scale).to(x.dtype)
 
 
 class LeanDecoder:
@@ -392,15 +272,6 @@ class LeanDecoder:
         return exact_attention(q, kc, vc, at.mask, self.scaling).reshape(B, T, H * D)
 
 
-# Keys are attended in whole blocks of this many positions (the KV cache's capacity is a multiple).
-KEY_BLOCK = 64
-# The KV cache and attention are fp32 in every weight mode (bf16 keys and values are upcast exactly):
-# fp32 batched products cost a third of bf16 ones at decode shapes here, and no per-step conversion.
-KV_DTYPE = torch.float32
-# Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
-QUERY_CHUNK = 16
-
-
 def _fused_linears(linears) -> tuple | None:
     from drafter.quant import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight
 
@@ -415,152 +286,7 @@ def _fused_linears(linears) -> tuple | None:
     return kinds, dims, parts
 
 
-def _round_up(n: int, block: int) -> int:
-    return -(-n // block) * block
-
-
-def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of q [B, T, H, D] over the cache (kc/vc [B, H_kv, capacity, D]) → [B, T, H, D],
-    computed so that a query's output does not depend on T, on the batch, or on how many whole key
-    blocks are attended: a verify pass of k+1 tokens scores every token bit for bit as the one-token
-    step at its position does, and rows of different lengths share a batch exactly.
-
-    How (the reduction structure is fixed by construction, not by the call's shape):
-    - a pass of T tokens makes, for every token, the very products a one-token step makes (same
-      shapes, same batch of rows and KV heads), one token after another: a BLAS may round a product
-      by its shape (on AMD EPYC, one product with 5+ query columns rounds otherwise than one with 3),
-      so no token's product is ever widened by another's;
-    - scores are [rep, D] @ [D, L] per (row, KV head): the token's head group as rows, the keys as
-      columns, each score a dot product over D alone;
-    - keys are taken in whole blocks of KEY_BLOCK; positions a query may not see (`hidden`
-      [B, 1, T, 1, L]: the causal tail and the stale rest of the last block) score -inf, so their
-      probabilities are exactly 0 and appended blocks add exact zeros to every sum; the softmax runs
-      over the keys in fp32 (a max is exact in any order; a sum over appended zeros is unchanged);
-    - values are summed per key block (probs[rep, KEY_BLOCK] @ values[KEY_BLOCK, D] in fp32, one
-      fixed inner length), and the blocks' sums are added in a fixed pairwise tree over a
-      power-of-two count: zero blocks appended at the end leave every addition as it was (one product
-      over all L keys is not enough: the BLAS splits a long reduction by its length);
-    - queries go in chunks of at most QUERY_CHUNK tokens, which bounds a long prefill's temporaries.
-    tests/test_decoder.py checks the bit-identity on the CPU that runs the suite (T 1..9, batches
-    1/3/8, ragged rows, long prefills, every weight mode): that a product's result depends on its
-    shape and operands alone, whatever the number of key columns, is a property of the machine's
-    BLAS, which that test keeps honest.
-    """
-    T = q.shape[1]
-    if T <= QUERY_CHUNK:
-        return _attend(q, kc, vc, hidden, scale)
-    return torch.cat([_attend(q[:, a : a + QUERY_CHUNK], kc, vc, hidden[:, :, a : a + QUERY_CHUNK], scale)
-                      for a in range(0, T, QUERY_CHUNK)], dim=1)
-
-
-def _attend(q, kc, vc, hidden, scale):
-    B, T, H, D = q.shape
-    Hkv, L = kc.shape[1], hidden.shape[-1]
-    rep, n = H // Hkv, L // KEY_BLOCK
-    keys = kc[:, :, :L].reshape(B * Hkv, L, D).transpose(1, 2)  # [B Hkv, D, L], a view
-    queries = q.view(B, T, Hkv, rep, D).transpose(1, 2).reshape(B * Hkv, T, rep, D).to(kc.dtype)
-    scores = torch.stack([torch.bmm(queries[:, t], keys) for t in range(T)], 1)  # [B Hkv, T, rep, L]
-    scores = scores.view(B, Hkv, T, rep, L).mul_(scale).masked_fill_(hidden, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(B * Hkv, T, rep, n, KEY_BLOCK).transpose(2, 3)
-    values = vc[:, :, :L].reshape(B * Hkv * n, KEY_BLOCK, D)  # [B Hkv n, blk, D]
-    parts = torch.stack([torch.bmm(probs[:, t].reshape(B * Hkv * n, rep, KEY_BLOCK), values).view(B * Hkv, n, rep, D)
-                         for t in range(T)], 1)  # [B Hkv, T, n, rep, D]
-    out = _sum_over_key_blocks(parts)  # [B Hkv, T, rep, D]
-    return out.to(q.dtype).view(B, Hkv, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
-
-
-def _sum_over_key_blocks(parts: torch.Tensor) -> torch.Tensor:
-    """Σ over dim 2 of parts [..., T, n, rep, D] (one value sum per key block) in a fixed pairwise tree
-    over the n blocks padded with zeros to a power of two → [..., T, rep, D]."""
-    n = parts.shape[2]
-    width = 1 << (n - 1).bit_length()
-    if width > n:
-        pad = list(parts.shape)
-        pad[2] = width - n
-        parts = torch.cat([parts, parts.new_zeros(pad)], dim=2)
-    while parts.shape[2] > 1:
-        parts = parts[:, :, 0::2] + parts[:, :, 1::2]
-    return parts[:, :, 0]
-
-
-@dataclass
-class StepPositions:
-    """Where a step's new tokens go. The eager attention's fields (rows .. sin) are None where
-    drafter.kernels.attend runs, which needs `lens` alone."""
-    rows: torch.Tensor | None  # [B, T] row index of every new token
-    pos: torch.Tensor | None  # [B, T] absolute position of every new token
-    mask: torch.Tensor | None  # [B, 1, T, 1, L] True where a key is hidden from the query (L: whole key blocks)
-    cos: torch.Tensor | None  # [B, T, 1, D]
-    sin: torch.Tensor | None
-    max_len: int  # L: keys attended this step
-    lens: torch.Tensor  # [B] host int64: valid positions per row before the step (new tokens go from here)
-
-
-def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged token lists → ([B, T] int64 right-padded, [B] lengths)."""
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = max(1, int(lens.max())) if rows else 1
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out, lens
-
-
-def prefill(lean: LeanDecoder, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = ()):
-    """A new cache holding every prompt token but the last (which is the first block's input).
-
-    Prompts are prefilled one at a time (each row's own pass, into its row of the cache): a long pass
-    takes plain GEMMs whose rounding depends on their row count, so a prompt's KV must not depend on
-    which other prompts joined with it (continuous batching stays exact).
-
-    Returns (cache, features): features maps each captured layer to [B, hidden], the residual
-    stream at the position whose output predicts the last prompt token (zeros for 1-token prompts).
-    """
-    cache = lean.new_cache(len(prompts), capacity)
-    features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
-    first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
-    for b, prompt in enumerate(prompts):
-        if len(prompt) < 2:
-            continue
-        src = first.setdefault(tuple(prompt), b)
-        if src != b:
-            for layer in cache.keys + cache.values:
-                layer[b] = layer[src]
-            cache.lens[b] = cache.lens[src]
-            for i in capture:
-                features[i][b] = features[i][src]
-            continue
-        row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
-        out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture)
-        cache.lens[b] = row.lens[0]
-        for i in capture:
-            features[i][b] = out.hidden[i][0, -1]
-    return cache, features
-
-
-def prefill_rows(lean: LeanDecoder, cache: KVCache, slots: list[int], prompts: list[list[int]],
-                 capture: tuple[int, ...] = ()) -> dict[int, torch.Tensor]:
-    """`prefill` into rows `slots` of an existing cache (continuous batching: requests join a running
-    batch); the other rows are untouched. Returns the captured features, [len(slots), hidden] each."""
-    width = max(len(p) for p in prompts)
-    fresh, features = prefill(lean, prompts, width, capture)
-    idx = torch.tensor(slots, dtype=torch.long)
-    dev = idx.to(lean.device)
-    for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):
-        dst[dev, :, :width] = src[:, :, :width]
-    cache.lens[idx] = fresh.lens
-    return features
-
-
 def last_valid(x: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:
     """[B, T, H] → [B, 1, H] at each row's last real (non-padding) position."""
     idx = (n_new - 1).clamp(min=0).to(x.device)
     return x[torch.arange(x.shape[0], device=x.device), idx][:, None]
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the rotate-half convention (x: [B, T, H, D], cos/sin: [B, T, 1, D])."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
