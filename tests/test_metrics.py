@@ -9,11 +9,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from drafter.stats import AcceptanceStats
 from services.metrics import (
     FINISHED_REASONS,
     MAX_VERSIONS,
     ApiMetrics,
-    BlockStats,
     LearnerMetrics,
     WorkerMetrics,
     serve_metrics,
@@ -37,19 +37,19 @@ def value(exporter, name: str, **labels) -> float | None:
 
 
 def test_block_stats_count_drafts_tokens_and_accepted_positions():
-    stats = BlockStats.of([4, 4, 2, 0], [4, 1, 0, 0])
-    assert (stats.drafts, stats.draft_tokens, stats.accepted_tokens) == (3, 10, 5)
-    assert stats.accepted_per_pos == [2, 1, 1, 1]
+    stats = AcceptanceStats.of([4, 4, 2, 0], [4, 1, 0, 0])
+    assert (stats.drafts, stats.drafted, stats.accepted) == (3, 10, 5)
+    assert stats.accepted_per_position == [2, 1, 1, 1]
     assert stats.acceptance_rate() == 0.5
     assert stats.mean_acceptance_length() == pytest.approx(1 + 5 / 3)
 
 
 def test_block_stats_reject_more_accepted_than_drafted_and_mismatched_rows():
     with pytest.raises(ValueError):
-        BlockStats.of([2], [3])
+        AcceptanceStats.of([2], [3])
     with pytest.raises(ValueError):
-        BlockStats.of([2, 2], [1])
-    assert BlockStats.of([0], [0]).mean_acceptance_length() is None
+        AcceptanceStats.of([2, 2], [1])
+    assert AcceptanceStats.of([0], [0]).mean_acceptance_length() is None
 
 
 # ---------------------------------------------------------------- worker
