@@ -142,9 +142,9 @@ def test_redis_stream_stays_near_maxlen(redis_buffer_factory):
 
 
 def test_redis_stream_stays_near_its_byte_bound(redis_buffer_factory, monkeypatch):
-    import services.buffer as buffer
+    import services.buffer_redis as buffer_redis
 
-    monkeypatch.setattr(buffer, "MIN_ENTRIES", 10)
+    monkeypatch.setattr(buffer_redis, "MIN_ENTRIES", 10)
     buf = redis_buffer_factory(max_bytes=200 * 1024)  # 100 payloads of 2 KiB
     for i in range(2000):
         buf.append(bytes([i % 256]) * 2048)
@@ -255,10 +255,10 @@ def test_a_byte_bounded_stream_leaves_a_memory_limited_redis_room_for_the_regist
 
     import torch
 
-    import services.buffer as buffer
+    import services.buffer_redis as buffer_redis
     from services.registry import Registry
 
-    monkeypatch.setattr(buffer, "MIN_ENTRIES", 10)
+    monkeypatch.setattr(buffer_redis, "MIN_ENTRIES", 10)
     port = free_port()
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                              "no", "--maxmemory", "8mb", "--maxmemory-policy", "noeviction", "--dir", str(tmp_path)],
