@@ -30,6 +30,9 @@ class Generation:
     #                                                            worker: the engine knows drafters, not versions)
 
 
+STOP_MARGIN = 4  # characters beyond the longest stop string a tail decode must hold
+
+
 @dataclass
 class StopRule:
     """When a request ends: EOS, a stop string (params.stop), or params.max_tokens, whichever first."""
@@ -40,16 +43,33 @@ class StopRule:
     def extend(self, gen: Generation, new: list[int], params: SamplingParams) -> None:
         """Append tokens one at a time, as plain decoding would, stopping where it would stop."""
         for t in new:
-            if t in self.eos_ids:
+            if t in self.eos_ids and not params.ignore_eos:
                 gen.finish_reason = "stop"
                 return
             gen.token_ids.append(t)
-            if params.stop and any(s in self.decode(gen.token_ids) for s in params.stop):
+            if params.stop and self.completes_stop(gen.token_ids, params.stop):
                 gen.finish_reason = "stop"
                 return
             if len(gen.token_ids) >= params.max_tokens:
                 gen.finish_reason = "length"
                 return
+
+    def completes_stop(self, tokens: list[int], stop: tuple[str, ...]) -> bool:
+        """Whether the newest token completes a stop string in the text of `tokens`, decoding only a
+        tail: a new match ends in the newest token's text, so it lies within the last (longest stop)
+        characters of the text before it, plus that token's. The tail grows (doubling) until its text
+        before the newest token holds that many characters and a margin (a character cut at the
+        tail's start, a decoder's leading-space rule), or covers every token: exact, and linear in the
+        output where decoding the whole text at every token was quadratic."""
+        need = max(map(len, stop)) + STOP_MARGIN
+        n = min(len(tokens), need + 1)
+        while True:
+            head = tokens[-n:-1]
+            if n >= len(tokens) or len(self.decode(head)) >= need:
+                text = self.decode(tokens[-n:])
+                return any(s in text for s in stop)
+            n = min(len(tokens), 2 * n)
+
 
 
 

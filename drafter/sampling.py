@@ -24,6 +24,7 @@ class SamplingParams:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     seed: int = 0
+    ignore_eos: bool = False  # vLLM's: EOS does not end the request (it is emitted as any token)
 
     def __post_init__(self):
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test

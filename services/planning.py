@@ -236,7 +236,7 @@ def sampling_fields(req: ChatBody | CompletionBody) -> dict:
     temperature = 1.0 if req.temperature is None else req.temperature
     seed = req.seed if req.seed is not None else (secrets.randbits(63) if temperature > 0 else 0)
     return dict(temperature=temperature, top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
-                seed=seed, stop=stop_strings(req.stop))
+                seed=seed, stop=stop_strings(req.stop), ignore_eos=bool(req.ignore_eos))
 
 
 # ---------------------------------------------------------------------------------------------- tokens

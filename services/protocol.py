@@ -45,9 +45,11 @@ class CompletionRequest:
     k: int | None = None  # draft length; None = auto (the worker's controller, step by step); 0 = speculation off
     drafter_version: str | None = None  # None = the serving champion
     logprobs: int | None = None  # None: no log-probabilities; n (0..20): each token's, with its n most likely alternatives
+    ignore_eos: bool = False  # EOS does not end the request (vLLM's; benchmarks use it for fixed lengths)
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, tuple(self.stop), self.seed)
+        return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, tuple(self.stop), self.seed,
+                              self.ignore_eos)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -113,6 +113,7 @@ class Sampling(_Lenient):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
+    ignore_eos: bool | None = False  # vLLM's: EOS does not end a choice
 
 
 class ChatBody(Sampling):
@@ -170,7 +171,6 @@ NEUTRAL = {
     "length_penalty": (None, 1),
     "min_tokens": (None, 0),
     "min_p": (None, 0),
-    "ignore_eos": (None, False),
     "stop_token_ids": (None, []),
     "bad_words": (None, []),
     "include_stop_str_in_output": (None, False),

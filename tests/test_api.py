@@ -252,7 +252,6 @@ def test_malformed_json_is_a_400_in_openai_shape_never_a_422(url):
     ({"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"min_p": 0.1}, "min_p"),
-    ({"ignore_eos": True}, "ignore_eos"),
     ({"stop_token_ids": [4]}, "stop_token_ids"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"add_generation_prompt": False}, "add_generation_prompt"),

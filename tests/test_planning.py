@@ -60,3 +60,12 @@ def test_the_prompt_byte_limit_never_refuses_a_prompt_that_fits(tokenizer):
     for text in [*TEXT, " " * 300, "\n\t" * 200, "é" * 100, "日本語のテキスト" * 20, "<|user|>" * 10, "0123456789" * 50]:
         n = len(tok.encode(text, add_special_tokens=False))
         assert len(text.encode()) <= prompt_bytes_limit(tok, n), text[:40]
+
+
+def test_ignore_eos_reaches_every_choice_and_its_sampling_params(tokenizer):
+    cfg = ApiConfig(MODEL, 512)
+    plan = plan_request({"model": MODEL, "prompt": "x", "n": 2, "ignore_eos": True}, False, cfg, tokenizer)
+    assert all(r.ignore_eos and r.sampling().ignore_eos for r in plan.requests)
+    assert not plan_request({"model": MODEL, "prompt": "x"}, False, cfg, tokenizer).requests[0].sampling().ignore_eos
+    with pytest.raises(ApiError):
+        plan_request({"model": MODEL, "prompt": "x", "ignore_eos": "yes please"}, False, cfg, tokenizer)
