@@ -14,7 +14,7 @@ from tokenizers import Tokenizer, decoders, models
 from services import detokenize
 from services.detokenize import MAX_PENDING, IncrementalText, StreamDecoder, WindowDecoder
 from tests.conftest import SHARED_MODELS
-from tests.tiny import make_tokenizer
+from tests.tiny import CountingDecode, make_tokenizer
 
 
 class FullRedecode:
@@ -257,17 +257,6 @@ def test_a_stop_string_completed_by_a_push_that_goes_on_is_cut_there(reference):
 
 
 # ---------------------------------------------------------------- bounded work
-
-
-class CountingDecode:
-    """A decode callable that counts the tokens it is given."""
-
-    def __init__(self, decode):
-        self.decode, self.tokens = decode, 0
-
-    def __call__(self, ids):
-        self.tokens += len(ids)
-        return self.decode(ids)
 
 
 def test_the_window_decoder_decodes_a_bounded_number_of_tokens_per_push(reference):

@@ -7,19 +7,11 @@ from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams
 from drafter.stats import AcceptanceStats
 from tests.conftest import SHARED_MODELS
+from tests.tiny import CountingDecode
 
 
 def _gen() -> Generation:
     return Generation([], None, AcceptanceStats(4))
-
-
-class CountingDecode:
-    def __init__(self, decode):
-        self.decode, self.tokens = decode, 0
-
-    def __call__(self, ids):
-        self.tokens += len(ids)
-        return self.decode(ids)
 
 
 def _reference_tokenizer():

@@ -72,3 +72,14 @@ def make_pair(root: Path, verifier_layers: int = 3, verifier_hidden: int = 64, i
                           init_std=init_std)
     drafter = make_model(root / "drafter", tok, layers=1, hidden=32, seed=2, init_std=init_std)
     return verifier, drafter
+
+
+class CountingDecode:
+    """A decode callable that counts the tokens it is given (work bounds, not wall time)."""
+
+    def __init__(self, decode):
+        self.decode, self.tokens = decode, 0
+
+    def __call__(self, ids):
+        self.tokens += len(ids)
+        return self.decode(ids)
