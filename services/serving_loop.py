@@ -10,6 +10,9 @@ loop thread owns the engine and does everything else, so the engine itself needs
 - Text is detokenized incrementally: an incomplete UTF-8 character is held back, and with stop
   strings the last (longest stop − 1) characters are held back until the request ends, so no part
   of a stop string is ever streamed.
+
+`VersionEngines` (requests naming another drafter version) lives in `services.version_engines`,
+`attach_metrics` in `services.serving_metrics`; both are importable from here.
 """
 from __future__ import annotations
 
@@ -19,17 +22,22 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import AsyncIterator, Callable
 
-from drafter.engine import Engine
 from drafter.logprobs import TokenScore
 from drafter.requests import EngineRequest, Generation, RowUpdate
 from services.detokenize import IncrementalText
 from services.protocol import (MAX_TOP_LOGPROBS, Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage, WorkerInfo,
                                WorkerLoad, invalid, overloaded)
-from services.registry import UnknownVersion, UnservableVersion
+from services.serving_metrics import attach_metrics
+from services.version_engines import VersionEngines, version_refusal
 from services.worker import VerifierWorker, WorkerConfig
+
+__all__ = [
+    "LocalBackend", "ServingConfig", "ServingLoop", "Sink", "VersionEngines", "attach_metrics", "token_logprobs",
+    "usage", "version_refusal", "wait_ready",
+]
 
 log = logging.getLogger("specloop.serving")
 Sink = Callable[[Chunk], None]
@@ -64,96 +72,6 @@ class ServingConfig:
     version_slots: int = 2  # slots of the engine of each non-serving version that requests name
     max_versions: int = 2  # such engines kept at once (an idle one makes room for a new one)
 
-
-def version_refusal(version: str, exc: Exception | None) -> ErrorInfo:
-    """The error a request naming `version` gets: 404 for a version never published, 409 for one that
-    exists but cannot be served (unreadable or non-finite weights), 400 otherwise (a malformed id)."""
-    message = f"drafter_version {version!r} cannot be served" + ("" if exc is None else f": {exc}")
-    if isinstance(exc, UnknownVersion):
-        return ErrorInfo(message, "not_found_error", 404, param="speculative.drafter_version")
-    if isinstance(exc, UnservableVersion):
-        return ErrorInfo(message, "invalid_request_error", 409, param="speculative.drafter_version",
-                         code="version_not_servable")
-    return ErrorInfo(message, "invalid_request_error", 400, param="speculative.drafter_version")
-
-
-class VersionEngines:
-    """Engines for requests that name a drafter version other than the serving one (an operator
-    comparing a candidate, a client pinning a version): each its own small slot pool, weights from the
-    registry loaded on the worker's loader thread, no hot swaps, no replay logging (the learner's
-    policy terms use the serving version's records only). Stepped right after the serving engine."""
-
-    def __init__(self, worker: VerifierWorker, slots: int, keep: int):
-        self.worker, self.slots, self.keep = worker, slots, keep
-        self.engines: dict[str, Engine] = {}
-        self.loading: dict[str, object] = {}  # version -> Future of an Engine
-        self.failures: dict[str, ErrorInfo] = {}
-        self.requests: dict[str, str] = {}  # running request id -> version
-
-    def free(self, version: str) -> int | None:
-        """Free slots of the version's engine (0 while it loads), None if it cannot be served."""
-        if version in self.failures:
-            return None
-        if version in self.engines:
-            return len(self.engines[version].free)
-        future = self.loading.get(version)
-        if future is None:
-            if len(self.engines) >= self.keep and not self._evict_idle():
-                return 0
-            self.loading[version] = self.worker.loader.submit(self._build, version)
-            return 0
-        if not future.done():
-            return 0
-        del self.loading[version]
-        try:
-            self.engines[version] = future.result()
-        except Exception as exc:  # noqa: BLE001 - unknown version, unreadable or non-finite weights
-            self.failures[version] = version_refusal(version, exc)
-            return None
-        return len(self.engines[version].free)
-
-    def failure(self, version: str) -> ErrorInfo:
-        """Why the version's requests are refused (once: a later request tries to load it again)."""
-        return self.failures.pop(version, version_refusal(version, None))
-
-    def _build(self, version: str) -> Engine:
-        w = self.worker
-        weights = w.registry.load_weights(version)
-        return Engine(w.verifier.lean, w.builder.build(weights), self.slots, w.max_context, w.stop_rule)
-
-    def _evict_idle(self) -> bool:
-        idle = [v for v, e in self.engines.items() if not e.running]
-        if idle:
-            del self.engines[idle[0]]
-        return bool(idle)
-
-    @property
-    def running(self) -> int:
-        return sum(e.running for e in self.engines.values())
-
-    def admit(self, version: str, requests: list[EngineRequest]) -> None:
-        engine = self.engines[version]
-        engine.admit(requests)
-        for r in requests:
-            engine.get(r.id).gen.drafter_versions.append(version)
-        self.requests.update((r.id, version) for r in requests)
-
-    def step(self) -> list[RowUpdate]:
-        updates = []
-        for version, engine in self.engines.items():
-            if engine.running:
-                mine = engine.step()
-                for callback in self.worker.on_step:
-                    callback(mine, engine, version)
-                updates += mine
-        return updates
-
-    def abort(self, request_id: str) -> bool:
-        version = self.requests.pop(request_id, None)
-        return version in self.engines and self.engines[version].abort(request_id)
-
-    def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
 
 
 class ServingLoop:
@@ -367,40 +285,6 @@ def token_logprobs(scores: list[TokenScore] | None) -> list[TokenLogprob] | None
     """The engine's scores of a chunk's tokens as the protocol carries them (None: not asked for)."""
     return None if scores is None else [TokenLogprob(s.token_id, s.logprob, list(s.top)) for s in scores]
 
-
-def attach_metrics(loop: ServingLoop, metrics) -> None:
-    """Feed a `services.metrics.WorkerMetrics` from every step of `loop`'s worker (one call per step)."""
-    worker, seen = loop.worker, {"swaps": 0, "rollbacks": 0, "failures": 0, "records_at": 0.0, "estimates_at": 0.0,
-                             "registry_at": 0.0}
-    metrics.serving(worker.version)
-
-    def on_step(updates: list[RowUpdate], engine, version: str) -> None:
-        metrics.blocks(version, [u.k for u in updates], [u.accepted for u in updates])
-        metrics.generated(sum(len(u.new_tokens) for u in updates))
-        metrics.load(len(loop.waiting), loop.running)
-        metrics.step(engine.timing.forward_s, engine.timing.total_s)
-        if engine.timing.choice is not None:
-            metrics.chosen_k(version, engine.timing.choice.k)
-        if engine is worker.engine and time.monotonic() - seen["estimates_at"] > 1.0:
-            seen["estimates_at"] = time.monotonic()
-            metrics.estimates(engine.controller.estimates(max(1, engine.running)))
-        for s in worker.swaps[seen["swaps"]:]:
-            metrics.swap(s.old, s.new)
-        for _ in worker.rollbacks[seen["rollbacks"]:]:
-            metrics.rollback()
-        for _ in worker.load_failures[seen["failures"]:]:
-            metrics.load_failed()
-        seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks), failures=len(worker.load_failures))
-
-        if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:
-            seen["records_at"] = time.monotonic()
-            rec = worker.logger.stats()
-            metrics.records(rec["logged"], rec["dropped"])
-        if worker.watcher is not None and time.monotonic() - seen["registry_at"] > 1.0:
-            seen["registry_at"] = time.monotonic()
-            metrics.registry_reachable(not worker.watcher.down)
-
-    worker.on_step.append(on_step)
 
 
 class LocalBackend:
