@@ -90,16 +90,3 @@ class AcceptanceStats:
             "block_efficiency": self.block_efficiency,
             "accepted_per_position": list(self.accepted_per_position),
         }
-
-    # vLLM's names for the same counts, as services/metrics.py reads them
-    @property
-    def draft_tokens(self) -> int:
-        return self.drafted
-
-    @property
-    def accepted_tokens(self) -> int:
-        return self.accepted
-
-    @property
-    def accepted_per_pos(self) -> list[int]:
-        return self.accepted_per_position

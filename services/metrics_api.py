@@ -47,10 +47,6 @@ class ApiMetrics(Exporter):
         """One request's mean time per output token after the first."""
         self.tpot_s.observe(seconds)
 
-    def tpot(self, seconds: float) -> None:
-        """Former name of `request_time_per_output_token` (kept while call sites move)."""
-        self.request_time_per_output_token(seconds)
-
     def e2e(self, seconds: float) -> None:
         self.e2e_s.observe(seconds)
 
