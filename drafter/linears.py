@@ -39,9 +39,10 @@ def row_blocked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     block = ROW_BLOCK.get(weight.dtype, 8)
     rows = x.reshape(-1, x.shape[-1])
     M = rows.shape[0]
-    if block == 1:  # one call: a batch of one-row products (each row exactly what F.linear gives it alone)
-        y = torch.bmm(rows[:, None], weight.t().expand(M, *weight.t().shape))[:, 0]
-        y = y if bias is None else y + bias
+    if block == 1:  # one-row products, one call each: a batched product (bmm) of one-row products rounds
+        # otherwise once the batch has 2+ rows on some CPUs (seen on an AMX Xeon), one call per row never
+        # does, and costs about what the batch costs at decode sizes
+        y = torch.cat([F.linear(r, weight, bias) for r in rows.split(1)]) if M > 1 else F.linear(rows, weight, bias)
         return y.view(*x.shape[:-1], weight.shape[0])
     if M == block:
         return F.linear(x, weight, bias)

