@@ -53,7 +53,7 @@ class Tap:
     def swap(self, drafter, histories):
         return drafter
 
-    def traced(self, histories: list[list[int]]):
+    def traced(self, histories: list[list[int]], ids: list[str | None]):
         return lambda trace: self._on_step(trace, [list(h) for h in histories])
 
     def _on_step(self, trace, histories):
