@@ -81,7 +81,8 @@ def per_token_costs(args) -> dict:
 
     tok = load_tokenizer(args.verifier)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-    text = (Path(__file__).read_text() * 8)
+    text = (ROOT / "docs" / "architecture.md").read_text() * 4  # answer-like prose and code, without STOP
+    assert STOP not in text
     ids = tok.encode(text, add_special_tokens=False)[: args.tokens]
     params = SamplingParams(max_tokens=10**6, stop=(STOP,))
 
@@ -93,7 +94,8 @@ def per_token_costs(args) -> dict:
 
     def new_stream(upto: int) -> float:
         stream = IncrementalText(decode, (STOP,), tokenizer=tok)
-        stream.push(ids[:upto - 50], False)
+        for t in ids[:upto - 50]:  # token by token, as a stream receives them
+            stream.push([t], False)
         t0 = time.perf_counter()
         for n in range(upto - 50, upto):
             stream.push([ids[n]], False)
