@@ -225,13 +225,14 @@ class Engine:
         if narrowed is not drafter:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
-        blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
-        updates = [self._commit(s, outcome, ks[s], scoring) for s in live]
+        drafted = ks if outcome.drafted is None else [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
+        blocks = tuple((drafted[s], int(outcome.num_accepted[s])) for s in live if drafted[s])
+        updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0
         self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
                                  resync_s=resync_s, choice=choice)
-        self.controller.observe(StepSample(m, kmax, clock.draft_s, clock.verify_s,
+        self.controller.observe(StepSample(m, outcome.tokens.shape[1] - 1, clock.draft_s, clock.verify_s,
                                            total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s))
         return updates
 

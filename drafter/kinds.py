@@ -21,10 +21,12 @@ from drafter.pretrained import PretrainedDrafter
 from drafter.quant import quantize_decoder, resolve_mode
 from drafter.proposer import Drafter
 from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, steering_for
+from drafter.suffix import SuffixDrafter
 from drafter.vocab import load_vocab
 
-DRAFTER_KINDS = ("pretrained", "ngram", "sd2", "dvi", "eagle")
+DRAFTER_KINDS = ("pretrained", "ngram", "suffix", "sd2", "dvi", "eagle")
 NEEDS_DIR = {"pretrained", "sd2"}
+MODEL_FREE = {"ngram", "suffix"}  # no weights: nothing to load, train or version
 
 
 def read_checkpoint_manifest(path: str | Path | None) -> dict:
@@ -93,7 +95,7 @@ class DrafterBuilder:
         _check_kind(kind, found, drafter_dir)
         self.kind, self.verifier = kind, verifier
         self.weights = None if weights is None else resolve_mode(weights, verifier.lean.device, role="drafter")
-        self.vocab = load_vocab(drafter_dir, manifest, verifier.vocab_size) if kind != "ngram" else None
+        self.vocab = load_vocab(drafter_dir, manifest, verifier.vocab_size) if kind not in MODEL_FREE else None
         self.lm = _load_lm(verifier, drafter_dir) if kind in NEEDS_DIR else None
         self.steering = self.head = None
         if kind == "sd2":
@@ -108,6 +110,8 @@ class DrafterBuilder:
     def _assemble(self, lean: LeanDecoder | None, steering, head) -> Drafter:
         if self.kind == "ngram":
             return NgramDrafter(self.verifier.vocab_size)
+        if self.kind == "suffix":
+            return SuffixDrafter(self.verifier.vocab_size)
         if self.kind == "dvi":
             return DVIDrafter(self.verifier.lean, head, self.vocab)
         if self.kind == "eagle":
@@ -120,7 +124,7 @@ class DrafterBuilder:
 
     def build(self, weights: dict | None = None) -> Drafter:
         """The base drafter when `weights` is empty or None; else a new one with them loaded."""
-        if not weights or self.kind == "ngram":
+        if not weights or self.kind in MODEL_FREE:
             return self.base
         if self.kind in ("dvi", "eagle"):
             return self._assemble(None, None, _loaded(self.head, weights, "head."))

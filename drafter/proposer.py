@@ -24,6 +24,10 @@ class Proposal:
     probs: torch.Tensor | None  # [B, k, V] q the tokens were drawn from; None at temperature 0
     logits: list[torch.Tensor] | None = None  # k × [B, V] raw drafter logits (kept, not copied, for logging)
     steer: torch.Tensor | None = None  # [B, 3, d_verifier] SD² steering inputs this block was drafted with
+    lengths: torch.Tensor | None = None  # [B] int64: row b drafted only its first lengths[b] tokens (None: all k);
+    #                                      the rest are filler, never accepted, and the verify pass is cut to the longest
+    confidence: torch.Tensor | None = None  # [B, k] the drafter's own estimate that the path up to i is accepted
+    sources: list[str] | None = None  # [B] which speculator drafted each row (a mix of speculators; None: one)
 
     def logprobs(self) -> torch.Tensor:
         """[B, k] float32 log q(d_i), computed only when asked (replay logging), never in the step:

@@ -23,6 +23,8 @@ from drafter.sampling import sample
 class BlockOutcome:
     tokens: torch.Tensor  # [B, k+1] emitted tokens; only the first num_accepted + 1 are valid
     num_accepted: torch.Tensor  # [B] int64, n in [0, k]
+    drafted: torch.Tensor | None = None  # [B] int64: drafts each row offered (None: k each; fewer for a
+    #                                      self-limiting drafter, `Proposal.lengths`)
 
     @property
     def last_tokens(self) -> torch.Tensor:

@@ -83,18 +83,21 @@ def speculative_step(
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
         proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
                             torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
+    follow = bool(k) or follows_plain(drafter)  # a drafter asked to propose observes the verdict
+    if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
+        k, limit, u_accept = cut_to_lengths(proposal, active, k, limit, uniforms)
     if proposal.probs is not None:
         proposal.probs = proposal.probs.to(dev)
     t_drafted = None if clock is None else clock.mark(dev)
     start = cache.lens
     record = tuple(drafter.record_layers) if k and on_trace else ()
-    follow = bool(k) or follows_plain(drafter)
     capture = tuple(drafter.verifier_layers) + record if follow else ()
     out = verifier.forward(cache, torch.cat([last[:, None].to(dev), proposal.tokens], dim=1), capture=capture)
     logits = out.logits  # [B, k+1, V]
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
     t_verified = None if clock is None else clock.mark(dev)
-    outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu())  # the host commits and rolls back
+    outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu(),  # the host commits and rolls back
+                           None if proposal.lengths is None else limit.cpu())
     if clock is not None:
         clock.read(t_start, t_drafted, t_verified)
     if scoring is not None:  # after the clock: the controller's costs are those of the step itself
@@ -121,6 +124,28 @@ def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | Ro
     rows = params.greedy_rows.to(sampled.tokens.device)
     return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, sampled.tokens),
                         num_accepted=torch.where(rows, greedy.num_accepted, sampled.num_accepted))
+
+
+def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int, limit: torch.Tensor | None,
+                   uniforms: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """A proposal whose rows drafted lengths[b] <= k tokens (a self-limiting drafter: suffix) is cut
+    to the longest active row's draft, so the verify pass costs what was drafted. Returns the new k,
+    each row's limit (its own k and its draft length, the smaller) and the accept uniforms in the
+    engine's layout (tests at columns k.., the emitted token's at 2k). Lossless: a row accepts at
+    most its own draft, and the position after it is its bonus, drawn from p alone."""
+    lengths = torch.where(active, proposal.lengths.clamp(max=k), 0)
+    cut = int(lengths.max()) if len(lengths) else 0
+    proposal.tokens = proposal.tokens[:, :cut]
+    if proposal.probs is not None:
+        proposal.probs = proposal.probs[:, :cut]
+    if proposal.logits:
+        proposal.logits = proposal.logits[:cut]
+    if proposal.confidence is not None:
+        proposal.confidence = proposal.confidence[:, :cut]
+    proposal.lengths = lengths
+    limit = lengths if limit is None else torch.minimum(limit.to(lengths.device), lengths)
+    u_accept = None if uniforms is None else torch.cat([uniforms[:, k:k + cut], uniforms[:, 2 * k:2 * k + 1]], dim=1)
+    return cut, limit, u_accept if u_accept is None else u_accept.to(proposal.tokens.device)
 
 
 def follows_plain(drafter: Drafter | None) -> bool:

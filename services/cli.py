@@ -59,7 +59,7 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
     use_threads(glob.threads)
     kind = resolve_kind(drafter_kind, pair.drafter)
     if kind is None and not no_speculation:
-        raise UsageError("give --drafter DIR or --drafter-kind ngram (or --no-speculation)")
+        raise UsageError("give --drafter DIR or --drafter-kind suffix|ngram (or --no-speculation)")
     cfg = GenerateConfig(verifier=pair.require_verifier(), prompts=prompts, drafter=pair.drafter,
                          drafter_kind=kind or "pretrained", k=k, max_tokens=sampling.max_tokens,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,

@@ -41,7 +41,7 @@ WeightMode = Literal["auto", "fp32", "bf16", "int8", "int4", "w4a8"]  # drafter.
 Verifier = Annotated[Path, typer.Option(help="the verifier's model directory")]
 Drafter = Annotated[Optional[Path], typer.Option(help="the drafter: a checkpoint or drafter LM directory")]
 DrafterKind = Annotated[Optional[str], typer.Option(
-    help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or ngram")]
+    help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or suffix / ngram (model-free)")]
 Prompts = Annotated[Path, typer.Option(help="JSON lines: {id, prompt} or {id, messages}")]
 Stop = Annotated[Optional[list[str]], typer.Option(show_default=False, help="stop string (repeatable)")]
 DraftLenAuto = Annotated[Optional[int], typer.Option(

@@ -14,6 +14,7 @@ from drafter.rejection import BlockOutcome, rejection_sample
 from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
 from drafter.sd2 import SteeredDrafter, steering_for
+from drafter.suffix import SuffixDrafter
 from services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
 from tests.stats import chi2_pvalue, exact_marginals
@@ -108,12 +109,13 @@ def make_drafter(kind, pair):
         return SteeredDrafter(d.lean, perturbed_steering(v.hf, d.hf))
     if kind == "dvi":
         return DVIDrafter(v.lean, perturbed_head(v.hf, layers=2))
-    return NgramDrafter(v.vocab_size)
+    return SuffixDrafter(v.vocab_size) if kind == "suffix" else NgramDrafter(v.vocab_size)
 
 
 # A subset of the grid (CI time): fixed k = 4 one row at a time for the LM drafter, k = 8 in batches of 4 for the
 # LM drafters and n-gram; DVI (and k = 1, and k changing every step) through the k-auto test below, strict alike.
-@pytest.mark.parametrize("kind,k,batch", [("pretrained", 4, 1), ("pretrained", 8, 4), ("ngram", 8, 4), ("sd2", 8, 4)])
+@pytest.mark.parametrize("kind,k,batch", [("pretrained", 4, 1), ("pretrained", 8, 4), ("ngram", 8, 4), ("sd2", 8, 4),
+                                           ("suffix", 8, 4)])
 def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs, accepted = [], 0
@@ -128,7 +130,8 @@ def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, 
     assert accepted > 0
 
 
-@pytest.mark.parametrize("kind,batch", [("pretrained", 1), ("pretrained", 4), ("ngram", 4), ("sd2", 4), ("dvi", 4)])
+@pytest.mark.parametrize("kind,batch", [("pretrained", 1), ("pretrained", 4), ("ngram", 4), ("sd2", 4), ("dvi", 4),
+                                        ("suffix", 1)])
 def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind,
                                                                                batch):
     params = SamplingParams(max_tokens=MAX_TOKENS)
@@ -224,7 +227,18 @@ def tiny_drafter(tiny, kind):
         return SteeredDrafter(LeanDecoder(drafter), perturbed_steering(verifier, drafter, (0, 1, 1), std=0.5))
     if kind == "dvi":
         return DVIDrafter(LeanDecoder(verifier), perturbed_head(verifier, layers=1, std=0.5))
+    if kind == "suffix":  # earlier outputs in its global store: drafts come from both stores
+        return suffix_with_outputs([[3, 1, 2, 3, 4, 5], [2, 3, 1, 2, 6], [1, 2, 7, 7]])
     return NgramDrafter(VOCAB) if kind == "ngram" else None
+
+
+def suffix_with_outputs(outputs: list[list[int]]) -> SuffixDrafter:
+    import numpy as np
+
+    drafter = SuffixDrafter(VOCAB)
+    for out in outputs:
+        drafter.store.add(np.array(out, dtype=np.int32))
+    return drafter
 
 
 def wrong_sampler(draft_tokens, draft_probs, target_probs, uniforms) -> BlockOutcome:
@@ -246,7 +260,7 @@ SETTINGS = {
 # Every kind under the full transform (temperature, top-p: each kind warps its own q); plain T = 1, the
 # same code with an identity transform, for the verifier alone and one drafter kind (suite time).
 WARPED = "T=0.7,top-p=0.9"
-KINDS = [("pretrained", 2), ("ngram", 3), ("sd2", 2), ("dvi", 3), ("none", 0)]
+KINDS = [("pretrained", 2), ("ngram", 3), ("suffix", 3), ("sd2", 2), ("dvi", 3), ("none", 0)]
 
 
 @pytest.mark.parametrize("setting,kind,k", [(WARPED, kind, k) for kind, k in KINDS]
@@ -260,7 +274,7 @@ def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k
     assert min(pvalues) > 0.01, pvalues
 
 
-@pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram")]
+@pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix")]
                          + [("T=1", "pretrained")])
 def test_sampled_output_distribution_with_k_changing_every_step_equals_the_verifiers(tiny, setting, kind):
     """k = auto: plain steps, then drafting rows restarted in the drafter, every k — each step a valid block."""
