@@ -145,6 +145,7 @@ class Costs:
     draft: dict[int, Ewma] = field(default_factory=dict)  # bucket -> drafting per token / verify(1)
     overhead: dict[tuple[bool, int], Ewma] = field(default_factory=dict)  # (drafting?, bucket) -> rest / verify(1)
     resync: dict[int, Ewma] = field(default_factory=dict)  # bucket -> restarting the drafter's rows / verify(1)
+    offered: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafts verified
     plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds): recent plain passes
     steps: int = 0  # steps observed
 
@@ -167,14 +168,28 @@ class Costs:
             unit = step.verify_s / self.ratio_of(T, b)
         if unit <= 0:
             return
-        if step.k:
-            self.add(self.draft, b, step.draft_s / step.k / unit)
+        asked = step.drafting
+        if asked:
+            self.add(self.draft, b, step.draft_s / asked / unit)
+            self.add(self.offered, (asked, b), float(step.k))
         if step.resync_s > 0:
             self.add(self.resync, b, step.resync_s / unit)
-        self.add(self.overhead, (step.k > 0, b), step.overhead_s / unit)
+        self.add(self.overhead, (asked > 0, b), step.overhead_s / unit)
 
-    def measured(self, T: int, b: int) -> bool:
-        return T == 1 and b in self.plain or (T, b) in self.ratio
+    def measured(self, k: int, b: int) -> bool:
+        """Whether a step asking k drafts at bucket b was measured (k = 0: a plain pass)."""
+        if not k:
+            return b in self.plain
+        return (k, b) in self.offered and self.verify_shape(k, b) in [T for (T, bb) in self.ratio if bb == b] + [1]
+
+    def verify_shape(self, k: int, b: int) -> int:
+        """The verify pass's T a step asking k drafts is expected to have (rounded): k + 1, or less for
+        a self-limiting drafter."""
+        return round(1 + self.offered_of(k, b))
+
+    def offered_of(self, k: int, b: int) -> float:
+        """Drafts a step asking k verifies on average at bucket b: k, or less for a self-limiting drafter."""
+        return min(float(k), self.offered[(k, b)].value) if (k, b) in self.offered else float(k)
 
     def stale(self, b: int, age: int) -> bool:
         """No plain pass at bucket b within the last `age` steps (the reference the ratios are learned against)."""
@@ -235,8 +250,14 @@ class Costs:
         return 0.0 if near is None else self.resync[near].value
 
     def step_cost(self, k: int, b: int) -> float:
-        """S(k) at bucket b in plain-pass units: overhead + k drafts + a verify pass of k + 1 tokens per row."""
-        return self.overhead_of(k > 0, b) + (k * self.draft_of(b) if k else 0.0) + self.ratio_of(k + 1, b)
+        """S(k) at bucket b in plain-pass units: overhead + k drafts + a verify pass of k + 1 tokens per row
+        (of 1 + what a self-limiting drafter really drafts when asked for k, between the shapes around it)."""
+        if not k:
+            return self.overhead_of(False, b) + 1.0
+        t = self.offered_of(k, b)
+        lo = int(t)
+        verify = self.ratio_of(lo + 1, b) + (t - lo) * (self.ratio_of(lo + 2, b) - self.ratio_of(lo + 1, b))
+        return self.overhead_of(True, b) + k * self.draft_of(b) + verify
 
 
 # ----------------------------------------------------------------------------- the controller
@@ -265,12 +286,18 @@ class StepSample:
     drafting, of the verify pass and of the rest, and (k_b, n_b) of every row that drafted."""
 
     rows: int
-    k: int
+    k: int  # drafts the verify pass covered (T = k + 1)
     draft_s: float
     verify_s: float
     overhead_s: float
-    blocks: tuple[tuple[int, int], ...] = ()
+    blocks: tuple[tuple[int, int], ...] = ()  # (k asked, n accepted) of every row asked to draft
     resync_s: float = 0.0  # restarting drafter rows that skipped plain steps (0: none needed it)
+    asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
+    #                           (suffix) may draft less, and the verify pass covers only what it drafted
+
+    @property
+    def drafting(self) -> int:
+        return self.k if self.asked is None else self.asked
 
 
 class Controller:
@@ -293,7 +320,7 @@ class Controller:
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
-        if step.k:
+        if step.drafting:
             self._cached = None
 
     def drafter_swapped(self) -> None:
@@ -333,7 +360,7 @@ class Controller:
             return self._chose(Choice(best, False, rates[best] / rates[base]))
         if base == 0:
             probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
-            due = self.cfg.explore_min if not self.costs.measured(probe + 1, b) else self.interval
+            due = self.cfg.explore_min if not self.costs.measured(probe, b) else self.interval
             if self.idle >= due * switch and not self.costs.stale(b, self.cfg.side_by_side):
                 self.interval = min(2 * self.interval, self.cfg.explore_max)
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))

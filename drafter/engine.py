@@ -226,14 +226,14 @@ class Engine:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         drafted = ks if outcome.drafted is None else [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
-        blocks = tuple((drafted[s], int(outcome.num_accepted[s])) for s in live if drafted[s])
+        blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])  # what asking k earns
         updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0
         self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
                                  resync_s=resync_s, choice=choice)
         self.controller.observe(StepSample(m, outcome.tokens.shape[1] - 1, clock.draft_s, clock.verify_s,
-                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s))
+                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s, kmax))
         return updates
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
@@ -299,7 +299,9 @@ class Engine:
         if scores is not None:
             row.gen.logprobs.extend(scores)
         done = row.gen.finish_reason is not None
-        update = RowUpdate(row.request.id, s, new, k, n, row.gen.finish_reason, scores, row.gen if done else None)
+        speculator = outcome.sources[s] if outcome.sources is not None and k else None
+        update = RowUpdate(row.request.id, s, new, k, n, row.gen.finish_reason, scores, row.gen if done else None,
+                           speculator)
         if done:
             self._leave(s)
         return update

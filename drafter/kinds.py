@@ -21,7 +21,8 @@ from drafter.pretrained import PretrainedDrafter
 from drafter.quant import quantize_decoder, resolve_mode
 from drafter.proposer import Drafter
 from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, steering_for
-from drafter.suffix import SuffixDrafter
+from drafter.mix import SPECULATORS, SpeculatorMix
+from drafter.suffix import OutputStore, SuffixConfig, SuffixDrafter
 from drafter.vocab import load_vocab
 
 DRAFTER_KINDS = ("pretrained", "ngram", "suffix", "sd2", "dvi", "eagle")
@@ -71,10 +72,22 @@ def _load_lm(verifier: LoadedModel, path: Path) -> LoadedModel:
     return model
 
 
-def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None) -> Drafter:
+def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None,
+                  speculators: tuple[str, ...] = ()) -> Drafter:
     """A drafter of `kind` paired with `verifier`; refuses unknown kinds and mismatched vocabularies.
-    `weights`: the weight mode of a drafter LM of its own (drafter.quant; None: as loaded)."""
-    return DrafterBuilder(kind, verifier, drafter_dir, weights).base
+    `weights`: the weight mode of a drafter LM of its own (drafter.quant; None: as loaded).
+    `speculators`: others chosen per step and row beside it (drafter.mix: "static", "suffix")."""
+    return DrafterBuilder(kind, verifier, drafter_dir, weights, speculators).base
+
+
+def check_speculators(kind: str, speculators: tuple[str, ...]) -> tuple[str, ...]:
+    """The speculators beside a `kind` drafter, refused where they make no sense."""
+    unknown = [s for s in speculators if s not in SPECULATORS]
+    if unknown:
+        raise ValueError(f"unknown speculator {unknown[0]!r}; choose from {', '.join(SPECULATORS)}")
+    if speculators and kind in MODEL_FREE:
+        raise ValueError(f"speculators join a model drafter, not the model-free {kind!r} kind")
+    return tuple(dict.fromkeys(speculators))
 
 
 class DrafterBuilder:
@@ -86,8 +99,11 @@ class DrafterBuilder:
     base. Building copies the base modules, so the serving drafter is never written in place.
     """
 
-    def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None):
+    def __init__(self, kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, weights: str | None = None,
+                 speculators: tuple[str, ...] = ()):
         _check_kind(kind, None, drafter_dir)
+        self.speculators = check_speculators(kind, tuple(speculators))
+        self.store = OutputStore(SuffixConfig().global_tokens) if "suffix" in self.speculators else None
         if kind in NEEDS_DIR and drafter_dir is None:
             raise ValueError(f"drafter kind {kind!r} needs --drafter DIR")
         manifest = read_checkpoint_manifest(drafter_dir)  # read once: kind, draft vocabulary
@@ -105,7 +121,19 @@ class DrafterBuilder:
             self.head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
         if kind == "eagle":  # a trained head, or an untrained one (it drafts noise until the learner trains it)
             self.head = FeatureHead.load(drafter_dir) if found == "eagle" else new_head(verifier.lean)
-        self.base = self._assemble(self.lm.lean if self.lm else None, self.steering, self.head)
+        self.base = self._mixed(self._assemble(self.lm.lean if self.lm else None, self.steering, self.head))
+
+    def _mixed(self, drafter: Drafter) -> Drafter:
+        """`drafter` alone, or as the adaptive member of a mix with the configured speculators (a static
+        copy of the base weights with row state of its own; suffix decoding over the builder's one store)."""
+        if not self.speculators:
+            return drafter
+        members = {"adaptive": drafter}
+        if "static" in self.speculators:
+            members["static"] = self._assemble(self.lm.lean if self.lm else None, self.steering, self.head)
+        if "suffix" in self.speculators:
+            members["suffix"] = SuffixDrafter(self.verifier.vocab_size, store=self.store)
+        return SpeculatorMix(members)
 
     def _assemble(self, lean: LeanDecoder | None, steering, head) -> Drafter:
         if self.kind == "ngram":
@@ -127,10 +155,10 @@ class DrafterBuilder:
         if not weights or self.kind in MODEL_FREE:
             return self.base
         if self.kind in ("dvi", "eagle"):
-            return self._assemble(None, None, _loaded(self.head, weights, "head."))
+            return self._mixed(self._assemble(None, None, _loaded(self.head, weights, "head.")))
         lean = LeanDecoder(_loaded(self.lm.hf, weights, "lm."))  # the LM's module: loaded on the first version
         steering = _loaded(self.steering, weights, "steering.") if self.kind == "sd2" else None
-        return self._assemble(lean, steering, None)
+        return self._mixed(self._assemble(lean, steering, None))
 
 
 def _loaded(module: torch.nn.Module, weights: dict, prefix: str) -> torch.nn.Module:

@@ -25,6 +25,7 @@ class BlockOutcome:
     num_accepted: torch.Tensor  # [B] int64, n in [0, k]
     drafted: torch.Tensor | None = None  # [B] int64: drafts each row offered (None: k each; fewer for a
     #                                      self-limiting drafter, `Proposal.lengths`)
+    sources: list[str] | None = None  # [B] the speculator that drafted each row (a mix: `Proposal.sources`)
 
     @property
     def last_tokens(self) -> torch.Tensor:

@@ -85,3 +85,4 @@ class RowUpdate:
     finish_reason: str | None  # set on the request's last step
     logprobs: list[TokenScore] | None = None  # one per new token, when the request asked for them
     generation: Generation | None = None  # the whole generation, on the request's last update
+    speculator: str | None = None  # who drafted this block, in a mix of speculators (drafter.mix); else None

@@ -97,7 +97,7 @@ def speculative_step(
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
     t_verified = None if clock is None else clock.mark(dev)
     outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu(),  # the host commits and rolls back
-                           None if proposal.lengths is None else limit.cpu())
+                           None if proposal.lengths is None else limit.cpu(), proposal.sources)
     if clock is not None:
         clock.read(t_start, t_drafted, t_verified)
     if scoring is not None:  # after the clock: the controller's costs are those of the step itself

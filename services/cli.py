@@ -17,7 +17,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from services.cli_options import (DEFAULT_CACHE, Cache, DraftLen, DraftLenAuto, DrafterKind, Endpoint, Globals,
+from services.cli_options import (DEFAULT_CACHE, Cache, DraftLenAuto, DrafterKind, Speculators, Endpoint, Globals,
                                   Json, Learner, MaxTokens, Models, Prompts, RayAddress, Registry,
                                   Sampling, Seed, Stop, Temperature, UsageError, Weights)
 from services.cli_runtime import EXIT_USAGE, Greedy, run, show_version, use_threads
@@ -47,7 +47,7 @@ def specloop(glob: Globals, version: Annotated[bool, typer.Option(
 
 @app.command()
 def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weights, glob: Globals,
-             drafter_kind: DrafterKind = None, k: DraftLenAuto = None,
+             drafter_kind: DrafterKind = None, k: DraftLenAuto = None, speculators: Speculators = None,
              batch_size: Annotated[int, typer.Option(help="prompts decoded together")] = 1, stop: Stop = None,
              limit: Annotated[Optional[int], typer.Option(help="only the first N prompts")] = None,
              no_speculation: Annotated[bool, typer.Option(help="the verifier alone (the reference)")] = False,
@@ -64,7 +64,8 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
                          drafter_kind=kind or "pretrained", k=k, max_tokens=sampling.max_tokens,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                          seed=sampling.seed, batch_size=batch_size, stop=tuple(stop or ()), no_speculation=no_speculation,
-                         limit=limit, weights=weights.weights, drafter_weights=weights.drafter_weights)
+                         limit=limit, weights=weights.weights, drafter_weights=weights.drafter_weights,
+                         speculators=_speculators(speculators, kind or "pretrained"))
     summary = RunSummary(cfg.draft_len)
     for result in run_generate(cfg, progress=not as_json, summary=summary):
         print(json.dumps(result), flush=True) if as_json else _print_human(result)
@@ -88,6 +89,17 @@ def _print_summary(summary, k: int | None) -> None:
     print(line, file=sys.stderr)
 
 
+def _speculators(option: str | None, kind: str) -> tuple[str, ...]:
+    """--speculators static,suffix → ("static", "suffix"), checked against the drafter kind."""
+    from drafter.kinds import check_speculators
+
+    names = tuple(s.strip() for s in (option or "").split(",") if s.strip())
+    try:
+        return check_speculators(kind, names)
+    except ValueError as exc:
+        raise UsageError(f"--speculators: {exc}") from None
+
+
 def _kind(explicit: str | None, drafter: Path | None) -> str:
     from drafter.kinds import resolve_kind
 
@@ -103,7 +115,8 @@ def _kind(explicit: str | None, drafter: Path | None) -> str:
 @app.command()
 def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
            prompts: Annotated[list[Path], typer.Option(help="prompt files, served in order (--prompts A B ...)")],
-           drafter_kind: DrafterKind = None, k: DraftLen = 4, learner: Learner = "klrl",
+           drafter_kind: DrafterKind = None, k: DraftLenAuto = 4, learner: Learner = "klrl",
+           speculators: Speculators = None,
            buffer: Annotated[str, typer.Option(help="memory | redis://HOST:PORT[/DB]")] = "memory",
            registry: Annotated[Optional[Path], typer.Option(help="registry folder (default: a new temporary one)")] = None,
            ray_address: RayAddress = None,
@@ -115,13 +128,15 @@ def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
     from services.replay_traffic import Replay, ReplayConfig, summary_line
 
     use_threads(glob.threads)
-    cfg = ReplayConfig(verifier=pair.require_verifier(), drafter=pair.drafter, kind=_kind(drafter_kind, pair.drafter),
+    kind = _kind(drafter_kind, pair.drafter)
+    cfg = ReplayConfig(verifier=pair.require_verifier(), drafter=pair.drafter, kind=kind,
                        prompts=prompts, learner=learner, buffer=buffer, max_tokens=sampling.max_tokens, k=k,
                        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                        registry=registry, ray_address=ray_address,
                        learner_overrides={} if publish_every is None else {"publish_every": publish_every},
                        worker_overrides={"swap_cache": swap_cache, "weights": weights.weights,
-                                         "drafter_weights": weights.drafter_weights})
+                                         "drafter_weights": weights.drafter_weights,
+                                         "speculators": _speculators(speculators, kind)})
     for path in cfg.prompts:
         if not path.is_file():
             raise UsageError(f"prompt file not found: {path}")
@@ -160,6 +175,7 @@ def _default_pair(pair: Models, cache: Path, threads: int, minutes: float = 4.0,
 
 @app.command()
 def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, drafter_kind: DrafterKind = None,
+          speculators: Speculators = None,
           served_model_name: Annotated[Optional[str], typer.Option(
               show_default=False, help="the model id clients ask for (default: the verifier folder's name)")] = None,
           learner: Learner = "klrl", ray_address: RayAddress = None,
@@ -184,7 +200,9 @@ def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, dra
         raise UsageError(f"unknown learner {learner!r}; choose off, kl, klrl or lk")
     use_threads(glob.threads)
     verifier, drafter = _default_pair(pair, cache, glob.threads)
-    cfg = ServeConfig(verifier=verifier, drafter=drafter, kind=_kind(drafter_kind, drafter), host=endpoint.host,
+    kind = _kind(drafter_kind, drafter)
+    cfg = ServeConfig(verifier=verifier, drafter=drafter, kind=kind, speculators=_speculators(speculators, kind),
+                      host=endpoint.host,
                       port=endpoint.port, learner=learner, ray_address=ray_address, workers=workers, slots=slots,
                       max_queue=max_queue, max_context=max_context, registry=registry,
                       admin_token=endpoint.admin_token or None, api_key=endpoint.api_key or None,

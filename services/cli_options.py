@@ -42,13 +42,16 @@ Verifier = Annotated[Path, typer.Option(help="the verifier's model directory")]
 Drafter = Annotated[Optional[Path], typer.Option(help="the drafter: a checkpoint or drafter LM directory")]
 DrafterKind = Annotated[Optional[str], typer.Option(
     help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or suffix / ngram (model-free)")]
+Speculators = Annotated[Optional[str], typer.Option(
+    metavar="static,suffix", show_default=False,
+    help="speculators chosen per step and row beside the drafter: static (a frozen copy of its base weights "
+         "beside the learner's versions), suffix (suffix decoding); comma-separated")]
 Prompts = Annotated[Path, typer.Option(help="JSON lines: {id, prompt} or {id, messages}")]
 Stop = Annotated[Optional[list[str]], typer.Option(show_default=False, help="stop string (repeatable)")]
 DraftLenAuto = Annotated[Optional[int], typer.Option(
     "--k", parser=draft_len, metavar="auto|K", show_default="auto",
     help="draft length per block: auto chooses it step by step from measured costs and live acceptance "
          "(0 = plain decoding when speculation does not pay); K fixes it")]
-DraftLen = Annotated[int, typer.Option("--k", help="draft length per block")]
 MaxTokens = Annotated[int, typer.Option(help="new tokens per request")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy")]
 Seed = Annotated[int, typer.Option(help="random seed")]

@@ -31,6 +31,7 @@ class ServeConfig:
     verifier: Path
     drafter: Path | None
     kind: str = "pretrained"
+    speculators: tuple[str, ...] = ()  # beside the drafter, chosen per step and row (drafter.mix)
     host: str = "127.0.0.1"
     port: int = 8000
     learner: str = "klrl"  # off | kl | klrl | lk
@@ -116,7 +117,8 @@ class Deployment:
             wcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
                     "registry": str(self.registry) if learning else None, "threads": cfg.worker_threads,
                     "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
-                    "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights}
+                    "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
+                    "speculators": list(cfg.speculators)}
             actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus, resources=cfg.worker_resources or None)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
         ray.get([w.info.remote() for w in self.workers])  # constructed (models loaded)

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from drafter.controller import Controller
 from drafter.engine import generate
-from drafter.kinds import DRAFTER_KINDS, build_drafter
+from drafter.kinds import DRAFTER_KINDS, build_drafter, check_speculators
 from drafter.models import load_model
 from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams
@@ -37,8 +37,10 @@ class GenerateConfig:
     limit: int | None = None
     weights: str = "auto"  # the verifier's weight mode (drafter.quant; auto = as stored / its manifest)
     drafter_weights: str = "fp32"
+    speculators: tuple[str, ...] = ()  # beside the drafter, chosen per step and row (drafter.mix)
 
     def __post_init__(self):
+        check_speculators(self.drafter_kind, self.speculators)
         if self.k is not None and self.k < 1:
             raise ValueError(f"--k must be auto or >= 1, got {self.k}")
         if self.drafter_kind not in DRAFTER_KINDS:
@@ -98,7 +100,8 @@ def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary
     """Yield one result dict per prompt, in file order (the `--json` contract of DESIGN.md)."""
     verifier = load_model(cfg.verifier, weights=cfg.weights)
     print(f"verifier {cfg.verifier} served as {verifier.served}", file=sys.stderr, flush=True)
-    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter, cfg.drafter_weights)
+    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter, cfg.drafter_weights,
+                                                                 cfg.speculators)
     records = load_prompts(cfg.prompts, cfg.limit)
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer

@@ -19,6 +19,19 @@ verifier accepts n ∈ [0, k] of them; a k = 0 block drafts nothing and counts n
     specloop:spec_decode_num_accepted_tokens_total              Σ n
     specloop:spec_decode_num_accepted_tokens_per_pos_total{position}   blocks with n > position (0-based)
 
+With a mix of speculators (`--speculators`, drafter/mix.py) the same three counts by who drafted the
+block, labelled `speculator` (adaptive: the served version; static: the frozen base; suffix):
+
+    specloop:spec_decode_speculator_drafts_total{speculator}
+    specloop:spec_decode_speculator_draft_tokens_total{speculator}
+    specloop:spec_decode_speculator_accepted_tokens_total{speculator}
+
+    # share of drafting blocks each speculator served, and its mean acceptance length
+    sum by (speculator) (rate(specloop:spec_decode_speculator_drafts_total[$__rate_interval]))
+      / ignoring (speculator) group_left sum (rate(specloop:spec_decode_speculator_drafts_total[$__rate_interval]))
+    1 + sum by (speculator) (rate(specloop:spec_decode_speculator_accepted_tokens_total[$__rate_interval]))
+      / sum by (speculator) (rate(specloop:spec_decode_speculator_drafts_total[$__rate_interval]))
+
 Derived rates (`$__rate_interval` in Grafana; the dashboard adds `{model_name=~"$model_name",
 instance=~"$instance"}` to every selector):
 

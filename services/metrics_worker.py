@@ -27,6 +27,16 @@ class _VersionSeries:
         self.accepted = m.num_accepted_tokens.labels(version)
         self.chosen_k = m.chosen.labels(version)
         self.per_pos: list = []
+        self.by_speculator: dict[str, tuple] = {}  # speculator -> (blocks, draft tokens, accepted) children
+
+    def add_speculator(self, speculator: str, blocks: int, drafted: int, accepted: int) -> None:
+        children = self.by_speculator.get(speculator)
+        if children is None:
+            children = self.by_speculator[speculator] = tuple(
+                c.labels(self.version, speculator) for c in (self.m.spec_blocks, self.m.spec_draft_tokens,
+                                                             self.m.spec_accepted_tokens))
+        for child, value in zip(children, (blocks, drafted, accepted)):
+            child.inc(value)
 
     def add(self, stats: AcceptanceStats) -> None:
         self.drafts.inc(stats.drafts)
@@ -43,6 +53,9 @@ class _VersionSeries:
             metric.remove(self.version)
         for i in range(len(self.per_pos)):
             self.m.accepted_per_pos.remove(self.version, str(i))
+        for speculator in self.by_speculator:
+            for metric in (self.m.spec_blocks, self.m.spec_draft_tokens, self.m.spec_accepted_tokens):
+                metric.remove(self.version, speculator)
 
 
 class WorkerMetrics(Exporter):
@@ -61,6 +74,12 @@ class WorkerMetrics(Exporter):
         self.accepted_per_pos = self._counter(
             "spec_decode_num_accepted_tokens_per_pos", "Blocks whose draft at this 0-based position was accepted.",
             v + ("position",))
+        s = v + ("speculator",)
+        self.spec_blocks = self._counter("spec_decode_speculator_drafts", "Verified blocks that drafted, by the "
+                                         "speculator of a mix that drafted them (adaptive, static, suffix).", s)
+        self.spec_draft_tokens = self._counter("spec_decode_speculator_draft_tokens", "Drafted tokens, by speculator.", s)
+        self.spec_accepted_tokens = self._counter("spec_decode_speculator_accepted_tokens",
+                                                  "Accepted drafted tokens, by speculator.", s)
         self.chosen = self._histogram("spec_decode_chosen_k", "Draft length the controller chose for auto "
                                       "requests, once per step (0: plain decoding).", K_BUCKETS, v)
         self.est_acceptance = self._gauge("spec_decode_est_acceptance", "The controller's estimate of P(draft at this "
@@ -108,6 +127,16 @@ class WorkerMetrics(Exporter):
         stats = AcceptanceStats.of(k, accepted)
         if stats.drafts:
             self._series(version).add(stats)
+
+    def speculators(self, version: str, blocks: list[tuple[str, int, int]]) -> None:
+        """One step's drafting blocks of a mix of speculators: (speculator, k, accepted) per row."""
+        totals: dict[str, list[int]] = {}
+        for speculator, k, accepted in blocks:
+            if k:
+                t = totals.setdefault(speculator, [0, 0, 0])
+                t[0], t[1], t[2] = t[0] + 1, t[1] + k, t[2] + accepted
+        for speculator, (n, drafted, accepted) in totals.items():
+            self._series(version).add_speculator(speculator, n, drafted, accepted)
 
     def observe(self, version: str, stats: AcceptanceStats) -> None:
         """Blocks already aggregated by the caller."""

@@ -17,6 +17,9 @@ def attach_metrics(loop, metrics) -> None:
 
     def on_step(updates: list[RowUpdate], engine, version: str) -> None:
         metrics.blocks(version, [u.k for u in updates], [u.accepted for u in updates])
+        mixed = [(u.speculator, u.k, u.accepted) for u in updates if u.speculator is not None]
+        if mixed:
+            metrics.speculators(version, mixed)
         metrics.generated(sum(len(u.new_tokens) for u in updates))
         metrics.load(len(loop.waiting), loop.running)
         metrics.step(engine.timing.forward_s, engine.timing.total_s)

@@ -52,6 +52,7 @@ from trainer.records import DEFAULT_CONTEXT, DEFAULT_TOP_K, RowTag, encode, reco
 
 log = logging.getLogger("specloop.worker")
 BASE_VERSION = "base"  # label of the drafter as loaded, before any registry version
+STATIC_VERSION = "static"  # records drafted by a mix's static member: never on-policy for the learner
 MIN_POLL_S = 0.02  # the registry watcher reads the alias at most this often
 FRESH_WAIT_S = 0.25  # an idle worker waits this long at most for a registry read before a request
 
@@ -78,6 +79,7 @@ class WorkerConfig:
     max_context: int = 1024  # positions per slot: drafter.capacity.positions_needed must fit (capped by the model)
     weights: str = "auto"  # the verifier's weight mode (drafter.quant: auto = as stored / its manifest; fp32, bf16, int8, int4, w4a8)
     drafter_weights: str = "fp32"  # a drafter LM's own weight mode (pretrained / sd2)
+    speculators: tuple[str, ...] = ()  # beside the served drafter, chosen per step and row (drafter.mix)
 
     def __post_init__(self):
         if self.swap_cache not in ("keep", "recompute"):
@@ -195,7 +197,7 @@ class VerifierWorker:
         log.info("verifier %s served as %s", cfg.verifier, self.verifier.served)
         tok = self.verifier.tokenizer
         self.stop_rule = StopRule(self.verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
-        self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights)
+        self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights, tuple(cfg.speculators))
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
         self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
         self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule, hooks=self)
@@ -278,24 +280,28 @@ class VerifierWorker:
     def _on_step(self, trace: StepTrace, histories: list[list[int]], ids: list[str | None]) -> None:
         slots = torch.nonzero(trace.active).flatten().tolist()
         kmax = trace.proposal.tokens.shape[1]
-        by_k: dict[int, list[int]] = {}
+        sources = trace.proposal.sources
+        by_k: dict[tuple[int, str], list[int]] = {}
         for b in slots:
             k = kmax if trace.limit is None else int(trace.limit[b])  # this block's k (auto rows: the controller's)
             n = int(trace.outcome.num_accepted[b])
-            if k:
+            source = "adaptive" if sources is None else sources[b]
+            if k and source == "adaptive":  # the served version's own drafts (a mix: not static's or suffix's)
                 self.monitor.observe(self.version, k, n)
-                by_k.setdefault(k, []).append(b)
+            if k and source != "suffix":  # a model's drafts are records; static's train the KL term only
+                by_k.setdefault((k, source), []).append(b)
             if ids[b] in self.stale_rows:
                 self.stale.observe(k, n)
         if self.logger is not None:
-            for k, group in by_k.items():
-                self.logger.submit(trace, group, [self._tag(ids[b], histories[b]) for b in group], k)
+            for (k, source), group in by_k.items():
+                version = self.version if source == "adaptive" else STATIC_VERSION
+                self.logger.submit(trace, group, [self._tag(ids[b], histories[b], version) for b in group], k)
         self._check_rollback()
 
-    def _tag(self, request_id: str, history: list[int]) -> RowTag:
+    def _tag(self, request_id: str, history: list[int], version: str) -> RowTag:
         """The record tag of a request's block being verified (the index of its drafting blocks)."""
         live = self.engine.get(request_id)
-        return RowTag(request_id, self.version, live.gen.stats.drafts, history[-self.cfg.context:],
+        return RowTag(request_id, version, live.gen.stats.drafts, history[-self.cfg.context:],
                       live.request.params.temperature)
 
     # -- versions

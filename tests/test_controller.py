@@ -204,3 +204,34 @@ def test_a_costly_switch_to_drafting_makes_exploration_wait_longer():
         return sum(1 for k in chosen if k)
 
     assert probes(0.030) < probes(0.0)  # restarting the drafter's rows costs 3 plain passes
+
+
+def test_a_self_limiting_drafter_is_costed_by_what_it_really_drafts():
+    """Asked for 4, a suffix drafter that drafts 1 on average costs a 2-token verify pass, not a 5-token one;
+    its acceptance counts what asking 4 earned (untried positions are misses)."""
+    costs = Costs(ControllerConfig())
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 1, 0.0, 0.011, 0.0, asked=4))  # side by side: r(2) = 1.1
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 4, 0.0, 0.018, 0.0))  # a full draft: r(5) = 1.8
+    limited = Costs(ControllerConfig())
+    for step in (StepSample(1, 0, 0.0, 0.010, 0.0), StepSample(1, 1, 0.0, 0.011, 0.0, asked=4)):
+        limited.observe(step)
+    assert limited.offered_of(4, 1) == 1.0 and costs.offered_of(4, 1) == pytest.approx(2.5)
+    assert limited.step_cost(4, 1) < costs.step_cost(4, 1)
+    assert limited.verify_shape(4, 1) == 2 and limited.measured(4, 1)
+    c = Controller()
+    c.observe(StepSample(1, 1, 0.0, 0.011, 0.0, ((4, 1),), asked=4))
+    assert c.acceptance.trials[:3] == [1.0, 1.0, 0.0] and c.acceptance.hits[:2] == [1.0, 0.0]
+
+
+def test_a_cheap_self_limiting_drafter_that_is_right_when_it_drafts_is_turned_on():
+    """Drafts on one step in two (1 token, always accepted), nearly free to ask: speculation pays and stays on."""
+    c, chosen, step = Controller(), [], 0
+    for step in range(400):
+        k = c.choose(Batch(1, 1)).k
+        drafted = min(k, 1) if step % 2 else 0
+        c.observe(StepSample(1, drafted, 0.00002 * k, verify_time(drafted + 1, slope=0.2), OVERHEAD_S,
+                             ((k, drafted),) if k else (), asked=k))
+        chosen.append(k)
+    assert sum(k > 0 for k in chosen[200:]) > 150
