@@ -82,7 +82,8 @@ AUTO_K = -1  # K "auto": the cost-aware controller (drafter/controller.py) choos
 
 def parse_specloop(text: str) -> System:
     """LABEL:DTYPE:KIND:DIR:K[:DRAFTER_DTYPE] -> a specloop System (KIND 'none' and K 0 = the verifier
-    alone; K 'auto' = the controller's choice, specloop's default; DTYPE 'auto' = the served mode
+    alone; KIND+static+suffix: the KIND drafter with speculators chosen per step and row beside it;
+    K 'auto' = the controller's choice, specloop's default; DTYPE 'auto' = the served mode
     specloop picks by default: the checkpoint's manifest or stored dtype; DRAFTER_DTYPE: a drafter
     LM's own weight mode, default auto)."""
     parts = text.split(":")
@@ -307,7 +308,9 @@ class SpecloopRunner:
 
             # a drafter LM of its own is restricted to its draft vocabulary, then packed, before any
             # steering reads its dtype (drafter.kinds)
-            self.drafter = build_drafter(sys_.kind, v, sys_.drafter_dir, weights=sys_.drafter_dtype or "auto")
+            kind, *speculators = sys_.kind.split("+")  # KIND+static+suffix: a mix of speculators (drafter.mix)
+            self.drafter = build_drafter(kind, v, sys_.drafter_dir, weights=sys_.drafter_dtype or "auto",
+                                         speculators=tuple(speculators))
             from drafter.controller import Controller
 
             self.controller = Controller() if sys_.k == AUTO_K else None  # one for the whole run, as `generate` has

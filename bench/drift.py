@@ -10,6 +10,14 @@ as `specloop replay` does, and records τ per request. Targets (issue: the onlin
 
     .venv/bin/python bench/drift.py --kinds pretrained --learners off kl klrl lk --temperatures 0 \
         --segments 100 300 100 --oracle runs/oracle-code --tag pretrained
+
+Or any list of runs KIND:LEARNER, where KIND may carry speculators chosen per step beside the drafter
+(drafter/mix.py: eagle+static+suffix), `none` is the verifier alone (tokens/s reference) and
+`--frozen KIND` names the learner-off run every ratio is taken against:
+
+    M=~/.cache/specloop/models/smollm2-135m-instruct
+    .venv/bin/python bench/drift.py --verifier $M/verifier --drafter $M/drafter --k auto --frozen eagle \
+        --runs none:off suffix:off eagle:off eagle:klrl eagle+static+suffix:klrl --tag real
 Writes bench/results/drift_<tag>.json and drift_<tag>.png (τ against request index).
 """
 from __future__ import annotations
@@ -53,9 +61,12 @@ def traffic_files(tmp: Path, segments: tuple[int, int, int]) -> list[Path]:
 def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | None, files: list[Path]) -> dict:
     from services.replay_traffic import Replay, ReplayConfig
 
-    cfg = ReplayConfig(verifier=args.verifier, drafter=drafter, kind=kind, prompts=files, learner=learner,
-                       buffer=args.buffer, max_tokens=args.max_tokens, k=args.k, temperature=temperature,
-                       seed=args.seed)
+    base, *speculators = kind.split("+")
+    alone = base == "none"  # the verifier alone: k = 0 with a drafter that never drafts
+    cfg = ReplayConfig(verifier=args.verifier, drafter=None if alone or base in ("suffix", "ngram") else drafter,
+                       kind="suffix" if alone else base, prompts=files, learner=learner, buffer=args.buffer,
+                       max_tokens=args.max_tokens, k=0 if alone else args.k, temperature=temperature, seed=args.seed,
+                       worker_overrides={"speculators": tuple(speculators)} if speculators else {})
     t0 = time.perf_counter()
     replay = Replay(cfg)
     rows = []
@@ -121,20 +132,29 @@ def serving_ms_per_block(run: dict) -> float:
     return 1e3 * statistics.median(r["seconds"] / r["blocks"] for r in run["requests"] if r["blocks"])
 
 
-def analyse(runs: list[dict], oracle: dict | None, segments) -> list[dict]:
+def tokens_per_s(run: dict) -> float:
+    return sum(r["tokens"] for r in run["requests"]) / sum(r["seconds"] for r in run["requests"])
+
+
+def analyse(runs: list[dict], oracle: dict | None, segments, frozen_kind: str | None = None) -> list[dict]:
     table = []
     for run in runs:
-        frozen = next(r for r in runs if r["kind"] == run["kind"] and r["temperature"] == run["temperature"]
+        if run["kind"] == "none":
+            continue
+        want = frozen_kind or run["kind"]
+        frozen = next(r for r in runs if r["kind"] == want and r["temperature"] == run["temperature"]
                       and r["learner"] == "off")
+        alone = next((r for r in runs if r["kind"] == "none" and r["temperature"] == run["temperature"]), None)
         seg, ref = segment_means(run, segments), segment_means(frozen, segments)
         row = {"kind": run["kind"], "learner": run["learner"], "temperature": run["temperature"], **seg,
                "code_first200_vs_frozen": seg["code_first200"] / ref["code_first200"],
                "chat2_vs_frozen": seg["chat2"] / ref["chat2"],
                "requests_to_1.35x_frozen": requests_to(run, taus(frozen), 1.35, segments),
                "ms_per_block": serving_ms_per_block(run),
-               "tokens_per_s": sum(r["tokens"] for r in run["requests"]) / sum(r["seconds"] for r in run["requests"]),
+               "tokens_per_s": tokens_per_s(run),
+               "vs_verifier_alone": None if alone is None else tokens_per_s(run) / tokens_per_s(alone),
                "swap_stall_ms": run["summary"]["swap_stall_ms"]}
-        if oracle is not None and oracle["kind"] == run["kind"] and oracle["temperature"] == run["temperature"]:
+        if oracle is not None and oracle["temperature"] == run["temperature"]:
             o = segment_means(oracle, segments)
             row["oracle_code"] = o["code"]
             row["code_last100_vs_oracle"] = seg["code_last100"] / o["code"]
@@ -146,14 +166,16 @@ def analyse(runs: list[dict], oracle: dict | None, segments) -> list[dict]:
 def markdown(table: list[dict]) -> str:
     """The README table: τ per segment, ratios, requests to recover, serving cost."""
     head = ("| kind | T | learner | chat1 τ | code τ (first 200) | code τ (last 100) | chat2 τ | code vs frozen |"
-            " req. to 1.35× | last 100 vs oracle | req. to 0.9× oracle | chat2 vs frozen | ms/block |")
+            " req. to 1.35× | last 100 vs oracle | req. to 0.9× oracle | chat2 vs frozen | ms/block | tokens/s |"
+            " × verifier alone |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in table:
         opt = lambda key, fmt: "–" if r.get(key) is None else format(r[key], fmt)  # noqa: E731
         lines.append(f"| {r['kind']} | {r['temperature']:g} | {r['learner']} | {r['chat1']:.2f} | {r['code_first200']:.2f} |"
                      f" {r['code_last100']:.2f} | {r['chat2']:.2f} | {r['code_first200_vs_frozen']:.2f}× |"
                      f" {opt('requests_to_1.35x_frozen', 'd')} | {opt('code_last100_vs_oracle', '.2f')} |"
-                     f" {opt('requests_to_0.9x_oracle', 'd')} | {r['chat2_vs_frozen']:.2f}× | {r['ms_per_block']:.1f} |")
+                     f" {opt('requests_to_0.9x_oracle', 'd')} | {r['chat2_vs_frozen']:.2f}× | {r['ms_per_block']:.1f} |"
+                     f" {r['tokens_per_s']:.1f} | {opt('vs_verifier_alone', '.2f')} |")
     return "\n".join(lines)
 
 
@@ -192,10 +214,13 @@ def main() -> None:
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
     p.add_argument("--segments", nargs=3, type=int, default=[100, 300, 100])
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--k", type=lambda s: None if s == "auto" else int(s), default=4, help="K or auto")
+    p.add_argument("--runs", nargs="+", metavar="KIND:LEARNER", help="instead of --kinds x --learners")
+    p.add_argument("--frozen", help="the learner-off kind every ratio is taken against (default: the run's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--buffer", default="memory")
     p.add_argument("--oracle", type=Path, help="drafter trained offline on code (served frozen, pretrained kind)")
+    p.add_argument("--oracle-kind", default="pretrained")
     p.add_argument("--tag", default="pretrained")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args()
@@ -207,18 +232,20 @@ def main() -> None:
     oracle = None
     for temp in args.temperatures:
         if args.oracle is not None:
-            oracle = run_one(args, "pretrained", "off", temp, args.oracle, files)
-        for kind in args.kinds:
-            for learner in args.learners:
-                drafter = None if kind == "dvi" else args.drafter
-                runs.append(run_one(args, kind, learner, temp, drafter, files))
-                table = analyse(runs, oracle, segments) if any(r["learner"] == "off" for r in runs) else []
-                out.write_text(json.dumps({"machine": machine_info(), "segments": segments, "max_tokens": args.max_tokens,
-                                           "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
-                print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
+            oracle = run_one(args, args.oracle_kind, "off", temp, args.oracle, files)
+        plan = [tuple(r.split(":")) for r in args.runs] if args.runs else [
+            (kind, learner) for kind in args.kinds for learner in args.learners]
+        for kind, learner in plan:
+            drafter = None if kind == "dvi" else args.drafter
+            runs.append(run_one(args, kind, learner, temp, drafter, files))
+            ready = any(r["learner"] == "off" and r["kind"] == (args.frozen or r["kind"]) for r in runs)
+            table = analyse(runs, oracle, segments, args.frozen) if ready and runs[-1]["kind"] != "none" else []
+            out.write_text(json.dumps({"machine": machine_info(), "segments": segments, "max_tokens": args.max_tokens,
+                                       "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
+            print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
     plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png")
     if any(r["learner"] == "off" for r in runs):  # the ratios need the frozen run
-        print(markdown(analyse(runs, oracle, segments)))
+        print(markdown(analyse(runs, oracle, segments, args.frozen)))
 
 
 if __name__ == "__main__":

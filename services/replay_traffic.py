@@ -54,8 +54,9 @@ class ReplayConfig:
     def __post_init__(self):
         if self.learner not in LEARNERS:
             raise ValueError(f"unknown learner {self.learner!r}; choose one of {', '.join(LEARNERS)}")
-        if (self.k is not None and self.k < 1) or self.max_tokens < 1:
-            raise ValueError("--k (auto or a number) and --max-tokens must be >= 1")
+        if (self.k is not None and self.k < (0 if self.learner == "off" else 1)) or self.max_tokens < 1:
+            raise ValueError("--k (auto or a number) and --max-tokens must be >= 1 (k = 0, the verifier alone: "
+                             "learner off)")
         if self.learner != "off" and self.kind not in TRAINABLE_KINDS:
             raise ValueError(f"the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not {self.kind!r}")
         if not self.prompts:

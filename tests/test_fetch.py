@@ -79,6 +79,13 @@ def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(tmp_pat
     answer = generate(v.lean, None, [ids], SamplingParams(max_tokens=12), 0, StopRule(v.eos_ids))[0]
     assert "Paris" in v.tokenizer.decode(answer.token_ids)  # a real model, coherent through int8 weights
     assert fetch_models(cfg, progress=False) == summary  # cached: nothing is redone
+    import shutil
+
+    shutil.rmtree(out / "drafter")  # a removed folder is rebuilt, the rest kept
+    weights = (out / "verifier" / "model.safetensors").stat().st_mtime_ns
+    again = fetch_models(cfg, progress=False)
+    assert (out / "drafter" / "manifest.json").is_file() and again["drafter"] == summary["drafter"]
+    assert (out / "verifier" / "model.safetensors").stat().st_mtime_ns == weights
 
 
 # ------------------------------------------------------------------ the GGUF's own Q4_1 groups
@@ -197,6 +204,7 @@ def test_a_fetch_done_before_the_groups_existed_gets_them(tmp_path, monkeypatch)
     gguf, verifier, _ = _q4_1_checkpoint(tmp_path)
     summary = {"name": DEFAULT_MODEL, "verifier": str(verifier), "drafter": str(tmp_path / "drafter")}
     (tmp_path / "fetched.json").write_text(json.dumps(summary))
+    (tmp_path / "drafter").mkdir()
     monkeypatch.setattr(fetch, "locate_gguf", lambda model, install=True: gguf)
     assert fetch_models(FetchConfig(out=tmp_path), progress=False) == summary
     assert json.loads((verifier / "manifest.json").read_text())["grouped_tensors"] == 7

@@ -71,6 +71,18 @@ def test_worker_blocks_export_the_spec_decode_counters_by_drafter_version():
     assert value(m, "specloop:spec_decode_num_accepted_tokens_total", drafter_version="v0003") == 2
 
 
+def test_a_mix_of_speculators_exports_blocks_draft_tokens_and_accepted_by_speculator():
+    m = WorkerMetrics()
+    m.speculators("v0002", [("suffix", 3, 3), ("adaptive", 4, 1), ("suffix", 2, 0), ("static", 0, 0)])
+    m.speculators("v0002", [("static", 4, 4)])
+    got = {(spec, name): value(m, f"specloop:spec_decode_speculator_{name}_total", drafter_version="v0002",
+                               speculator=spec)
+           for spec in ("suffix", "adaptive", "static") for name in ("drafts", "draft_tokens", "accepted_tokens")}
+    assert [got[("suffix", n)] for n in ("drafts", "draft_tokens", "accepted_tokens")] == [2, 5, 3]
+    assert [got[("adaptive", n)] for n in ("drafts", "draft_tokens", "accepted_tokens")] == [1, 4, 1]
+    assert [got[("static", n)] for n in ("drafts", "draft_tokens", "accepted_tokens")] == [1, 4, 4]  # k = 0: none
+
+
 def test_every_drafted_position_is_exported_even_when_never_accepted():
     m = WorkerMetrics()
     m.blocks("v1", [3, 3], [0, 0])

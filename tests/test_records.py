@@ -28,7 +28,7 @@ torch.set_num_threads(1)
 
 TOP_K = 16
 K = 4
-ALL = ["pretrained", "self", "sd2", "dvi", "sampled"]
+ALL = ["pretrained", "self", "sd2", "dvi", "eagle", "sampled"]
 DVI_LAYERS = 2  # s: the head reads the residual stream after layer s (capture index s - 1)
 
 
@@ -97,6 +97,11 @@ def serving_drafter(kind: str, verifier, drafter):
         return SteeredDrafter(drafter.lean, perturbed_steering(verifier.hf, drafter.hf))
     if kind == "dvi":
         return DVIDrafter(verifier.lean, perturbed_head(verifier.hf))
+    if kind == "eagle":
+        from drafter.eagle import EagleDrafter
+        from tests.test_eagle import trained_like
+
+        return EagleDrafter(verifier.lean, trained_like(verifier.lean, std=0.1))
     raise ValueError(kind)
 
 
@@ -121,7 +126,7 @@ def logged(models):
     v, d = models
     prompts = prompts_for(v.tokenizer)
     out = {}
-    for kind in ("pretrained", "self", "sd2", "dvi"):
+    for kind in ("pretrained", "self", "sd2", "dvi", "eagle"):
         record_kind = "pretrained" if kind == "self" else kind
         out[kind] = log_blocks(v, serving_drafter(kind, v, d), record_kind, prompts)
     out["sampled"] = log_blocks(v, serving_drafter("pretrained", v, d), "pretrained", prompts, temperature=0.5)
@@ -293,6 +298,15 @@ def record(logged) -> ReplayRecord:
 def header_end(payload: bytes) -> int:
     n = struct.unpack("<Q", payload[4:12])[0]
     return 12 + n
+
+
+def test_steering_inputs_of_the_wrong_shape_for_the_kind_are_refused(logged):
+    eagle, sd2 = logged["eagle"][0].record, logged["sd2"][0].record
+    assert eagle.steer.shape[0] == 1 and decode(encode(eagle)).steer.shape == eagle.steer.shape
+    for good, rows in ((eagle, 3), (sd2, 1)):
+        bad = dataclasses.replace(good, steer=np.zeros((rows, good.steer.shape[1]), dtype=np.float32))
+        with pytest.raises(RecordError, match="steering inputs"):
+            decode(encode(bad))
 
 
 def test_a_changed_magic_is_refused(record):

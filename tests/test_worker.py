@@ -507,6 +507,25 @@ def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_ver
     assert stats["logged"] == blocks and stats["dropped"] == 0
 
 
+def test_a_mix_of_speculators_logs_the_models_blocks_only_and_serves_the_verifiers_tokens(tiny_pair):
+    """Suffix drafts are never records; a static member's are, under its own version (KL-only for the learner)."""
+    buffer = MemoryBuffer()
+    config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=None, kind="eagle", speculators=("static", "suffix"))
+    worker = VerifierWorker(config, buffer)
+    try:
+        reqs = requests(worker.verifier) + requests(worker.verifier, start=100)  # the same texts twice
+        results = serve_all(worker, reqs)
+        worker.drain()
+        assert [r["token_ids"] for r in results] == verifier_alone(worker, reqs)
+        served = worker.drafter.served
+        assert served["suffix"] > 0 and served["adaptive"] + served["static"] > 0, served
+        records = [decode(e.payload) for e in buffer.read("test", count=100_000)]
+        assert len(records) == served["adaptive"] + served["static"]
+        assert {r.drafter_version for r in records} <= {"base", "static"} and {r.kind for r in records} == {"eagle"}
+    finally:
+        worker.close()
+
+
 def test_an_unknown_swap_cache_mode_is_refused(tiny_pair):
     with pytest.raises(ValueError, match="swap_cache"):
         WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", swap_cache="flush")

@@ -169,10 +169,10 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     model = known_model(cfg.name)
     out = Path(cfg.out)
     done_file = out / (DONE_FILE if cfg.method == DEFAULT_METHOD else f"fetched-{cfg.method}.json")
-    if done_file.is_file():
-        summary = json.loads(done_file.read_text())
-        _add_source_groups(model, Path(summary.get("verifier") or out / "verifier"))
-        return summary
+    summary = json.loads(done_file.read_text()) if done_file.is_file() else None
+    if summary is not None and all(Path(summary.get(key) or "-").is_dir() for key in ("verifier", "drafter")):
+        _add_source_groups(model, Path(summary["verifier"]))
+        return summary  # else a folder was removed: every step below rebuilds only what is missing
     out.mkdir(parents=True, exist_ok=True)
     say = (lambda msg: print(msg, file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     say(f"[1/4] locating {model.package} ({model.gguf})")

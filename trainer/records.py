@@ -137,6 +137,9 @@ def _arrays(arrays: dict) -> dict:
     return out
 
 
+STEER_ROWS = {"sd2": 3, "eagle": 1}  # the verifier features a block of these kinds was drafted from
+
+
 def validate(r: ReplayRecord) -> None:
     """Shapes agree and rewards are 1…1 then at most one 0 at the end."""
     m = r.positions
@@ -151,8 +154,10 @@ def validate(r: ReplayRecord) -> None:
         raise RecordError("a record shorter than k must end with its first rejection")
     if r.hidden is not None and len(r.hidden) != m:
         raise RecordError("replay record hidden states do not match its positions")
-    if r.steer is not None and r.steer.shape[0] != 3:
-        raise RecordError("replay record steering inputs must be [3, d]")
+    rows = STEER_ROWS.get(r.kind)
+    if r.steer is not None and (rows is None or r.steer.ndim != 2 or r.steer.shape[0] != rows):
+        raise RecordError(f"replay record steering inputs of a {r.kind!r} drafter must be "
+                          f"[{rows if rows is not None else 'none'}, d], not {list(r.steer.shape)}")
 
 
 # ----------------------------------------------------------------------------- building records
