@@ -35,6 +35,16 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   none), to learn the ratios against. Both wait longer by the measured cost of switching (the
   drafter restarts rows that skipped plain steps: `switch_cost`), so exploring costs at most about
   one step in `explore_min` and tends to one in `explore_max`.
+- Confidence (drafters that report it: suffix decoding's path frequency, an eagle head's own
+  probability of its drafts): once a step has drafted, each auto row keeps the prefix of its draft
+  that maximizes its own expected tokens per unit of time,
+
+      L*_b = argmax_L (1 + c · Σ_{i≤L} P_{b,i}) / (overhead(L > 0) + r(L + 1))
+
+  where P_{b,i} is the drafter's probability that its first i drafts are accepted and c its live
+  calibration (accepted / predicted, decayed): a draft the verifier is unlikely to take costs no verify
+  pass. The drafting cost is spent by then and does not enter. Where asking costs little (drafting
+  per token ≤ `cheap_draft` of a plain pass: a lookup), probes keep the shortest interval.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
   until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs.
 """
@@ -62,6 +72,8 @@ class ControllerConfig:
     explore_min: int = 16  # steps without drafting before a probe (an unmeasured shape, or a reset)
     explore_max: int = 256  # the longest interval between probes
     refresh: int = 8  # plain steps of the same batch shape that reuse the last evaluation (it costs ~30 µs)
+    cheap_draft: float = 0.02  # drafting per token at most this share of a plain pass (a lookup): probes stay frequent
+    calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -287,6 +299,7 @@ class StepSample:
 
     rows: int
     k: int  # drafts the verify pass covered (T = k + 1)
+    # (the drafter's predicted accepted drafts Σ_i P_i, n accepted) of every row whose draft carried confidence
     draft_s: float
     verify_s: float
     overhead_s: float
@@ -294,6 +307,7 @@ class StepSample:
     resync_s: float = 0.0  # restarting drafter rows that skipped plain steps (0: none needed it)
     asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
     #                           (suffix) may draft less, and the verify pass covers only what it drafted
+    confident: tuple[tuple[float, int], ...] = ()
 
     @property
     def drafting(self) -> int:
@@ -313,6 +327,7 @@ class Controller:
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after one plain step is measured
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
+        self.calibration = [1.0, 1.0]  # decayed (accepted, predicted) drafts of confident rows
 
     # -- inputs
 
@@ -320,6 +335,9 @@ class Controller:
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
+        lam = self.cfg.calibration_decay
+        for predicted, n in step.confident:
+            self.calibration = [lam * self.calibration[0] + n, lam * self.calibration[1] + predicted]
         if step.drafting:
             self._cached = None
 
@@ -327,6 +345,7 @@ class Controller:
         """A new drafter (version) serves: its acceptance is unknown; the old estimate stays as a weak
         prior, and a probe comes soon."""
         self.acceptance.fade(self.cfg.swap_keep)
+        self.calibration = [x * self.cfg.swap_keep for x in self.calibration]
         self.interval = self.cfg.explore_min
         self._cached = None
 
@@ -362,13 +381,37 @@ class Controller:
             probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
             due = self.cfg.explore_min if not self.costs.measured(probe, b) else self.interval
             if self.idle >= due * switch and not self.costs.stale(b, self.cfg.side_by_side):
-                self.interval = min(2 * self.interval, self.cfg.explore_max)
+                cheap = b in self.costs.draft and self.costs.draft_of(b) <= self.cfg.cheap_draft
+                self.interval = self.cfg.explore_min if cheap else min(2 * self.interval, self.cfg.explore_max)
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
         return self._chose(Choice(base))
 
     def _chose(self, choice: Choice) -> Choice:
         self.idle = 0 if choice.k else self.idle + 1
         return choice
+
+    # -- confidence
+
+    @property
+    def confidence_scale(self) -> float:
+        """c: what confident drafts really earned over what the drafter predicted (1 before any)."""
+        accepted, predicted = self.calibration
+        return accepted / predicted if predicted > 0 else 1.0
+
+    def cut(self, confidence: list[list[float]], rows: int) -> list[int]:
+        """Per row, the draft length L* (see the module doc) for cumulative acceptance probabilities
+        confidence[b] = [P_1, P_2, ...] (non-increasing), at the bucket of a `rows`-row verify pass."""
+        b, c = bucket(rows), self.confidence_scale
+        costs = [self.costs.overhead_of(L > 0, b) + self.costs.ratio_of(L + 1, b)
+                 for L in range(1 + max(map(len, confidence), default=0))]
+        out = []
+        for probs in confidence:
+            gains, total = [1.0], 1.0
+            for p in probs:
+                total += c * p
+                gains.append(total)
+            out.append(max(range(len(gains)), key=lambda L: (gains[L] / costs[L], -L)))
+        return out
 
     # -- for metrics
 

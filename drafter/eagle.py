@@ -171,7 +171,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
-        z, tokens, steps = self.feature, self.last, []
+        z, tokens, steps, confidence, run = self.feature, self.last, [], [], 1.0
         for i in range(k):
             z = self.step(z, tokens)
             logits = linear(self._rms(z, self.norm_out), self.head).float()
@@ -179,8 +179,11 @@ class EagleDrafter:
                 logits = expand(logits, self.vocab, self.lean.vocab_size)
             steps.append(choose(logits, params, None if uniforms is None else uniforms[:, i]))
             tokens = steps[-1].token
+            run = run * torch.softmax(logits, dim=-1).gather(-1, tokens[:, None].to(logits.device)).squeeze(-1)
+            confidence.append(run)  # the head's own probability that its drafts so far are all taken
         proposal = stack_proposal(steps, params)
         proposal.steer = self.feature[:, None].float()  # what the block was drafted from (replay records)
+        proposal.confidence = torch.stack(confidence, dim=1) if confidence else None
         return proposal
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:

@@ -219,21 +219,26 @@ class Engine:
         clock = StepClock()
         scoring = scoring_for({s: rows[s].request.logprobs for s in live if rows[s].request.logprobs is not None})
         t1 = time.perf_counter()
+        gate = None if choice is None or any(rows[s].request.k is not None for s in live) else (
+            lambda confidence: self.controller.cut(confidence, m))  # every row auto: confidence may cut drafts
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
-                                   active, self.sampler, on_trace, limit, clock, scoring)
+                                   active, self.sampler, on_trace, limit, clock, scoring, gate)
         t2 = time.perf_counter()
         if narrowed is not drafter:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         drafted = ks if outcome.drafted is None else [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
         blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])  # what asking k earns
+        confident = () if outcome.predicted is None else tuple(
+            (float(outcome.predicted[s]), int(outcome.num_accepted[s])) for s in live if drafted[s])
         updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0
         self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
                                  resync_s=resync_s, choice=choice)
         self.controller.observe(StepSample(m, outcome.tokens.shape[1] - 1, clock.draft_s, clock.verify_s,
-                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s, kmax))
+                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s, kmax,
+                                           confident))
         return updates
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:

@@ -181,4 +181,7 @@ def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:
         probs = torch.where(pick[:, None, None], one_hot.to(dev), model.probs)
     k = tokens.shape[1]
     lengths = torch.where(rows, suffix.lengths, torch.full_like(suffix.lengths, k))
-    return Proposal(tokens=tokens, probs=probs, logits=model.logits, steer=model.steer, lengths=lengths)
+    theirs = model.confidence.float().cpu() if model.confidence is not None else torch.ones(len(rows), k)
+    confidence = torch.where(rows[:, None], suffix.confidence, theirs)
+    return Proposal(tokens=tokens, probs=probs, logits=model.logits, steer=model.steer, lengths=lengths,
+                    confidence=confidence)

@@ -26,6 +26,8 @@ class BlockOutcome:
     drafted: torch.Tensor | None = None  # [B] int64: drafts each row offered (None: k each; fewer for a
     #                                      self-limiting drafter, `Proposal.lengths`)
     sources: list[str] | None = None  # [B] the speculator that drafted each row (a mix: `Proposal.sources`)
+    predicted: torch.Tensor | None = None  # [B] Σ_i P_i over each row's drafted positions: the drafts the
+    #                                        drafter expected accepted (`Proposal.confidence`; None without)
 
     @property
     def last_tokens(self) -> torch.Tensor:

@@ -73,6 +73,7 @@ def speculative_step(
     limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
     clock: StepClock | None = None,  # timing of the draft and verify passes; None costs nothing
     scoring: Scoring | None = None,  # rows whose emitted tokens get log-probabilities; None costs nothing
+    gate: Callable[[list[list[float]]], list[int]] | None = None,  # per-row draft lengths from confidence
 ) -> BlockOutcome:
     dev = verifier.device
     t_start = None if clock is None else clock.mark(dev)
@@ -84,6 +85,8 @@ def speculative_step(
         proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
                             torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
     follow = bool(k) or follows_plain(drafter)  # a drafter asked to propose observes the verdict
+    if k and gate is not None and proposal.confidence is not None:
+        gated(proposal, gate, k)
     if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
         k, limit, u_accept = cut_to_lengths(proposal, active, k, limit, uniforms)
     if proposal.probs is not None:
@@ -96,8 +99,9 @@ def speculative_step(
     logits = out.logits  # [B, k+1, V]
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
     t_verified = None if clock is None else clock.mark(dev)
+    drafted = None if proposal.lengths is None else limit.cpu()
     outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu(),  # the host commits and rolls back
-                           None if proposal.lengths is None else limit.cpu(), proposal.sources)
+                           drafted, proposal.sources, predicted(proposal, drafted))
     if clock is not None:
         clock.read(t_start, t_drafted, t_verified)
     if scoring is not None:  # after the clock: the controller's costs are those of the step itself
@@ -146,6 +150,25 @@ def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int, limit: torc
     limit = lengths if limit is None else torch.minimum(limit.to(lengths.device), lengths)
     u_accept = None if uniforms is None else torch.cat([uniforms[:, k:k + cut], uniforms[:, 2 * k:2 * k + 1]], dim=1)
     return cut, limit, u_accept if u_accept is None else u_accept.to(proposal.tokens.device)
+
+
+def gated(proposal: Proposal, gate: Callable[[list[list[float]]], list[int]], k: int) -> None:
+    """Each row keeps the prefix of its draft the gate chooses from its confidence (drafter.controller `cut`)."""
+    lengths = proposal.lengths if proposal.lengths is not None else torch.full((len(proposal.tokens),), k)
+    conf = proposal.confidence.float().cpu()
+    rows = [conf[b, : int(n)].tolist() for b, n in enumerate(lengths.tolist())]
+    proposal.lengths = torch.minimum(lengths.cpu(), torch.tensor(gate(rows), dtype=torch.long))
+
+
+def predicted(proposal: Proposal, drafted: torch.Tensor | None) -> torch.Tensor | None:
+    """[B] Σ_i P_i over each row's drafted positions (None for a proposal without confidence)."""
+    if proposal.confidence is None:
+        return None
+    conf = proposal.confidence.float().cpu()
+    if drafted is None:
+        return conf.sum(dim=1)
+    mask = torch.arange(conf.shape[1])[None, :] < drafted[:, None]
+    return (conf * mask).sum(dim=1)
 
 
 def follows_plain(drafter: Drafter | None) -> bool:

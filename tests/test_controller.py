@@ -235,3 +235,35 @@ def test_a_cheap_self_limiting_drafter_that_is_right_when_it_drafts_is_turned_on
                              ((k, drafted),) if k else (), asked=k))
         chosen.append(k)
     assert sum(k > 0 for k in chosen[200:]) > 150
+
+
+def test_confidence_cuts_each_row_to_the_prefix_worth_its_verify_pass():
+    """r(T) = 1 + 0.25 (T − 1): a draft is worth its place only while its acceptance probability beats
+    the marginal cost of a longer verify pass."""
+    c = Controller()
+    c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.costs.observe(StepSample(1, 4, 0.0, 0.020, 0.0))  # side by side: r(5) = 2.0, slope 0.25
+    sure, unsure, mixed = [1.0, 1.0, 1.0, 1.0], [0.1, 0.01, 0.001, 0.0001], [0.9, 0.8, 0.1, 0.05]
+    assert c.cut([sure, unsure, mixed, []], rows=1) == [4, 0, 2, 0]
+
+
+def test_the_confidence_calibration_follows_what_confident_drafts_earn():
+    c = Controller(ControllerConfig(calibration_decay=1.0))
+    for _ in range(10):  # predicted 2 accepted drafts per block, earned 1
+        c.observe(StepSample(1, 2, 0.0, 0.012, 0.0, ((2, 1),), confident=((2.0, 1),)))
+    assert c.confidence_scale == pytest.approx((1 + 10) / (1 + 20))
+    c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.costs.observe(StepSample(1, 2, 0.0, 0.018, 0.0))  # r(3) = 1.8: r(2) = 1.4
+    assert c.cut([[0.5, 0.25]], rows=1) == [0]  # 0.5 predicted is ~0.26 earned: not worth r(2)
+    c.calibration = [1.0, 1.0]
+    assert c.cut([[0.5, 0.25]], rows=1) == [1]  # taken at its word, 1.5 tokens for 1.4 would pay
+
+
+def test_a_cheap_drafter_is_probed_at_the_shortest_interval():
+    c, chosen = Controller(), []
+    for _ in range(300):  # a lookup that costs 1 % of a plain pass and never helps
+        k = c.choose(Batch(1, 1)).k
+        c.observe(StepSample(1, 0, 0.0001 * k, PLAIN_S, OVERHEAD_S, ((k, 0),) if k else (), asked=k))
+        chosen.append(k)
+    gaps = [i for i, k in enumerate(chosen) if k]
+    assert len(gaps) >= 300 // (ControllerConfig().explore_min + 2)  # never backs off to explore_max

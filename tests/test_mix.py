@@ -14,6 +14,7 @@ from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
 from drafter.suffix import SuffixDrafter
 from tests.test_eagle import trained_like
+from tests.test_engine import Scripted
 from tests.tiny import build_model, llama_config
 
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3], [7, 8], [9, 10, 11, 12, 9, 10], [5, 5, 5, 5]]
@@ -38,8 +39,9 @@ def test_greedy_output_with_a_mix_equals_the_verifier_alone(lean, names, k):
     params = SamplingParams(max_tokens=30)
     ref = [g.token_ids for g in generate(lean, None, PROMPTS, params, 0, StopRule())]
     mix = mix_of(lean, *names)
+    controller = None if k else Scripted([2, 0, 3, 1], k_max=3)  # auto: steps that draft, cut by confidence
     for _ in range(2):  # the second pass drafts from the first one's outputs too
-        out = generate(lean, mix, PROMPTS, params, k, StopRule())
+        out = generate(lean, mix, PROMPTS, params, k, StopRule(), controller=controller)
         assert [g.token_ids for g in out] == ref
     assert sum(mix.served.values()) > 0
     assert all(mix.served[n] > 0 for n in names), mix.served  # every member drafted some blocks

@@ -229,6 +229,15 @@ def tiny_drafter(tiny, kind):
         return DVIDrafter(LeanDecoder(verifier), perturbed_head(verifier, layers=1, std=0.5))
     if kind == "suffix":  # earlier outputs in its global store: drafts come from both stores
         return suffix_with_outputs([[3, 1, 2, 3, 4, 5], [2, 3, 1, 2, 6], [1, 2, 7, 7]])
+    if kind == "mix":  # an eagle head, a static one and suffix decoding, chosen per step and row
+        from drafter.eagle import EagleDrafter
+        from drafter.mix import SpeculatorMix
+        from tests.test_eagle import trained_like
+
+        lean = LeanDecoder(verifier)
+        suffix = suffix_with_outputs([[3, 1, 2, 3, 4, 5], [2, 3, 1, 2, 6]])
+        return SpeculatorMix({"adaptive": EagleDrafter(lean, trained_like(lean, seed=1)),
+                              "static": EagleDrafter(lean, trained_like(lean, seed=2)), "suffix": suffix}, explore=2)
     return NgramDrafter(VOCAB) if kind == "ngram" else None
 
 
@@ -260,7 +269,7 @@ SETTINGS = {
 # Every kind under the full transform (temperature, top-p: each kind warps its own q); plain T = 1, the
 # same code with an identity transform, for the verifier alone and one drafter kind (suite time).
 WARPED = "T=0.7,top-p=0.9"
-KINDS = [("pretrained", 2), ("ngram", 3), ("suffix", 3), ("sd2", 2), ("dvi", 3), ("none", 0)]
+KINDS = [("pretrained", 2), ("ngram", 3), ("suffix", 3), ("mix", 3), ("sd2", 2), ("dvi", 3), ("none", 0)]
 
 
 @pytest.mark.parametrize("setting,kind,k", [(WARPED, kind, k) for kind, k in KINDS]
@@ -274,7 +283,7 @@ def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k
     assert min(pvalues) > 0.01, pvalues
 
 
-@pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix")]
+@pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix", "mix")]
                          + [("T=1", "pretrained")])
 def test_sampled_output_distribution_with_k_changing_every_step_equals_the_verifiers(tiny, setting, kind):
     """k = auto: plain steps, then drafting rows restarted in the drafter, every k — each step a valid block."""
