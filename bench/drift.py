@@ -179,13 +179,17 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], oracle: dict | None, segments, path: Path) -> None:
+def plot(runs: list[dict], oracle: dict | None, segments, path: Path, together: bool = False) -> None:
+    """τ (rolling 20) against the request index: one panel per kind and temperature, or with
+    `together` (runs of several kinds compared: --frozen) every run in one panel per temperature."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     temps = sorted({r["temperature"] for r in runs})
+    if together:
+        runs = [dict(r, learner=f"{r['kind']} ({r['learner']})", kind="all") for r in runs if r["kind"] != "none"]
     kinds = sorted({r["kind"] for r in runs})
     fig, axes = plt.subplots(len(kinds), len(temps), figsize=(7 * len(temps), 3.6 * len(kinds)), squeeze=False)
     for i, kind in enumerate(kinds):
@@ -197,7 +201,7 @@ def plot(runs: list[dict], oracle: dict | None, segments, path: Path) -> None:
                 ax.plot(rolling(taus(oracle), 20), label="oracle (offline on code)", lw=1, ls="--", color="gray")
             for x in (segments[0], segments[0] + segments[1]):
                 ax.axvline(x, color="black", lw=0.6, ls=":")
-            ax.set_title(f"{kind}, T={temp:g}: chat → code → chat")
+            ax.set_title(f"{'' if together else kind + ', '}T={temp:g}: chat → code → chat")
             ax.set_xlabel("request")
             ax.set_ylabel("τ (rolling 20)")
             ax.legend(fontsize=8)
@@ -223,7 +227,14 @@ def main() -> None:
     p.add_argument("--oracle-kind", default="pretrained")
     p.add_argument("--tag", default="pretrained")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--replot", type=Path, help="redraw the PNG (and print the table) of a results JSON, run nothing")
     args = p.parse_args()
+    if args.replot is not None:
+        saved = json.loads(args.replot.read_text())
+        segs = tuple(saved["segments"])
+        plot(saved["runs"], saved["oracle"], segs, args.replot.with_suffix(".png"), together=args.frozen is not None)
+        print(markdown(analyse(saved["runs"], saved["oracle"], segs, args.frozen)))
+        return
     segments = tuple(args.segments)
     files = traffic_files(Path(tempfile.mkdtemp(prefix="specloop-drift-")), segments)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -243,7 +254,7 @@ def main() -> None:
             out.write_text(json.dumps({"machine": machine_info(), "segments": segments, "max_tokens": args.max_tokens,
                                        "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
             print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
-    plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png")
+    plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png", together=args.frozen is not None)
     if any(r["learner"] == "off" for r in runs):  # the ratios need the frozen run
         print(markdown(analyse(runs, oracle, segments, args.frozen)))
 

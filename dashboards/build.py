@@ -68,6 +68,11 @@ ACCEPTANCE_ALL = f"{rate(SPEC + 'accepted_tokens_total')}\n  / {rate(SPEC + 'dra
 MEAN_ACCEPTANCE_LENGTH = f"1 + {ACCEPTED}\n  / {rate(SPEC + 'drafts_total', 'drafter_version')}"
 PER_POSITION = (f"{rate(SPEC + 'accepted_tokens_per_pos_total', 'drafter_version, position')}\n"
                 f"  / on (drafter_version) group_left\n  {rate(SPEC + 'drafts_total', 'drafter_version')}")
+SPECULATOR = "specloop:spec_decode_speculator_"
+SPECULATOR_SHARE = (f"{rate(SPECULATOR + 'drafts_total', 'speculator')}\n"
+                    f"  / ignoring (speculator) group_left\n  {rate(SPECULATOR + 'drafts_total')}")
+SPECULATOR_TAU = (f"1 + {rate(SPECULATOR + 'accepted_tokens_total', 'speculator')}\n"
+                  f"  / {rate(SPECULATOR + 'drafts_total', 'speculator')}")
 STEP_FORWARD = f"{rate('specloop:step_forward_seconds_sum')}\n  / {rate('specloop:step_seconds_count')}"
 STEP_PYTHON = (f"({rate('specloop:step_seconds_sum')} - {rate('specloop:step_forward_seconds_sum')})\n"
                f"  / {rate('specloop:step_seconds_count')}")
@@ -106,6 +111,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Per-position acceptance by drafter version",
               "P(draft position i accepted), 0-based: the early-warning signal.",
               [(PER_POSITION, "{{drafter_version}} pos {{position}}")], unit="percentunit", min=0, max=1),
+        Panel("Drafting blocks by speculator",
+              "With --speculators: the share of drafting blocks each speculator served (adaptive: the served "
+              "version; static: the frozen base; suffix: suffix decoding).",
+              [(SPECULATOR_SHARE, "{{speculator}}")], unit="percentunit", min=0, max=1, width=12),
+        Panel("Mean acceptance length τ by speculator",
+              "1 + accepted / drafts of the blocks each speculator drafted.",
+              [(SPECULATOR_TAU, "{{speculator}}")], min=1, width=12),
     ]),
     ("Traffic", [
         Panel("Tokens / s", "Generated for clients and prompt tokens admitted (API), and committed by the workers.",

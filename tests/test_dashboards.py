@@ -175,6 +175,7 @@ class FakeSpecloop:
         while not self.stop.wait(0.05):
             accepted = 2 if self.version == "v0001" else 3
             self.worker.blocks(self.version, [4, 4, 4, 4], [accepted] * 4)
+            self.worker.speculators(self.version, [("adaptive", 4, accepted)] * 3 + [("suffix", 4, 4)])
             self.worker.generated(4 * (accepted + 1))
             self.worker.load(queued=2, running=4)
             self.worker.step(0.008, 0.010)
@@ -242,6 +243,9 @@ def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fa
         per_pos = prom.query(fill(build.PER_POSITION, "1m"))
         assert [round(last_value(per_pos, drafter_version="v0002", position=str(i)), 2) for i in range(4)] == \
             [1.0, 1.0, 1.0, 0.0]
+        share = prom.query(fill(build.SPECULATOR_SHARE, "1m"))
+        assert last_value(share, speculator="suffix") == pytest.approx(0.25, abs=0.02)
+        assert last_value(prom.query(fill(build.SPECULATOR_TAU, "1m")), speculator="suffix") == pytest.approx(5.0)
         step = prom.query(fill(build.STEP_FORWARD, "1m"))
         assert float(step[0]["value"][1]) == pytest.approx(0.008)
         assert last_value(prom.query("max by (drafter_version) (specloop:drafter_info)"), drafter_version="v0002") == 1
@@ -268,11 +272,13 @@ def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fa
 
 
 class SpecloopServe(ServeProcess):
-    """`specloop serve` over the tiny pair (API, worker and klrl learner), with its own registry (and
-    Redis key prefix, when Redis answers), deleted from Redis when it stops."""
+    """`specloop serve` over the tiny pair (API, worker and klrl learner training an eagle head, with a static
+    copy and suffix decoding chosen per step beside it), with its own registry (and Redis key prefix, when
+    Redis answers), deleted from Redis when it stops."""
 
     def __init__(self, tmp_path: Path, verifier: Path, drafter: Path):
-        super().__init__(["--verifier", verifier, "--drafter", drafter, "--learner", "klrl"], threads=1,
+        super().__init__(["--verifier", verifier, "--drafter", drafter, "--drafter-kind", "eagle",
+                          "--speculators", "static,suffix", "--learner", "klrl"], threads=1,
                          registry=tmp_path / "registry", log=tmp_path / "serve.log", cwd=tmp_path)
 
     def chat(self, client: httpx.Client, i: int) -> None:
@@ -328,7 +334,7 @@ def test_every_panel_query_returns_data_from_a_real_specloop_serve_under_traffic
     try:
         prom.wait_for_targets(1 + len(discovered), timeout=60)
         for metric in ("specloop:spec_decode_num_drafts_total", "specloop:http_requests_total",
-                       "specloop:learner_updates_total"):
+                       "specloop:learner_updates_total", "specloop:spec_decode_speculator_drafts_total"):
             prom.wait_for_samples(metric, 4, timeout=90)
         board = dashboard()
         empty = [f"{title}: {expr}" for title, expr in panel_queries(board) if not prom.query(expr)]
