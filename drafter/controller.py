@@ -133,6 +133,27 @@ class Acceptance:
 
 
 @dataclass
+class Calibration:
+    """What confident drafts really earned over what their drafter predicted, both decayed:
+    scale = accepted / predicted (1 before any draft)."""
+
+    decay: float = 0.98
+    accepted: float = 1.0
+    predicted: float = 1.0
+
+    def observe(self, predicted: float, accepted: float) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.predicted = self.decay * self.predicted + predicted
+
+    def fade(self, keep: float) -> None:
+        self.accepted, self.predicted = self.accepted * keep, self.predicted * keep
+
+    @property
+    def scale(self) -> float:
+        return self.accepted / self.predicted if self.predicted > 0 else 1.0
+
+
+@dataclass
 class Ewma:
     value: float = 0.0
     n: int = 0  # samples seen
@@ -327,7 +348,7 @@ class Controller:
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after one plain step is measured
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
-        self.calibration = [1.0, 1.0]  # decayed (accepted, predicted) drafts of confident rows
+        self.calibration = Calibration(self.cfg.calibration_decay)  # of rows whose drafts carried confidence
 
     # -- inputs
 
@@ -335,9 +356,8 @@ class Controller:
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
-        lam = self.cfg.calibration_decay
         for predicted, n in step.confident:
-            self.calibration = [lam * self.calibration[0] + n, lam * self.calibration[1] + predicted]
+            self.calibration.observe(predicted, n)
         if step.drafting:
             self._cached = None
 
@@ -345,7 +365,7 @@ class Controller:
         """A new drafter (version) serves: its acceptance is unknown; the old estimate stays as a weak
         prior, and a probe comes soon."""
         self.acceptance.fade(self.cfg.swap_keep)
-        self.calibration = [x * self.cfg.swap_keep for x in self.calibration]
+        self.calibration.fade(self.cfg.swap_keep)
         self.interval = self.cfg.explore_min
         self._cached = None
 
@@ -395,8 +415,7 @@ class Controller:
     @property
     def confidence_scale(self) -> float:
         """c: what confident drafts really earned over what the drafter predicted (1 before any)."""
-        accepted, predicted = self.calibration
-        return accepted / predicted if predicted > 0 else 1.0
+        return self.calibration.scale
 
     def cut(self, confidence: list[list[float]], rows: int) -> list[int]:
         """Per row, the draft length L* (see the module doc) for cumulative acceptance probabilities

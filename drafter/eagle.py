@@ -175,11 +175,12 @@ class EagleDrafter:
         for i in range(k):
             z = self.step(z, tokens)
             logits = linear(self._rms(z, self.norm_out), self.head).float()
+            norm = torch.logsumexp(logits, dim=-1)  # over the draft vocabulary, before it is expanded
             if self.vocab is not None:
                 logits = expand(logits, self.vocab, self.lean.vocab_size)
             steps.append(choose(logits, params, None if uniforms is None else uniforms[:, i]))
             tokens = steps[-1].token
-            run = run * torch.softmax(logits, dim=-1).gather(-1, tokens[:, None].to(logits.device)).squeeze(-1)
+            run = run * (logits.gather(-1, tokens[:, None].to(logits.device)).squeeze(-1) - norm).exp()
             confidence.append(run)  # the head's own probability that its drafts so far are all taken
         proposal = stack_proposal(steps, params)
         proposal.steer = self.feature[:, None].float()  # what the block was drafted from (replay records)

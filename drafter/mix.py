@@ -26,7 +26,7 @@ import copy
 
 import torch
 
-from drafter.controller import Acceptance, ControllerConfig, expected_tokens
+from drafter.controller import Acceptance, Calibration, ControllerConfig, expected_tokens
 from drafter.proposer import Drafter, Proposal, VerifierView
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
@@ -51,11 +51,11 @@ class SpeculatorMix:
         self.verifier_layers = tuple(sorted({i for d in members.values() for i in d.verifier_layers}))
         self.record_layers = tuple(members["adaptive"].record_layers)
         self.follows_plain = True
-        self.explore, self.decay = explore, calibration_decay
+        self.explore = explore
         cfg = ControllerConfig(k_max=8)
         self.acceptance = {name: Acceptance(cfg) for name in members if name != "suffix"}
         self.idle = {name: 0 for name in self.acceptance}  # drafting steps each model member sat out
-        self.calibration = [1.0, 1.0]  # suffix: decayed (accepted, predicted) tokens
+        self.calibration = Calibration(calibration_decay)  # of the suffix member's drafts
         self.served: dict[str, int] = {name: 0 for name in members}  # blocks drafted by each member
         self._last: tuple[list[str], list[float]] | None = None
 
@@ -70,11 +70,6 @@ class SpeculatorMix:
         starved = [n for n in models if self.idle[n] >= self.explore]
         return starved[0] if starved else max(models, key=lambda n: (self.expected(n, k), n == "adaptive"))
 
-    @property
-    def suffix_calibration(self) -> float:
-        accepted, predicted = self.calibration
-        return accepted / predicted if predicted > 0 else 1.0
-
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         model = self.pick_model(k)
         suffix = self.members.get("suffix")
@@ -82,7 +77,7 @@ class SpeculatorMix:
             return self._model_proposal(model, k, params, uniforms)
         drafts = suffix.drafts(k)
         bar = self.expected(model, k)
-        scores = [1 + self.suffix_calibration * d.score for d in drafts]
+        scores = [1 + self.calibration.scale * d.score for d in drafts]
         takes = [bool(d.tokens) and s >= bar for d, s in zip(drafts, scores)]
         mine = proposal_of(drafts, k, suffix.vocab_size, params, [r.tokens[-1] for r in suffix.rows])
         if all(takes):
@@ -125,8 +120,7 @@ class SpeculatorMix:
                 continue
             self.served[sources[b]] += 1
             if sources[b] == "suffix":
-                lam = self.decay
-                self.calibration = [lam * self.calibration[0] + n, lam * self.calibration[1] + sum(predicted[b][:drafted])]
+                self.calibration.observe(sum(predicted[b][:drafted]), n)
             else:
                 self.acceptance[sources[b]].observe(drafted, n)
 
@@ -148,7 +142,7 @@ class SpeculatorMix:
     def widen(self, view: "SpeculatorMix", m: int) -> None:
         for name, d in self.members.items():
             d.widen(view.members[name], m)
-        self.calibration, self._last = view.calibration, None
+        self._last = None
 
     def adopt(self, old: "SpeculatorMix") -> None:
         """A new adaptive version: every member continues `old`'s rows; the other members' estimates
@@ -167,7 +161,7 @@ class SpeculatorMix:
                 self.acceptance[name] = copy.deepcopy(acc)
         if "adaptive" in self.acceptance:
             self.acceptance["adaptive"].fade(0.25)
-        self.calibration, self.served, self.idle = list(old.calibration), dict(old.served), dict(old.idle)
+        self.calibration, self.served, self.idle = copy.deepcopy(old.calibration), dict(old.served), dict(old.idle)
 
 
 def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:

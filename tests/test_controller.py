@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from drafter.controller import (Acceptance, Batch, Controller, ControllerConfig, Costs, Ewma, StepSample, bucket,
+from drafter.controller import (Acceptance, Batch, Calibration, Controller, ControllerConfig, Costs, Ewma, StepSample, bucket,
                                 expected_tokens)
 
 PLAIN_S, OVERHEAD_S = 0.010, 0.001
@@ -255,7 +255,7 @@ def test_the_confidence_calibration_follows_what_confident_drafts_earn():
     c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
     c.costs.observe(StepSample(1, 2, 0.0, 0.018, 0.0))  # r(3) = 1.8: r(2) = 1.4
     assert c.cut([[0.5, 0.25]], rows=1) == [0]  # 0.5 predicted is ~0.26 earned: not worth r(2)
-    c.calibration = [1.0, 1.0]
+    c.calibration = Calibration()
     assert c.cut([[0.5, 0.25]], rows=1) == [1]  # taken at its word, 1.5 tokens for 1.4 would pay
 
 

@@ -41,13 +41,16 @@ def test_drafts_are_the_modules_chain_from_the_verifiers_last_feature(verifier):
     assert d.verifier_layers == (layer,)
     d.start([PROMPTS[0]], 32, VerifierView(cache, feats))
     proposal = d.propose(3, SamplingParams(), None)
-    z, token, want = feats[layer], torch.tensor([PROMPTS[0][-1]]), []
+    z, token, want, sure = feats[layer], torch.tensor([PROMPTS[0][-1]]), [], [1.0]
     with torch.no_grad():
         for _ in range(3):
             z = head.step(z, verifier.model.embed_tokens(token))
-            token = head.logits(z, verifier.lm_head.weight).argmax(-1)
+            logits = head.logits(z, verifier.lm_head.weight)
+            token = logits.argmax(-1)
             want.append(int(token))
+            sure.append(sure[-1] * float(torch.softmax(logits, -1)[0, token]))
     assert proposal.tokens[0].tolist() == want
+    assert torch.allclose(proposal.confidence[0], torch.tensor(sure[1:]), rtol=1e-4)  # its own P(drafts so far taken)
     assert torch.equal(proposal.steer[:, 0], feats[layer].float())  # what a replay record keeps
 
 

@@ -118,5 +118,5 @@ def test_suffix_calibration_follows_what_its_drafts_really_earn(lean):
     for _ in range(50):
         mix._last = (["suffix"], [[1.0, 1.0]])
         mix.observe(outcome, torch.tensor([True]), view)
-    assert mix.suffix_calibration < 0.05  # predicted 2 per block, earned 0
+    assert mix.calibration.scale < 0.05  # predicted 2 per block, earned 0
     assert np.isclose(sum(mix.served.values()), 50)
