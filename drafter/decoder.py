@@ -26,7 +26,7 @@ from drafter import kernels
 from drafter.architecture import (SUPPORTED_ACT, Architecture, StaticRope, UnsupportedModel, _Layer, _tensor,  # noqa: F401
                                   check_config, fuse_layer)
 from drafter.attention import KEY_BLOCK, KV_DTYPE, QUERY_CHUNK, StepPositions, _rope, _round_up, exact_attention  # noqa: F401
-from drafter.kv_cache import KVCache, pad_right, prefill, prefill_rows  # noqa: F401
+from drafter.kv_cache import KVCache, pad_right, prefill, prefill_recent, prefill_rows  # noqa: F401
 from drafter.quant import linear
 from drafter.vocab import expand
 

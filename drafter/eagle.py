@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from drafter.decoder import LeanDecoder
-from drafter.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
+from drafter.proposer import Choice, Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from drafter.quant import linear, quantize_like
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
@@ -108,6 +108,27 @@ def new_head(lean: LeanDecoder, intermediate: int = EagleConfig.intermediate) ->
         return FeatureHead(cfg, lean.final_norm)
 
 
+def head_rows(lean: LeanDecoder, vocab: torch.Tensor | None) -> torch.Tensor:
+    """The verifier's LM head over the draft vocabulary (all of it for None), as floats."""
+    head = lean.lm_head
+    if vocab is not None and hasattr(head, "rows"):  # only those rows (the whole head in floats: 113 MB)
+        return head.rows(vocab.to(lean.device)).float()
+    weight = (head if isinstance(head, torch.Tensor) else head.dequantize()).float()
+    return weight if vocab is None else weight[vocab.to(weight.device)]
+
+
+def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, params: SamplingParams,
+         u: torch.Tensor | None) -> tuple[Choice, torch.Tensor]:
+    """A draft from a head's logits over the draft vocabulary: the choice (its logits expanded to the
+    full vocabulary) and the head's own probability of the token chosen [B]."""
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1)  # over the draft vocabulary, before it is expanded
+    if vocab is not None:
+        logits = expand(logits, vocab, vocab_size)
+    c = choose(logits, params, u)
+    return c, (logits.gather(-1, c.token[:, None].to(logits.device)).squeeze(-1) - norm).exp()
+
+
 def feature_layer(cfg: EagleConfig, num_layers: int) -> int:
     """The 0-based verifier layer the head reads."""
     layer = cfg.layer if cfg.layer >= 0 else num_layers + cfg.layer
@@ -138,15 +159,7 @@ class EagleDrafter:
         dt = self.lean.dtype
         self.norms = [p.detach().to(self.lean.device, dt) for p in (head.norm_feature, head.norm_token, head.norm_mlp)]
         self.norm_out = head.norm_out.detach().to(self.lean.device, dt)
-        self.head = prep(self._head_rows())
-
-    def _head_rows(self) -> torch.Tensor:
-        """The verifier's LM head over the draft vocabulary, as floats."""
-        head = self.lean.lm_head
-        if self.vocab is not None and hasattr(head, "rows"):  # only those rows (the whole head in floats: 113 MB)
-            return head.rows(self.vocab.to(self.lean.device)).float()
-        weight = (head if isinstance(head, torch.Tensor) else head.dequantize()).float()
-        return weight if self.vocab is None else weight[self.vocab.to(weight.device)]
+        self.head = prep(head_rows(self.lean, self.vocab))
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), w, self.head_module.cfg.eps)
@@ -174,13 +187,10 @@ class EagleDrafter:
         z, tokens, steps, confidence, run = self.feature, self.last, [], [], 1.0
         for i in range(k):
             z = self.step(z, tokens)
-            logits = linear(self._rms(z, self.norm_out), self.head).float()
-            norm = torch.logsumexp(logits, dim=-1)  # over the draft vocabulary, before it is expanded
-            if self.vocab is not None:
-                logits = expand(logits, self.vocab, self.lean.vocab_size)
-            steps.append(choose(logits, params, None if uniforms is None else uniforms[:, i]))
-            tokens = steps[-1].token
-            run = run * (logits.gather(-1, tokens[:, None].to(logits.device)).squeeze(-1) - norm).exp()
+            logits = linear(self._rms(z, self.norm_out), self.head)
+            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, None if uniforms is None else uniforms[:, i])
+            steps.append(choice)
+            tokens, run = choice.token, run * p
             confidence.append(run)  # the head's own probability that its drafts so far are all taken
         proposal = stack_proposal(steps, params)
         proposal.steer = self.feature[:, None].float()  # what the block was drafted from (replay records)

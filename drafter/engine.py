@@ -135,9 +135,10 @@ class Engine:
         slots = self.free[: len(requests)]
         prompts = [r.prompt for r in requests]
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
-        features = prefill_rows(self.verifier, self.cache, slots, prompts, layers)
+        tail = getattr(self.drafter, "feature_window", 0)  # a windowed head (eagle3) reads the prompt's last positions
+        features, recent, lens = prefill_rows(self.verifier, self.cache, slots, prompts, layers, tail)
         if self.drafter is not None:
-            self.drafter.join(slots, prompts, VerifierView(self.cache, features))
+            self.drafter.join(slots, prompts, VerifierView(self.cache, features, recent if tail else None, lens))
         for s, r in zip(slots, requests):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k

@@ -2,7 +2,8 @@
 
 A trained checkpoint directory holds `manifest.json` (kind, base, layers, k, loss, data, steps),
 `drafter/` (Hugging Face format, for the kinds with their own LM) and the kind's extra weights
-(`steering.safetensors` for sd2, `dvi_head.safetensors` for dvi, `eagle_head.safetensors` for eagle).
+(`steering.safetensors` for sd2, `dvi_head.safetensors` for dvi, `eagle_head.safetensors` for eagle,
+`eagle3_head.safetensors` for eagle3).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from drafter.dvi import DraftHead, DVIConfig, DVIDrafter
 from drafter.decoder import LeanDecoder
 from drafter.eagle import EagleDrafter, FeatureHead, new_head
+from drafter.eagle3 import Eagle3Drafter, Eagle3Head, new_head3
 from drafter.models import LoadedModel, ModelError, check_same_vocabulary, load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
@@ -25,7 +27,8 @@ from drafter.mix import SPECULATORS, SpeculatorMix
 from drafter.suffix import OutputStore, SuffixConfig, SuffixDrafter
 from drafter.vocab import load_vocab
 
-DRAFTER_KINDS = ("pretrained", "ngram", "suffix", "sd2", "dvi", "eagle")
+DRAFTER_KINDS = ("pretrained", "ngram", "suffix", "sd2", "dvi", "eagle", "eagle3")
+HEADS = {"dvi", "eagle", "eagle3"}  # a head on the verifier, no LM of its own
 NEEDS_DIR = {"pretrained", "sd2"}
 MODEL_FREE = {"ngram", "suffix"}  # no weights: nothing to load, train or version
 
@@ -121,6 +124,8 @@ class DrafterBuilder:
             self.head = DraftHead.load(drafter_dir, verifier.hf) if found == "dvi" else DraftHead(verifier.hf, DVIConfig())
         if kind == "eagle":  # a trained head, or an untrained one (it drafts noise until the learner trains it)
             self.head = FeatureHead.load(drafter_dir) if found == "eagle" else new_head(verifier.lean)
+        if kind == "eagle3":
+            self.head = Eagle3Head.load(drafter_dir) if found == "eagle3" else new_head3(verifier.lean)
         self.base = self._mixed(self._assemble(self.lm.lean if self.lm else None, self.steering, self.head))
 
     def _mixed(self, drafter: Drafter) -> Drafter:
@@ -144,6 +149,8 @@ class DrafterBuilder:
             return DVIDrafter(self.verifier.lean, head, self.vocab)
         if self.kind == "eagle":
             return EagleDrafter(self.verifier.lean, head, self.vocab)
+        if self.kind == "eagle3":
+            return Eagle3Drafter(self.verifier.lean, head, self.vocab)
         if self.vocab is not None and lean.vocab_ids is None:
             lean.restrict_vocab(self.vocab)
         if self.weights is not None and lean.quant is None:
@@ -154,7 +161,7 @@ class DrafterBuilder:
         """The base drafter when `weights` is empty or None; else a new one with them loaded."""
         if not weights or self.kind in MODEL_FREE:
             return self.base
-        if self.kind in ("dvi", "eagle"):
+        if self.kind in HEADS:
             return self._mixed(self._assemble(None, None, _loaded(self.head, weights, "head.")))
         lean = LeanDecoder(_loaded(self.lm.hf, weights, "lm."))  # the LM's module: loaded on the first version
         steering = _loaded(self.steering, weights, "steering.") if self.kind == "sd2" else None

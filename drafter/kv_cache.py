@@ -39,8 +39,18 @@ def prefill(lean, prompts: list[list[int]], capacity: int, capture: tuple[int, .
     Returns (cache, features): features maps each captured layer to [B, hidden], the residual
     stream at the position whose output predicts the last prompt token (zeros for 1-token prompts).
     """
+    cache, features, _, _ = prefill_recent(lean, prompts, capacity, capture)
+    return cache, features
+
+
+def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = (), tail: int = 0):
+    """`prefill`, also returning each captured layer's residual streams at the positions that
+    produced the prompt's last `tail` tokens: (cache, features, recent {layer: [B, tail, hidden]},
+    recent_lens [B]); row b's first recent_lens[b] = min(tail, len(prompt) − 1) are real, oldest first."""
     cache = lean.new_cache(len(prompts), capacity)
     features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    recent = {i: torch.zeros(len(prompts), tail, lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
     first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
     for b, prompt in enumerate(prompts):
         if len(prompt) < 2:
@@ -51,25 +61,29 @@ def prefill(lean, prompts: list[list[int]], capacity: int, capture: tuple[int, .
                 layer[b] = layer[src]
             cache.lens[b] = cache.lens[src]
             for i in capture:
-                features[i][b] = features[i][src]
+                features[i][b], recent[i][b] = features[i][src], recent[i][src]
             continue
         row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
         out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture)
         cache.lens[b] = row.lens[0]
+        m = int(lens[b])
         for i in capture:
             features[i][b] = out.hidden[i][0, -1]
-    return cache, features
+            if m:
+                recent[i][b, :m] = out.hidden[i][0, -m:]
+    return cache, features, recent, lens
 
 
 def prefill_rows(lean, cache: KVCache, slots: list[int], prompts: list[list[int]],
-                 capture: tuple[int, ...] = ()) -> dict[int, torch.Tensor]:
+                 capture: tuple[int, ...] = (), tail: int = 0):
     """`prefill` into rows `slots` of an existing cache (continuous batching: requests join a running
-    batch); the other rows are untouched. Returns the captured features, [len(slots), hidden] each."""
+    batch); the other rows are untouched. Returns what `prefill_recent` captured for these rows:
+    (features [len(slots), hidden] per layer, recent [len(slots), tail, hidden] per layer, recent_lens)."""
     width = max(len(p) for p in prompts)
-    fresh, features = prefill(lean, prompts, width, capture)
+    fresh, features, recent, lens = prefill_recent(lean, prompts, width, capture, tail)
     idx = torch.tensor(slots, dtype=torch.long)
     dev = idx.to(lean.device)
     for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):
         dst[dev, :, :width] = src[:, :, :width]
     cache.lens[idx] = fresh.lens
-    return features
+    return features, recent, lens

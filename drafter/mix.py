@@ -51,6 +51,7 @@ class SpeculatorMix:
         self.verifier_layers = tuple(sorted({i for d in members.values() for i in d.verifier_layers}))
         self.record_layers = tuple(members["adaptive"].record_layers)
         self.follows_plain = True
+        self.feature_window = max(getattr(d, "feature_window", 0) for d in members.values())
         self.explore = explore
         cfg = ControllerConfig(k_max=8)
         self.acceptance = {name: Acceptance(cfg) for name in members if name != "suffix"}

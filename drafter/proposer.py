@@ -47,6 +47,11 @@ class VerifierView:
     cache: KVCache  # the verifier's KV cache (lens = committed tokens but the newest)
     features: dict[int, torch.Tensor]  # layer -> [B, hidden]: residual stream at the position that
     #                                    produced the newest committed token (the drafter's `verifier_layers`)
+    recent: dict[int, torch.Tensor] | None = None  # layer -> [B, T, hidden]: the residual streams at the positions
+    #   that produced the row's newest committed tokens, oldest first; row b's first recent_lens[b] are real
+    #   (a verify pass: its block's n + 1 positions; a prefill: the prompt's last positions, up to the
+    #   drafter's `feature_window`)
+    recent_lens: torch.Tensor | None = None  # [B] int64
 
 
 class Drafter(Protocol):

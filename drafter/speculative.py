@@ -109,7 +109,8 @@ def speculative_step(
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
     cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
     if follow:
-        drafter.observe(outcome, active, VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted)))
+        view = VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted), out.hidden, outcome.num_accepted + 1)
+        drafter.observe(outcome, active, view)
     if k and on_trace is not None:
         on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active, limit))
     return outcome
