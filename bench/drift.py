@@ -213,6 +213,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--verifier", type=Path, default=SHARED / "models" / "verifier")
     p.add_argument("--drafter", type=Path, default=SHARED / "models" / "drafter")
+    p.add_argument("--drafter-of", nargs="+", default=[], metavar="KIND=DIR",
+                   help="another drafter directory for runs of KIND (e.g. eagle3=runs/eagle3)")
     p.add_argument("--kinds", nargs="+", default=["pretrained"])
     p.add_argument("--learners", nargs="+", default=["off", "kl", "klrl", "lk"])
     p.add_argument("--temperatures", nargs="+", type=float, default=[0.0])
@@ -247,7 +249,9 @@ def main() -> None:
         plan = [tuple(r.split(":")) for r in args.runs] if args.runs else [
             (kind, learner) for kind in args.kinds for learner in args.learners]
         for kind, learner in plan:
-            drafter = None if kind == "dvi" else args.drafter
+            own = dict(pair.split("=", 1) for pair in args.drafter_of)
+            base = kind.split("+")[0]
+            drafter = None if kind == "dvi" else Path(own[base]).expanduser() if base in own else args.drafter
             runs.append(run_one(args, kind, learner, temp, drafter, files))
             ready = any(r["learner"] == "off" and r["kind"] == (args.frozen or r["kind"]) for r in runs)
             table = analyse(runs, oracle, segments, args.frozen) if ready and runs[-1]["kind"] != "none" else []

@@ -55,7 +55,7 @@ class Eagle3Config:
     layers: list[int] = field(default_factory=list)  # the three 0-based verifier layers fused (low, middle, high)
     heads: int = 8  # attention heads of the head's decoder layer (hidden / heads each)
     window: int = 16  # committed positions the attention sees
-    intermediate: int = 1536  # MLP width
+    intermediate: int = 768  # MLP width
     eps: float = 1e-5
 
     @property
@@ -405,10 +405,14 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
-        width = min(outcome.tokens.shape[1], view.recent[self.verifier_layers[0]].shape[1])
-        count = torch.where(active, outcome.num_accepted + 1, 0).clamp(max=width)
         dev = self.lean.device
-        self.win = self._appended(self.win, self._raw(view.recent)[:, :width], outcome.tokens[:, :width].to(dev), count.to(dev))
+        if view.recent is None:  # only the newest position's features: the window gains that position alone
+            raw, tokens, count = self._raw({i: f[:, None] for i, f in view.features.items()}), outcome.last_tokens[:, None], active.long()
+        else:
+            width = min(outcome.tokens.shape[1], view.recent[self.verifier_layers[0]].shape[1])
+            raw, tokens = self._raw(view.recent)[:, :width], outcome.tokens[:, :width]
+            count = torch.where(active, outcome.num_accepted + 1, 0).clamp(max=width)
+        self.win = self._appended(self.win, raw, tokens.to(dev), count.to(dev))
 
     def narrow(self, m: int) -> "Eagle3Drafter":
         view = copy.copy(self)

@@ -37,12 +37,12 @@ def bootstrap(out: Out, glob: Globals, minutes: Minutes = 4.0, seed: Seed = 0) -
 def fetch(glob: Globals,
           name: Annotated[str, typer.Argument(metavar="NAME", help="model name")] = "smollm2-135m-instruct",
           out: Annotated[Optional[Path], typer.Option(help="output directory (default: the cache's models/NAME)")] = None,
-          drafter_method: Annotated[Literal["eagle", "sd2", "distill"], typer.Option(
+          drafter_method: Annotated[Literal["eagle", "eagle3", "sd2", "distill"], typer.Option(
               help="the drafter to build: eagle (a feature head self-distilled from the verifier's own answers; "
-                   "OUT/drafter), sd2 (a two-layer copy of the verifier, SD²-steered and aligned; OUT/drafter-sd2), "
+                   "OUT/drafter), eagle3 (the EAGLE-3-style head, the same way; OUT/drafter-eagle3), sd2 (a two-layer copy of the verifier, SD²-steered and aligned; OUT/drafter-sd2), "
                    "distill (the same copy, plain; OUT/drafter-distill)")] = "eagle",
           drafter_minutes: Annotated[Optional[float], typer.Option(
-              help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for eagle)")] = None,
+              help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for the heads)")] = None,
           cache: Cache = DEFAULT_CACHE) -> int:
     """A real pretrained verifier and a drafter built for it."""
     from trainer.fetch import FetchConfig, FetchError, default_out, fetch_models
@@ -64,17 +64,17 @@ def fetch(glob: Globals,
 class OfflineOptions:
     """The options of `specloop train offline` (defaults: trainer.offline.OfflineConfig's)."""
 
-    method: Annotated[str, typer.Option(help="distill | sd2 | sd2-frozen | dvi | eagle")]
+    method: Annotated[str, typer.Option(help="distill | sd2 | sd2-frozen | dvi | eagle | eagle3")]
     verifier: Verifier
     out: Annotated[Path, typer.Option(help="output (and checkpoint) directory")]
     drafter: Annotated[Optional[Path], typer.Option(
         help="drafter LM to start from (distill/sd2/sd2-frozen); with dvi only used to speed up --data "
              "generated when --gen-k > 0")] = None
     data: Annotated[str, typer.Option(
-        help="teacher-forced | generated | code | self-distilled (the eagle head from the verifier's own "
+        help="teacher-forced | generated | code | self-distilled (an eagle or eagle3 head from the verifier's own "
              "answers, 4/9 of --minutes decoding them)")] = "teacher-forced"
     loss: Annotated[str, typer.Option(help="kl | tv | lk")] = "kl"
-    k: Annotated[int, typer.Option(help="SD²: random offset δ in 1..k; eagle: unrolled up to k drafts")] = 8
+    k: Annotated[int, typer.Option(help="SD²: random offset δ in 1..k; eagle, eagle3: unrolled up to k drafts")] = 8
     minutes: Annotated[Optional[float], typer.Option(help="wall-clock budget (across resumed runs)")] = None
     max_steps: Annotated[Optional[int], typer.Option(help="step budget")] = None
     lr: Annotated[float, typer.Option(help="peak LR of steering / LoRA parameters")] = 1e-3

@@ -13,6 +13,7 @@ import torch
 from drafter.kinds import build_drafter
 from drafter.models import load_model
 from tests.test_eagle import trained_like
+from tests.test_eagle3 import trained_like as trained_like3
 from tests.test_records import log_blocks, perturbed_head, perturbed_steering
 from tests.tiny import TEXT
 from trainer.objectives import ObjectiveConfig
@@ -47,7 +48,9 @@ def checkpoints(tiny_pair, verifier, tmp_path_factory):
     perturbed_head(verifier.hf, std=0.1).save(dvi, {})
     eagle = root / "eagle"
     trained_like(verifier.lean, std=0.1).save(eagle, {})
-    return {"pretrained": tiny_pair[1], "sd2": sd2, "dvi": dvi, "eagle": eagle}
+    eagle3 = root / "eagle3"
+    trained_like3(verifier.lean, std=0.1).save(eagle3, {})
+    return {"pretrained": tiny_pair[1], "sd2": sd2, "dvi": dvi, "eagle": eagle, "eagle3": eagle3}
 
 
 @pytest.fixture(scope="module")
@@ -205,11 +208,13 @@ def test_lm_records_without_a_context_window_are_refused(served):
 # ----------------------------------------------------------------------------- train/serve consistency
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "eagle"])
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "eagle", "eagle3"])
 def test_record_logits_reproduce_the_serving_drafters_log_probs_at_every_logged_position(verifier, checkpoints, served, kind):
     records = served[kind]
     assert len(records) >= 8 and all(len(r.context) > 0 for r in records if kind != "dvi")
     assert all(len(r.context) == 1 and r.steer.shape == (1, verifier.lean.hidden_size) for r in records if kind == "eagle")
+    if kind == "eagle3":  # the head's window: 4 positions once a row has 5 committed tokens (the prompts have more)
+        assert all(r.steer.shape == (4, 3 * verifier.lean.hidden_size) and len(r.context) == 4 for r in records)
     student = serving_student(kind, verifier, checkpoints[kind])
     with torch.no_grad():
         got = logged_logprobs(record_logits(student, records), records)
@@ -252,7 +257,7 @@ def make_learner(kind: str, verifier, checkpoint, **cfg) -> OnlineLearner:
     return OnlineLearner(config, serving_student(kind, verifier, checkpoint))
 
 
-@pytest.mark.parametrize("kind", ["pretrained", "dvi", "eagle"])
+@pytest.mark.parametrize("kind", ["pretrained", "dvi", "eagle", "eagle3"])
 def test_thirty_kl_updates_raise_simulated_acceptance_on_the_held_out_records(verifier, checkpoints, prompts, kind):
     # sampled traffic (T = 1): simulated acceptance is Σ min(p, q), which KL training raises smoothly
     drafter_obj = build_drafter(kind, verifier, checkpoints[kind])
@@ -295,7 +300,7 @@ def test_evaluate_without_held_out_records_is_none(verifier):
 # ----------------------------------------------------------------------------- weights and bad steps
 
 
-@pytest.mark.parametrize("kind, prefix", [("pretrained", "lm."), ("sd2", "steering."), ("dvi", "head."), ("eagle", "head.")])
+@pytest.mark.parametrize("kind, prefix", [("pretrained", "lm."), ("sd2", "steering."), ("dvi", "head."), ("eagle", "head."), ("eagle3", "head.")])
 def test_weights_round_trip_through_load_weights(verifier, checkpoints, kind, prefix):
     learner = make_learner(kind, verifier, checkpoints[kind])
     weights = learner.weights()

@@ -11,6 +11,7 @@ from drafter.proposer import Drafter, VerifierView, first_rows, with_rows
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 
+NO_DIR = ("ngram", "suffix", "dvi", "eagle", "eagle3")
 MEMBERS = [name for name in dir(Drafter) if not name.startswith("_")] + list(Drafter.__annotations__)
 
 
@@ -20,7 +21,7 @@ def verifier(tiny_pair):
 
 
 def _started(kind, verifier, tiny_pair, prompts):
-    drafter = build_drafter(kind, verifier, None if kind in ("ngram", "suffix", "dvi", "eagle") else tiny_pair[1])
+    drafter = build_drafter(kind, verifier, None if kind in NO_DIR else tiny_pair[1])
     cache, features = prefill(verifier.lean, prompts, 64, tuple(drafter.verifier_layers))
     drafter.start(prompts, 64, VerifierView(cache, features))
     return drafter, cache
@@ -28,7 +29,7 @@ def _started(kind, verifier, tiny_pair, prompts):
 
 @pytest.mark.parametrize("kind", DRAFTER_KINDS)
 def test_every_drafter_kind_declares_the_whole_protocol(kind, verifier, tiny_pair):
-    drafter = build_drafter(kind, verifier, None if kind in ("ngram", "suffix", "dvi", "eagle") else tiny_pair[1])
+    drafter = build_drafter(kind, verifier, None if kind in NO_DIR else tiny_pair[1])
     missing = [name for name in MEMBERS if not hasattr(drafter, name)]
     assert missing == [], f"{kind} lacks {missing}"
     assert not hasattr(drafter, "row_state")

@@ -102,6 +102,11 @@ def serving_drafter(kind: str, verifier, drafter):
         from tests.test_eagle import trained_like
 
         return EagleDrafter(verifier.lean, trained_like(verifier.lean, std=0.1))
+    if kind == "eagle3":
+        from drafter.eagle3 import Eagle3Drafter
+        from tests.test_eagle3 import trained_like as trained_like3
+
+        return Eagle3Drafter(verifier.lean, trained_like3(verifier.lean, std=0.1))
     raise ValueError(kind)
 
 
@@ -126,7 +131,7 @@ def logged(models):
     v, d = models
     prompts = prompts_for(v.tokenizer)
     out = {}
-    for kind in ("pretrained", "self", "sd2", "dvi", "eagle"):
+    for kind in ("pretrained", "self", "sd2", "dvi", "eagle", "eagle3"):
         record_kind = "pretrained" if kind == "self" else kind
         out[kind] = log_blocks(v, serving_drafter(kind, v, d), record_kind, prompts)
     out["sampled"] = log_blocks(v, serving_drafter("pretrained", v, d), "pretrained", prompts, temperature=0.5)
@@ -303,7 +308,9 @@ def header_end(payload: bytes) -> int:
 def test_steering_inputs_of_the_wrong_shape_for_the_kind_are_refused(logged):
     eagle, sd2 = logged["eagle"][0].record, logged["sd2"][0].record
     assert eagle.steer.shape[0] == 1 and decode(encode(eagle)).steer.shape == eagle.steer.shape
-    for good, rows in ((eagle, 3), (sd2, 1)):
+    eagle3 = logged["eagle3"][0].record  # its window: one feature row per context token
+    assert eagle3.steer.shape[0] == len(eagle3.context) > 1 and decode(encode(eagle3)).steer.shape == eagle3.steer.shape
+    for good, rows in ((eagle, 3), (sd2, 1), (eagle3, len(eagle3.context) - 1)):
         bad = dataclasses.replace(good, steer=np.zeros((rows, good.steer.shape[1]), dtype=np.float32))
         with pytest.raises(RecordError, match="steering inputs"):
             decode(encode(bad))

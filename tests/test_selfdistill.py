@@ -28,7 +28,7 @@ def identity_index(v) -> torch.Tensor:
 
 def test_a_greedy_sequence_is_the_verifiers_answer_with_its_features_and_distributions(verifier):
     layer = verifier.lean.num_layers - 1
-    seqs = decode_batch(verifier, PROMPTS, 10, layer, identity_index(verifier), 0.0, torch.Generator())
+    seqs = decode_batch(verifier, PROMPTS, 10, (layer,), identity_index(verifier), 0.0, torch.Generator())
     ref = generate(verifier.lean, None, PROMPTS, SamplingParams(max_tokens=10), 0, StopRule())
     assert len(seqs) == 3
     for s, p, g in zip(seqs, PROMPTS, ref):
@@ -65,7 +65,7 @@ def test_soft_cross_entropy_renormalises_over_the_draft_vocabulary_and_skips_emp
 
 def test_training_on_decoded_sequences_lowers_the_loss(verifier):
     layer = verifier.lean.num_layers - 1
-    seqs = decode_batch(verifier, PROMPTS * 4, 24, layer, identity_index(verifier), 1.0, torch.Generator().manual_seed(0))
+    seqs = decode_batch(verifier, PROMPTS * 4, 24, (layer,), identity_index(verifier), 1.0, torch.Generator().manual_seed(0))
     student = build_student("eagle", verifier, None, k=2, dvi_layers=2, steer_layers=None,
                             generator=torch.Generator().manual_seed(0), device=verifier.lean.device)
     cfg = DistillConfig(train_minutes=0.05, window=8, train_batch=8, lr=1e-2)
@@ -107,7 +107,7 @@ def test_a_teacher_forced_document_has_the_fields_of_a_decoded_answer(verifier):
 
     layer = verifier.lean.num_layers - 1
     doc = [3, 14, 15, 9, 26, 5, 35, 8, 9, 7]
-    s = forced_sequence(verifier, doc, layer, identity_index(verifier))
+    s = forced_sequence(verifier, doc, (layer,), identity_index(verifier))
     n = len(doc) - 2
     assert s.tokens.tolist() == doc[1:] and s.features.shape[0] == n + 1 and s.target_ids.shape == (n, TOP_K)
     with torch.no_grad():

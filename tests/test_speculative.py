@@ -109,13 +109,18 @@ def make_drafter(kind, pair):
         return SteeredDrafter(d.lean, perturbed_steering(v.hf, d.hf))
     if kind == "dvi":
         return DVIDrafter(v.lean, perturbed_head(v.hf, layers=2))
+    if kind == "eagle3":
+        from drafter.eagle3 import Eagle3Drafter
+        from tests.test_eagle3 import trained_like
+
+        return Eagle3Drafter(v.lean, trained_like(v.lean, seed=1, std=0.05))
     return SuffixDrafter(v.vocab_size) if kind == "suffix" else NgramDrafter(v.vocab_size)
 
 
 # A subset of the grid (CI time): fixed k = 4 one row at a time for the LM drafter, k = 8 in batches of 4 for the
 # LM drafters and n-gram; DVI (and k = 1, and k changing every step) through the k-auto test below, strict alike.
 @pytest.mark.parametrize("kind,k,batch", [("pretrained", 4, 1), ("pretrained", 8, 4), ("ngram", 8, 4), ("sd2", 8, 4),
-                                           ("suffix", 8, 4)])
+                                           ("suffix", 8, 4), ("eagle3", 4, 4)])
 def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs, accepted = [], 0
@@ -228,15 +233,24 @@ def tiny_drafter(tiny, kind):
         return DVIDrafter(LeanDecoder(verifier), perturbed_head(verifier, layers=1, std=0.5))
     if kind == "suffix":  # earlier outputs in its global store: drafts come from both stores
         return suffix_with_outputs([[3, 1, 2, 3, 4, 5], [2, 3, 1, 2, 6], [1, 2, 7, 7]])
-    if kind == "mix":  # an eagle head, a static one and suffix decoding, chosen per step and row
+    if kind == "eagle3":
+        from drafter.eagle3 import Eagle3Drafter
+        from tests.test_eagle3 import trained_like as trained_like3
+
+        lean = LeanDecoder(verifier)
+        return Eagle3Drafter(lean, trained_like3(lean, seed=3, window=3))
+    if kind == "mix":  # an eagle head, an eagle3 one and suffix decoding, chosen per step and row
         from drafter.eagle import EagleDrafter
+        from drafter.eagle3 import Eagle3Drafter
         from drafter.mix import SpeculatorMix
         from tests.test_eagle import trained_like
+        from tests.test_eagle3 import trained_like as trained_like3
 
         lean = LeanDecoder(verifier)
         suffix = suffix_with_outputs([[3, 1, 2, 3, 4, 5], [2, 3, 1, 2, 6]])
         return SpeculatorMix({"adaptive": EagleDrafter(lean, trained_like(lean, seed=1)),
-                              "static": EagleDrafter(lean, trained_like(lean, seed=2)), "suffix": suffix}, explore=2)
+                              "static": Eagle3Drafter(lean, trained_like3(lean, seed=2, window=3)), "suffix": suffix},
+                             explore=2)
     return NgramDrafter(VOCAB) if kind == "ngram" else None
 
 
@@ -283,7 +297,8 @@ def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k
     assert min(pvalues) > 0.01, pvalues
 
 
-@pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix")]
+@pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix",
+                                                                     "eagle3")]
                          + [("T=1", "pretrained")])
 def test_sampled_output_distribution_with_k_changing_every_step_equals_the_verifiers(tiny, setting, kind):
     """k = auto: plain steps, then drafting rows restarted in the drafter, every k — each step a valid block."""

@@ -148,7 +148,7 @@ class FetchConfig:
 
 
 DEFAULT_METHOD = "eagle"
-DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 4.5}  # eagle: answers 4/9 of it, training 5/9
+DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 4.5, "eagle3": 4.5}  # eagle: answers 4/9 of it, training 5/9
 
 
 def drafter_minutes(cfg: "FetchConfig") -> float:
@@ -212,7 +212,7 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
     if not vocab.is_file():
         build_draft_vocab(verifier, vocab, cfg.vocab_size, conversations=cfg.vocab_conversations,
                           code_files=cfg.vocab_code_files)
-    if cfg.method == "eagle":
+    if cfg.method in ("eagle", "eagle3"):
         return _distilled_head(verifier, drafter_dir(cfg, out), vocab, cfg, progress)
     base = out / "drafter-base"
     if not (base / "config.json").is_file():
@@ -235,7 +235,7 @@ def _distilled_head(verifier: Path, drafter: Path, vocab: Path, cfg: FetchConfig
         return drafter, json.loads((drafter / "train_summary.json").read_text())
     minutes = drafter_minutes(cfg)
     distill = DistillConfig(collect_minutes=minutes * 4 / 9, train_minutes=minutes * 5 / 9, threads=cfg.threads)
-    return drafter, distill_eagle(verifier, drafter, vocab, distill, progress)
+    return drafter, distill_eagle(verifier, drafter, vocab, distill, progress, method=cfg.method)
 
 
 def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> dict:

@@ -351,6 +351,6 @@ def self_distilled(cfg: OfflineConfig, progress: bool) -> dict:
     lr = cfg.lr if cfg.lr != OfflineConfig.lr else DistillConfig.lr  # the head's own default unless --lr was given
     distill = DistillConfig(collect_minutes=cfg.minutes * 4 / 9, train_minutes=cfg.minutes * 5 / 9, depth=cfg.k,
                             lr=lr, seed=cfg.seed, threads=cfg.threads, weight_decay=cfg.weight_decay)
-    return {"method": "eagle", "data": "self-distilled", "out_dir": cfg.out_dir} | distill_eagle(
-        cfg.verifier, cfg.out_dir, cfg.draft_vocab, distill, progress)
+    return {"method": cfg.method, "data": "self-distilled", "out_dir": cfg.out_dir} | distill_eagle(
+        cfg.verifier, cfg.out_dir, cfg.draft_vocab, distill, progress, method=cfg.method)
 

@@ -11,7 +11,8 @@ from trainer.students import METHODS
 
 DATA_MODES = ("teacher-forced", "generated", "code", "self-distilled")  # code: the standard library's non-test
 # source, raw; self-distilled (eagle only): trainer.selfdistill, the verifier's answers with its features
-KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi", "eagle": "eagle"}
+KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi", "eagle": "eagle",
+                  "eagle3": "eagle3"}
 NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
 
 
@@ -62,8 +63,9 @@ class OfflineConfig:
         need(self.loss in LOSSES, f"unknown loss {self.loss!r}; choose one of {', '.join(LOSSES)}")
         need(self.method not in NEEDS_DRAFTER or self.drafter is not None, f"method {self.method} needs --drafter DIR")
         need(self.minutes is not None or self.max_steps is not None, "give a budget: --minutes and/or --max-steps")
-        need(self.data != "self-distilled" or (self.method == "eagle" and self.minutes is not None and not self.resume),
-             "--data self-distilled trains --method eagle within --minutes (it does not resume)")
+        need(self.data != "self-distilled" or (self.method in ("eagle", "eagle3") and self.minutes is not None
+                                               and not self.resume),
+             "--data self-distilled trains --method eagle or eagle3 within --minutes (it does not resume)")
         need(self.minutes is None or self.minutes > 0, "--minutes must be > 0")
         need(self.max_steps is None or self.max_steps >= 0, "--max-steps must be >= 0")
         need(self.k >= 1, "--k must be >= 1")

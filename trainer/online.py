@@ -27,13 +27,14 @@ import torch
 
 from drafter.dvi import DraftHead
 from drafter.eagle import FeatureHead, new_head
+from drafter.eagle3 import Eagle3Head, new_head3
 from drafter.models import LoadedModel
 from drafter.sd2 import Steering
 from trainer.objectives import Objective, ObjectiveConfig, PositionBatch, position_acceptance
 from trainer.records import ReplayRecord
-from trainer.students import DistillStudent, DVIStudent, EagleStudent, SteeredStudent, Student, build_student
+from trainer.students import DistillStudent, DVIStudent, Eagle3Student, EagleStudent, SteeredStudent, Student, build_student
 
-TRAINABLE_KINDS = ("pretrained", "sd2", "dvi", "eagle")
+TRAINABLE_KINDS = ("pretrained", "sd2", "dvi", "eagle", "eagle3")
 
 
 @dataclass
@@ -86,6 +87,9 @@ def serving_student(kind: str, verifier: LoadedModel, drafter_dir: str | Path | 
     if kind == "eagle":
         head = FeatureHead.load(Path(drafter_dir)) if found == "eagle" else new_head(verifier.lean)
         return EagleStudent(head.to(device), verifier.lean, depth=1, generator=torch.Generator())
+    if kind == "eagle3":
+        head = Eagle3Head.load(Path(drafter_dir)) if found == "eagle3" else new_head3(verifier.lean)
+        return Eagle3Student(head.to(device), verifier.lean, depth=1, generator=torch.Generator())
     lm_dir = drafter_lm_dir(Path(drafter_dir)) if drafter_dir else None
     method = "distill" if kind == "pretrained" else ("sd2" if train_lm else "sd2-frozen")
     student = build_student(method, verifier, lm_dir, k=1, dvi_layers=2, steer_layers=None,
@@ -135,6 +139,8 @@ def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor
         return student.head(hidden.to(student.head.norm.device))
     if isinstance(student, EagleStudent):
         return eagle_record_logits(student, records)
+    if isinstance(student, Eagle3Student):
+        return eagle3_record_logits(student, records)
     if not isinstance(student, (SteeredStudent, DistillStudent)):
         raise ValueError(f"no record forward for {type(student).__name__}")
     device = student.lm.hf.device
@@ -161,6 +167,24 @@ def eagle_record_logits(student: EagleStudent, records: list[ReplayRecord]) -> t
         tokens[i, : len(inputs)] = torch.tensor(inputs)
     start = torch.stack([torch.from_numpy(r.steer[0]) for r in records])  # [R, d]
     logits = student.chain_logits(start.to(device), tokens.to(device))  # [R, m, V]
+    return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
+
+
+def eagle3_record_logits(student: Eagle3Student, records: list[ReplayRecord]) -> torch.Tensor:
+    """[N, V]: each record's block drafted again from its window (`steer`, one row per `context`
+    token, the newest last) through d_1..d_{m-1}, with the head's current weights."""
+    if any(r.steer is None or len(r.steer) != len(r.context) or len(r.context) == 0 for r in records):
+        raise ValueError("eagle3 records need the block's window: features (steer) and tokens (context), row for row")
+    device = student.head.fc.weight.device
+    R, W, m = len(records), max(len(r.context) for r in records), max(r.positions for r in records)
+    raw = torch.zeros(R, W, records[0].steer.shape[1])
+    tokens, valid = torch.zeros(R, W, dtype=torch.long), torch.zeros(R, W, dtype=torch.bool)
+    drafted = torch.zeros(R, m - 1, dtype=torch.long)
+    for i, r in enumerate(records):
+        n = len(r.context)
+        raw[i, W - n :], tokens[i, W - n :], valid[i, W - n :] = torch.from_numpy(r.steer), torch.from_numpy(r.context), True
+        drafted[i, : r.positions - 1] = torch.from_numpy(r.tokens[: r.positions - 1])
+    logits = student.window_logits(raw.to(device), tokens.to(device), valid.to(device), drafted.to(device))
     return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
 
 

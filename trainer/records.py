@@ -137,7 +137,8 @@ def _arrays(arrays: dict) -> dict:
     return out
 
 
-STEER_ROWS = {"sd2": 3, "eagle": 1}  # the verifier features a block of these kinds was drafted from
+STEER_ROWS = {"sd2": 3, "eagle": 1, "eagle3": None}  # the verifier features a block of these kinds was drafted
+#                                                      from (None: one row per context token, its window)
 
 
 def validate(r: ReplayRecord) -> None:
@@ -154,10 +155,13 @@ def validate(r: ReplayRecord) -> None:
         raise RecordError("a record shorter than k must end with its first rejection")
     if r.hidden is not None and len(r.hidden) != m:
         raise RecordError("replay record hidden states do not match its positions")
-    rows = STEER_ROWS.get(r.kind)
-    if r.steer is not None and (rows is None or r.steer.ndim != 2 or r.steer.shape[0] != rows):
+    if r.steer is None:
+        return
+    rows = STEER_ROWS.get(r.kind, 0)
+    rows = len(r.context) if rows is None else rows
+    if not rows or r.steer.ndim != 2 or r.steer.shape[0] != rows:
         raise RecordError(f"replay record steering inputs of a {r.kind!r} drafter must be "
-                          f"[{rows if rows is not None else 'none'}, d], not {list(r.steer.shape)}")
+                          f"[{rows or 'none'}, d], not {list(r.steer.shape)}")
 
 
 # ----------------------------------------------------------------------------- building records
@@ -215,17 +219,20 @@ class RowTag:
     temperature: float
 
 
-def record_context(kind: str, context: list[int]) -> list[int]:
+def record_context(kind: str, context: list[int], window: int = 1) -> list[int]:
     """What of a row's context window a record of `kind` keeps: all of it for the drafter LMs, the
-    block's first token for the eagle head, nothing for the others."""
+    block's first token for the eagle head, the tokens of the eagle3 head's window of `window`
+    positions (one per committed token but the first), nothing for the others."""
     if kind in ("pretrained", "sd2"):
         return context
+    if kind == "eagle3":
+        return context[-max(1, min(window, len(context) - 1)):]
     return context[-1:] if kind == "eagle" else []
 
 
 def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) -> list[ReplayRecord]:
     """One record per row: positions 1..min(n + 1, k)."""
-    out = []
+    out, steer_rows = [], 1 if snap.steer is None else snap.steer.shape[1]
     for j, (n, tag) in enumerate(zip(snap.num_accepted, tags)):
         m = min(n + 1, snap.k)
         rewards = np.ones(m, dtype=np.uint8)
@@ -236,8 +243,8 @@ def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) ->
             k=snap.k, temperature=tag.temperature, tokens=snap.tokens[j, :m].astype(np.int64), rewards=rewards,
             draft_logprobs=snap.draft_logprobs[j, :m], top_ids=snap.top_ids[j, :m].astype(np.int64),
             top_logprobs=snap.top_logprobs[j, :m], rest_mass=snap.rest_mass[j, :m],
-            context=np.asarray(record_context(kind, tag.context), dtype=np.int64),
-            steer=None if snap.steer is None else snap.steer[j],
+            context=np.asarray(ctx := record_context(kind, tag.context, steer_rows), dtype=np.int64),
+            steer=None if snap.steer is None else snap.steer[j][-len(ctx) if kind == "eagle3" else 0:],
             hidden=None if snap.hidden is None else snap.hidden[j, :m],
         ))
     return out

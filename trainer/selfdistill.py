@@ -1,18 +1,19 @@
-"""Self-distillation of the eagle head (drafter.eagle): the verifier's own answers, with the features
+"""Self-distillation of the eagle heads (drafter.eagle, drafter.eagle3): the verifier's own answers, with the features
 and distributions it computed while decoding them, are the training data (the setting of the EAGLE
 and DVI papers: a drafter is judged on the verifier's outputs, so it learns from them).
 
 1. `collect`: the served verifier (its own kernels and weight mode, so the features are those the
    head reads at inference) decodes batches of prompts, chat first turns from ShareGPT's training
    part and code from the standard library's non-test source, alternately greedy and at T = 1.
-   Per decoded position it keeps the last layer's residual stream (fp16), the token, and the
+   Per decoded position it keeps the head's layers' residual streams (fp16), the token, and the
    verifier's top-K next-token log-probabilities over the draft vocabulary. Optionally, between
    batches, it reads whole conversations and source files teacher-forced (the same fields).
-2. `train_head`: windows of those sequences train `trainer.students.EagleStudent` with a random
-   depth (as it drafts), by cross-entropy against the verifier's renormalised top-K.
+2. `train_head`: windows of those sequences train `trainer.students.EagleStudent` (or
+   `Eagle3Student`) with a random depth (as it drafts), by cross-entropy against the verifier's
+   renormalised top-K.
 
 `distill_eagle` runs both within a wall-clock budget and writes a checkpoint that
-`drafter.kinds.build_drafter("eagle", ...)` loads.
+`drafter.kinds.build_drafter("eagle" or "eagle3", ...)` loads.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ from drafter.decoder import prefill
 from drafter.models import LoadedModel, load_model
 from drafter.vocab import save_vocab
 from trainer.data import ConversationSource, code_documents, conversation_ids, first_turn_prompt
-from trainer.students import EagleStudent, build_student
+from trainer.students import Eagle3Student, EagleStudent, build_student
 
 TOP_K = 16
 
@@ -47,7 +48,7 @@ class Sequence:
     what the head drafts tokens[j + 1] from, and target_*[j] the verifier's distribution there."""
 
     tokens: torch.Tensor  # [n + 1] int64
-    features: torch.Tensor  # [n + 1, d] fp16 (the last row is unused)
+    features: torch.Tensor  # [n + 1, d × layers] fp16, the head's layers concatenated (the last row is unused)
     target_ids: torch.Tensor  # [n, K] int64 (draft-vocabulary indices; -1: outside it)
     target_logp: torch.Tensor  # [n, K] float32
 
@@ -91,17 +92,18 @@ def training_prompts(tokenizer, max_prompt: int, seed: int) -> Iterator[tuple[st
 
 
 @torch.inference_mode()
-def decode_batch(verifier: LoadedModel, prompts: list[list[int]], max_new: int, layer: int, vocab_index: torch.Tensor,
+def decode_batch(verifier: LoadedModel, prompts: list[list[int]], max_new: int, layers: tuple[int, ...],
+                 vocab_index: torch.Tensor,
                  temperature: float, generator: torch.Generator) -> list[Sequence]:
     """Decode `prompts` together for `max_new` steps (rows stop at EOS) keeping what `Sequence` holds."""
     lean = verifier.lean
-    cache, first = prefill(lean, prompts, max(map(len, prompts)) + max_new + 1, capture=(layer,))
+    cache, first = prefill(lean, prompts, max(map(len, prompts)) + max_new + 1, capture=layers)
     last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
-    feats, toks, ids, logps = [first[layer].half().cpu()], [last], [], []
+    feats, toks, ids, logps = [joined(first, layers)], [last], [], []
     alive = torch.ones(len(prompts), dtype=torch.bool)
     lengths = torch.full((len(prompts),), max_new)
     for step in range(max_new):
-        out = lean.forward(cache, last[:, None], capture=(layer,))
+        out = lean.forward(cache, last[:, None], capture=layers)
         logits = out.logits[:, 0].float()
         logp = torch.log_softmax(logits, dim=-1)
         top = logp.topk(TOP_K, dim=-1)
@@ -109,7 +111,7 @@ def decode_batch(verifier: LoadedModel, prompts: list[list[int]], max_new: int, 
             last = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
         else:
             last = logits.argmax(dim=-1)
-        feats.append(out.hidden[layer][:, 0].half().cpu())
+        feats.append(joined({i: h[:, 0] for i, h in out.hidden.items()}, layers))
         toks.append(last.cpu())
         ids.append(vocab_index[top.indices.cpu()])
         logps.append(top.values.cpu())
@@ -132,13 +134,18 @@ def training_documents(tokenizer, max_tokens: int) -> Iterator[list[int]]:
 
 
 @torch.inference_mode()
-def forced_sequence(verifier: LoadedModel, doc: list[int], layer: int, vocab_index: torch.Tensor) -> Sequence:
+def forced_sequence(verifier: LoadedModel, doc: list[int], layers: tuple[int, ...], vocab_index: torch.Tensor) -> Sequence:
     """`doc` read in one pass: the same fields as a decoded answer, at every position but the first."""
     lean = verifier.lean
-    out = lean.forward(lean.new_cache(1, len(doc)), torch.tensor([doc]), capture=(layer,))
+    out = lean.forward(lean.new_cache(1, len(doc)), torch.tensor([doc]), capture=layers)
     top = torch.log_softmax(out.logits[0, 1:-1].float(), dim=-1).topk(TOP_K, dim=-1)
-    return Sequence(torch.tensor(doc[1:]), out.hidden[layer][0, :-1].half().cpu(), vocab_index[top.indices.cpu()],
+    return Sequence(torch.tensor(doc[1:]), joined({i: h[0, :-1] for i, h in out.hidden.items()}, layers), vocab_index[top.indices.cpu()],
                     top.values.cpu())
+
+
+def joined(hidden: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    """[..., len(layers) · d] fp16 on the host: the captured residual streams of `layers`, concatenated."""
+    return torch.cat([hidden[i] for i in layers], dim=-1).half().cpu()
 
 
 def vocab_index(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
@@ -150,7 +157,7 @@ def vocab_index(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
     return index
 
 
-def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: DistillConfig,
+def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor | None, cfg: DistillConfig,
             progress: bool = True) -> list[Sequence]:
     """Sequences within cfg.collect_minutes: batches of the verifier's own answers, each followed by
     teacher-forced documents for `forced_share` of the time when asked (a pass over a document
@@ -162,16 +169,16 @@ def collect(verifier: LoadedModel, layer: int, vocab: torch.Tensor | None, cfg: 
     generator = torch.Generator().manual_seed(cfg.seed)
     seqs: list[Sequence] = []
     deadline = time.monotonic() + 60.0 * cfg.collect_minutes
-    bar = tqdm(desc="eagle: verifier answers", unit="tok", disable=not progress, file=sys.stderr)
+    bar = tqdm(desc="verifier answers", unit="tok", disable=not progress, file=sys.stderr)
     for round_ in itertools.count():
         batch = [p for _, p in itertools.islice(prompts, cfg.batch)]
         if not batch or time.monotonic() > deadline:
             break
         t0 = time.monotonic()
-        new = decode_batch(verifier, batch, cfg.max_new, layer, index, 1.0 if round_ % 2 else 0.0, generator)
+        new = decode_batch(verifier, batch, cfg.max_new, layers, index, 1.0 if round_ % 2 else 0.0, generator)
         forced_until = time.monotonic() + (time.monotonic() - t0) * cfg.forced_share / (1.0 - cfg.forced_share)
         while time.monotonic() < min(forced_until, deadline) and (doc := next(documents, None)) is not None:
-            new.append(forced_sequence(verifier, doc, layer, index))
+            new.append(forced_sequence(verifier, doc, layers, index))
         seqs += new
         bar.update(sum(len(s.target_ids) for s in new))
     bar.close()
@@ -212,7 +219,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, target_lo
     return -(p * logq).sum(-1)[keep].mean()
 
 
-def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, progress: bool = True) -> dict:
+def train_head(student: EagleStudent | Eagle3Student, seqs: list[Sequence], cfg: DistillConfig, progress: bool = True) -> dict:
     """Train the head on `seqs` for cfg.train_minutes (AdamW, warm-up then cosine); returns a summary."""
     params = [p for _, p, _ in student.trainable()]
     matrices = [p for p in params if p.dim() == 2]
@@ -221,7 +228,7 @@ def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, 
                             lr=cfg.lr, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
     budget, t0, step, losses = 60.0 * cfg.train_minutes, time.monotonic(), 0, []
-    bar = tqdm(desc="eagle: training", unit="step", disable=not progress, file=sys.stderr)
+    bar = tqdm(desc=f"{student.kind}: training", unit="step", disable=not progress, file=sys.stderr)
     while (elapsed := time.monotonic() - t0) < budget:
         frac = min(1.0, elapsed / budget)
         for g in opt.param_groups:
@@ -245,24 +252,25 @@ def train_head(student: EagleStudent, seqs: list[Sequence], cfg: DistillConfig, 
 
 
 def distill_eagle(verifier_dir: str | Path, out: str | Path, vocab_file: str | Path | None, cfg: DistillConfig,
-                  progress: bool = True) -> dict:
-    """Collect, train, and write the eagle checkpoint into `out`; returns a summary."""
+                  progress: bool = True, method: str = "eagle") -> dict:
+    """Collect, train, and write the checkpoint of the head `method` (eagle or eagle3) into `out`;
+    returns a summary."""
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     out = Path(out)
     served = load_model(verifier_dir, weights="auto")  # decodes as it will serve
     vocab = None if vocab_file is None else load_file(vocab_file)["ids"].to(torch.long)
-    student = build_student("eagle", served, None, k=cfg.depth, dvi_layers=2, steer_layers=None,
+    student = build_student(method, served, None, k=cfg.depth, dvi_layers=2, steer_layers=None,
                             generator=torch.Generator().manual_seed(cfg.seed), device=served.lean.device, vocab=vocab)
     t0 = time.monotonic()
-    seqs = collect(served, student.verifier_layers[0], vocab, cfg, progress)
+    seqs = collect(served, tuple(student.verifier_layers), vocab, cfg, progress)
     collected = time.monotonic() - t0
     if not seqs:
         raise ValueError("no training sequences could be decoded")
     summary = train_head(student, seqs, cfg, progress)
     summary |= {"sequences": len(seqs), "positions": sum(len(s.target_ids) for s in seqs),
                 "collect_seconds": round(collected, 1)}
-    extra = {"method": "eagle", "data": "self-distilled", "base": {"verifier": str(Path(verifier_dir).resolve())},
+    extra = {"method": method, "data": "self-distilled", "base": {"verifier": str(Path(verifier_dir).resolve())},
              "k": cfg.depth, "steps": summary["steps"], "tokens_seen": summary["positions"]} | cfg.extra
     if vocab is not None:
         extra["draft_vocab"] = save_vocab(out, vocab)

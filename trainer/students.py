@@ -11,6 +11,8 @@ distance to the verifier's π_V (`verifier_targets`) at every position (`trainer
               stream                                                 → kind "dvi"         (`DVIStudent`)
 - eagle       a feature head on the verifier's last-layer residual stream and the next token's
               embedding, unrolled over the draft depth              → kind "eagle"       (`EagleStudent`)
+- eagle3      an EAGLE-3-style head: three verifier layers fused, one decoder layer over a window of
+              its own inputs, trained by the training-time test      → kind "eagle3"      (`Eagle3Student`)
 
 `build_student` constructs the one a method needs; `Student.export` writes what
 `drafter.kinds.build_drafter(kind, verifier, out)` loads.
@@ -38,10 +40,11 @@ from torch import nn
 
 from drafter.dvi import DraftHead, DVIConfig
 from drafter.eagle import FeatureHead, feature_layer, new_head
+from drafter.eagle3 import Eagle3Head, Window, chain, check_layers, new_head3, ttt_logits, window_entries
 from drafter.models import LoadedModel, check_same_vocabulary, load_model
 from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
 
-METHODS = ("distill", "sd2", "sd2-frozen", "dvi", "eagle")  # what `build_student` builds
+METHODS = ("distill", "sd2", "sd2-frozen", "dvi", "eagle", "eagle3")  # what `build_student` builds
 
 
 def head_logits(hf, input_ids: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
@@ -286,6 +289,54 @@ class EagleStudent(Student):
         self.head.save(out, extra)
 
 
+class Eagle3Student(Student):
+    """The EAGLE-3-style head (drafter.eagle3) over the frozen verifier's embedding and LM head."""
+
+    kind = "eagle3"
+
+    def __init__(self, head: Eagle3Head, verifier_lean, depth: int, generator: torch.Generator):
+        self.head = head.train()
+        self.embed, self.lm_head = _floats(verifier_lean.embed), _floats(verifier_lean.lm_head)
+        self.verifier_layers = check_layers(head.cfg, verifier_lean.num_layers)
+        self.depth, self.generator = depth, generator
+
+    def trainable(self):
+        return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters()]
+
+    def rows(self) -> torch.Tensor:
+        return self.lm_head if self.vocab is None else self.lm_head[self.vocab.to(self.lm_head.device)]
+
+    def logits(self, input_ids, residuals):
+        raw = torch.cat([residuals[i] for i in self.verifier_layers], dim=-1)
+        return self.unrolled_logits(_shift_right(raw), input_ids)
+
+    def unrolled_logits(self, prev: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] at each position t from the chain of δ_t ~ U{1..depth} drafts (at most t + 1)
+        that ends there: prev[:, t] holds the raw features (low, middle, high) that produced input_ids[:, t]."""
+        w = self.head.weights()
+        prev = prev.to(w.fc.dtype)
+        B, T = input_ids.shape
+        depth = torch.randint(1, self.depth + 1, (B, T), generator=self.generator)
+        depth = torch.minimum(depth, torch.arange(1, T + 1)[None]).to(prev.device)
+        embedded = nn.functional.embedding(input_ids, self.embed).to(prev.dtype)
+        return ttt_logits(w, prev, embedded, depth, self.rows(), self.depth)
+
+    def window_logits(self, raw: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                      drafted: torch.Tensor) -> torch.Tensor:
+        """As drafting runs it: from windows (raw [R, W, 3d], tokens [R, W], valid [R, W], the newest
+        at the end) through the drafted tokens [R, m − 1] that drafts 2..m read → logits [R, m, V]
+        over the full vocabulary (replay records)."""
+        w = self.head.weights()
+        embed = lambda t: nn.functional.embedding(t, self.embed).to(w.fc.dtype)  # noqa: E731
+        u, k, v = window_entries(w, raw.to(w.fc.dtype), embed(tokens))
+        win = Window(raw, tokens, valid, k, v, u[:, -1])
+        out = chain(w, win, embed, self.lm_head, drafted.shape[1] + 1, lambda i, _: drafted[:, i] if i < drafted.shape[1] else None)
+        return torch.stack(out, dim=1)
+
+    def export(self, out, extra):
+        self.head.save(out, extra)
+
+
 def _floats(weight) -> torch.Tensor:
     """A raw float tensor as fp32, or a drafter.quant weight object dequantized."""
     return (weight if isinstance(weight, torch.Tensor) else weight.dequantize()).detach().float()
@@ -320,6 +371,8 @@ def _build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path |
         return DVIStudent(DraftHead(verifier.hf, DVIConfig(layers=dvi_layers)).to(device))
     if method == "eagle":
         return EagleStudent(new_head(verifier.lean).to(device), verifier.lean, k, generator)
+    if method == "eagle3":
+        return Eagle3Student(new_head3(verifier.lean).to(device), verifier.lean, k, generator)
     if drafter_dir is None:
         raise ValueError(f"method {method} needs a drafter LM directory")
     lm = load_model(drafter_dir, device=device, dtype=torch.float32, keep_module=True)  # trained in fp32
