@@ -137,10 +137,10 @@ def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor
     if isinstance(student, DVIStudent):
         hidden = torch.from_numpy(np.concatenate([r.hidden for r in records]))  # [N, d]
         return student.head(hidden.to(student.head.norm.device))
+    if isinstance(student, Eagle3Student):  # before its base class
+        return eagle3_record_logits(student, records)
     if isinstance(student, EagleStudent):
         return eagle_record_logits(student, records)
-    if isinstance(student, Eagle3Student):
-        return eagle3_record_logits(student, records)
     if not isinstance(student, (SteeredStudent, DistillStudent)):
         raise ValueError(f"no record forward for {type(student).__name__}")
     device = student.lm.hf.device

@@ -71,12 +71,14 @@ class DistillConfig:
     noise: float = 0.0  # uniform noise on the input features, × their RMS (EAGLE's robustness trick)
     seed: int = 0
     threads: int = 2
+    domains: tuple[str, ...] = ("chat", "code")  # which prompts the verifier answers (an oracle for code: ("code",))
     extra: dict = field(default_factory=dict)  # manifest fields to add
 
 
-def training_prompts(tokenizer, max_prompt: int, seed: int) -> Iterator[tuple[str, list[int]]]:
-    """("chat" | "code", prompt ids), alternating: ShareGPT first user turns (training part) and
-    stretches of standard-library source for the verifier to continue."""
+def training_prompts(tokenizer, max_prompt: int, seed: int,
+                     domains: tuple[str, ...] = ("chat", "code")) -> Iterator[tuple[str, list[int]]]:
+    """("chat" | "code", prompt ids), alternating over `domains`: ShareGPT first user turns
+    (training part) and stretches of standard-library source for the verifier to continue."""
     chat = (("chat", p) for _, conv in ConversationSource().iter_from(0)
             if 0 < len(p := first_turn_prompt(tokenizer, conv)) <= max_prompt)
     rng = random.Random(seed)
@@ -87,7 +89,8 @@ def training_prompts(tokenizer, max_prompt: int, seed: int) -> Iterator[tuple[st
                 start = rng.randrange(0, len(doc) - max_prompt - 64)
                 yield "code", doc[start : start + rng.randrange(max_prompt // 2, max_prompt)]
 
-    for pair in zip(chat, code()):
+    sources = {"chat": chat, "code": code()}
+    for pair in zip(*(sources[d] for d in domains)):
         yield from pair
 
 
@@ -164,7 +167,7 @@ def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor 
     yields ~2.4x the positions per second of decoding, but the answers are what the head will be
     asked to predict)."""
     index = vocab_index(vocab, verifier.vocab_size)
-    prompts = training_prompts(verifier.tokenizer, cfg.max_prompt, cfg.seed)
+    prompts = training_prompts(verifier.tokenizer, cfg.max_prompt, cfg.seed, cfg.domains)
     documents = training_documents(verifier.tokenizer, cfg.forced_tokens)
     generator = torch.Generator().manual_seed(cfg.seed)
     seqs: list[Sequence] = []

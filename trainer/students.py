@@ -248,8 +248,17 @@ class EagleStudent(Student):
         read as floats: a float model's own tensors, a quantized one's dequantized values)."""
         self.head = head.train()
         self.embed, self.lm_head = _floats(verifier_lean.embed), _floats(verifier_lean.lm_head)
-        self.verifier_layers = (feature_layer(head.cfg, verifier_lean.num_layers),)
+        self.verifier_layers = self.layers_read(head.cfg, verifier_lean.num_layers)
         self.depth, self.generator = depth, generator
+
+    @staticmethod
+    def layers_read(cfg, num_layers: int) -> tuple[int, ...]:
+        return (feature_layer(cfg, num_layers),)
+
+    def depths(self, B: int, T: int, device) -> torch.Tensor:
+        """[B, T] δ_t ~ U{1..depth}, at most t + 1: how many drafts deep each position is trained."""
+        depth = torch.randint(1, self.depth + 1, (B, T), generator=self.generator)
+        return torch.minimum(depth, torch.arange(1, T + 1)[None]).to(device)
 
     def trainable(self):
         return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters()]
@@ -266,9 +275,7 @@ class EagleStudent(Student):
         feature at t − 1), δ_t ~ U{1..depth} (at most t + 1), stepping through the tokens up to t."""
         prev = prev.to(self.head.fc.weight.dtype)
         embedded = nn.functional.embedding(input_ids, self.embed).to(prev.dtype)
-        B, T = input_ids.shape
-        depth = torch.randint(1, self.depth + 1, (B, T), generator=self.generator)
-        depth = torch.minimum(depth, torch.arange(1, T + 1)[None]).to(prev.device)
+        depth = self.depths(*input_ids.shape, prev.device)
         z = picked = self.head.step(prev, embedded)  # depth 1
         for j in range(2, self.depth + 1):  # z at t: j steps from the true feature at t − j
             z = self.head.step(_shift_right(z), embedded)
@@ -289,22 +296,12 @@ class EagleStudent(Student):
         self.head.save(out, extra)
 
 
-class Eagle3Student(Student):
-    """The EAGLE-3-style head (drafter.eagle3) over the frozen verifier's embedding and LM head."""
+class Eagle3Student(EagleStudent):
+    """The EAGLE-3-style head (drafter.eagle3) over the frozen verifier's embedding and LM head
+    (the eagle student's, but three layers read and the training-time test unrolled)."""
 
     kind = "eagle3"
-
-    def __init__(self, head: Eagle3Head, verifier_lean, depth: int, generator: torch.Generator):
-        self.head = head.train()
-        self.embed, self.lm_head = _floats(verifier_lean.embed), _floats(verifier_lean.lm_head)
-        self.verifier_layers = check_layers(head.cfg, verifier_lean.num_layers)
-        self.depth, self.generator = depth, generator
-
-    def trainable(self):
-        return [(f"head.{n}", p, "adapter") for n, p in self.head.named_parameters()]
-
-    def rows(self) -> torch.Tensor:
-        return self.lm_head if self.vocab is None else self.lm_head[self.vocab.to(self.lm_head.device)]
+    layers_read = staticmethod(check_layers)
 
     def logits(self, input_ids, residuals):
         raw = torch.cat([residuals[i] for i in self.verifier_layers], dim=-1)
@@ -315,11 +312,8 @@ class Eagle3Student(Student):
         that ends there: prev[:, t] holds the raw features (low, middle, high) that produced input_ids[:, t]."""
         w = self.head.weights()
         prev = prev.to(w.fc.dtype)
-        B, T = input_ids.shape
-        depth = torch.randint(1, self.depth + 1, (B, T), generator=self.generator)
-        depth = torch.minimum(depth, torch.arange(1, T + 1)[None]).to(prev.device)
         embedded = nn.functional.embedding(input_ids, self.embed).to(prev.dtype)
-        return ttt_logits(w, prev, embedded, depth, self.rows(), self.depth)
+        return ttt_logits(w, prev, embedded, self.depths(*input_ids.shape, prev.device), self.rows(), self.depth)
 
     def window_logits(self, raw: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
                       drafted: torch.Tensor) -> torch.Tensor:
@@ -332,9 +326,6 @@ class Eagle3Student(Student):
         win = Window(raw, tokens, valid, k, v, u[:, -1])
         out = chain(w, win, embed, self.lm_head, drafted.shape[1] + 1, lambda i, _: drafted[:, i] if i < drafted.shape[1] else None)
         return torch.stack(out, dim=1)
-
-    def export(self, out, extra):
-        self.head.save(out, extra)
 
 
 def _floats(weight) -> torch.Tensor:
