@@ -138,7 +138,8 @@ class Engine:
         tail = getattr(self.drafter, "feature_window", 0)  # a windowed head (eagle3) reads the prompt's last positions
         features, recent, lens = prefill_rows(self.verifier, self.cache, slots, prompts, layers, tail)
         if self.drafter is not None:
-            self.drafter.join(slots, prompts, VerifierView(self.cache, features, recent if tail else None, lens))
+            window = (recent, lens) if tail else (None, None)
+            self.drafter.join(slots, prompts, VerifierView(self.cache, features, *window))
         for s, r in zip(slots, requests):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k
