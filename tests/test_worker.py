@@ -109,7 +109,7 @@ def test_greedy_output_equals_the_verifier_alone_while_versions_are_swapped_afte
 
 VOCAB = 12
 PROMPT = [1, 2, 3, 1, 2]
-N_SAMPLES = 20_000
+N_SAMPLES = 10_000  # as in test_speculative, whose wrong-sampler test still fails at this size
 CHUNK = 5_000
 POSITIONS = 3
 SAMPLING = SamplingParams(temperature=1.0, max_tokens=POSITIONS, seed=5)
