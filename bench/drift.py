@@ -58,7 +58,25 @@ def traffic_files(tmp: Path, segments: tuple[int, int, int]) -> list[Path]:
     return paths
 
 
-def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | None, files: list[Path]) -> dict:
+def learner_settings(text: str) -> dict:
+    """"lr=1e-4,batch_records=64" -> LearnerConfig overrides (numbers parsed as int, then float)."""
+    out = {}
+    for pair in filter(None, text.split(",")):
+        key, value = pair.split("=", 1)
+        out[key] = next((cast(value) for cast in (int, float) if _parses(cast, value)), value)
+    return out
+
+
+def _parses(cast, value: str) -> bool:
+    try:
+        cast(value)
+    except ValueError:
+        return False
+    return True
+
+
+def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | None, files: list[Path],
+            settings: str = "") -> dict:
     from services.replay_traffic import Replay, ReplayConfig
 
     base, *speculators = kind.split("+")
@@ -66,7 +84,8 @@ def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | N
     cfg = ReplayConfig(verifier=args.verifier, drafter=None if alone or base in ("suffix", "ngram") else drafter,
                        kind="suffix" if alone else base, prompts=files, learner=learner, buffer=args.buffer,
                        max_tokens=args.max_tokens, k=0 if alone else args.k, temperature=temperature, seed=args.seed,
-                       worker_overrides={"speculators": tuple(speculators)} if speculators else {})
+                       worker_overrides={"speculators": tuple(speculators)} if speculators else {},
+                       learner_overrides=learner_settings(settings))
     t0 = time.perf_counter()
     replay = Replay(cfg)
     rows = []
@@ -74,7 +93,8 @@ def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | N
         rows.append({key: r[key] for key in ("index", "drafter_version", "drafted", "accepted", "block_efficiency",
                                               "blocks", "seconds")} | {"tokens": len(r["token_ids"])})
     summary = replay.finish()
-    return {"kind": kind, "learner": learner, "temperature": temperature, "drafter": str(drafter),
+    label = f"{learner} ({settings})" if settings else learner  # the learner's objective and its settings
+    return {"kind": kind, "learner": label, "temperature": temperature, "drafter": str(drafter),
             "wall_s": round(time.perf_counter() - t0, 1), "requests": rows, "summary": _slim(summary)}
 
 
@@ -197,7 +217,7 @@ def plot(runs: list[dict], oracle: dict | None, segments, path: Path, together: 
             ax = axes[i][j]
             for run in (r for r in runs if r["kind"] == kind and r["temperature"] == temp):
                 ax.plot(rolling(taus(run), 20), label=run["learner"], lw=1.2)
-            if oracle is not None and oracle["kind"] == kind and oracle["temperature"] == temp:
+            if oracle is not None and (together or oracle["kind"] == kind) and oracle["temperature"] == temp:
                 ax.plot(rolling(taus(oracle), 20), label="oracle (offline on code)", lw=1, ls="--", color="gray")
             for x in (segments[0], segments[0] + segments[1]):
                 ax.axvline(x, color="black", lw=0.6, ls=":")
@@ -221,7 +241,8 @@ def main() -> None:
     p.add_argument("--segments", nargs=3, type=int, default=[100, 300, 100])
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=lambda s: None if s == "auto" else int(s), default=4, help="K or auto")
-    p.add_argument("--runs", nargs="+", metavar="KIND:LEARNER", help="instead of --kinds x --learners")
+    p.add_argument("--runs", nargs="+", metavar="KIND:LEARNER[:SETTINGS]",
+                   help="instead of --kinds x --learners; SETTINGS: LearnerConfig fields, e.g. lr=1e-4,batch_records=64")
     p.add_argument("--frozen", help="the learner-off kind every ratio is taken against (default: the run's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--buffer", default="memory")
@@ -248,11 +269,11 @@ def main() -> None:
             oracle = run_one(args, args.oracle_kind, "off", temp, args.oracle, files)
         plan = [tuple(r.split(":")) for r in args.runs] if args.runs else [
             (kind, learner) for kind in args.kinds for learner in args.learners]
-        for kind, learner in plan:
+        for kind, learner, *settings in plan:
             own = dict(pair.split("=", 1) for pair in args.drafter_of)
             base = kind.split("+")[0]
             drafter = None if kind == "dvi" else Path(own[base]).expanduser() if base in own else args.drafter
-            runs.append(run_one(args, kind, learner, temp, drafter, files))
+            runs.append(run_one(args, kind, learner, temp, drafter, files, *settings))
             ready = any(r["learner"] == "off" and r["kind"] == (args.frozen or r["kind"]) for r in runs)
             table = analyse(runs, oracle, segments, args.frozen) if ready and runs[-1]["kind"] != "none" else []
             out.write_text(json.dumps({"machine": machine_info(), "segments": segments, "max_tokens": args.max_tokens,
