@@ -199,7 +199,8 @@ def markdown(table: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict], oracle: dict | None, segments, path: Path, together: bool = False) -> None:
+def plot(runs: list[dict], oracle: dict | None, segments, path: Path, together: bool = False,
+         oracle_label: str = "oracle (offline on code)") -> None:
     """τ (rolling 20) against the request index: one panel per kind and temperature, or with
     `together` (runs of several kinds compared: --frozen) every run in one panel per temperature."""
     import matplotlib
@@ -218,7 +219,7 @@ def plot(runs: list[dict], oracle: dict | None, segments, path: Path, together: 
             for run in (r for r in runs if r["kind"] == kind and r["temperature"] == temp):
                 ax.plot(rolling(taus(run), 20), label=run["learner"], lw=1.2)
             if oracle is not None and (together or oracle["kind"] == kind) and oracle["temperature"] == temp:
-                ax.plot(rolling(taus(oracle), 20), label="oracle (offline on code)", lw=1, ls="--", color="gray")
+                ax.plot(rolling(taus(oracle), 20), label=oracle_label, lw=1, ls="--", color="gray")
             for x in (segments[0], segments[0] + segments[1]):
                 ax.axvline(x, color="black", lw=0.6, ls=":")
             ax.set_title(f"{'' if together else kind + ', '}T={temp:g}: chat → code → chat")
@@ -248,6 +249,7 @@ def main() -> None:
     p.add_argument("--buffer", default="memory")
     p.add_argument("--oracle", type=Path, help="drafter trained offline on code (served frozen, pretrained kind)")
     p.add_argument("--oracle-kind", default="pretrained")
+    p.add_argument("--oracle-label", default="oracle (offline on code)", help="the oracle's name in the plot")
     p.add_argument("--tag", default="pretrained")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--replot", type=Path, help="redraw the PNG (and print the table) of a results JSON, run nothing")
@@ -255,7 +257,8 @@ def main() -> None:
     if args.replot is not None:
         saved = json.loads(args.replot.read_text())
         segs = tuple(saved["segments"])
-        plot(saved["runs"], saved["oracle"], segs, args.replot.with_suffix(".png"), together=args.frozen is not None)
+        plot(saved["runs"], saved["oracle"], segs, args.replot.with_suffix(".png"), together=args.frozen is not None,
+             oracle_label=args.oracle_label)
         print(markdown(analyse(saved["runs"], saved["oracle"], segs, args.frozen)))
         return
     segments = tuple(args.segments)
@@ -279,7 +282,8 @@ def main() -> None:
             out.write_text(json.dumps({"machine": machine_info(), "segments": segments, "max_tokens": args.max_tokens,
                                        "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
             print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
-    plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png", together=args.frozen is not None)
+    plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png", together=args.frozen is not None,
+         oracle_label=args.oracle_label)
     if any(r["learner"] == "off" for r in runs):  # the ratios need the frozen run
         print(markdown(analyse(runs, oracle, segments, args.frozen)))
 

@@ -357,3 +357,16 @@ def test_learner_config_round_trips_through_a_dict_and_refuses_bad_values():
                 dict(kind="dvi", anchor_fraction=1.0), dict(kind="dvi", holdout_every=1), dict(kind="dvi", publish_every=0)):
         with pytest.raises(ValueError):
             LearnerConfig(**bad)
+
+
+def test_the_eagle_heads_are_fine_tuned_gently_unless_told_otherwise():
+    """The heads arrive trained offline: larger minibatches at a lower rate by default (KIND_DEFAULTS);
+    the other kinds keep theirs, and a value given explicitly always wins."""
+    for kind in ("eagle", "eagle3"):
+        cfg = LearnerConfig(kind=kind)
+        assert (cfg.lr, cfg.batch_records) == (2e-4, 64)
+        assert LearnerConfig.from_dict(cfg.to_dict()) == cfg
+        given = LearnerConfig(kind=kind, lr=1e-3, batch_records=8)
+        assert (given.lr, given.batch_records) == (1e-3, 8)
+    for kind in ("pretrained", "sd2", "dvi"):
+        assert (LearnerConfig(kind=kind).lr, LearnerConfig(kind=kind).batch_records) == (1e-3, 16)
