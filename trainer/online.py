@@ -44,7 +44,7 @@ KIND_DEFAULTS = {"eagle": (2e-4, 64), "eagle3": (2e-4, 64)}
 
 @dataclass
 class LearnerConfig:
-    kind: str  # serving drafter kind: pretrained | sd2 | dvi | eagle
+    kind: str  # serving drafter kind: pretrained | sd2 | dvi | eagle | eagle3
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     lr: float | None = None  # steering / LoRA / head parameters (None: the kind's default, KIND_DEFAULTS)
     lm_lr: float = 1e-4  # drafter LM parameters (pretrained, sd2)
