@@ -23,6 +23,7 @@ Writes bench/results/drift_<tag>.json and drift_<tag>.png (τ against request in
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 import sys
@@ -59,20 +60,16 @@ def traffic_files(tmp: Path, segments: tuple[int, int, int]) -> list[Path]:
 
 
 def learner_settings(text: str) -> dict:
-    """"lr=1e-4,batch_records=64" -> LearnerConfig overrides (numbers parsed as int, then float)."""
-    out = {}
-    for pair in filter(None, text.split(",")):
-        key, value = pair.split("=", 1)
-        out[key] = next((cast(value) for cast in (int, float) if _parses(cast, value)), value)
-    return out
+    """"lr=1e-4,batch_records=64" -> LearnerConfig overrides (values read as Python literals); an unknown
+    field is refused here, before any run starts."""
+    from trainer.online import LearnerConfig
 
-
-def _parses(cast, value: str) -> bool:
-    try:
-        cast(value)
-    except ValueError:
-        return False
-    return True
+    out = dict(pair.split("=", 1) for pair in filter(None, text.split(",")))
+    unknown = set(out) - set(LearnerConfig.__dataclass_fields__)
+    if unknown:
+        fields = sorted(LearnerConfig.__dataclass_fields__)
+        raise SystemExit(f"unknown learner settings {sorted(unknown)}; LearnerConfig has {fields}")
+    return {key: ast.literal_eval(value) for key, value in out.items()}
 
 
 def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | None, files: list[Path],
@@ -243,7 +240,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=lambda s: None if s == "auto" else int(s), default=4, help="K or auto")
     p.add_argument("--runs", nargs="+", metavar="KIND:LEARNER[:SETTINGS]",
-                   help="instead of --kinds x --learners; SETTINGS: LearnerConfig fields, e.g. lr=1e-4,batch_records=64")
+                   help="instead of --kinds x --learners; SETTINGS: LearnerConfig fields, "
+                        "e.g. lr=1e-4,batch_records=64")
     p.add_argument("--frozen", help="the learner-off kind every ratio is taken against (default: the run's own)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--buffer", default="memory")
@@ -272,6 +270,8 @@ def main() -> None:
             oracle = run_one(args, args.oracle_kind, "off", temp, args.oracle, files)
         plan = [tuple(r.split(":")) for r in args.runs] if args.runs else [
             (kind, learner) for kind in args.kinds for learner in args.learners]
+        for _, _, *settings in plan:
+            learner_settings(*settings)  # a typo fails now, not after the runs before it
         for kind, learner, *settings in plan:
             own = dict(pair.split("=", 1) for pair in args.drafter_of)
             base = kind.split("+")[0]

@@ -39,7 +39,7 @@ TRAINABLE_KINDS = ("pretrained", "sd2", "dvi", "eagle", "eagle3")
 # At 1e-3 and 16 records (~32 positions) per update the fetched head drifted on the real pair (klrl: code 0.97x,
 # back on chat 0.91x the frozen head); at 2e-4 and 64 it holds chat (0.98x) and gains on code (bench/README.md 17).
 # Steering, LoRA heads and small drafters keep (1e-3, 16).
-KIND_DEFAULTS = {"eagle": (2e-4, 64), "eagle3": (2e-4, 64)}
+KIND_DEFAULTS = {kind: (1e-3, 16) for kind in TRAINABLE_KINDS} | {"eagle": (2e-4, 64), "eagle3": (2e-4, 64)}
 
 
 @dataclass
@@ -64,7 +64,7 @@ class LearnerConfig:
     def __post_init__(self):
         if self.kind not in TRAINABLE_KINDS:
             raise ValueError(f"the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not {self.kind!r}")
-        lr, batch = KIND_DEFAULTS.get(self.kind, (1e-3, 16))
+        lr, batch = KIND_DEFAULTS[self.kind]
         self.lr = lr if self.lr is None else self.lr
         self.batch_records = batch if self.batch_records is None else self.batch_records
         if self.batch_records < 1 or self.window < self.batch_records or self.publish_every < 1:
