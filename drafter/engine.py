@@ -28,6 +28,7 @@ kmax + k_b) the accept tests, column 2 kmax the emitted token; the other columns
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ import torch
 from drafter.capacity import draft_reserve, positions_needed
 from drafter.controller import Batch, Choice, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
+from drafter.graph import GraphDecoder, graph_ready, on_backend, resolve_backend
 from drafter.logprobs import Scoring, scoring_for
 from drafter.proposer import Drafter, VerifierView, emitted_tokens
 from drafter.rejection import rejection_sample
@@ -82,8 +84,12 @@ class Engine:
     hooks: StepHooks | None = None
     controller: Controller = field(default_factory=Controller)  # chooses k for the auto rows
     timing: StepTiming = field(default_factory=StepTiming)  # of the last step
+    backend: str | None = None  # drafter.graph: "eager", "graph", or auto (None: graph on CUDA, eager on the CPU)
+    # graph backend: compile the static step (SPECLOOP_COMPILE=0: run the same function eagerly, for tests and debugging)
+    compile_graphs: bool = field(default_factory=lambda: os.environ.get("SPECLOOP_COMPILE", "1") != "0")
 
     def __post_init__(self):
+        self.backend = self._graph_backend(self.backend)
         self.cache = self.verifier.new_cache(self.slots, self.capacity)
         self.rows: list[LiveRequest | None] = [None] * self.slots
         self._slot_of: dict[str, int] = {}  # running request id -> slot
@@ -91,6 +97,42 @@ class Engine:
         self.behind: set[int] = set()  # slots whose drafter state missed plain steps
         if self.drafter is not None:
             self._start_drafter()
+        self.warm_s = self._warm()  # graph backend: seconds spent compiling / capturing the steps at start-up
+
+    def _graph_backend(self, wanted: str | None) -> str:
+        """Wrap the verifier (and a drafter's own LM) in drafter.graph's static step where the backend is
+        graph; returns the backend the engine runs. Auto falls back to eager for weights the step cannot
+        run (quantized: drafter.kernels); an explicit "graph" refuses them."""
+        backend = resolve_backend(wanted, self.verifier.device)
+        if backend == "eager":
+            return backend
+        why = graph_ready(self.verifier)
+        if why is not None:
+            if wanted == "graph":
+                raise ValueError(f"backend graph: {why}")
+            return "eager"
+        width = self.controller.cfg.k_max + 1  # W: a plain step is a verify pass with one real query
+        self.verifier = on_backend(self.verifier, backend, self.slots, width, self.compile_graphs)
+        self._graph_drafter(self.drafter)
+        return backend
+
+    def _graph_drafter(self, drafter: Drafter | None) -> None:
+        """A drafter with an LM of its own (`graph_width`: its widest pass) drafts through the static step too."""
+        width = getattr(drafter, "graph_width", 0)
+        if width and graph_ready(drafter.lean) is None:
+            drafter.lean = on_backend(drafter.lean, "graph", self.slots, width, self.compile_graphs)
+
+    def _warm(self) -> float:
+        """Graph backend: build the verifier's step for the capture sets its steps use (none; the drafter's
+        layers) and a drafter LM's step, before the first request pays for it."""
+        if self.backend != "graph":
+            return 0.0
+        layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
+        seconds = self.verifier.warm(self.cache, {(), layers})
+        lm = getattr(self.drafter, "lean", None)
+        if isinstance(lm, GraphDecoder) and lm is not self.verifier:
+            seconds += lm.warm(self.drafter.cache, {()}, last_only=True)
+        return seconds
 
     def _start_drafter(self) -> None:
         empty = [[0]] * self.slots
@@ -161,6 +203,9 @@ class Engine:
             raise ValueError("stop strings need a decode function")
         if r.k is not None and r.k < 0:
             raise ValueError(f"request {r.id}: k = {r.k} < 0")
+        if self.backend == "graph" and r.k is not None and r.k > self.controller.cfg.k_max:
+            raise ValueError(f"request {r.id}: k = {r.k} exceeds the graph step's {self.controller.cfg.k_max} drafts "
+                             "per block (the controller's k_max)")
         if r.logprobs is not None and r.logprobs < 0:
             raise ValueError(f"request {r.id}: logprobs = {r.logprobs} < 0")
         if not self.fits(len(r.prompt), r.params.max_tokens, r.k):
@@ -186,6 +231,8 @@ class Engine:
             return
         new = self.hooks.swap(self.drafter, self._histories())
         if new is not self.drafter:
+            if self.backend == "graph":
+                self._graph_drafter(new)
             self.drafter = new
             self.controller.drafter_swapped()
 
@@ -325,6 +372,7 @@ def generate(
     first_request: int = 0,
     hooks: "StepHooks | None" = None,
     controller: Controller | None = None,
+    backend: str | None = None,
 ) -> list[Generation]:
     """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone,
     k = None lets `controller` (drafter/controller.py; a new one when None) choose k step by step.
@@ -337,7 +385,7 @@ def generate(
     controller = Controller() if controller is None else controller
     capacity = positions_needed(max(map(len, prompts)), params.max_tokens, k, controller.cfg.k_max)
     engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
-                    controller=controller)
+                    controller=controller, backend=backend)
     engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
     finished = {}
     while engine.running:

@@ -72,10 +72,16 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    """fp32: on CUDA too, where bf16 verify passes are not token-identical to one-token decoding
-    (bench/README.md section 7); a lean copy can still be converted with `weights`."""
-    return torch.float32
+def default_dtype(device: torch.device, path: str | Path | None = None) -> torch.dtype:
+    """The dtype a checkpoint is read in where the caller names none. CPU: fp32 (`weights` converts the
+    lean copy to the served mode). CUDA: as stored, so a bf16 checkpoint is served in bf16 there: the
+    engine's graph backend (drafter.graph) runs every step at one query width, which makes speculative
+    greedy output token-identical to plain decoding in bf16 too; `weights="fp32"` still serves fp32."""
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    from drafter.weight_modes import stored_mode
+
+    return torch.bfloat16 if stored_mode(path) == "bf16" else torch.float32
 
 
 def _require_dir(path: Path) -> None:
@@ -126,7 +132,7 @@ def load_model(path: str | Path, device: torch.device | None = None, dtype: torc
     path = Path(path)
     _require_dir(path)
     device = device or default_device()
-    dtype = dtype or default_dtype(device)
+    dtype = dtype or default_dtype(device, path)
     mode = None
     if weights is not None:
         from drafter.quant import resolve_mode

@@ -22,6 +22,7 @@ class PretrainedDrafter:
     verifier_layers: tuple[int, ...] = ()
     record_layers: tuple[int, ...] = ()
     follows_plain = False  # its cache misses the tokens of plain steps
+    graph_width = 2  # its widest decode pass (the pending tokens): drafter.graph runs its LM at this width
 
     def __init__(self, lean: LeanDecoder):
         self.lean = lean

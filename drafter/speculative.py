@@ -100,8 +100,10 @@ def speculative_step(
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
     t_verified = None if clock is None else clock.mark(dev)
     drafted = None if proposal.lengths is None else limit.cpu()
-    outcome = BlockOutcome(verdict.tokens.cpu(), verdict.num_accepted.cpu(),  # the host commits and rolls back
-                           drafted, proposal.sources, predicted(proposal, drafted))
+    # the step's one read on the host (what commits, rolls back, streams and feeds the controller)
+    host = torch.cat([verdict.tokens, verdict.num_accepted[:, None].to(verdict.tokens.dtype)], dim=1).cpu()
+    outcome = BlockOutcome(host[:, :-1].contiguous(), host[:, -1].contiguous(), drafted, proposal.sources,
+                           predicted(proposal, drafted))
     if clock is not None:
         clock.read(t_start, t_drafted, t_verified)
     if scoring is not None:  # after the clock: the controller's costs are those of the step itself

@@ -150,7 +150,7 @@ def default_mode(device: torch.device | str = "cpu", role: str = "drafter") -> s
     fp32 42 / 80, bf16 33 / 29, int8 16 / 21, int4 12 / 19. Decoding a small model is bound by
     reading weights; int8 reads 4x and int4 ~7x fewer bytes than fp32.
 
-    - CUDA: "fp32" for a verifier, "bf16" for a drafter (the int kernels here are CPU ones).
+    - CUDA: "bf16" (the int kernels here are CPU ones; the graph backend keeps bf16 verification exact).
     - CPU where specloop's kernels build: "w4a8" for a drafter (int8 activations: cheapest drafts).
     - CPU with native bf16 (avx512_bf16 / AMX-BF16): "int8" for a verifier, "int4" for a drafter.
     - CPU without native bf16: "fp32". The int kernels are fast only with bf16 activations, and
@@ -160,7 +160,7 @@ def default_mode(device: torch.device | str = "cpu", role: str = "drafter") -> s
         raise ValueError(f"role must be 'verifier' or 'drafter', got {role!r}")
     device = torch.device(device)
     if device.type == "cuda":
-        return "fp32" if role == "verifier" else "bf16"
+        return "bf16"
     if role == "drafter" and _kernels_for("w4a8", DEFAULT_GROUP_SIZE) == "own":
         return "w4a8"
     if not native_bf16():

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,18 @@ from tests.tiny import build_model, llama_config, make_model, make_tokenizer
 def test_models_load_in_fp32_on_cpu(tiny_pair):
     m = load_model(tiny_pair[0], device=torch.device("cpu"))
     assert m.lean.dtype == torch.float32 and m.vocab_size == len(m.tokenizer)
-    assert default_dtype(torch.device("cuda")) == torch.float32  # bf16 there is not greedy-lossless
+    assert default_dtype(torch.device("cpu")) == torch.float32
+
+
+def test_on_cuda_a_checkpoint_is_read_in_the_dtype_it_is_stored_in(tiny_pair, tmp_path):
+    # the graph backend makes bf16 exact there (drafter.graph): a bf16 checkpoint is not served at twice its bytes
+    assert default_dtype(torch.device("cuda"), tiny_pair[0]) == torch.float32  # stored in fp32
+    bf16 = tmp_path / "bf16"
+    bf16.mkdir()
+    config = json.loads((tiny_pair[0] / "config.json").read_text())
+    (bf16 / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    assert default_dtype(torch.device("cuda"), bf16) == torch.bfloat16
+    assert default_dtype(torch.device("cpu"), bf16) == torch.float32  # the CPU converts with `weights`
 
 
 def test_a_pair_with_different_vocabularies_is_refused(tiny_pair, tmp_path):
