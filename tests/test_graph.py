@@ -98,6 +98,26 @@ def test_the_static_step_scores_as_the_lean_decoder_and_writes_only_real_tokens(
         assert not changed[2].any() or changed[2].nonzero().flatten().tolist() == [trash]  # the empty row: trash only
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_pair, dtype):
+    # the property that makes speculation exact: a token's logits do not depend on how many real queries
+    # its pass had, nor on its index among them, nor on the other rows
+    lean = load_model(tiny_pair[0], dtype=dtype).lean
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    graph, cache = _pool(lean, prompts, slots=3, width=5)
+    _, stepwise = _pool(lean, prompts, slots=3, width=5)  # a second pool, stepped one token at a time
+    block = torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])
+    verify = graph.forward(KVCache([k[:2] for k in cache.keys], [v[:2] for v in cache.values], cache.lens[:2]),
+                           block, torch.tensor([4, 2]))
+    rows = KVCache([k[:2] for k in stepwise.keys], [v[:2] for v in stepwise.values], stepwise.lens[:2])
+    for t in range(4):
+        one = graph.forward(rows, block[:, t : t + 1], torch.tensor([1, 1 if t < 2 else 0]))
+        assert torch.equal(one.logits[0, 0], verify.logits[0, t])
+        if t < 2:
+            assert torch.equal(one.logits[1, 0], verify.logits[1, t])
+    assert graph.graph_calls == 5  # every pass ran the static step
+
+
 def _decode(verifier, drafter, prompts, k, backend="graph", slots=3, max_tokens=32):
     """Requests joining a running pool of `slots` rows (continuous batching), each row's greedy tokens."""
     rule = StopRule(verifier.eos_ids)
