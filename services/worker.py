@@ -201,6 +201,8 @@ class VerifierWorker:
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
         self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
         self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule, hooks=self)
+        if self.engine.backend == "graph":
+            log.info("graph backend: decode steps compiled for %d slots in %.1f s", cfg.slots, self.engine.warm_s)
         self.version = BASE_VERSION
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="drafter-loader")  # versions requests name
         self.watcher = None if self.registry is None else RegistryWatcher(
