@@ -83,6 +83,17 @@ def build_drafter(kind: str, verifier: LoadedModel, drafter_dir: str | Path | No
     return DrafterBuilder(kind, verifier, drafter_dir, weights, speculators).base
 
 
+MIXABLE = {"eagle", "eagle3"}  # kinds that follow plain steps: a mix of speculators can hold them (drafter.mix)
+DEFAULT_SPECULATORS = ("suffix",)  # beside a mixable drafter when the user names none: the prompt as a free drafter
+
+
+def default_speculators(kind: str) -> tuple[str, ...]:
+    """The speculators beside a `kind` drafter when none are named: suffix decoding over the request's own
+    prompt and turns (and earlier outputs) beside a learned head, chosen per step and row; nothing beside
+    the other kinds (their drafters miss plain steps, which a mix needs)."""
+    return DEFAULT_SPECULATORS if kind in MIXABLE else ()
+
+
 def check_speculators(kind: str, speculators: tuple[str, ...]) -> tuple[str, ...]:
     """The speculators beside a `kind` drafter, refused where they make no sense."""
     unknown = [s for s in speculators if s not in SPECULATORS]

@@ -90,10 +90,15 @@ def _print_summary(summary, k: int | None) -> None:
 
 
 def _speculators(option: str | None, kind: str) -> tuple[str, ...]:
-    """--speculators static,suffix → ("static", "suffix"), checked against the drafter kind."""
-    from drafter.kinds import check_speculators
+    """--speculators static,suffix → ("static", "suffix"), checked against the drafter kind; none → ();
+    not given → the kind's default (suffix decoding beside an eagle head: drafter.kinds.default_speculators)."""
+    from drafter.kinds import check_speculators, default_speculators
 
-    names = tuple(s.strip() for s in (option or "").split(",") if s.strip())
+    if option is None:
+        return default_speculators(kind)
+    if option.strip() == "none":
+        return ()
+    names = tuple(s.strip() for s in option.split(",") if s.strip())
     try:
         return check_speculators(kind, names)
     except ValueError as exc:

@@ -43,9 +43,10 @@ Drafter = Annotated[Optional[Path], typer.Option(help="the drafter: a checkpoint
 DrafterKind = Annotated[Optional[str], typer.Option(
     help="default: the checkpoint manifest's kind, else pretrained (with --drafter); or suffix / ngram (model-free)")]
 Speculators = Annotated[Optional[str], typer.Option(
-    metavar="static,suffix", show_default=False,
+    metavar="static,suffix|none", show_default=False,
     help="speculators chosen per step and row beside the drafter: static (a frozen copy of its base weights "
-         "beside the learner's versions), suffix (suffix decoding); comma-separated")]
+         "beside the learner's versions), suffix (suffix decoding over the prompt, the turns and earlier "
+         "outputs); comma-separated, or none. Default: suffix beside an eagle / eagle3 head, none otherwise")]
 Prompts = Annotated[Path, typer.Option(help="JSON lines: {id, prompt} or {id, messages}")]
 Stop = Annotated[Optional[list[str]], typer.Option(show_default=False, help="stop string (repeatable)")]
 DraftLenAuto = Annotated[Optional[int], typer.Option(

@@ -297,3 +297,14 @@ def test_serve_answers_as_the_served_model_name_and_asks_for_the_api_key(tiny_pa
         code = server.stop()
         server.forget_redis_keys()
     assert code == 0
+
+
+def test_speculators_default_to_the_kinds_and_none_turns_them_off():
+    from services.cli import UsageError, _speculators
+
+    assert _speculators(None, "eagle") == ("suffix",)
+    assert _speculators("none", "eagle") == ()
+    assert _speculators("static, suffix", "eagle") == ("static", "suffix")
+    assert _speculators(None, "pretrained") == ()
+    with pytest.raises(UsageError, match="model-free"):
+        _speculators("suffix", "ngram")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from drafter.kinds import build_drafter, resolve_kind
+from drafter.kinds import build_drafter, check_speculators, default_speculators, resolve_kind
 from drafter.models import ModelError, load_model
 
 
@@ -35,3 +35,10 @@ def test_a_drafter_lm_is_built_in_its_own_weight_mode(tiny_pair):
     drafter = build_drafter("pretrained", verifier, tiny_pair[1], weights="int4")
     assert verifier.lean.quant.mode == "int8" and drafter.lean.quant.mode == "int4"
     assert build_drafter("pretrained", verifier, tiny_pair[1]).lean.quant is None  # None: as loaded
+
+
+def test_suffix_decoding_joins_a_learned_head_by_default_and_nothing_joins_the_other_kinds():
+    assert default_speculators("eagle") == default_speculators("eagle3") == ("suffix",)
+    for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix"):
+        assert default_speculators(kind) == ()
+        check_speculators(kind, default_speculators(kind))  # a default is always a valid choice
