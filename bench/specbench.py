@@ -82,7 +82,8 @@ class Run:
 
 
 def load_questions(path: Path, per_category: int) -> list[Question]:
-    """The last `per_category` questions of each category (MT-bench's eight pooled), file order."""
+    """`per_category` questions of each category, evenly spaced through it in file order (MT-bench's eight
+    sub-categories pooled, so its questions span them)."""
     by: dict[str, list[Question]] = {c: [] for c in CATEGORIES}
     for line in path.read_text().splitlines():
         if not line.strip():
@@ -94,7 +95,12 @@ def load_questions(path: Path, per_category: int) -> list[Question]:
         turns = rec["turns"]
         turns = ast.literal_eval(turns) if isinstance(turns, str) else turns
         by[cat].append(Question(str(rec["question_id"]), cat, [str(t) for t in turns]))
-    return [q for cat in CATEGORIES for q in by[cat][-per_category:]]
+    return [q for cat in CATEGORIES for q in _spaced(by[cat], per_category)]
+
+
+def _spaced(items: list, n: int) -> list:
+    n = min(n, len(items))
+    return [items[(2 * i + 1) * len(items) // (2 * n)] for i in range(n)]
 
 
 def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_dir: Path | None, kind: str):

@@ -105,22 +105,26 @@ class Engine:
         run (quantized: drafter.kernels); an explicit "graph" refuses them."""
         backend = resolve_backend(wanted, self.verifier.device)
         if backend == "eager":
+            self._graph_drafter(self.drafter, "eager")  # a drafter an earlier graph engine wrapped runs eagerly here
             return backend
         why = graph_ready(self.verifier)
         if why is not None:
             if wanted == "graph":
                 raise ValueError(f"backend graph: {why}")
+            self._graph_drafter(self.drafter, "eager")
             return "eager"
         width = self.controller.cfg.k_max + 1  # W: a plain step is a verify pass with one real query
         self.verifier = on_backend(self.verifier, backend, self.slots, width, self.compile_graphs)
-        self._graph_drafter(self.drafter)
+        self._graph_drafter(self.drafter, backend)
         return backend
 
-    def _graph_drafter(self, drafter: Drafter | None) -> None:
-        """A drafter with an LM of its own (`graph_width`: its widest pass) drafts through the static step too."""
+    def _graph_drafter(self, drafter: Drafter | None, backend: str) -> None:
+        """A drafter with an LM of its own (`graph_width`: its widest pass) drafts through this engine's
+        static step on the graph backend (its LM as this engine's slots need it), through its own
+        LeanDecoder on the eager one."""
         width = getattr(drafter, "graph_width", 0)
         if width and graph_ready(drafter.lean) is None:
-            drafter.lean = on_backend(drafter.lean, "graph", self.slots, width, self.compile_graphs)
+            drafter.lean = on_backend(drafter.lean, backend, self.slots, width, self.compile_graphs)
 
     def _warm(self) -> float:
         """Graph backend: build the verifier's step for the capture sets its steps use (none; the drafter's
@@ -231,8 +235,7 @@ class Engine:
             return
         new = self.hooks.swap(self.drafter, self._histories())
         if new is not self.drafter:
-            if self.backend == "graph":
-                self._graph_drafter(new)
+            self._graph_drafter(new, self.backend)
             self.drafter = new
             self.controller.drafter_swapped()
 

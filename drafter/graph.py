@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from drafter.attention import KEY_BLOCK, KV_DTYPE, _round_up
+from drafter.decoder import ForwardOut
 from drafter.kv_cache import KVCache
 from drafter.linears import Dense
 
@@ -205,8 +206,12 @@ def compile_step(model: StaticModel, device: torch.device, compiled: bool = True
 
 
 def pool_shape(batch: int, capacity: int, lean) -> tuple[int, int, int, int]:
-    """A graph pool's KV shape per layer: whole key blocks, one position longer than asked (the trash slot)."""
-    return (batch, lean.n_kv, _round_up(capacity + 1, KEY_BLOCK), lean.head_dim)
+    """A graph pool's KV shape per layer: one position longer than asked (the trash slot), in whole key
+    blocks, rounded up to one of 8 sizes per octave (at most 1/8 more): engines sized by their longest
+    prompt (`generate`, batch by batch) share a few compiled shapes instead of one per 64 positions."""
+    blocks = _round_up(capacity + 1, KEY_BLOCK) // KEY_BLOCK
+    step = 1 << max(0, blocks.bit_length() - 4)
+    return (batch, lean.n_kv, KEY_BLOCK * _round_up(blocks, step), lean.head_dim)
 
 
 class GraphDecoder:
@@ -225,6 +230,11 @@ class GraphDecoder:
     def __getattr__(self, name: str):
         return getattr(self.__dict__["lean"], name)
 
+    @property
+    def eager(self):
+        """The wrapped LeanDecoder: what prefills run (drafter.kv_cache), whatever the cache."""
+        return self.lean
+
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """A cache the LeanDecoder's passes can use too; a pool (batch == slots) gets the trash slot and
         static addresses for the compiled step."""
@@ -235,7 +245,9 @@ class GraphDecoder:
         for _ in range(self.lean.num_layers):
             for store in (keys, values):
                 t = torch.zeros(shape, device=self.lean.device, dtype=KV_DTYPE)
-                torch._dynamo.mark_static_address(t)
+                # static for CUDA graphs, no identity guard: another engine's pool of this shape reuses the
+                # compiled step (a CUDA graph is re-recorded at the new addresses, nothing recompiles)
+                torch._dynamo.mark_static_address(t, guard=False)
                 t._specloop_pool = True
                 store.append(t)
         return KVCache(keys, values, torch.zeros(batch, dtype=torch.long))
@@ -259,10 +271,9 @@ class GraphDecoder:
             raise ValueError("warm() takes the pool this decoder's new_cache made")
         t0 = time.perf_counter()
         S, W, dev = self.slots, self.width, self.lean.device
-        zeros = torch.zeros(S, dtype=torch.long, device=dev)
-        for capture in sorted(captures):
-            self.step_fn(*pool, torch.zeros(S, W, dtype=torch.long, device=dev), zeros, zeros, None,
-                         tuple(sorted(set(capture))), last_only)
+        for capture in sorted(captures):  # inputs as forward passes them: distinct tensors (dynamo guards on aliasing)
+            tokens, counts, lens = (torch.zeros(shape, dtype=torch.long, device=dev) for shape in ((S, W), (S,), (S,)))
+            self.step_fn(*pool, tokens, counts, lens, None, tuple(sorted(set(capture))), last_only)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
@@ -272,8 +283,6 @@ class GraphDecoder:
                 last_only: bool = False, capture: tuple[int, ...] = (),
                 mlp_up_bias: list[torch.Tensor] | None = None):
         """LeanDecoder.forward's contract (append at each row's lens, advance lens by n_new)."""
-        from drafter.decoder import ForwardOut
-
         B, T = tokens.shape
         pool = self._pool(cache) if T <= self.width else None
         if pool is None:
@@ -301,7 +310,15 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True):
-    """`lean` as the engine runs it: itself (eager), or wrapped in a GraphDecoder (graph)."""
-    if backend == "eager" or isinstance(lean, GraphDecoder):
+    """`lean` (a LeanDecoder, or a GraphDecoder an earlier engine made) as an engine of `slots` rows runs it:
+    the LeanDecoder itself (eager), or its GraphDecoder for (slots, width): one per decoder and shape,
+    kept on the decoder, so that every engine of that shape (`generate` batch after batch, an engine
+    per drafter version) reuses one compiled step."""
+    lean = getattr(lean, "eager", lean)
+    if backend == "eager":
         return lean
-    return GraphDecoder(lean, slots, width, compiled)
+    graphs = lean.__dict__.setdefault("_graph_decoders", {})
+    key = (slots, width, compiled)
+    if key not in graphs:
+        graphs[key] = GraphDecoder(lean, slots, width, compiled)
+    return graphs[key]

@@ -47,7 +47,8 @@ def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple
     """`prefill`, also returning each captured layer's residual streams at the positions that
     produced the prompt's last `tail` tokens: (cache, features, recent {layer: [B, tail, hidden]},
     recent_lens [B]); row b's first recent_lens[b] = min(tail, len(prompt) − 1) are real, oldest first."""
-    cache = lean.new_cache(len(prompts), capacity)
+    cache = lean.new_cache(len(prompts), capacity)  # a graph pool where `lean` is a drafter.graph.GraphDecoder
+    lean = getattr(lean, "eager", lean)  # prefills run the LeanDecoder's own passes
     features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
     recent = {i: torch.zeros(len(prompts), tail, lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
     lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
@@ -80,7 +81,7 @@ def prefill_rows(lean, cache: KVCache, slots: list[int], prompts: list[list[int]
     batch); the other rows are untouched. Returns what `prefill_recent` captured for these rows:
     (features [len(slots), hidden] per layer, recent [len(slots), tail, hidden] per layer, recent_lens)."""
     width = max(len(p) for p in prompts)
-    fresh, features, recent, lens = prefill_recent(lean, prompts, width, capture, tail)
+    fresh, features, recent, lens = prefill_recent(getattr(lean, "eager", lean), prompts, width, capture, tail)
     idx = torch.tensor(slots, dtype=torch.long)
     dev = idx.to(lean.device)
     for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):

@@ -60,11 +60,29 @@ def summary(replies: list[dict], seconds: float, k: int | None) -> str:
             f"drafter version(s) {', '.join(versions)}")
 
 
-def timed_round(url: str, model: str, records: list, cfg: DemoConfig, speculate: bool) -> tuple[list[dict], float]:
+def timed_round(url: str, model: str, records: list, cfg: DemoConfig, speculate: bool) -> tuple[list[dict], float, list[float]]:
+    """Every record's reply, the round's seconds, and each request's own seconds (whole requests)."""
+    def one(record) -> tuple[dict, float]:
+        t = time.perf_counter()
+        return chat(url, model, as_messages(record), cfg, speculate), time.perf_counter() - t
+
     t0 = time.perf_counter()
     with ThreadPoolExecutor(cfg.clients) as pool:
-        replies = list(pool.map(lambda r: chat(url, model, as_messages(r), cfg, speculate), records))
-    return replies, time.perf_counter() - t0
+        done = list(pool.map(one, records))
+    return [d[0] for d in done], time.perf_counter() - t0, [d[1] for d in done]
+
+
+def request_line(record_id: str, reply: dict, seconds: float, plain: dict | None, plain_s: float | None) -> str:
+    """One request's heading: tokens, its tokens/s with speculation (and alone, and the ratio, when it was
+    also decoded alone), the drafts accepted and τ (tokens per verifier pass)."""
+    u = reply["usage"]
+    tokens, drafted, accepted = u["completion_tokens"], u["drafted_tokens"], u["accepted_tokens"]
+    rate = tokens / seconds if seconds else 0.0
+    speed = f"{rate:.1f} tokens/s"
+    if plain is not None and plain_s:
+        alone = plain["usage"]["completion_tokens"] / plain_s
+        speed = f"{alone:.1f} → {rate:.1f} tokens/s = {rate / alone:.2f}x"
+    return f"── {record_id}  ({tokens} tokens, {speed}; accepted {accepted}/{drafted} drafts)"
 
 
 def comparison(plain: list[dict], plain_s: float, spec: list[dict], spec_s: float) -> str:
@@ -89,12 +107,11 @@ def run_demo(cfg: DemoConfig) -> int:
         model = server.start(READY_TIMEOUT_S).model
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         print(f"serving {model} as {card.get('weights')}", file=sys.stderr)
-        if cfg.compare:
-            plain, plain_s = timed_round(url, model, records, cfg, speculate=False)
-        replies, seconds = timed_round(url, model, records, cfg, speculate=True)
-        for record, reply in zip(records, replies):
-            u = reply["usage"]
-            print(f"── {record.id}  ({u['completion_tokens']} tokens, accepted {u['accepted_tokens']}/{u['drafted_tokens']} drafts)")
+        plain, plain_s, plain_each = timed_round(url, model, records, cfg, speculate=False) if cfg.compare else (
+            [None] * len(records), None, [None] * len(records))
+        replies, seconds, each = timed_round(url, model, records, cfg, speculate=True)
+        for record, reply, s, alone, alone_s in zip(records, replies, each, plain, plain_each):
+            print(request_line(record.id, reply, s, alone, alone_s))
             print(reply["choices"][0]["message"]["content"])
         print(summary(replies, seconds, cfg.k), file=sys.stderr)
         if cfg.compare:

@@ -168,6 +168,38 @@ def test_sampled_output_on_the_graph_backend_is_distributed_as_the_verifiers(mon
     assert min(pvalues) > 0.01, pvalues
 
 
+def test_warming_builds_the_graph_the_steps_then_run_and_prefills_never_run_it(tiny_verifier, monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+
+    import drafter.graph as graph_module
+
+    counter = CompileCounter()
+    monkeypatch.setattr(graph_module, "compile_step",
+                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
+    engine = Engine(tiny_verifier.lean, None, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
+    built = counter.frame_count
+    assert built == 1  # the verifier alone: one capture set
+    engine.admit([EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=6), 0),
+                  EngineRequest("b", [8, 9], SamplingParams(max_tokens=6), 0)])  # short prompts: prefills as wide as W
+    assert engine.verifier.graph_calls == 0  # prefills run the LeanDecoder's own passes
+    while engine.running:
+        engine.step()
+    assert engine.verifier.graph_calls > 0 and counter.frame_count == built  # no step compiled anything new
+    again = Engine(tiny_verifier.lean, None, 2, 150, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
+    assert again.verifier is engine.verifier and counter.frame_count == built  # a pool of the same size: no recompile
+
+
+def test_a_drafter_runs_as_each_engine_it_serves_needs(tiny_verifier, tiny_pair):
+    drafter = build_drafter("pretrained", tiny_verifier, tiny_pair[1])
+    rule = StopRule(tiny_verifier.eos_ids)
+    Engine(tiny_verifier.lean, drafter, 2, 128, rule, backend="graph")
+    assert isinstance(drafter.lean, GraphDecoder) and drafter.lean.slots == 2
+    Engine(tiny_verifier.lean, drafter, 3, 128, rule, backend="graph")
+    assert drafter.lean.slots == 3  # its LM at this engine's pool size
+    Engine(tiny_verifier.lean, drafter, 3, 128, rule, backend="eager")
+    assert not isinstance(drafter.lean, GraphDecoder)  # and its own passes on the eager backend
+
+
 def test_a_draft_length_beyond_the_steps_width_is_refused_before_it_takes_a_slot(tiny_verifier, tiny_pair):
     drafter = build_drafter("pretrained", tiny_verifier, tiny_pair[1])
     engine = Engine(tiny_verifier.lean, drafter, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph")
