@@ -118,7 +118,7 @@ def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_
     assert graph.graph_calls == 5  # every pass ran the static step
 
 
-def _decode(verifier, drafter, prompts, k, backend="graph", slots=3, max_tokens=32):
+def _decode(verifier, drafter, prompts, k, backend="graph", slots=3, max_tokens=24):
     """Requests joining a running pool of `slots` rows (continuous batching), each row's greedy tokens."""
     rule = StopRule(verifier.eos_ids)
     engine = Engine(verifier.lean, drafter, slots, 256, rule, backend=backend)
@@ -139,7 +139,7 @@ def _decode(verifier, drafter, prompts, k, backend="graph", slots=3, max_tokens=
 
 def _prompts(verifier):
     texts = ["def main():\n    print(", "The quick brown fox", "import os\nimport sys\n\nclass",
-             "Sure, here is an example of", "hello world"]
+             "Sure, here is an example of"]
     return [verifier.tokenizer.encode(t, add_special_tokens=False) for t in texts]
 
 
