@@ -104,18 +104,14 @@ class Engine:
         graph; returns the backend the engine runs. Auto falls back to eager for weights the step cannot
         run (quantized: drafter.kernels); an explicit "graph" refuses them."""
         backend = resolve_backend(wanted, self.verifier.device)
-        if backend == "eager":
-            self._graph_drafter(self.drafter, "eager")  # a drafter an earlier graph engine wrapped runs eagerly here
-            return backend
-        why = graph_ready(self.verifier)
+        why = graph_ready(self.verifier) if backend == "graph" else None
         if why is not None:
             if wanted == "graph":
                 raise ValueError(f"backend graph: {why}")
-            self._graph_drafter(self.drafter, "eager")
-            return "eager"
+            backend = "eager"
         width = self.controller.cfg.k_max + 1  # W: a plain step is a verify pass with one real query
         self.verifier = on_backend(self.verifier, backend, self.slots, width, self.compile_graphs)
-        self._graph_drafter(self.drafter, backend)
+        self._graph_drafter(self.drafter, backend)  # eager: a drafter an earlier graph engine wrapped runs eagerly
         return backend
 
     def _graph_drafter(self, drafter: Drafter | None, backend: str) -> None:

@@ -100,10 +100,8 @@ def speculative_step(
     verdict = accept(proposal, logits, params, u_accept, sampler, limit)
     t_verified = None if clock is None else clock.mark(dev)
     drafted = None if proposal.lengths is None else limit.cpu()
-    # the step's one read on the host (what commits, rolls back, streams and feeds the controller)
-    host = torch.cat([verdict.tokens, verdict.num_accepted[:, None].to(verdict.tokens.dtype)], dim=1).cpu()
-    outcome = BlockOutcome(host[:, :-1].contiguous(), host[:, -1].contiguous(), drafted, proposal.sources,
-                           predicted(proposal, drafted))
+    tokens, n = _to_host(verdict)
+    outcome = BlockOutcome(tokens, n, drafted, proposal.sources, predicted(proposal, drafted))
     if clock is not None:
         clock.read(t_start, t_drafted, t_verified)
     if scoring is not None:  # after the clock: the controller's costs are those of the step itself
@@ -116,6 +114,15 @@ def speculative_step(
     if k and on_trace is not None:
         on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active, limit))
     return outcome
+
+
+def _to_host(verdict: BlockOutcome) -> tuple[torch.Tensor, torch.Tensor]:
+    """The verdict's tokens and counts on the host (what commits, rolls back, streams and feeds the
+    controller): one transfer on a device, nothing on the CPU."""
+    if verdict.tokens.device.type == "cpu":
+        return verdict.tokens, verdict.num_accepted
+    host = torch.cat([verdict.tokens, verdict.num_accepted[:, None].to(verdict.tokens.dtype)], dim=1).cpu()
+    return host[:, :-1].contiguous(), host[:, -1].contiguous()
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | RowParams,
