@@ -201,13 +201,13 @@ class Costs:
             unit = step.verify_s / self.ratio_of(T, b)
         if unit <= 0:
             return
-        asked = step.drafting
+        asked = 0 if step.lookup else step.drafting  # a lookup's drafts say nothing of what asking the drafter costs
         if asked:
             self.add(self.draft, b, step.draft_s / asked / unit)
             self.add(self.offered, (asked, b), float(step.k))
         if step.resync_s > 0:
             self.add(self.resync, b, step.resync_s / unit)
-        self.add(self.overhead, (asked > 0, b), step.overhead_s / unit)
+        self.add(self.overhead, (asked > 0 or T > 1, b), step.overhead_s / unit)
 
     def measured(self, k: int, b: int) -> bool:
         """Whether a step asking k drafts at bucket b was measured (k = 0: a plain pass)."""
@@ -329,6 +329,7 @@ class StepSample:
     asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
     #                           (suffix) may draft less, and the verify pass covers only what it drafted
     confident: tuple[tuple[float, int], ...] = ()
+    lookup: bool = False  # the drafts were free ones on a step left plain (drafter.engine `lookup`): no drafting cost
 
     @property
     def drafting(self) -> int:

@@ -87,6 +87,9 @@ class Engine:
     backend: str | None = None  # drafter.graph: "eager", "graph", or auto (None: graph on CUDA, eager on the CPU)
     # graph backend: compile the static step (SPECLOOP_COMPILE=0: run the same function eagerly, for tests and debugging)
     compile_graphs: bool = field(default_factory=lambda: os.environ.get("SPECLOOP_COMPILE", "1") != "0")
+    # steps the controller leaves plain still verify the drafter's free drafts (`Drafter.lookup`: suffix decoding
+    # over the request's prompt and turns) where their confidence pays for them; False: plain means plain
+    lookups: bool = True
 
     def __post_init__(self):
         self.backend = self._graph_backend(self.backend)
@@ -251,7 +254,8 @@ class Engine:
         m = live[-1] + 1
         rows = self.rows[:m]
         choice = self._choose(rows, live, m)
-        auto_k = 0 if choice is None else choice.k
+        lookup = self._lookup(choice, rows, live)
+        auto_k = self.controller.cfg.k_max if lookup else 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
         kmax = max(ks[s] for s in live)
         active = torch.tensor([r is not None for r in rows])
@@ -270,13 +274,14 @@ class Engine:
         gate = None if choice is None or any(rows[s].request.k is not None for s in live) else (
             lambda confidence: self.controller.cut(confidence, m))  # every row auto: confidence may cut drafts
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
-                                   active, self.sampler, on_trace, limit, clock, scoring, gate)
+                                   active, self.sampler, on_trace, limit, clock, scoring, gate, lookup)
         t2 = time.perf_counter()
         if narrowed is not drafter:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         drafted = ks if outcome.drafted is None else [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
-        blocks = tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])  # what asking k earns
+        # what asking k earns (a lookup's drafts were not asked for: they teach the calibration alone)
+        blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
         confident = () if outcome.predicted is None else tuple(
             (float(outcome.predicted[s]), int(outcome.num_accepted[s])) for s in live if drafted[s])
         updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
@@ -286,8 +291,14 @@ class Engine:
                                  resync_s=resync_s, choice=choice)
         self.controller.observe(StepSample(m, outcome.tokens.shape[1] - 1, clock.draft_s, clock.verify_s,
                                            total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s, kmax,
-                                           confident))
+                                           confident, lookup))
         return updates
+
+    def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> bool:
+        """Whether this step, which the controller left plain for auto rows only (not to measure a plain pass),
+        verifies the drafter's free drafts instead (`Drafter.lookup`)."""
+        return (self.lookups and choice is not None and not choice.k and not choice.probe
+                and all(rows[s].request.k is None for s in live) and hasattr(self.drafter, "lookup"))
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
         """The controller's k for this step's auto rows (None when there are none, or no drafter)."""

@@ -80,7 +80,7 @@ class SpeculatorMix:
         bar = self.expected(model, k)
         scores = [1 + self.calibration.scale * d.score for d in drafts]
         takes = [bool(d.tokens) and s >= bar for d, s in zip(drafts, scores)]
-        mine = proposal_of(drafts, k, suffix.vocab_size, params, [r.tokens[-1] for r in suffix.rows])
+        mine = proposal_of(drafts, k, [r.tokens[-1] for r in suffix.rows])
         if all(takes):
             mine.sources = ["suffix"] * len(drafts)
             self._remember(mine.sources, drafts, model=None)
@@ -91,6 +91,19 @@ class SpeculatorMix:
         merged.sources = ["suffix" if t else model for t in takes]
         self._remember(merged.sources, drafts, model)
         return merged
+
+    def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
+        """The suffix member's drafts alone, no model member run: what drafter.engine verifies on a step
+        the controller left plain, each row cut to what its confidence pays for. None without a suffix
+        member, or where no row has a draft."""
+        suffix = self.members.get("suffix")
+        drafts = suffix.drafts(k) if suffix is not None else []
+        if not any(d.tokens for d in drafts):
+            return None
+        mine = proposal_of(drafts, k, [r.tokens[-1] for r in suffix.rows])
+        mine.sources = ["suffix"] * len(drafts)
+        self._last = (mine.sources, [d.probs for d in drafts])  # the model members sat out no drafting step
+        return mine
 
     def _model_proposal(self, model: str, k: int, params: SamplingParams, uniforms) -> Proposal:
         proposal = self.members[model].propose(k, params, uniforms)

@@ -74,12 +74,14 @@ def speculative_step(
     clock: StepClock | None = None,  # timing of the draft and verify passes; None costs nothing
     scoring: Scoring | None = None,  # rows whose emitted tokens get log-probabilities; None costs nothing
     gate: Callable[[list[list[float]]], list[int]] | None = None,  # per-row draft lengths from confidence
+    lookup: bool = False,  # only drafts that cost no model pass (`Drafter.lookup`): a step the controller left plain
 ) -> BlockOutcome:
     dev = verifier.device
     t_start = None if clock is None else clock.mark(dev)
     u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:].to(dev))
     if k:
-        proposal = drafter.propose(k, params, u_draft)
+        proposal = drafter.lookup(k, params) if lookup else drafter.propose(k, params, u_draft)
+        proposal = proposal or nothing_drafted(len(last), k)
         proposal.tokens = proposal.tokens.to(dev)  # host-side drafters (n-gram) draft on the CPU
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
         proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
@@ -89,6 +91,8 @@ def speculative_step(
         gated(proposal, gate, k)
     if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
         k, limit, u_accept = cut_to_lengths(proposal, active, k, limit, uniforms)
+    if proposal.one_hot and not params.greedy:  # deterministic drafts: q is one-hot, made for the cut draft only
+        proposal.probs = torch.nn.functional.one_hot(proposal.tokens, verifier.vocab_size).float()
     if proposal.probs is not None:
         proposal.probs = proposal.probs.to(dev)
     t_drafted = None if clock is None else clock.mark(dev)
@@ -160,6 +164,12 @@ def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int, limit: torc
     limit = lengths if limit is None else torch.minimum(limit.to(lengths.device), lengths)
     u_accept = None if uniforms is None else torch.cat([uniforms[:, k:k + cut], uniforms[:, 2 * k:2 * k + 1]], dim=1)
     return cut, limit, u_accept if u_accept is None else u_accept.to(proposal.tokens.device)
+
+
+def nothing_drafted(rows: int, k: int) -> Proposal:
+    """A lookup that found nothing: every row drafted 0 tokens (the step verifies `last` alone)."""
+    return Proposal(torch.zeros(rows, k, dtype=torch.long), None, lengths=torch.zeros(rows, dtype=torch.long),
+                    one_hot=True)
 
 
 def gated(proposal: Proposal, gate: Callable[[list[list[float]]], list[int]], k: int) -> None:

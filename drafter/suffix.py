@@ -213,7 +213,13 @@ class SuffixDrafter:
         return out
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
-        return proposal_of(self.drafts(k), k, self.vocab_size, params, [row.tokens[-1] for row in self.rows])
+        return proposal_of(self.drafts(k), k, [row.tokens[-1] for row in self.rows])
+
+    def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
+        """Drafts that cost no model pass (drafter.engine asks for them on steps the controller left plain):
+        this drafter's own, or None where no row has one."""
+        drafts = self.drafts(k)
+        return proposal_of(drafts, k, [row.tokens[-1] for row in self.rows]) if any(d.tokens for d in drafts) else None
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():
@@ -238,12 +244,12 @@ class SuffixDrafter:
             row.prompt_len = min(before.prompt_len, row.n) if before is not None else row.n
 
 
-def proposal_of(drafts: list[Draft], k: int, vocab_size: int, params: SamplingParams, filler: list[int]) -> Proposal:
+def proposal_of(drafts: list[Draft], k: int, filler: list[int]) -> Proposal:
     """A [B, k] proposal from per-row drafts of up to k tokens: positions past a row's draft hold a
-    filler token and are never accepted (`lengths`); q is one-hot on every drafted token."""
+    filler token and are never accepted (`lengths`); q is one-hot on every drafted token (made by the
+    step once the draft is cut, and only when it samples: `Proposal.one_hot`)."""
     tokens = torch.tensor([d.tokens + [int(f)] * (k - len(d.tokens)) for d, f in zip(drafts, filler)],
                           dtype=torch.long).reshape(len(drafts), k)
-    probs = None if params.greedy else torch.nn.functional.one_hot(tokens, vocab_size).float()
     lengths = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
     confidence = torch.tensor([d.probs + [0.0] * (k - len(d.probs)) for d in drafts], dtype=torch.float32).reshape(len(drafts), k)
-    return Proposal(tokens=tokens, probs=probs, lengths=lengths, confidence=confidence)
+    return Proposal(tokens=tokens, probs=None, lengths=lengths, confidence=confidence, one_hot=True)

@@ -15,6 +15,7 @@ from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams, draw_uniforms, make_generators
 from drafter.speculative import speculative_step
 from drafter.stats import AcceptanceStats
+from drafter.suffix import SuffixDrafter
 
 PROMPTS = ["def main():\n    print(", "hello world", "import os\nimport sys\n", "class Config:\n    def", "the quick brown"]
 # (k, temperature, top_k, top_p, seed, stream): rows of one pool differ in all of them
@@ -372,3 +373,32 @@ def test_a_step_where_no_row_asked_computes_no_logprobs(verifier, tiny_pair, mon
     with pytest.raises(AssertionError, match="no row asked"):
         engine.admit([_asking(_requests(verifier)[0], 2, 0)])
         engine.step()
+
+
+def test_steps_left_plain_verify_free_drafts_and_stay_exact(verifier):
+    """A controller that never drafts still gets the suffix drafter's free drafts verified (`lookup`),
+    cut by its gate; greedy output stays the verifier's, and the lookups teach the calibration only."""
+    rule, tok = StopRule(verifier.eos_ids), verifier.tokenizer
+    text = "one two three four five one two three four five one two three four five one two"
+    params = SamplingParams(0.0, 0, 1.0, 24, (), 0)
+    requests = [EngineRequest(f"g{i}", tok.encode(t, add_special_tokens=False), params, None, 0)
+                for i, t in enumerate([text, "hello world", text + " three"])]
+    want = {r.id: generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids for r in requests}
+    drafted = {}
+    for lookups in (True, False):
+        controller = Scripted([0])
+        engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=2, capacity=96, stop_rule=rule,
+                        controller=controller, lookups=lookups)
+        got, ks = {}, []
+        waiting = list(requests)
+        while waiting or engine.running:
+            if waiting and engine.free:
+                engine.admit([waiting.pop(0)])
+            for u in engine.step():
+                got.setdefault(u.id, []).extend(u.new_tokens)
+                ks.append(u.k)
+        assert got == want
+        drafted[lookups] = sum(ks)
+        assert controller.acceptance.trials == [0.0] * 4  # lookups are not the drafter's answers to k
+        assert not controller.costs.draft and not controller.costs.offered
+    assert drafted[True] > 0 and drafted[False] == 0

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder
+from drafter.decoder import LeanDecoder, prefill
 from drafter.engine import Engine, generate
 from drafter.requests import EngineRequest, StopRule
 from drafter.sampling import SamplingParams
+from drafter.speculative import speculative_step
 from drafter.suffix import (SEPARATOR, OutputStore, SuffixConfig, SuffixDrafter, draft_from, follow,
                             longest_match)
 from tests.tiny import build_model, llama_config
@@ -130,11 +131,22 @@ def test_drafts_are_one_hot_and_padded_past_each_rows_length(temperature):
     proposal = drafter.propose(3, SamplingParams(temperature=temperature), None)
     assert proposal.lengths.tolist() == [2, 0]
     assert proposal.tokens[0, :2].tolist() == [3, 1]
-    if temperature:
-        assert torch.equal(proposal.probs.sum(-1), torch.ones(2, 3))
-        assert proposal.probs[0, 0, 3] == 1.0
-    else:
-        assert proposal.probs is None
+    assert proposal.one_hot and proposal.probs is None  # q one-hot: the step makes it once the draft is cut
+
+
+def test_a_sampled_step_verifies_one_hot_drafts_cut_to_their_length():
+    """At T > 0 the step makes q one-hot on the drafted tokens, for the cut draft only."""
+    verifier = LeanDecoder(build_model(llama_config(32, 1, 16), seed=3))
+    drafter = SuffixDrafter(verifier.vocab_size)
+    prompt = [5, 6, 7, 8, 5, 6, 7]
+    cache, _ = prefill(verifier, [prompt], 64)
+    drafter.start([prompt], 64)
+    seen = []
+    outcome = speculative_step(verifier, cache, torch.tensor([prompt[-1]]), drafter, 4, SamplingParams(temperature=1.0),
+                               torch.full((1, 9), 0.5), torch.tensor([True]), on_trace=seen.append)
+    q = seen[0].proposal.probs  # the match "5 6 7" (3 tokens) drafts [8, 5, 6]: k = 4 is cut to 3
+    assert q.shape == (1, 3, verifier.vocab_size) and q.sum() == 3.0
+    assert q[0].argmax(-1).tolist() == [8, 5, 6] and outcome.drafted.tolist() == [3]
 
 
 def test_a_narrowed_view_and_a_hot_swap_keep_rows_and_the_store():
