@@ -36,15 +36,19 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   drafter restarts rows that skipped plain steps: `switch_cost`), so exploring costs at most about
   one step in `explore_min` and tends to one in `explore_max`.
 - Confidence (drafters that report it: suffix decoding's path frequency, an eagle head's own
-  probability of its drafts): once a step has drafted, each auto row keeps the prefix of its draft
-  that maximizes its own expected tokens per unit of time,
+  probability of its drafts): once a step has drafted, the verify pass is cut to the width W* that
+  maximizes the batch's expected tokens per unit of time, and each row keeps the first min(W*, L_b)
+  of its L_b drafts (within the pass's width a row's drafts cost nothing more),
 
-      L*_b = argmax_L (1 + c · Σ_{i≤L} P_{b,i}) / (overhead(L > 0) + r(L + 1))
+      W* = argmax_W Σ_b (1 + c · Σ_{i≤min(W, L_b)} P_{b,i}) / (overhead(W > 0) + r(W + 1))
 
-  where P_{b,i} is the drafter's probability that its first i drafts are accepted and c its live
+  where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c its live
   calibration (accepted / predicted, decayed): a draft the verifier is unlikely to take costs no verify
-  pass. The drafting cost is spent by then and does not enter. Where asking costs little (drafting
-  per token ≤ `cheap_draft` of a plain pass: a lookup), probes keep the shortest interval.
+  pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
+  spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
+  plain pass: a lookup), probes keep the shortest interval.
+- Free drafts (drafter.engine: a lookup on a step left plain): one that earned no token makes the next
+  wait 1, then 3, then `lookup_backoff` steps; one that earned a token brings the next at once.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
   until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs.
 """
@@ -74,6 +78,7 @@ class ControllerConfig:
     refresh: int = 8  # plain steps of the same batch shape that reuse the last evaluation (it costs ~30 µs)
     cheap_draft: float = 0.02  # drafting per token at most this share of a plain pass (a lookup): probes stay frequent
     calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
+    lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -350,6 +355,8 @@ class Controller:
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
         self.calibration = Calibration(self.cfg.calibration_decay)  # of rows whose drafts carried confidence
+        self.lookup_misses = 0  # lookups in a row that earned no token
+        self.lookup_wait = 0  # plain steps before the next lookup
 
     # -- inputs
 
@@ -359,6 +366,8 @@ class Controller:
             self.acceptance.observe(k, n)
         for predicted, n in step.confident:
             self.calibration.observe(predicted, n)
+        if step.lookup:
+            self._looked_up(any(n for _, n in step.confident))
         if step.drafting:
             self._cached = None
 
@@ -369,6 +378,19 @@ class Controller:
         self.calibration.fade(self.cfg.swap_keep)
         self.interval = self.cfg.explore_min
         self._cached = None
+
+    def _looked_up(self, earned: bool) -> None:
+        """After a lookup: the next one comes at once if this one earned a token, else after 1, 3, ... steps
+        (at most `lookup_backoff`), so that where the free drafts never match they cost next to nothing."""
+        self.lookup_misses = 0 if earned else min(self.lookup_misses + 1, 16)
+        self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff)
+
+    def lookup_due(self) -> bool:
+        """Whether a step left plain looks the free drafts up (drafter.engine); counts down the wait."""
+        if self.lookup_wait:
+            self.lookup_wait -= 1
+            return False
+        return True
 
     # -- the decision
 
@@ -419,19 +441,20 @@ class Controller:
         return self.calibration.scale
 
     def cut(self, confidence: list[list[float]], rows: int) -> list[int]:
-        """Per row, the draft length L* (see the module doc) for cumulative acceptance probabilities
-        confidence[b] = [P_1, P_2, ...] (non-increasing), at the bucket of a `rows`-row verify pass."""
+        """Per row, how many of its drafts the verify pass keeps (see the module doc: one width W* for the
+        batch) for cumulative acceptance probabilities confidence[b] = [P_1, P_2, ...] (non-increasing),
+        at the bucket of a `rows`-row verify pass."""
         b, c = bucket(rows), self.confidence_scale
-        costs = [self.costs.overhead_of(L > 0, b) + self.costs.ratio_of(L + 1, b)
-                 for L in range(1 + max(map(len, confidence), default=0))]
-        out = []
+        width = max(map(len, confidence), default=0)
+        costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
+        gains = [0.0] * (width + 1)
         for probs in confidence:
-            gains, total = [1.0], 1.0
-            for p in probs:
-                total += c * p
-                gains.append(total)
-            out.append(max(range(len(gains)), key=lambda L: (gains[L] / costs[L], -L)))
-        return out
+            total = 1.0
+            earned = [total] + [total := total + c * p for p in probs]
+            for W in range(width + 1):
+                gains[W] += earned[min(W, len(probs))]
+        best = max(range(width + 1), key=lambda W: (gains[W] / costs[W], -W))
+        return [min(best, len(probs)) for probs in confidence]
 
     # -- for metrics
 

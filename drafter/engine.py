@@ -14,6 +14,10 @@ Pure torch, no processes: `generate()` and the serving worker both drive an `Eng
   drafter falls behind on those rows; before a row drafts again, `join` restarts it from the row's
   committed tokens (exact; a drafter LM re-prefills them, an SD² drafter's steering inputs are zeros
   for that first block: fewer accepted drafts, never other output).
+- Free drafts: on a step the controller leaves plain, a drafter with a `lookup` (suffix decoding,
+  alone or in a mix of speculators) is still asked for the drafts that cost no model pass, and each
+  row keeps what its confidence pays for (the controller's `cut`); rows with none verify `last`
+  alone. The prompt and the turns draft wherever they match, whatever the learned head earns.
 - A request leaves the moment it finishes (EOS, stop string, max tokens) or is aborted; its slot is
   free for the next `admit`. Empty slots ride along inactive (their cache never advances).
 - The engine owns each running request's state (`LiveRequest`: the request, its generation so far,
@@ -279,7 +283,10 @@ class Engine:
         if narrowed is not drafter:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
-        drafted = ks if outcome.drafted is None else [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
+        if outcome.drafted is not None:
+            drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
+        else:  # every row drafted its k, or a lookup found nothing (a plain step)
+            drafted = [0] * len(ks) if lookup else ks
         # what asking k earns (a lookup's drafts were not asked for: they teach the calibration alone)
         blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
         confident = () if outcome.predicted is None else tuple(
@@ -298,7 +305,8 @@ class Engine:
         """Whether this step, which the controller left plain for auto rows only (not to measure a plain pass),
         verifies the drafter's free drafts instead (`Drafter.lookup`)."""
         return (self.lookups and choice is not None and not choice.k and not choice.probe
-                and all(rows[s].request.k is None for s in live) and hasattr(self.drafter, "lookup"))
+                and all(rows[s].request.k is None for s in live) and hasattr(self.drafter, "lookup")
+                and self.controller.lookup_due())
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
         """The controller's k for this step's auto rows (None when there are none, or no drafter)."""

@@ -17,6 +17,8 @@ per-position trials and hits, shrunk to a prior):
     draft's own path probability and c its live calibration (accepted / predicted, decayed)
 
 and the model member is not run at all when every row took a suffix draft (its cost is saved).
+On steps where the controller chose not to draft (the model members do not pay), `lookup` offers the
+suffix member's drafts alone (drafter.engine verifies what their confidence pays for).
 Every row's speculator is in `Proposal.sources`, for metrics and for the replay records (only a
 model member's drafts are records; the learner's policy terms use the adaptive member's alone).
 """

@@ -79,9 +79,11 @@ def speculative_step(
     dev = verifier.device
     t_start = None if clock is None else clock.mark(dev)
     u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:].to(dev))
+    proposal = drafter.lookup(k, params) if k and lookup else None
+    if lookup and proposal is None:  # no free draft anywhere: a plain step
+        k, u_accept = 0, None if uniforms is None else uniforms[:, 2 * k:].to(dev)
     if k:
-        proposal = drafter.lookup(k, params) if lookup else drafter.propose(k, params, u_draft)
-        proposal = proposal or nothing_drafted(len(last), k)
+        proposal = proposal or drafter.propose(k, params, u_draft)
         proposal.tokens = proposal.tokens.to(dev)  # host-side drafters (n-gram) draft on the CPU
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
         proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
@@ -164,12 +166,6 @@ def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int, limit: torc
     limit = lengths if limit is None else torch.minimum(limit.to(lengths.device), lengths)
     u_accept = None if uniforms is None else torch.cat([uniforms[:, k:k + cut], uniforms[:, 2 * k:2 * k + 1]], dim=1)
     return cut, limit, u_accept if u_accept is None else u_accept.to(proposal.tokens.device)
-
-
-def nothing_drafted(rows: int, k: int) -> Proposal:
-    """A lookup that found nothing: every row drafted 0 tokens (the step verifies `last` alone)."""
-    return Proposal(torch.zeros(rows, k, dtype=torch.long), None, lengths=torch.zeros(rows, dtype=torch.long),
-                    one_hot=True)
 
 
 def gated(proposal: Proposal, gate: Callable[[list[list[float]]], list[int]], k: int) -> None:

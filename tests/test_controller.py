@@ -244,7 +244,22 @@ def test_confidence_cuts_each_row_to_the_prefix_worth_its_verify_pass():
     c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
     c.costs.observe(StepSample(1, 4, 0.0, 0.020, 0.0))  # side by side: r(5) = 2.0, slope 0.25
     sure, unsure, mixed = [1.0, 1.0, 1.0, 1.0], [0.1, 0.01, 0.001, 0.0001], [0.9, 0.8, 0.1, 0.05]
-    assert c.cut([sure, unsure, mixed, []], rows=1) == [4, 0, 2, 0]
+    assert [c.cut([row], rows=1) for row in (sure, unsure, mixed, [])] == [[4], [0], [2], [0]]
+    # one pass for a batch: as wide as the batch gains from (7.81 tokens for 1.5 at W = 2, 9.96 for 2.0 at
+    # W = 4), and within it every row keeps its drafts
+    assert c.cut([sure, unsure, mixed, []], rows=1) == [2, 2, 2, 0]
+
+
+def test_one_rows_draft_widens_a_batchs_pass_only_where_the_batch_gains():
+    """Alone, a draft with P = 0.6 pays for r(2) = 1.25; beside seven rows with nothing to verify it does
+    not: 8.6 tokens for 1.25 plain passes is less than 8 for one."""
+    c = Controller()
+    for rows in (1, 8):
+        c.costs.observe(StepSample(rows, 0, 0.0, 0.010, 0.0))
+        c.costs.observe(StepSample(rows, 4, 0.0, 0.020, 0.0))  # r(5) = 2.0 at both buckets: r(2) = 1.25
+    assert c.cut([[0.6]], rows=1) == [1]
+    assert c.cut([[0.6]] + [[]] * 7, rows=8) == [0] * 8
+    assert c.cut([[0.6]] * 8, rows=8) == [1] * 8  # every row gains: 12.8 tokens for 1.25
 
 
 def test_the_confidence_calibration_follows_what_confident_drafts_earn():
@@ -267,3 +282,20 @@ def test_a_cheap_drafter_is_probed_at_the_shortest_interval():
         chosen.append(k)
     gaps = [i for i, k in enumerate(chosen) if k]
     assert len(gaps) >= 300 // (ControllerConfig().explore_min + 2)  # never backs off to explore_max
+
+
+def test_lookups_that_earn_nothing_back_off_and_one_that_earns_brings_the_next_at_once():
+    c = Controller(ControllerConfig(lookup_backoff=4))
+    pattern = []
+    for _ in range(16):
+        due = c.lookup_due()
+        pattern.append(due)
+        if due:  # a lookup step whose draft was rejected (or found nothing)
+            c.observe(StepSample(1, 1, 0.0, 0.01, 0.0, confident=((0.5, 0),), lookup=True))
+        else:
+            c.observe(StepSample(1, 0, 0.0, 0.01, 0.0))
+    assert pattern == [True, False, True, False, False, False, True, False, False, False, False, True,
+                       False, False, False, False]
+    assert c.lookup_misses == 4 and c.lookup_due()  # the wait stays at lookup_backoff
+    c.observe(StepSample(1, 1, 0.0, 0.01, 0.0, confident=((0.5, 1),), lookup=True))
+    assert c.lookup_due() and c.lookup_due()  # after one that earned: every step
