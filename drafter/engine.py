@@ -285,8 +285,8 @@ class Engine:
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         if outcome.drafted is not None:
             drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
-        else:  # every row drafted its k, or a lookup found nothing (a plain step)
-            drafted = [0] * len(ks) if lookup else ks
+        else:  # every row drafted its k, or none did (a pass of `last` alone: a lookup that found nothing)
+            drafted = ks if outcome.tokens.shape[1] > 1 else [0] * len(ks)
         # what asking k earns (a lookup's drafts were not asked for: they teach the calibration alone)
         blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
         confident = () if outcome.predicted is None else tuple(

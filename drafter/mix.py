@@ -99,12 +99,10 @@ class SpeculatorMix:
         the controller left plain, each row cut to what its confidence pays for. None without a suffix
         member, or where no row has a draft."""
         suffix = self.members.get("suffix")
-        drafts = suffix.drafts(k) if suffix is not None else []
-        if not any(d.tokens for d in drafts):
-            return None
-        mine = proposal_of(drafts, k, [r.tokens[-1] for r in suffix.rows])
-        mine.sources = ["suffix"] * len(drafts)
-        self._last = (mine.sources, [d.probs for d in drafts])  # the model members sat out no drafting step
+        mine = suffix.lookup(k, params) if suffix is not None else None
+        if mine is not None:
+            mine.sources = ["suffix"] * len(mine.tokens)
+            self._last = (mine.sources, mine.confidence.tolist())  # the model members sat out no drafting step
         return mine
 
     def _model_proposal(self, model: str, k: int, params: SamplingParams, uniforms) -> Proposal:
