@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from drafter.requests import Generation, StopRule
 from drafter.sampling import SamplingParams
 from drafter.stats import AcceptanceStats
-from tests.conftest import SHARED_MODELS
 from tests.tiny import CountingDecode
 
 
@@ -14,10 +15,12 @@ def _gen() -> Generation:
     return Generation([], None, AcceptanceStats(4))
 
 
-def _reference_tokenizer():
+@pytest.fixture(scope="module")
+def tok(reference_pair):
+    """The reference pair's tokenizer (skipped, as every reference-pair test, where the checkout lacks it)."""
     from drafter.models import load_tokenizer
 
-    return load_tokenizer(SHARED_MODELS / "verifier")
+    return load_tokenizer(reference_pair[0])
 
 
 def test_eos_ends_a_request_unless_it_ignores_eos():
@@ -32,8 +35,7 @@ def test_eos_ends_a_request_unless_it_ignores_eos():
     assert len(ignored.token_ids) == 8 and ignored.finish_reason == "length"
 
 
-def test_the_tail_stop_check_stops_where_decoding_the_whole_text_stops():
-    tok = _reference_tokenizer()
+def test_the_tail_stop_check_stops_where_decoding_the_whole_text_stops(tok):
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
     rng = random.Random(0)
     words = ["the", " cat", " sat", " on", " 世界", " 😀", "END", " café", "\n", " E", "ND", "!"]
@@ -48,8 +50,7 @@ def test_the_tail_stop_check_stops_where_decoding_the_whole_text_stops():
         assert fast.finish_reason == ("stop" if expected else None)
 
 
-def test_the_stop_check_decodes_a_bounded_tail_per_token():
-    tok = _reference_tokenizer()
+def test_the_stop_check_decodes_a_bounded_tail_per_token(tok):
     counting = CountingDecode(lambda ids: tok.decode(ids, skip_special_tokens=True))
     ids = tok.encode("a long answer that never says the word " * 240, add_special_tokens=False)
     assert len(ids) > 1500
