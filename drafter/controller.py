@@ -42,8 +42,8 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
 
       W* = argmax_W Σ_b (1 + c · Σ_{i≤min(W, L_b)} P_{b,i}) / (overhead(W > 0) + r(W + 1))
 
-  where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c its live
-  calibration (accepted / predicted, decayed): a draft the verifier is unlikely to take costs no verify
+  where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c the live
+  calibration of the speculator that drafted row b (accepted / predicted, decayed): a draft the verifier is unlikely to take costs no verify
   pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
   spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
   plain pass: a lookup), probes keep the shortest interval.
@@ -325,7 +325,6 @@ class StepSample:
 
     rows: int
     k: int  # drafts the verify pass covered (T = k + 1)
-    # (the drafter's predicted accepted drafts Σ_i P_i, n accepted) of every row whose draft carried confidence
     draft_s: float
     verify_s: float
     overhead_s: float
@@ -333,7 +332,9 @@ class StepSample:
     resync_s: float = 0.0  # restarting drafter rows that skipped plain steps (0: none needed it)
     asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
     #                           (suffix) may draft less, and the verify pass covers only what it drafted
-    confident: tuple[tuple[float, int], ...] = ()
+    # (the drafter's predicted accepted drafts Σ_i P_i, n accepted[, the speculator that drafted]) of every row
+    # whose draft carried confidence; each speculator's calibration is its own (None: the drafter's)
+    confident: tuple[tuple, ...] = ()
     lookup: bool = False  # the drafts were free ones on a step left plain (drafter.engine `lookup`): no drafting cost
 
     @property
@@ -354,7 +355,7 @@ class Controller:
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after one plain step is measured
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
-        self.calibration = Calibration(self.cfg.calibration_decay)  # of rows whose drafts carried confidence
+        self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.lookup_misses = 0  # lookups in a row that earned no token
         self.lookup_wait = 0  # plain steps before the next lookup
 
@@ -364,10 +365,10 @@ class Controller:
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
-        for predicted, n in step.confident:
-            self.calibration.observe(predicted, n)
+        for predicted, n, *source in step.confident:
+            self.calibration(*source).observe(predicted, n)
         if step.lookup:
-            self._looked_up(any(n for _, n in step.confident))
+            self._looked_up(any(entry[1] for entry in step.confident))
         if step.drafting:
             self._cached = None
 
@@ -375,7 +376,8 @@ class Controller:
         """A new drafter (version) serves: its acceptance is unknown; the old estimate stays as a weak
         prior, and a probe comes soon."""
         self.acceptance.fade(self.cfg.swap_keep)
-        self.calibration.fade(self.cfg.swap_keep)
+        for source in (None, "adaptive"):  # the served drafter's; the other speculators did not change
+            self.calibration(source).fade(self.cfg.swap_keep)
         self.interval = self.cfg.explore_min
         self._cached = None
 
@@ -435,21 +437,27 @@ class Controller:
 
     # -- confidence
 
-    @property
-    def confidence_scale(self) -> float:
-        """c: what confident drafts really earned over what the drafter predicted (1 before any)."""
-        return self.calibration.scale
+    def calibration(self, source: str | None = None) -> Calibration:
+        """The live calibration of one speculator's confidence (None: the drafter's own)."""
+        if source not in self.calibrations:
+            self.calibrations[source] = Calibration(self.cfg.calibration_decay)
+        return self.calibrations[source]
 
-    def cut(self, confidence: list[list[float]], rows: int) -> list[int]:
+    def confidence_scale(self, source: str | None = None) -> float:
+        """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
+        return self.calibration(source).scale
+
+    def cut(self, confidence: list[list[float]], rows: int, sources: list[str] | None = None) -> list[int]:
         """Per row, how many of its drafts the verify pass keeps (see the module doc: one width W* for the
         batch) for cumulative acceptance probabilities confidence[b] = [P_1, P_2, ...] (non-increasing),
-        at the bucket of a `rows`-row verify pass."""
-        b, c = bucket(rows), self.confidence_scale
+        at the bucket of a `rows`-row verify pass; row b's confidence is scaled by the calibration of the
+        speculator that drafted it (`sources[b]`; None: the drafter's)."""
+        b = bucket(rows)
         width = max(map(len, confidence), default=0)
         costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
         gains = [0.0] * (width + 1)
-        for probs in confidence:
-            total = 1.0
+        for row, probs in enumerate(confidence):
+            c, total = self.confidence_scale(None if sources is None else sources[row]), 1.0
             earned = [total] + [total := total + c * p for p in probs]
             for W in range(width + 1):
                 gains[W] += earned[min(W, len(probs))]

@@ -276,7 +276,7 @@ class Engine:
         scoring = scoring_for({s: rows[s].request.logprobs for s in live if rows[s].request.logprobs is not None})
         t1 = time.perf_counter()
         gate = None if choice is None or any(rows[s].request.k is not None for s in live) else (
-            lambda confidence: self.controller.cut(confidence, m))  # every row auto: confidence may cut drafts
+            lambda confidence, sources: self.controller.cut(confidence, m, sources))  # every row auto: confidence may cut
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
                                    active, self.sampler, on_trace, limit, clock, scoring, gate, lookup)
         t2 = time.perf_counter()
@@ -290,7 +290,8 @@ class Engine:
         # what asking k earns (a lookup's drafts were not asked for: they teach the calibration alone)
         blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
         confident = () if outcome.predicted is None else tuple(
-            (float(outcome.predicted[s]), int(outcome.num_accepted[s])) for s in live if drafted[s])
+            (float(outcome.predicted[s]), int(outcome.num_accepted[s]), None if outcome.sources is None else outcome.sources[s])
+            for s in live if drafted[s])
         updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0

@@ -73,7 +73,7 @@ def speculative_step(
     limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
     clock: StepClock | None = None,  # timing of the draft and verify passes; None costs nothing
     scoring: Scoring | None = None,  # rows whose emitted tokens get log-probabilities; None costs nothing
-    gate: Callable[[list[list[float]]], list[int]] | None = None,  # per-row draft lengths from confidence
+    gate: Callable[[list[list[float]], list[str] | None], list[int]] | None = None,  # draft lengths from confidence
     lookup: bool = False,  # only drafts that cost no model pass (`Drafter.lookup`): a step the controller left plain
 ) -> BlockOutcome:
     dev = verifier.device
@@ -168,12 +168,13 @@ def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int, limit: torc
     return cut, limit, u_accept if u_accept is None else u_accept.to(proposal.tokens.device)
 
 
-def gated(proposal: Proposal, gate: Callable[[list[list[float]]], list[int]], k: int) -> None:
-    """Each row keeps the prefix of its draft the gate chooses from its confidence (drafter.controller `cut`)."""
+def gated(proposal: Proposal, gate: Callable[[list[list[float]], list[str] | None], list[int]], k: int) -> None:
+    """Each row keeps the prefix of its draft the gate chooses from its confidence and the speculator that
+    drafted it (drafter.controller `cut`)."""
     lengths = proposal.lengths if proposal.lengths is not None else torch.full((len(proposal.tokens),), k)
     conf = proposal.confidence.float().cpu()
     rows = [conf[b, : int(n)].tolist() for b, n in enumerate(lengths.tolist())]
-    proposal.lengths = torch.minimum(lengths.cpu(), torch.tensor(gate(rows), dtype=torch.long))
+    proposal.lengths = torch.minimum(lengths.cpu(), torch.tensor(gate(rows, proposal.sources), dtype=torch.long))
 
 
 def predicted(proposal: Proposal, drafted: torch.Tensor | None) -> torch.Tensor | None:

@@ -266,12 +266,26 @@ def test_the_confidence_calibration_follows_what_confident_drafts_earn():
     c = Controller(ControllerConfig(calibration_decay=1.0))
     for _ in range(10):  # predicted 2 accepted drafts per block, earned 1
         c.observe(StepSample(1, 2, 0.0, 0.012, 0.0, ((2, 1),), confident=((2.0, 1),)))
-    assert c.confidence_scale == pytest.approx((1 + 10) / (1 + 20))
+    assert c.confidence_scale() == pytest.approx((1 + 10) / (1 + 20))
     c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
     c.costs.observe(StepSample(1, 2, 0.0, 0.018, 0.0))  # r(3) = 1.8: r(2) = 1.4
     assert c.cut([[0.5, 0.25]], rows=1) == [0]  # 0.5 predicted is ~0.26 earned: not worth r(2)
-    c.calibration = Calibration()
-    assert c.cut([[0.5, 0.25]], rows=1) == [1]  # taken at its word, 1.5 tokens for 1.4 would pay
+    assert c.cut([[0.5, 0.25]], rows=1, sources=["suffix"]) == [1]  # another speculator's, taken at its word:
+    #                                                               1.5 tokens for 1.4 would pay
+    c.calibrations[None] = Calibration()
+    assert c.cut([[0.5, 0.25]], rows=1) == [1]
+
+
+def test_each_speculator_is_calibrated_on_its_own_drafts():
+    """A mix's rows carry their speculator: one that over-promises does not make the other's drafts look worse."""
+    c = Controller(ControllerConfig(calibration_decay=1.0))
+    for _ in range(10):
+        c.observe(StepSample(2, 2, 0.0, 0.012, 0.0, confident=((2.0, 0, "adaptive"), (1.0, 1, "suffix"))))
+    assert c.confidence_scale("adaptive") == pytest.approx(1 / 21)
+    assert c.confidence_scale("suffix") == pytest.approx(11 / 11)
+    c.drafter_swapped()  # a new served version: its calibration starts over, suffix decoding's is kept
+    assert c.calibration("adaptive").predicted == pytest.approx(21 * ControllerConfig().swap_keep)
+    assert c.calibration("suffix").predicted == pytest.approx(11)
 
 
 def test_a_cheap_drafter_is_probed_at_the_shortest_interval():

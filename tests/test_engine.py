@@ -148,7 +148,7 @@ class Scripted(Controller):
         self.calls += 1
         return Choice(max(k, min(max(batch.fixed, default=0), self.cfg.k_max)))
 
-    def cut(self, confidence: list[list[float]], rows: int) -> list[int]:
+    def cut(self, confidence: list[list[float]], rows: int, sources=None) -> list[int]:
         """Drafts with confidence are cut to lengths that cycle with the step and row (0 .. all)."""
         return [(self.calls + b) % (len(c) + 1) for b, c in enumerate(confidence)]
 
