@@ -47,8 +47,11 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
   spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
   plain pass: a lookup), probes keep the shortest interval.
-- Free drafts (drafter.engine: a lookup on a step left plain): one that earned no token makes the next
-  wait 1, then 3, then `lookup_backoff` steps; one that earned a token brings the next at once.
+- Free drafts (drafter.engine: a lookup on a step left plain): one whose verified drafts earned no token
+  makes the next wait 1, then 3, then `lookup_backoff` steps; one that verified nothing (no match, or all
+  cut) waits one step; one that earned a token brings the next at once. Rows a free speculator drafted
+  (a mix's suffix member) teach the calibration, never the acceptance k is chosen by: that prices the
+  drafter that costs a pass.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
   until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs.
 """
@@ -368,7 +371,7 @@ class Controller:
         for predicted, n, *source in step.confident:
             self.calibration(*source).observe(predicted, n)
         if step.lookup:
-            self._looked_up(any(entry[1] for entry in step.confident))
+            self._looked_up(any(entry[1] for entry in step.confident), bool(step.confident))
         if step.drafting:
             self._cached = None
 
@@ -381,10 +384,16 @@ class Controller:
         self.interval = self.cfg.explore_min
         self._cached = None
 
-    def _looked_up(self, earned: bool) -> None:
-        """After a lookup: the next one comes at once if this one earned a token, else after 1, 3, ... steps
-        (at most `lookup_backoff`), so that where the free drafts never match they cost next to nothing."""
-        self.lookup_misses = 0 if earned else min(self.lookup_misses + 1, 16)
+    def _looked_up(self, earned: bool, verified: bool) -> None:
+        """After a lookup: the next one comes at once if this one earned a token; after one step if it
+        verified nothing (no draft matched, or the gate cut them all: it cost the lookup alone); after 1, 3,
+        ... steps (at most `lookup_backoff`) while verified drafts keep earning nothing, so that where the
+        free drafts never pay they cost next to nothing."""
+        if earned or not verified:
+            self.lookup_misses = 0 if earned else self.lookup_misses
+            self.lookup_wait = 0 if earned else 1
+            return
+        self.lookup_misses = min(self.lookup_misses + 1, 16)
         self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff)
 
     def lookup_due(self) -> bool:

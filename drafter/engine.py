@@ -287,8 +287,11 @@ class Engine:
             drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
         else:  # every row drafted its k, or none did (a pass of `last` alone: a lookup that found nothing)
             drafted = ks if outcome.tokens.shape[1] > 1 else [0] * len(ks)
-        # what asking k earns (a lookup's drafts were not asked for: they teach the calibration alone)
-        blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s])
+        # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
+        # they teach the calibration alone)
+        free = getattr(self.drafter, "free_sources", ())
+        blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
+            outcome.sources is None or outcome.sources[s] not in free))
         confident = () if outcome.predicted is None else tuple(
             (float(outcome.predicted[s]), int(outcome.num_accepted[s]), None if outcome.sources is None else outcome.sources[s])
             for s in live if drafted[s])
@@ -303,11 +306,16 @@ class Engine:
         return updates
 
     def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> bool:
-        """Whether this step, which the controller left plain for auto rows only (not to measure a plain pass),
-        verifies the drafter's free drafts instead (`Drafter.lookup`)."""
-        return (self.lookups and choice is not None and not choice.k and not choice.probe
-                and all(rows[s].request.k is None for s in live) and hasattr(self.drafter, "lookup")
-                and self.controller.lookup_due())
+        """Whether this step of auto rows only verifies the drafter's free drafts (`Drafter.lookup`) instead:
+        where the controller left it plain (not to measure a plain pass), or gave a mix's model members k
+        drafts but every row's free draft promises as much (`prefers_free`: a copy is not cut to k)."""
+        if not (self.lookups and choice is not None and not choice.probe and hasattr(self.drafter, "lookup")
+                and all(rows[s].request.k is None for s in live)):
+            return False
+        if not choice.k:
+            return self.controller.lookup_due()
+        prefers = getattr(self.drafter, "prefers_free", None)
+        return prefers is not None and choice.k < self.controller.cfg.k_max and prefers(choice.k, self.controller.cfg.k_max, live)
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
         """The controller's k for this step's auto rows (None when there are none, or no drafter)."""

@@ -18,9 +18,9 @@ for bit as a one-token step does, by construction:
   as llama.cpp multiplies Q4_1 by Q8_1; w8a8 (`w8a8_mm`): int8 blocks of 32 with an fp16 scale
   (GGUF Q8_0) likewise, and `w8a8_rows` looks rows of such a table up (an embedding).
 
-The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention,
-every query head alone over the keys up to its position: exact across T, batch and threads by
-construction), `rms_norm`, `silu_mul`, and `layer` (a whole decoder layer in one call).
+The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:
+every query head over the keys up to its position through the same operations whichever query heads
+share its KV head's loads, so exact across T, batch and threads by construction), `rms_norm`, `silu_mul`, and `layer` (a whole decoder layer in one call).
 
 Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
 so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains);
@@ -611,47 +611,79 @@ static inline void rope_head(const float* x, const float* c, const float* s, flo
   for (int64_t i = half; i < D; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
 }
 
-// One query head over keys [0, L): scores, softmax, values. The result depends on (the query, the L
-// keys and values) alone: never on T, the batch or the thread.
-template <int C16>  // D / 16, a compile-time constant (the vectors of a query stay in registers)
-static void attend_head(const float* q, const float* K, const float* V, float* out, int64_t L, int64_t D,
-                        float scale, std::vector<float>& s) {
-  const int64_t Lp = (L + 15) / 16 * 16;
-  s.resize(Lp);
-  vf qv[16];
-  for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(q + 16 * c);
+// Query heads that share one KV head (a row's head group, over one or more new tokens), query i over keys
+// [0, Ls[i]): scores, softmax, values. Each query's result depends on (the query, its Ls[i] keys and values)
+// alone, never on which other queries share the call, T, the batch or the thread: every query goes
+// through the same operations in the same order as it would alone; the group only shares the loads
+// (a chunk of keys is scored for every query while it is in L1, a value row feeds every query's
+// accumulators, which also keeps the FMA units busy: one query alone is a chain of dependent adds).
+template <int C16>  // D / 16, a compile-time constant
+static void attend_group(const float* const* qs, float* const* outs, const int64_t* Ls, int n,
+                         const float* K, const float* V, int64_t D, float scale, std::vector<float>& s) {
+  constexpr int TQ = C16 >= 16 ? 1 : 24 / C16;  // queries whose accumulators stay in registers together
+  int64_t Lmax = 0;
+  for (int i = 0; i < n; ++i) Lmax = std::max(Lmax, Ls[i]);
+  const int64_t Lp = (Lmax + 15) / 16 * 16;
+  s.resize(n * Lp);
   for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
-    vf part[16];                                // in one fixed tree (`sum16`)
-    for (int64_t jj = 0; jj < 16; ++jj) {
-      const int64_t j = std::min(j0 + jj, L - 1);  // the tail repeats the last key; its scores are dropped
-      const float* k = K + j * D;
-      vf a = qv[0] * load_vf(k);
-      for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(k + 16 * c);
-      part[jj] = a;
+    const float* kr[16];                      // in one fixed tree (`sum16`: lane jj is key jj's alone)
+    for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, Lmax - 1) * D;  // tail: dropped
+    for (int i = 0; i < n; ++i) {
+      if (j0 >= Ls[i]) continue;
+      vf qv[C16];
+      for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(qs[i] + 16 * c);
+      vf part[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        vf a = qv[0] * load_vf(kr[jj]);
+        for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(kr[jj] + 16 * c);
+        part[jj] = a;
+      }
+      const vf sc = sum16(part) * scale;
+      std::memcpy(s.data() + i * Lp + j0, &sc, 64);
     }
-    const vf sc = sum16(part) * scale;
-    std::memcpy(s.data() + j0, &sc, 64);
   }
-  float m = -INFINITY;
-  for (int64_t j = 0; j < L; ++j) m = std::max(m, s[j]);  // a max is exact in any order
-  for (int64_t j = L; j < Lp; ++j) s[j] = -INFINITY;      // exp gives exactly 0 there
-  vf total = vf{};
-  for (int64_t j = 0; j < Lp; j += 16) {
-    const vf p = exp_neg(load_vf(s.data() + j) - m);
-    std::memcpy(s.data() + j, &p, 64);
-    total = total + p;
+  float inv[64];
+  for (int i = 0; i < n; ++i) {  // softmax numerators, each query over its own keys
+    float* si = s.data() + i * Lp;
+    const int64_t L = Ls[i], Li = (L + 15) / 16 * 16;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) m = std::max(m, si[j]);  // a max is exact in any order
+    for (int64_t j = L; j < Li; ++j) si[j] = -INFINITY;      // exp gives exactly 0 there
+    vf total = vf{};
+    for (int64_t j = 0; j < Li; j += 16) {
+      const vf p = exp_neg(load_vf(si + j) - m);
+      std::memcpy(si + j, &p, 64);
+      total = total + p;
+    }
+    inv[i] = 1.0f / hsum(total);
   }
-  vf o[16];
-  for (int64_t c = 0; c < C16; ++c) o[c] = vf{};
-  for (int64_t j = 0; j < L; ++j) {  // values: one chain per lane over the keys in order
-    const float pj = s[j];
-    const float* v = V + j * D;
-    for (int64_t c = 0; c < C16; ++c) o[c] = o[c] + pj * load_vf(v + 16 * c);
-  }
-  const float inv = 1.0f / hsum(total);
-  for (int64_t c = 0; c < C16; ++c) {
-    const vf y = o[c] * inv;
-    std::memcpy(out + 16 * c, &y, 64);
+  for (int i0 = 0; i0 < n; i0 += TQ) {  // values: one chain per lane and query over the keys in order
+    const int m = std::min(TQ, n - i0);
+    int64_t lo = Lmax;
+    for (int i = 0; i < m; ++i) lo = std::min(lo, Ls[i0 + i]);
+    vf o[TQ][C16];
+    for (int i = 0; i < m; ++i)
+      for (int64_t c = 0; c < C16; ++c) o[i][c] = vf{};
+    for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
+      const float* v = V + j * D;
+      vf vv[C16];
+      for (int64_t c = 0; c < C16; ++c) vv[c] = load_vf(v + 16 * c);
+      for (int i = 0; i < m; ++i) {
+        const float pj = s[(i0 + i) * Lp + j];
+        for (int64_t c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * vv[c];
+      }
+    }
+    for (int i = 0; i < m; ++i) {  // each query's own last keys (the causal tail), then its output
+      for (int64_t j = lo; j < Ls[i0 + i]; ++j) {
+        const float pj = s[(i0 + i) * Lp + j];
+        const float* v = V + j * D;
+        for (int64_t c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * load_vf(v + 16 * c);
+      }
+      for (int64_t c = 0; c < C16; ++c) {
+        const vf y = o[i][c] * inv[i0 + i];
+        std::memcpy(outs[i0 + i] + 16 * c, &y, 64);
+      }
+    }
   }
 }
 
@@ -741,16 +773,31 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
     }
   });
   const float scale = (float)scale_d;
-  at::parallel_for(0, B * T * H, 1, [&](int64_t a, int64_t e) {  // one query head per unit
+  // Units of work: (row, KV head, a tile of its rep · T queries, token-major), each thread getting about
+  // four units where the call has that many queries, at most 48 queries a unit (a query's result does
+  // not depend on its tile).
+  const int64_t nq = rep * T, threads = at::get_num_threads();
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * threads - 1) / (4 * threads)));
+  const int64_t tiles = (nq + per - 1) / per;
+  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t a, int64_t e) {
     std::vector<float> s;
+    const float* qs[48];
+    float* outs[48];
+    int64_t Ls[48];
     for (int64_t u = a; u < e; ++u) {
-      const int64_t i = u / H, b = i / T, t = i % T, g = (u % H) / rep, base = (b * Hkv + g) * C * D;
-      const int64_t L = lp[b] + t + 1;
+      const int64_t tile = u % tiles, bg = u / tiles, b = bg / Hkv, g = bg % Hkv, base = (b * Hkv + g) * C * D;
+      const int n = (int)std::min(per, nq - tile * per);
+      for (int i = 0; i < n; ++i) {
+        const int64_t qi = tile * per + i, t = qi / rep, h = g * rep + qi % rep, row = (b * T + t) * H + h;
+        qs[i] = qp + row * D;
+        outs[i] = op + row * D;
+        Ls[i] = lp[b] + t + 1;
+      }
       switch (D) {
-        case 32: attend_head<2>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
-        case 64: attend_head<4>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
-        case 128: attend_head<8>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
-        default: attend_head<16>(qp + u * D, kp + base, vp + base, op + u * D, L, D, scale, s); break;
+        case 32: attend_group<2>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+        case 64: attend_group<4>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+        case 128: attend_group<8>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+        default: attend_group<16>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
       }
     }
   });

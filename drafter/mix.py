@@ -18,7 +18,9 @@ per-position trials and hits, shrunk to a prior):
 
 and the model member is not run at all when every row took a suffix draft (its cost is saved).
 On steps where the controller chose not to draft (the model members do not pay), `lookup` offers the
-suffix member's drafts alone (drafter.engine verifies what their confidence pays for).
+suffix member's drafts alone (drafter.engine verifies what their confidence pays for); so does a step
+where it chose k > 0 but every row's suffix draft, up to the widest pass, promises at least what the
+model's k would (`prefers_free`): a copy is not cut to the model's k.
 Every row's speculator is in `Proposal.sources`, for metrics and for the replay records (only a
 model member's drafts are records; the learner's policy terms use the adaptive member's alone).
 """
@@ -36,6 +38,7 @@ from drafter.suffix import proposal_of
 
 SPECULATORS = ("static", "suffix")  # what may join the served ("adaptive") drafter
 MODELS = ("adaptive", "static")
+FREE = frozenset({"suffix"})  # members whose drafts cost no model pass
 
 
 class SpeculatorMix:
@@ -53,6 +56,7 @@ class SpeculatorMix:
         self.verifier_layers = tuple(sorted({i for d in members.values() for i in d.verifier_layers}))
         self.record_layers = tuple(members["adaptive"].record_layers)
         self.follows_plain = True
+        self.free_sources = FREE  # drafter.engine: their rows do not teach the controller what asking k earns
         self.feature_window = max(getattr(d, "feature_window", 0) for d in members.values())
         self.explore = explore
         cfg = ControllerConfig(k_max=8)
@@ -93,6 +97,18 @@ class SpeculatorMix:
         merged.sources = ["suffix" if t else model for t in takes]
         self._remember(merged.sources, drafts, model)
         return merged
+
+    def prefers_free(self, k: int, width: int, live: list[int]) -> bool:
+        """Whether, on a step the controller gave the model members k drafts, every live row is expected to do at
+        least as well with its suffix draft of up to `width` tokens (the widest a pass may verify) as with
+        the model's: drafter.engine then runs the step as a lookup (no model pass, the suffix drafts not
+        capped at k)."""
+        suffix = self.members.get("suffix")
+        if suffix is None:
+            return False
+        bar = self.expected(self.pick_model(k), k)
+        drafts = suffix.drafts(width, live)
+        return all(d.tokens and 1 + self.calibration.scale * d.score >= bar for d in drafts)
 
     def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
         """The suffix member's drafts alone, no model member run: what drafter.engine verifies on a step

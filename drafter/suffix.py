@@ -203,10 +203,11 @@ class SuffixDrafter:
             self._retire(self.rows[s])
             self.rows[s] = History(p)
 
-    def drafts(self, k: int) -> list[Draft]:
-        """Each row's best draft of at most k tokens: its history's or the global store's, by score."""
+    def drafts(self, k: int, rows: list[int] | None = None) -> list[Draft]:
+        """Each row's (or the listed rows') best draft of at most k tokens: its history's or the global
+        store's, by score."""
         out = []
-        for row in self.rows:
+        for row in self.rows if rows is None else [self.rows[b] for b in rows]:
             own = draft_from(row.tokens, row.tokens, k, self.cfg)
             other = draft_from(self.store.tokens, row.tokens, k, self.cfg) if self.store.n else Draft()
             out.append(own if own.score >= other.score else other)

@@ -304,7 +304,7 @@ def test_lookups_that_earn_nothing_back_off_and_one_that_earns_brings_the_next_a
     for _ in range(16):
         due = c.lookup_due()
         pattern.append(due)
-        if due:  # a lookup step whose draft was rejected (or found nothing)
+        if due:  # a lookup step whose verified draft was rejected
             c.observe(StepSample(1, 1, 0.0, 0.01, 0.0, confident=((0.5, 0),), lookup=True))
         else:
             c.observe(StepSample(1, 0, 0.0, 0.01, 0.0))
@@ -313,3 +313,13 @@ def test_lookups_that_earn_nothing_back_off_and_one_that_earns_brings_the_next_a
     assert c.lookup_misses == 4 and c.lookup_due()  # the wait stays at lookup_backoff
     c.observe(StepSample(1, 1, 0.0, 0.01, 0.0, confident=((0.5, 1),), lookup=True))
     assert c.lookup_due() and c.lookup_due()  # after one that earned: every step
+
+
+def test_a_lookup_that_verified_nothing_waits_one_step():
+    """No draft matched (or the gate cut them all): it cost the lookup alone, so the next comes soon."""
+    c, pattern = Controller(ControllerConfig(lookup_backoff=4)), []
+    for _ in range(8):
+        due = c.lookup_due()
+        pattern.append(due)
+        c.observe(StepSample(1, 0, 0.0, 0.01, 0.0, lookup=due))
+    assert pattern == [True, False] * 4 and c.lookup_misses == 0

@@ -120,3 +120,49 @@ def test_suffix_calibration_follows_what_its_drafts_really_earn(lean):
         mix.observe(outcome, torch.tensor([True]), view)
     assert mix.calibration.scale < 0.05  # predicted 2 per block, earned 0
     assert np.isclose(sum(mix.served.values()), 50)
+
+
+def test_rows_the_suffix_member_drafts_teach_the_calibration_not_the_acceptance_k_is_chosen_by(lean):
+    """The controller prices asking the model for k drafts: a mix's suffix rows (free drafts) must not
+    inflate that acceptance; they go to suffix decoding's own calibration."""
+    from drafter.engine import Engine, EngineRequest
+
+    mix = mix_of(lean, "suffix")
+    for _ in range(30):
+        mix.acceptance["adaptive"].observe(3, 0)  # the model accepts nothing: rows with a match take suffix
+    controller = Scripted([3], k_max=3)
+    controller.cut = lambda confidence, rows, sources=None: [len(c) for c in confidence]
+    engine = Engine(lean, mix, slots=1, capacity=96, stop_rule=StopRule(), controller=controller, lookups=False)
+    engine.admit([EngineRequest("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], SamplingParams(max_tokens=20), None, 0)])
+    sources = []
+    while engine.running:
+        sources += [u.speculator for u in engine.step() if u.k]
+    assert "suffix" in sources
+    model_blocks = sources.count("adaptive")
+    assert sum(controller.acceptance.trials[:1]) == pytest.approx(
+        sum(0.99 ** i for i in range(model_blocks)), rel=1e-6)  # position 1 tried by the model's blocks alone
+    assert controller.calibration("suffix").predicted > 1.0  # the suffix rows were seen, by the calibration
+
+
+def test_a_step_the_model_would_draft_k_for_runs_as_a_lookup_where_every_row_copies_better(lean):
+    """The controller gave the model k = 1, but every live row's suffix draft promises more: the step
+    verifies the suffix drafts at full width (not cut to 1), and output stays the verifier's."""
+    from drafter.engine import Engine, EngineRequest
+
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]
+    params = SamplingParams(max_tokens=12)
+    ref = generate(lean, None, [prompt], params, 0, StopRule())[0].token_ids
+    mix = mix_of(lean, "suffix")
+    for _ in range(30):
+        mix.acceptance["adaptive"].observe(1, 0)
+    controller = Scripted([1], k_max=4)
+    controller.cut = lambda confidence, rows, sources=None: [len(c) for c in confidence]
+    engine = Engine(lean, mix, slots=3, capacity=96, stop_rule=StopRule(), controller=controller)
+    engine.admit([EngineRequest("r", prompt, params, None, 0)])  # two empty slots ride along
+    got, ks = [], []
+    while engine.running:
+        for u in engine.step():
+            got += u.new_tokens
+            ks.append(u.k)
+    assert got == ref
+    assert max(ks) > 1  # a copy verified past the model's k
