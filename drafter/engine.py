@@ -259,7 +259,7 @@ class Engine:
         rows = self.rows[:m]
         choice = self._choose(rows, live, m)
         lookup = self._lookup(choice, rows, live)
-        auto_k = self.controller.cfg.k_max if lookup else 0 if choice is None else choice.k
+        auto_k = self._lookup_width(live) if lookup else 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
         kmax = max(ks[s] for s in live)
         active = torch.tensor([r is not None for r in rows])
@@ -314,8 +314,17 @@ class Engine:
             return False
         if not choice.k:
             return self.controller.lookup_due()
-        prefers = getattr(self.drafter, "prefers_free", None)
-        return prefers is not None and choice.k < self.controller.cfg.k_max and prefers(choice.k, self.controller.cfg.k_max, live)
+        prefers, width = getattr(self.drafter, "prefers_free", None), self._lookup_width(live)
+        return prefers is not None and choice.k < width and prefers(choice.k, width, live)
+
+    def _lookup_width(self, live: list[int]) -> int:
+        """The most free drafts a lookup verifies per row: the controller's `lookup_max` (its k_max on the graph
+        backend, whose step width is fixed), within the room every live row's cache has left, never under k_max
+        (the capacity rule reserves that much)."""
+        if self.backend == "graph":
+            return self.controller.cfg.k_max
+        room = self.capacity - 1 - int(self.cache.lens[live].max())
+        return max(self.controller.cfg.k_max, min(self.controller.cfg.lookup_max, room))
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
         """The controller's k for this step's auto rows (None when there are none, or no drafter)."""

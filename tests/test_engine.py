@@ -402,3 +402,26 @@ def test_steps_left_plain_verify_free_drafts_and_stay_exact(verifier):
         assert controller.acceptance.trials == [0.0] * 4  # lookups are not the drafter's answers to k
         assert not controller.costs.draft and not controller.costs.offered
     assert drafted[True] > 0 and drafted[False] == 0
+
+
+def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
+    """A step left plain verifies up to `lookup_max` free drafts (more than the controller's k_max), never
+    past the room a row's cache has left (its capacity is exactly what its request needs); output exact."""
+    rule, tok = StopRule(verifier.eos_ids), verifier.tokenizer
+    prompt = tok.encode(" ".join(["the cat sat on the mat and looked at the dog"] * 6), add_special_tokens=False)
+    params = SamplingParams(0.0, 0, 1.0, 40, (), 0)
+    want = generate(verifier.lean, None, [prompt], params, 0, rule)[0].token_ids
+    capacity = positions_needed(len(prompt), params.max_tokens, None)
+    controller = Scripted([0])
+    controller.cut = lambda confidence, rows, sources=None: [len(c) for c in confidence]  # keep every draft
+    engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1, capacity=capacity, stop_rule=rule,
+                    controller=controller)
+    engine.admit([EngineRequest("r", prompt, params, None, 0)])
+    got, ks = [], []
+    while engine.running:
+        for u in engine.step():
+            got.extend(u.new_tokens)
+            ks.append(u.k)
+        assert int(engine.cache.lens[0]) <= capacity
+    assert got == want
+    assert max(ks) > controller.cfg.k_max and max(ks) <= controller.cfg.lookup_max
