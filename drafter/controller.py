@@ -82,7 +82,7 @@ class ControllerConfig:
     cheap_draft: float = 0.02  # drafting per token at most this share of a plain pass (a lookup): probes stay frequent
     calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
     lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
-    lookup_max: int = 16  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
+    lookup_max: int = 4  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
 
     def __post_init__(self):
         if self.k_max < 1:

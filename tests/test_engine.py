@@ -413,6 +413,7 @@ def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
     want = generate(verifier.lean, None, [prompt], params, 0, rule)[0].token_ids
     capacity = positions_needed(len(prompt), params.max_tokens, None)
     controller = Scripted([0])
+    controller.cfg = ControllerConfig(k_max=4, lookup_max=16)
     controller.cut = lambda confidence, rows, sources=None: [len(c) for c in confidence]  # keep every draft
     engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1, capacity=capacity, stop_rule=rule,
                     controller=controller)
