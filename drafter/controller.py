@@ -43,7 +43,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
       W* = argmax_W Σ_b (1 + c · Σ_{i≤min(W, L_b)} P_{b,i}) / (overhead(W > 0) + r(W + 1))
 
   where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c the live
-  calibration of the speculator that drafted row b (accepted / predicted, decayed): a draft the verifier is unlikely to take costs no verify
+  calibration of the speculator that drafted row b (accepted / predicted, decayed), each term c · P_{b,i}
+  capped by Π_{j≤i} a_j, the per-position acceptance of that speculator's verified drafts (`depth`: a
+  long unique continuation, P = 1 throughout, is worth only as deep as such drafts are accepted): a draft the verifier is unlikely to take costs no verify
   pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
   spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
   plain pass: a lookup), probes keep the shortest interval.
@@ -60,6 +62,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from drafter.capacity import AUTO_K_MAX  # noqa: F401 - re-exported; the capacity rule owns it
+
+
+MAX_DEPTH = 32  # draft positions whose acceptance the confidence gate keeps per speculator
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class ControllerConfig:
     cheap_draft: float = 0.02  # drafting per token at most this share of a plain pass (a lookup): probes stay frequent
     calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
     lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
-    lookup_max: int = 4  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
+    lookup_max: int = 16  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -362,6 +367,7 @@ class Controller:
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
+        self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.lookup_misses = 0  # lookups in a row that earned no token
         self.lookup_wait = 0  # plain steps before the next lookup
 
@@ -371,8 +377,11 @@ class Controller:
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
-        for predicted, n, *source in step.confident:
-            self.calibration(*source).observe(predicted, n)
+        for entry in step.confident:
+            source = entry[2] if len(entry) > 2 else None
+            self.calibration(source).observe(entry[0], entry[1])
+            if len(entry) > 3 and entry[3]:  # (…, drafts verified): that speculator's per-position acceptance
+                self.depth(source).observe(entry[3], entry[1])
         if step.lookup:
             self._looked_up(any(entry[1] for entry in step.confident), bool(step.confident))
         if step.drafting:
@@ -384,6 +393,7 @@ class Controller:
         self.acceptance.fade(self.cfg.swap_keep)
         for source in (None, "adaptive"):  # the served drafter's; the other speculators did not change
             self.calibration(source).fade(self.cfg.swap_keep)
+            self.depth(source).fade(self.cfg.swap_keep)
         self.interval = self.cfg.explore_min
         self._cached = None
 
@@ -455,6 +465,12 @@ class Controller:
             self.calibrations[source] = Calibration(self.cfg.calibration_decay)
         return self.calibrations[source]
 
+    def depth(self, source: str | None = None) -> Acceptance:
+        """Per-position acceptance of one speculator's confident drafts (what a draft as deep as i earned)."""
+        if source not in self.depths:
+            self.depths[source] = Acceptance(ControllerConfig(k_max=MAX_DEPTH, prior_acceptance=0.9, depth_discount=1.0))
+        return self.depths[source]
+
     def confidence_scale(self, source: str | None = None) -> float:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
         return self.calibration(source).scale
@@ -469,8 +485,13 @@ class Controller:
         costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
         gains = [0.0] * (width + 1)
         for row, probs in enumerate(confidence):
-            c, total = self.confidence_scale(None if sources is None else sources[row]), 1.0
-            earned = [total] + [total := total + c * p for p in probs]
+            source = None if sources is None else sources[row]
+            c, total, run = self.confidence_scale(source), 1.0, 1.0
+            rates = self.depth(source).rates()
+            earned = [total]
+            for i, p in enumerate(probs):  # c · P_i, but never above what drafts this deep earned: Π_{j≤i} a_j
+                run *= rates[min(i, MAX_DEPTH - 1)]
+                earned.append(total := total + min(c * p, run))
             for W in range(width + 1):
                 gains[W] += earned[min(W, len(probs))]
         best = max(range(width + 1), key=lambda W: (gains[W] / costs[W], -W))

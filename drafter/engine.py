@@ -293,8 +293,8 @@ class Engine:
         blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in free))
         confident = () if outcome.predicted is None else tuple(
-            (float(outcome.predicted[s]), int(outcome.num_accepted[s]), None if outcome.sources is None else outcome.sources[s])
-            for s in live if drafted[s])
+            (float(outcome.predicted[s]), int(outcome.num_accepted[s]), None if outcome.sources is None else outcome.sources[s],
+             drafted[s]) for s in live if drafted[s])
         updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0

@@ -323,3 +323,17 @@ def test_a_lookup_that_verified_nothing_waits_one_step():
         pattern.append(due)
         c.observe(StepSample(1, 0, 0.0, 0.01, 0.0, lookup=due))
     assert pattern == [True, False] * 4 and c.lookup_misses == 0
+
+
+def test_a_long_sure_draft_is_cut_where_that_speculators_drafts_stop_being_accepted():
+    """P_i = 1 for 16 tokens (a unique continuation) is worth 16 drafts only if drafts that deep earn:
+    the gate caps c · P_i by Π a_j, the speculator's own per-position acceptance."""
+    c = Controller(ControllerConfig(calibration_decay=1.0))
+    c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.costs.observe(StepSample(1, 4, 0.0, 0.018, 0.0))  # r(5) = 1.8: 0.2 a token
+    for _ in range(200):  # 8 drafts verified, predicted as earned: "copy" all 8 accepted, "guess" always 2
+        c.observe(StepSample(2, 8, 0.0, 0.03, 0.0, confident=((8.0, 8, "copy", 8), (2.0, 2, "guess", 8))))
+    assert c.confidence_scale("guess") == pytest.approx(1.0)  # one scalar cannot tell them apart
+    sure = [[1.0] * 16]
+    assert c.cut(sure, rows=1, sources=["copy"]) == [16]
+    assert c.cut(sure, rows=1, sources=["guess"]) == [2]
