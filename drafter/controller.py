@@ -45,7 +45,8 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c the live
   calibration of the speculator that drafted row b (accepted / predicted, decayed), each term c · P_{b,i}
   capped by Π_{j≤i} a_j, the per-position acceptance of that speculator's verified drafts (`depth`: a
-  long unique continuation, P = 1 throughout, is worth only as deep as such drafts are accepted): a draft the verifier is unlikely to take costs no verify
+  long unique continuation, P = 1 throughout, is worth only as deep as such drafts are accepted): a
+  draft the verifier is unlikely to take costs no verify
   pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
   spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
   plain pass: a lookup), probes keep the shortest interval.
@@ -60,6 +61,7 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from drafter.capacity import AUTO_K_MAX  # noqa: F401 - re-exported; the capacity rule owns it
 
@@ -329,6 +331,17 @@ class Choice:
     speedup: float = 1.0  # expected tokens/s of this choice over the cheapest one (k = the explicit rows' max)
 
 
+class Confident(NamedTuple):
+    """One row whose draft carried confidence, as verified: what its drafter predicted (Σ_i P_i over the
+    drafts verified), what was accepted, the speculator that drafted it (None: the drafter itself; each
+    speculator is calibrated on its own) and how many drafts were verified (0: not known)."""
+
+    predicted: float
+    accepted: int
+    source: str | None = None
+    drafted: int = 0
+
+
 @dataclass(frozen=True)
 class StepSample:
     """One measured step: the verify pass's rows and draft length (its T is k + 1), the seconds of
@@ -343,9 +356,7 @@ class StepSample:
     resync_s: float = 0.0  # restarting drafter rows that skipped plain steps (0: none needed it)
     asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
     #                           (suffix) may draft less, and the verify pass covers only what it drafted
-    # (the drafter's predicted accepted drafts Σ_i P_i, n accepted[, the speculator that drafted]) of every row
-    # whose draft carried confidence; each speculator's calibration is its own (None: the drafter's)
-    confident: tuple[tuple, ...] = ()
+    confident: tuple[Confident, ...] = ()  # every row whose draft carried confidence (plain tuples are read as one)
     lookup: bool = False  # the drafts were free ones on a step left plain (drafter.engine `lookup`): no drafting cost
 
     @property
@@ -377,13 +388,13 @@ class Controller:
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
-        for entry in step.confident:
-            source = entry[2] if len(entry) > 2 else None
-            self.calibration(source).observe(entry[0], entry[1])
-            if len(entry) > 3 and entry[3]:  # (…, drafts verified): that speculator's per-position acceptance
-                self.depth(source).observe(entry[3], entry[1])
+        rows = [Confident(*row) for row in step.confident]
+        for row in rows:
+            self.calibration(row.source).observe(row.predicted, row.accepted)
+            if row.drafted:
+                self.depth(row.source).observe(row.drafted, row.accepted)
         if step.lookup:
-            self._looked_up(any(entry[1] for entry in step.confident), bool(step.confident))
+            self._looked_up(any(row.accepted for row in rows), bool(rows))
         if step.drafting:
             self._cached = None
 
@@ -402,9 +413,11 @@ class Controller:
         verified nothing (no draft matched, or the gate cut them all: it cost the lookup alone); after 1, 3,
         ... steps (at most `lookup_backoff`) while verified drafts keep earning nothing, so that where the
         free drafts never pay they cost next to nothing."""
-        if earned or not verified:
-            self.lookup_misses = 0 if earned else self.lookup_misses
-            self.lookup_wait = 0 if earned else 1
+        if earned:
+            self.lookup_misses = self.lookup_wait = 0
+            return
+        if not verified:
+            self.lookup_wait = 1
             return
         self.lookup_misses = min(self.lookup_misses + 1, 16)
         self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff)
@@ -484,10 +497,12 @@ class Controller:
         width = max(map(len, confidence), default=0)
         costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
         gains = [0.0] * (width + 1)
+        scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator: c and a_1..a_MAX_DEPTH, once
         for row, probs in enumerate(confidence):
             source = None if sources is None else sources[row]
-            c, total, run = self.confidence_scale(source), 1.0, 1.0
-            rates = self.depth(source).rates()
+            if source not in scales:
+                scales[source] = (self.confidence_scale(source), self.depth(source).rates())
+            (c, rates), total, run = scales[source], 1.0, 1.0
             earned = [total]
             for i, p in enumerate(probs):  # c · P_i, but never above what drafts this deep earned: Π_{j≤i} a_j
                 run *= rates[min(i, MAX_DEPTH - 1)]

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.capacity import draft_reserve, positions_needed
-from drafter.controller import Batch, Choice, Controller, StepSample
+from drafter.controller import Batch, Choice, Confident, Controller, StepSample
 from drafter.decoder import KVCache, LeanDecoder, prefill_rows
 from drafter.graph import GraphDecoder, graph_ready, on_backend, resolve_backend
 from drafter.logprobs import Scoring, scoring_for
@@ -258,8 +258,9 @@ class Engine:
         m = live[-1] + 1
         rows = self.rows[:m]
         choice = self._choose(rows, live, m)
-        lookup = self._lookup(choice, rows, live)
-        auto_k = self._lookup_width(live) if lookup else 0 if choice is None else choice.k
+        width = self._lookup(choice, rows, live)
+        lookup = width > 0
+        auto_k = width if lookup else 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
         kmax = max(ks[s] for s in live)
         active = torch.tensor([r is not None for r in rows])
@@ -293,8 +294,8 @@ class Engine:
         blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in free))
         confident = () if outcome.predicted is None else tuple(
-            (float(outcome.predicted[s]), int(outcome.num_accepted[s]), None if outcome.sources is None else outcome.sources[s],
-             drafted[s]) for s in live if drafted[s])
+            Confident(float(outcome.predicted[s]), int(outcome.num_accepted[s]),
+                      None if outcome.sources is None else outcome.sources[s], drafted[s]) for s in live if drafted[s])
         updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
         self.last[:m] = outcome.last_tokens
         total = time.perf_counter() - t0
@@ -305,17 +306,18 @@ class Engine:
                                            confident, lookup))
         return updates
 
-    def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> bool:
-        """Whether this step of auto rows only verifies the drafter's free drafts (`Drafter.lookup`) instead:
+    def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> int:
+        """How many free drafts per row this step of auto rows verifies instead (`Drafter.lookup`; 0: none):
         where the controller left it plain (not to measure a plain pass), or gave a mix's model members k
         drafts but every row's free draft promises as much (`prefers_free`: a copy is not cut to k)."""
         if not (self.lookups and choice is not None and not choice.probe and hasattr(self.drafter, "lookup")
                 and all(rows[s].request.k is None for s in live)):
-            return False
+            return 0
+        width = self._lookup_width(live)
         if not choice.k:
-            return self.controller.lookup_due()
-        prefers, width = getattr(self.drafter, "prefers_free", None), self._lookup_width(live)
-        return prefers is not None and choice.k < width and prefers(choice.k, width, live)
+            return width if self.controller.lookup_due() else 0
+        prefers = getattr(self.drafter, "prefers_free", None)
+        return width if prefers is not None and choice.k < width and prefers(choice.k, width, live) else 0
 
     def _lookup_width(self, live: list[int]) -> int:
         """The most free drafts a lookup verifies per row: the controller's `lookup_max` (its k_max on the graph

@@ -20,7 +20,8 @@ for bit as a one-token step does, by construction:
 
 The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:
 every query head over the keys up to its position through the same operations whichever query heads
-share its KV head's loads, so exact across T, batch and threads by construction), `rms_norm`, `silu_mul`, and `layer` (a whole decoder layer in one call).
+share its KV head's loads, so exact across T, batch and threads by construction), `rms_norm`,
+`silu_mul`, and `layer` (a whole decoder layer in one call).
 
 Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
 so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains);

@@ -122,6 +122,7 @@ class History:
         self.buf = np.asarray(prompt, dtype=np.int32).copy()
         self.n = len(prompt)
         self.prompt_len = len(prompt)
+        self.drafted: tuple[tuple, Draft] | None = None  # the last draft asked of these tokens, and for what
 
     @property
     def tokens(self) -> np.ndarray:
@@ -148,6 +149,7 @@ class OutputStore:
         self.buf = np.empty(capacity, dtype=np.int32)
         self.n = 0
         self.sizes: deque[int] = deque()  # tokens (and separator) of each stored output, oldest first
+        self.version = 0  # outputs added so far: drafts computed before an addition are stale
 
     @property
     def tokens(self) -> np.ndarray:
@@ -169,6 +171,7 @@ class OutputStore:
         self.buf[self.n + len(output)] = SEPARATOR
         self.n += need
         self.sizes.append(need)
+        self.version += 1
 
     @property
     def outputs(self) -> int:
@@ -206,12 +209,17 @@ class SuffixDrafter:
     def drafts(self, k: int, rows: list[int] | None = None) -> list[Draft]:
         """Each row's (or the listed rows') best draft of at most k tokens: its history's or the global
         store's, by score."""
-        out = []
-        for row in self.rows if rows is None else [self.rows[b] for b in rows]:
+        return [self._draft(row, k) for row in (self.rows if rows is None else [self.rows[b] for b in rows])]
+
+    def _draft(self, row: History, k: int) -> Draft:
+        """One row's draft, computed once for its tokens, the store and k (a step may ask twice: whether the
+        drafts are worth a lookup, then the lookup)."""
+        key = (row.n, id(self.store), self.store.version, k, self.cfg)
+        if row.drafted is None or row.drafted[0] != key:
             own = draft_from(row.tokens, row.tokens, k, self.cfg)
             other = draft_from(self.store.tokens, row.tokens, k, self.cfg) if self.store.n else Draft()
-            out.append(own if own.score >= other.score else other)
-        return out
+            row.drafted = (key, own if own.score >= other.score else other)
+        return row.drafted[1]
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         return proposal_of(self.drafts(k), k, [row.tokens[-1] for row in self.rows])

@@ -170,3 +170,18 @@ def test_invalid_configs_are_refused():
     for bad in ({"max_depth": 0}, {"spec_factor": 0}, {"min_prob": 2}, {"global_tokens": -1}):
         with pytest.raises(ValueError):
             SuffixConfig(**bad)
+
+
+def test_a_rows_draft_is_computed_once_per_state_and_never_stale():
+    """Asking twice in a step (is a lookup worth it? then the lookup) reuses the draft; new tokens, a new
+    output in the store, or another k give a fresh one."""
+    drafter = SuffixDrafter(32)
+    drafter.start([[1, 2, 3, 9, 1, 2]], 32)
+    first = drafter.drafts(4)[0]
+    assert drafter.drafts(4)[0] is first and drafter.drafts(4, [0])[0] is first
+    assert first.tokens == [3, 9]
+    assert drafter.drafts(1)[0].tokens == [3]
+    drafter.rows[0].extend([3])
+    assert drafter.drafts(4)[0].tokens == [9, 1, 2]  # the match "1 2 3" now drafts three
+    drafter.store.add(np.asarray([5, 1, 2, 3, 7, 7, 7, 7], dtype=np.int32))
+    assert drafter.drafts(4)[0] is not first
