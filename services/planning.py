@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from drafter.capacity import draft_reserve
 from services.prompts import PromptError, PromptRecord, encode
 from services.protocol import CompletionRequest
-from services.schemas import (MAX_BODY_BYTES, MAX_CHOICES, RETRY_AFTER_S, ChatBody, CompletionBody, DetokenizeBody,
-                              Message, Speculative, TokenizeBody, check_supported, invalid, not_found, parse_body,
-                              parse_json, validation_message)
+from services.schemas import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, MAX_STOP_CHARS, RETRY_AFTER_S, ChatBody,
+                              CompletionBody, DetokenizeBody, Message, Speculative, TokenizeBody, check_lengths,
+                              check_supported, invalid, not_found, parse_body, parse_json, validation_message)
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -37,6 +37,11 @@ class ApiConfig:
     retry_after_s: int = RETRY_AFTER_S
     max_prompt_bytes: int | None = None  # prompt text beyond this cannot fit the context (`prompt_bytes_limit`)
     max_body_bytes: int = MAX_BODY_BYTES
+
+    @property
+    def max_messages(self) -> int:
+        """Messages per request: each costs at least one token of the context after templating."""
+        return min(MAX_MESSAGES, self.max_context)
 
 
 @dataclass
@@ -149,6 +154,9 @@ def stop_strings(stop: Any) -> list[str]:
         raise invalid(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
     if any(not s for s in stops):
         raise invalid("stop strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid(f"stop strings are at most {MAX_STOP_CHARS} characters long, got "
+                      f"{max(map(len, stops))}", "stop")
     return stops
 
 
@@ -186,6 +194,7 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     """Validate a request body (a parsed JSON value) into a Plan; ApiError if anything is off."""
     req = validated(body, chat, cfg)
     logprobs = logprobs_asked(req)
+    sampling = sampling_fields(req)  # cheap checks (stop strings) before templating and tokenizing
     prompts = [chat_prompt(tokenizer, req.messages, cfg)] if chat else completion_prompts(tokenizer, req.prompt, cfg)
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
@@ -195,7 +204,7 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    common = sampling_fields(req) | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs)
+    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs)
     requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
                                   stream_index=p * n + i, **common)
                 for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
@@ -208,6 +217,7 @@ def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBod
     """The body as its pydantic model, with the checks that span fields."""
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    check_lengths(body, cfg.max_messages)
     model = ChatBody if chat else CompletionBody
     try:
         req = model.model_validate(body)
@@ -244,7 +254,7 @@ def sampling_fields(req: ChatBody | CompletionBody) -> dict:
 
 def tokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
     """POST /tokenize: a prompt or chat messages as the token ids a completion would be fed."""
-    body = parse_body(raw, TokenizeBody)
+    body = parse_body(raw, TokenizeBody, cfg.max_messages)
     check_model(body.model, cfg)
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of `prompt` (a string) or `messages`", "prompt")

@@ -23,6 +23,9 @@ MAX_CHOICES = 16  # n × prompts of one request: each choice holds a worker slot
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
 MAX_BODY_BYTES = 8 * 2**20  # a request body beyond this is refused (413) before it is parsed
 MAX_JSON_DEPTH = 32  # arrays / objects nested deeper are refused (400)
+MAX_MESSAGES = 4096  # messages per request (and never more than the context: each costs at least a token)
+MAX_STOP_CHARS = 512  # characters per stop string (the stop check decodes a window this long per token)
+MAX_DETOKENIZE = 65536  # token ids per /detokenize request
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -106,7 +109,7 @@ class Sampling(_Lenient):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=2**31 - 1)
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     stop: Any = None  # a string or a list of strings (checked by `stop_strings`)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
@@ -231,8 +234,8 @@ def parse_json(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> Any:
     too_deep = invalid(f"the request body nests arrays or objects more than {max_depth} deep")
     try:
         value = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise invalid(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # ValueError: also an integer of more than 4,300 digits
+        raise invalid(f"the request body is not valid JSON: {str(exc)[:200]}") from None
     except RecursionError:
         raise too_deep from None
     if json_depth(value, max_depth) > max_depth:
@@ -254,11 +257,21 @@ def json_depth(value: Any, stop: int) -> int:
     return deepest
 
 
-def parse_body(raw: bytes, model: type[BaseModel]) -> BaseModel:
+def check_lengths(body: dict, max_messages: int = MAX_MESSAGES) -> None:
+    """Lists whose validation alone would hold the planner thread (250,000 empty messages fit in an
+    8 MB body): refused before pydantic sees them."""
+    for name, limit in (("messages", max_messages), ("tokens", MAX_DETOKENIZE)):
+        value = body.get(name)
+        if isinstance(value, list) and len(value) > limit:
+            raise invalid(f"`{name}` holds {len(value)} items; this server takes at most {limit}", name)
+
+
+def parse_body(raw: bytes, model: type[BaseModel], max_messages: int = MAX_MESSAGES) -> BaseModel:
     """A raw body as `model`, or the 400 that says what is wrong with it."""
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")
+    check_lengths(body, max_messages)
     try:
         return model.model_validate(body)
     except ValidationError as exc:

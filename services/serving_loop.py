@@ -216,10 +216,11 @@ class ServingLoop:
             pending = list(self.waiting)
         chosen: dict[str | None, list] = {}  # engine (None: the serving version's) -> requests
         refused = []
+        self.pinned.poll({self._engine_key(item) for item in pending} - {None})
         for item in pending:
-            version = item.request.drafter_version
-            key = None if version in (None, self.worker.version) else version
-            free = len(self.worker.engine.free) if key is None else self.pinned.free(key)
+            key = self._engine_key(item)
+            reserved = frozenset(k for k, batch in chosen.items() if k is not None and batch)
+            free = len(self.worker.engine.free) if key is None else self.pinned.free(key, reserved)
             if free is None:  # the version failed to load: refuse its requests
                 refused.append(item)
             elif len(chosen.setdefault(key, [])) < free:
@@ -233,6 +234,11 @@ class ServingLoop:
             item.sink(Chunk(item.request.id, error=self.pinned.failure(item.request.drafter_version)))
         for key, batch in chosen.items():
             self._start(key, batch)
+
+    def _engine_key(self, item: _Waiting) -> str | None:
+        """The version whose engine serves `item` (None: the serving version's)."""
+        version = item.request.drafter_version
+        return None if version in (None, self.worker.version) else version
 
     def _start(self, version: str | None, batch: list[_Waiting]) -> None:
         try:
@@ -295,11 +301,12 @@ class LocalBackend:
 
     @classmethod
     def open(cls, verifier: str, drafter: str | None, kind: str = "pretrained", slots: int = 4, max_queue: int = 16,
-             model: str = "specloop", **worker_fields) -> "LocalBackend":
+             model: str = "specloop", max_versions: int = 2, **worker_fields) -> "LocalBackend":
         cfg = WorkerConfig(verifier=str(verifier), drafter=None if drafter is None else str(drafter), kind=kind,
                            slots=slots, log_records=False, **worker_fields)
         worker = VerifierWorker(cfg)
-        return cls(ServingLoop(ServingConfig(cfg, max_queue=max_queue, model=model), worker).start())
+        serving = ServingConfig(cfg, max_queue=max_queue, model=model, max_versions=max_versions)
+        return cls(ServingLoop(serving, worker).start())
 
     def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
         return self.loop.stream(request)

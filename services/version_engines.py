@@ -34,28 +34,47 @@ class VersionEngines:
         self.loading: dict[str, object] = {}  # version -> Future of an Engine
         self.failures: dict[str, ErrorInfo] = {}
         self.requests: dict[str, str] = {}  # running request id -> version
+        self.peak = 0  # the most engines + loads held at once (never above keep)
 
-    def free(self, version: str) -> int | None:
-        """Free slots of the version's engine (0 while it loads), None if it cannot be served."""
+    def free(self, version: str, reserved: frozenset[str] = frozenset()) -> int | None:
+        """Free slots of the version's engine (0 while it loads or while `keep` engines and loads are
+        held by other versions), None if it cannot be served. `reserved`: versions given requests in
+        this admission pass, never evicted for this one."""
         if version in self.failures:
             return None
         if version in self.engines:
             return len(self.engines[version].free)
         future = self.loading.get(version)
         if future is None:
-            if len(self.engines) >= self.keep and not self._evict_idle():
+            if len(self.engines) + len(self.loading) >= self.keep and not self._evict_idle(reserved):
                 return 0
             self.loading[version] = self.worker.loader.submit(self._build, version)
+            self.peak = max(self.peak, len(self.engines) + len(self.loading))
             return 0
         if not future.done():
             return 0
-        del self.loading[version]
+        return None if self._settle(version) is None else len(self.engines[version].free)
+
+    def poll(self, wanted: set[str]) -> None:
+        """Finished loads become engines (or failures); loads and failures no waiting request wants any
+        more are dropped (a load not yet started is cancelled; one running finishes as an idle engine,
+        the first to be evicted)."""
+        for version, future in list(self.loading.items()):
+            if future.done():
+                self._settle(version)
+            elif version not in wanted and future.cancel():
+                del self.loading[version]
+        for version in set(self.failures) - wanted:
+            del self.failures[version]
+
+    def _settle(self, version: str) -> Engine | None:
+        future = self.loading.pop(version)
         try:
-            self.engines[version] = future.result()
+            self.engines[version] = engine = future.result()
         except Exception as exc:  # noqa: BLE001 - unknown version, unreadable or non-finite weights
             self.failures[version] = version_refusal(version, exc)
             return None
-        return len(self.engines[version].free)
+        return engine
 
     def failure(self, version: str) -> ErrorInfo:
         """Why the version's requests are refused (once: a later request tries to load it again)."""
@@ -66,8 +85,8 @@ class VersionEngines:
         weights = w.registry.load_weights(version)
         return Engine(w.verifier.lean, w.builder.build(weights), self.slots, w.max_context, w.stop_rule)
 
-    def _evict_idle(self) -> bool:
-        idle = [v for v, e in self.engines.items() if not e.running]
+    def _evict_idle(self, reserved: frozenset[str]) -> bool:
+        idle = [v for v, e in self.engines.items() if not e.running and v not in reserved]
         if idle:
             del self.engines[idle[0]]
         return bool(idle)

@@ -20,6 +20,7 @@ from drafter.sampling import SamplingParams
 from services.api import create_app
 from services.generation import final_text
 from services.protocol import Chunk, CompletionRequest, ErrorInfo
+from services.schemas import ApiError
 from services.serving_loop import LocalBackend, wait_ready
 from tests.admin_helpers import serving
 
@@ -393,10 +394,11 @@ def test_a_body_over_the_limit_is_a_413_in_openai_shape(url):
     assert err["type"] == "invalid_request_error" and err["code"] == "request_too_large" and str(MAX_BODY_BYTES) in err["message"]
 
 
-def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing_without_stalling_a_stream(url, backend):
-    """A 6 MB prompt (under the body limit) is refused from its size alone, on the planner thread,
-    while a stream is being served: the stream's chunks keep coming."""
-    huge = {"model": MODEL, "prompt": "def f(x):\n    return x\n" * 250_000, "max_tokens": 4}
+def refused_beside_a_stream(url: str, path: str, body: dict | bytes) -> tuple[httpx.Response, float]:
+    """`body` posted while a stream is being served: its answer and the stream's largest gap between
+    two chunks (seconds)."""
+    import threading
+
     arrivals: list[float] = []
 
     def stream() -> None:
@@ -407,17 +409,70 @@ def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing_without
                 if line.startswith("data: "):
                     arrivals.append(time.monotonic())
 
-    import threading
-
     streamer = threading.Thread(target=stream)
     streamer.start()
     while len(arrivals) < 2 and streamer.is_alive():
         time.sleep(0.005)
-    err = assert_openai_400(httpx.post(url + "/v1/completions", json=huge, timeout=60), "prompt")
-    assert "bytes of text" in err["message"] and "Please shorten it" in err["message"]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + path, content=content, timeout=60, headers={"content-type": "application/json"})
     streamer.join(60)
-    gap = max(b - a for a, b in zip(arrivals, arrivals[1:]))
-    assert len(arrivals) > 10 and gap < 1.0, f"the stream stalled {gap:.2f} s"
+    assert len(arrivals) > 10, "the stream did not run"
+    return r, max(b - a for a, b in zip(arrivals, arrivals[1:]))
+
+
+def test_a_prompt_longer_than_any_that_fits_is_refused_before_tokenizing_without_stalling_a_stream(url, backend):
+    """A 6 MB prompt (under the body limit) is refused from its size alone, on the planner thread,
+    while a stream is being served: the stream's chunks keep coming."""
+    huge = {"model": MODEL, "prompt": "def f(x):\n    return x\n" * 250_000, "max_tokens": 4}
+    r, gap = refused_beside_a_stream(url, "/v1/completions", huge)
+    err = assert_openai_400(r, "prompt")
+    assert "bytes of text" in err["message"] and "Please shorten it" in err["message"]
+    assert gap < 1.0, f"the stream stalled {gap:.2f} s"
+
+
+HUGE_INT = "9" * 5000  # more digits than Python's int() reads from text
+
+
+@pytest.mark.parametrize("path, body, param, says", [
+    # 250,000 empty messages (7.5 MB): refused from the list's length, before pydantic or the template
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": ""}] * 250_000}, "messages",
+     "at most"),
+    ("/tokenize", {"messages": [{"role": "user", "content": ""}] * 250_000}, "messages", "at most"),
+    ("/detokenize", {"tokens": [0] * 1_000_000}, "tokens", "at most"),
+    ("/v1/completions", {"model": MODEL, "prompt": "import", "stop": "x" * 100_000}, "stop", "characters"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "top_k": 10**30}, "top_k", ""),
+])
+def test_costly_requests_are_cheap_400s_beside_a_stream(url, path, body, param, says):
+    r, gap = refused_beside_a_stream(url, path, body)
+    err = assert_openai_400(r, param)
+    assert says in err["message"]
+    assert gap < 1.0, f"the stream stalled {gap:.2f} s"
+
+
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "hi"}], "seed": %s}'),
+    ("/v1/completions", '{"model": "%s", "prompt": "import", "max_tokens": %s}'),
+    ("/tokenize", '{"model": "%s", "prompt": "x", "extra": [%s]}'),
+    ("/detokenize", '{"model": "%s", "tokens": [%s]}'),
+])
+def test_an_integer_of_5000_digits_anywhere_is_a_400(url, path, raw):
+    r = httpx.post(url + path, content=(raw % (MODEL, HUGE_INT)).encode(), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert "not valid JSON" in assert_openai_400(r)["message"]
+
+
+def test_messages_up_to_the_limit_are_planned(verifier):
+    from services.planning import ApiConfig, plan_request
+
+    cfg = ApiConfig(model_id=MODEL, max_context=64)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}] * cfg.max_messages, "max_tokens": 1}
+    with pytest.raises(ApiError) as refused:  # the limit is not the last word: the prompt still has to fit
+        plan_request(body, True, cfg, verifier.tokenizer)
+    assert f"{cfg.max_messages} items" not in refused.value.message
+    body["messages"].append({"role": "user", "content": "hi"})
+    with pytest.raises(ApiError) as refused:
+        plan_request(body, True, cfg, verifier.tokenizer)
+    assert refused.value.param == "messages" and f"at most {cfg.max_messages}" in refused.value.message
 
 
 def test_a_vanishing_temperature_samples_as_the_floor_temperature_does(client):

@@ -237,3 +237,59 @@ def test_logprobs_outside_0_to_20_are_refused(tiny_pair):
     for chunks in refused:
         assert chunks[0].error.status == 400 and chunks[0].error.param == "logprobs"
     assert ok[-1].finish_reason is not None and all(len(e.top) == 20 for c in ok for e in c.logprobs)
+
+
+def _versions(tiny_pair, tmp_path, n: int) -> list[str]:
+    from services.registry import Registry
+    from tests.test_worker import base_weights, noisy, publish
+
+    reg, parent, out = Registry(tmp_path / "registry"), None, []
+    for i in range(n):
+        parent = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=i), parent, 0.5 + i / 100)
+        out.append(parent)
+    return out
+
+
+def test_two_versions_admitted_in_one_pass_with_keep_1_are_both_served(tiny_pair, verifier, tmp_path):
+    """Before, the second version's load evicted the first one's engine between choosing its requests
+    and admitting them: a spurious 400 naming the version."""
+    v1, v2 = _versions(tiny_pair, tmp_path, 2)
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=8, max_versions=1,
+                                registry=str(tmp_path / "registry"))
+    requests = [CompletionRequest(f"r{i}", [5, 6, 7], max_tokens=4, k=2, drafter_version=v)
+                for i, v in enumerate([v1, v2, v1, v2])]
+    results = _serve_all(backend, requests)
+    for r, chunks in zip(requests, results):
+        assert chunks[-1].error is None, chunks[-1].error
+        assert chunks[-1].usage.drafter_version == r.drafter_version
+    assert backend.loop.pinned.peak == 1
+
+
+def test_engines_and_loads_stay_within_keep_and_a_load_nobody_waits_for_is_dropped(tiny_pair, tmp_path):
+    versions = _versions(tiny_pair, tmp_path, 4)
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=16, max_versions=2,
+                                registry=str(tmp_path / "registry"))
+    pinned = backend.loop.pinned
+
+    async def scenario():
+        gone = asyncio.ensure_future(_collect(backend, CompletionRequest("gone", [5], max_tokens=4, k=2,
+                                                                         drafter_version=versions[3])))
+        await asyncio.sleep(0.05)
+        gone.cancel()  # its client leaves while the version may still be loading
+        served = await asyncio.gather(*(_collect(backend, CompletionRequest(f"r{i}", [5, 6], max_tokens=4, k=2,
+                                                                           drafter_version=v))
+                                        for i, v in enumerate(versions[:3] * 2)))
+        for _ in range(100):  # the serving loop settles the cancelled load at its next admission pass
+            if not pinned.loading:
+                break
+            await asyncio.sleep(0.05)
+            await _collect(backend, CompletionRequest("poke", [5], max_tokens=1, k=0))
+        return served
+
+    try:
+        served = asyncio.run(scenario())
+    finally:
+        asyncio.run(backend.close())
+    assert all(chunks[-1].error is None for chunks in served)
+    assert pinned.peak <= 2 and len(pinned.engines) + len(pinned.loading) <= 2
+    assert not pinned.loading and not pinned.failures

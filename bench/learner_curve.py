@@ -1,0 +1,248 @@
+"""The online learner's long-horizon curve on one steady domain (issue 29, item 4).
+
+Traffic: N chat requests of one domain go through `specloop replay` with the default serving
+configuration (the fetched eagle head with suffix decoding beside it, k chosen by the controller,
+the learner on its own core: worker and learner are Ray actors, the embedded buffer), exactly the
+actors `specloop serve --learner klrl` runs. Every `--every` requests the version that served
+that request (the champion) is evaluated on held-out prompts of the same domain, alongside the
+fetched head frozen:
+- first-draft acceptance and τ at fixed k (every block drafts k), greedy;
+- for the fetched head and the last champion, tokens/s of the default configuration (k auto,
+  suffix beside the head) against the verifier alone, the systems alternating prompt by prompt.
+Greedy output of every system is checked against the verifier alone.
+
+The prompts: the roleplay instructions of GPTeacher (GitHub teknium1/GPTeacher, MIT licence; 1,923
+single-turn requests, one steady domain), read at run time from a clone; ShareGPT itself is not
+reachable from this machine. Build the file once:
+
+    git --git-dir /work/.mirror/teknium1+GPTeacher/repo show \\
+        HEAD:Roleplay/roleplay-simple-deduped-roleplay-instruct.json > /tmp/gpteacher_roleplay.json
+    M=~/.cache/specloop/models/smollm2-135m-instruct
+    .venv/bin/python bench/learner_curve.py --source /tmp/gpteacher_roleplay.json \\
+        --verifier $M/verifier --drafter $M/drafter --requests 1800 --held-out 100 --tag roleplay
+
+Writes bench/results/learner_curve_<tag>.json and .png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from machine import machine_info  # noqa: E402
+
+OUT = ROOT / "bench" / "results"
+PAIR = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"
+
+
+def chat_records(source: Path) -> list[dict]:
+    """GPTeacher-style [{"instruction", "input", "response"}] -> chat prompt records (the input, if
+    any, follows the instruction in the user's message)."""
+    rows = json.loads(source.read_text())
+    out = []
+    for i, row in enumerate(rows):
+        text = "\n\n".join(part for part in (row.get("instruction", ""), row.get("input", "")) if part.strip())
+        if text:
+            out.append({"id": f"{source.stem}-{i}", "messages": [{"role": "user", "content": text}]})
+    return out
+
+
+def split(records: list[dict], held_out: int, requests: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """A seeded shuffle: the first `held_out` records evaluate, the next `requests` are traffic."""
+    order = list(records)
+    random.Random(seed).shuffle(order)
+    if held_out + requests > len(order):
+        raise SystemExit(f"{held_out} held out + {requests} requests exceed the {len(order)} prompts")
+    return order[:held_out], order[held_out:held_out + requests]
+
+
+def checkpoints(rows: list[dict], every: int) -> list[tuple[int, str]]:
+    """(requests served, version serving the next one) every `every` requests, and at the end."""
+    marks = list(range(every, len(rows), every)) + [len(rows)]
+    return [(n, str(rows[n - 1]["drafter_version"])) for n in marks]
+
+
+# ----------------------------------------------------------------------------- traffic
+
+
+def serve_traffic(args, traffic: Path, registry: Path) -> dict:
+    from services.replay_traffic import Replay, ReplayConfig
+
+    cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind="eagle", prompts=[traffic],
+                       learner=args.learner, max_tokens=args.max_tokens, k=None, registry=registry,
+                       seed=args.seed, worker_overrides={"speculators": ("suffix",)})
+    t0 = time.perf_counter()
+    replay = Replay(cfg)
+    rows = [{key: r[key] for key in ("index", "drafter_version", "drafted", "accepted", "block_efficiency",
+                                     "blocks", "seconds")} | {"tokens": len(r["token_ids"])}
+            for r in replay.run(progress=not args.quiet)]
+    summary = replay.finish()
+    from drift import _slim
+
+    return {"wall_s": round(time.perf_counter() - t0, 1), "requests": rows, "summary": _slim(summary)}
+
+
+# ----------------------------------------------------------------------------- held-out evaluation
+
+
+class Evaluator:
+    """The verifier, the held-out prompts and its greedy answers (computed once), and a builder that
+    turns registry weights into an eagle drafter."""
+
+    def __init__(self, args, held_out: list[dict]):
+        import torch
+
+        from drafter.kinds import DrafterBuilder
+        from drafter.models import load_model
+        from drafter.requests import StopRule
+        from services.prompts import encode, parse_record
+
+        torch.set_num_threads(args.threads)
+        self.args = args
+        self.verifier = load_model(args.verifier, weights="auto")
+        self.builder = DrafterBuilder("eagle", self.verifier, args.drafter)
+        self.mixed = DrafterBuilder("eagle", self.verifier, args.drafter, speculators=("suffix",))
+        self.stop = StopRule(eos_ids=frozenset(self.verifier.eos_ids))
+        self.prompts = [encode(self.verifier.tokenizer, parse_record(r, r["id"])) for r in held_out]
+        self.answers = [self._run(None, ids, 0)[0].token_ids for ids in self.prompts]
+
+    def _run(self, drafter, ids: list[int], k: int | None):
+        from drafter.engine import generate
+        from drafter.sampling import SamplingParams
+
+        t0 = time.perf_counter()
+        g = generate(self.verifier.lean, drafter, [ids], SamplingParams(max_tokens=self.args.max_tokens), k,
+                     self.stop)[0]
+        return g, time.perf_counter() - t0
+
+    def acceptance(self, weights: dict | None) -> dict:
+        """First-draft acceptance, acceptance per position and τ of the head at fixed k over the
+        held-out prompts (every answer checked against the verifier alone)."""
+        from drafter.stats import AcceptanceStats
+
+        drafter, stats = self.builder.build(weights), AcceptanceStats()
+        for ids, answer in zip(self.prompts, self.answers):
+            g, _ = self._run(drafter, ids, self.args.k)
+            _check(g.token_ids, answer)
+            stats.merge(g.stats)
+        per_pos = [round(a / d, 4) if d else None for a, d in
+                   zip(stats.accepted_per_position, stats.drafted_per_position)]
+        return {"first_draft_acceptance": per_pos[0], "acceptance_per_position": per_pos,
+                "tau": round(stats.block_efficiency, 4)}
+
+    def speedups(self, systems: dict[str, dict | None]) -> dict:
+        """Per system (weights): median per-prompt speed-up of the default configuration (k auto,
+        suffix beside the head) over the verifier alone, the systems alternating prompt by prompt."""
+        drafters = {name: self.mixed.build(w) for name, w in systems.items()}
+        for d in drafters.values():  # warm-up
+            self._run(d, self.prompts[0], None)
+        ratios = {name: [] for name in drafters}
+        taus = {name: [] for name in drafters}
+        for i, (ids, answer) in enumerate(zip(self.prompts, self.answers)):
+            _, alone = self._run(None, ids, 0)
+            names = list(drafters)[i % len(drafters):] + list(drafters)[:i % len(drafters)]
+            for name in names:
+                g, t = self._run(drafters[name], ids, None)
+                _check(g.token_ids, answer)
+                ratios[name].append(alone / t)
+                taus[name].append(g.stats.block_efficiency)
+        return {name: {"speedup_median": round(statistics.median(r), 4),
+                       "tau_mean": round(statistics.mean(taus[name]), 4)} for name, r in ratios.items()}
+
+
+def _check(tokens: list[int], answer: list[int]) -> None:
+    if tokens != answer:
+        raise SystemExit("a drafter changed the verifier's greedy output: speculation is not lossless")
+
+
+def evaluate(args, held_out: list[dict], marks: list[tuple[int, str]], registry: Path) -> dict:
+    from services.registry_versions import VersionStore
+
+    ev, store = Evaluator(args, held_out), VersionStore(registry)
+    weights = {version: store.load_weights(version) for _, version in marks}
+    curve = [{"requests": 0, "version": "fetched (frozen)"} | ev.acceptance(None)]
+    for n, version in marks:
+        curve.append({"requests": n, "version": version} | ev.acceptance(weights[version]))
+        print(f"after {n} requests, {version}: {curve[-1]}", file=sys.stderr)
+    last = marks[-1][1]
+    return {"curve": curve, "speedup": ev.speedups({"fetched (frozen)": None, f"champion {last}": weights[last]})}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def rolling_tau(rows: list[dict], n: int = 100) -> list[float]:
+    taus = [r["block_efficiency"] for r in rows]
+    return [statistics.mean(taus[max(0, i + 1 - n):i + 1]) for i in range(len(taus))]
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = result["held_out"]["curve"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [c["requests"] for c in curve]
+    axes[0].plot(xs, [c["first_draft_acceptance"] for c in curve], "o-", label="champion, first draft")
+    axes[0].axhline(curve[0]["first_draft_acceptance"], color="grey", ls="--", lw=0.8, label="fetched head")
+    axes[0].set(xlabel="requests served", ylabel="held-out acceptance", title="first-draft acceptance (held out)")
+    axes[0].legend()
+    axes[1].plot(xs, [c["tau"] for c in curve], "o-", label=f"held out, k = {result['k']}")
+    axes[1].plot(range(1, len(result["traffic"]["requests"]) + 1), rolling_tau(result["traffic"]["requests"]),
+                 lw=0.8, label="traffic (default, rolling 100)")
+    axes[1].set(xlabel="requests served", ylabel="τ", title="τ")
+    axes[1].legend()
+    fig.suptitle(f"online learner ({result['learner']}) on {result['source']}, {result['machine']['cpu']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", type=Path, required=True, help="GPTeacher-style JSON of instructions")
+    p.add_argument("--verifier", type=Path, default=PAIR / "verifier")
+    p.add_argument("--drafter", type=Path, default=PAIR / "drafter")
+    p.add_argument("--requests", type=int, default=1800)
+    p.add_argument("--held-out", type=int, default=100)
+    p.add_argument("--every", type=int, default=250)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--k", type=int, default=2, help="draft length of the held-out acceptance runs")
+    p.add_argument("--learner", default="klrl")
+    p.add_argument("--threads", type=int, default=2, help="threads of the held-out evaluation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--registry", type=Path, help="default: runs/learner-curve-<tag>")
+    p.add_argument("--tag", default="roleplay")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    held_out, traffic = split(chat_records(args.source), args.held_out, args.requests, args.seed)
+    registry = args.registry or ROOT / "runs" / f"learner-curve-{args.tag}"
+    registry.mkdir(parents=True, exist_ok=True)
+    traffic_file = registry / "traffic.jsonl"
+    traffic_file.write_text("".join(json.dumps(r) + "\n" for r in traffic))
+    served = serve_traffic(args, traffic_file, registry)
+    result = {"machine": machine_info(), "source": args.source.name, "learner": args.learner, "k": args.k,
+              "max_tokens": args.max_tokens, "held_out_prompts": len(held_out), "traffic": served}
+    result["held_out"] = evaluate(args, held_out, checkpoints(served["requests"], args.every), registry)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / f"learner_curve_{args.tag}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, path.with_suffix(".png"))
+    print(json.dumps({"curve": result["held_out"]["curve"], "speedup": result["held_out"]["speedup"],
+                      "learner": served["summary"].get("learner")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
