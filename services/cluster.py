@@ -19,43 +19,98 @@ from services.protocol import Chunk, CompletionRequest, ErrorInfo, WorkerInfo, W
 
 log = logging.getLogger("specloop.cluster")
 CALL_TIMEOUT_S = 5.0
-REFRESH_S = 2.0  # how often the list of named actors is read again
+REFRESH_S = 2.0  # how old the cached view of the workers may get before it is read again
+PICK_WAIT_S = 0.5  # routing waits this long for the workers' loads, then picks among those that answered
+
+
+def named_workers(known: dict[str, object]) -> dict[str, object]:
+    """Handles of the named worker actors now in the cluster (blocking Ray calls: run off the event loop)."""
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX))
+    handles = {}
+    for name in names:
+        try:
+            handles[name] = known.get(name) or ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:  # died between listing and lookup
+            continue
+    return handles
+
+
+def learner_metrics_url() -> str | None:
+    """The learner's metrics URL (blocking Ray calls: run off the event loop)."""
+    try:
+        return ray.get(ray.get_actor(LEARNER_NAME, namespace=NAMESPACE).metrics_url.remote(), timeout=CALL_TIMEOUT_S)
+    except (ValueError, ray.exceptions.RayError):
+        return None
+
+
+async def answered(calls: dict, wait_s: float) -> list[tuple[WorkerLoad, object]]:
+    """(load, handle) of the `load` calls that answered within `wait_s`; when none did, of the first
+    that answers (a dead or hung worker's call fails or times out, and is left out)."""
+    done, pending = await asyncio.wait(calls, timeout=wait_s)
+    live = [(WorkerLoad.from_dict(t.result()), calls[t]) for t in done if t.exception() is None]
+    while not live and pending:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        live = [(WorkerLoad.from_dict(t.result()), calls[t]) for t in done if t.exception() is None]
+    return live
+
+
+def _logged(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("reading the workers failed: %s", task.exception())
 
 
 class RayBackend:
+    """The cluster's workers as the API sees them. Nothing here blocks the event loop: actor discovery
+    runs on a thread, and the view of the workers (their handles and answers to `info` / `ready`) is
+    cached: a caller gets the last view at once while one refresh at a time renews it in the background
+    (only the first caller waits for it). Routing asks each worker's load per request, waiting at most
+    PICK_WAIT_S for the slow ones."""
+
     def __init__(self):
         self._handles: dict[str, object] = {}
-        self._listed = 0.0
+        self._view: tuple[list[WorkerInfo], bool] | None = None  # (infos of live workers, any ready)
+        self._viewed = 0.0
+        self._refresh: asyncio.Task | None = None
 
-    def _workers(self) -> dict[str, object]:
-        if time.monotonic() - self._listed > REFRESH_S or not self._handles:
-            self._listed = time.monotonic()
-            names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                           if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX))
-            handles = {}
-            for name in names:
-                try:
-                    handles[name] = self._handles.get(name) or ray.get_actor(name, namespace=NAMESPACE)
-                except ValueError:  # died between listing and lookup
-                    continue
-            self._handles = handles
+    async def _workers(self) -> dict[str, object]:
+        self._handles = await asyncio.to_thread(named_workers, dict(self._handles))
         return self._handles
 
     async def _call(self, handle, method: str):
         return await asyncio.wait_for(getattr(handle, method).remote(), CALL_TIMEOUT_S)
 
-    async def _gather(self, method: str) -> list:
-        handles = list(self._workers().values())
+    async def _gather(self, method: str, handles: list) -> list:
         results = await asyncio.gather(*(self._call(h, method) for h in handles), return_exceptions=True)
-        return [r for r in results if not isinstance(r, BaseException)]
+        return [None if isinstance(r, BaseException) else r for r in results]
+
+    async def _read_view(self) -> tuple[list[WorkerInfo], bool]:
+        handles = list((await self._workers()).values())
+        infos, ready = await asyncio.gather(self._gather("info", handles), self._gather("ready", handles))
+        self._view = ([WorkerInfo.from_dict(d) for d in infos if d is not None], any(r for r in ready if r))
+        self._viewed = time.monotonic()
+        return self._view
+
+    async def view(self) -> tuple[list[WorkerInfo], bool]:
+        """The workers that answered and whether any is ready: the cached view, renewed in the
+        background once it is REFRESH_S old (awaited only when there is none yet)."""
+        if self._refresh is None or self._refresh.done():
+            if self._view is None or time.monotonic() - self._viewed > REFRESH_S:
+                self._refresh = asyncio.ensure_future(self._read_view())
+                self._refresh.add_done_callback(_logged)
+        if self._view is None:
+            return await asyncio.shield(self._refresh)
+        return self._view
 
     async def _pick(self):
-        handles = self._workers()
-        loads = await asyncio.gather(*(self._call(h, "load") for h in handles.values()), return_exceptions=True)
-        live = [(WorkerLoad.from_dict(load), h) for load, h in zip(loads, handles.values()) if isinstance(load, dict)]
-        if not live:
-            return None
-        return min(live, key=lambda pair: pair[0].queued + pair[0].running)[1]
+        await self.view()  # renews the handles in the background once the view is old
+        calls = {asyncio.ensure_future(self._call(h, "load")): h for h in self._handles.values()}
+        try:
+            live = await answered(calls, PICK_WAIT_S)
+        finally:
+            for call in calls:
+                call.cancel()
+        return min(live, key=lambda pair: pair[0].queued + pair[0].running)[1] if live else None
 
     async def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
         handle = await self._pick()
@@ -79,26 +134,25 @@ class RayBackend:
                 ray.cancel(gen)
 
     async def workers(self) -> list[WorkerInfo]:
-        return [WorkerInfo.from_dict(d) for d in await self._gather("info")]
+        return (await self.view())[0]
 
     async def loads(self) -> list[WorkerLoad]:
-        return [WorkerLoad.from_dict(d) for d in await self._gather("load")]
+        handles = list((await self._workers()).values())
+        return [WorkerLoad.from_dict(d) for d in await self._gather("load", handles) if d is not None]
 
     async def ready(self) -> bool:
-        return any(await self._gather("ready"))
+        return (await self.view())[1]
 
     async def buffer_stats(self) -> dict | None:
-        stats = await self._gather("buffer_stats")
+        stats = await self._gather("buffer_stats", list((await self._workers()).values()))
         return next((s for s in stats if s is not None), None)
 
     async def metrics_targets(self) -> list[str]:
         targets = [info.metrics_url for info in await self.workers() if info.metrics_url]
-        try:
-            learner = ray.get_actor(LEARNER_NAME, namespace=NAMESPACE)
-            targets.append(await asyncio.wait_for(learner.metrics_url.remote(), CALL_TIMEOUT_S))
-        except (ValueError, asyncio.TimeoutError, ray.exceptions.RayError):
-            pass
-        return targets
+        learner = await asyncio.to_thread(learner_metrics_url)
+        return targets + ([learner] if learner else [])
 
     async def close(self) -> None:
-        self._handles = {}
+        if self._refresh is not None:
+            self._refresh.cancel()
+        self._handles, self._view = {}, None
