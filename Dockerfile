@@ -17,6 +17,9 @@ COPY services services
 # the project (pins torch==2.13.0, already satisfied), Ray and the serving stack
 RUN pip install . && specloop --help >/dev/null
 
-RUN mkdir -p /models /var/lib/specloop/registry
+# every process runs as an unprivileged user; the registry volume starts out owned by it
+RUN useradd --create-home --uid 10001 specloop \
+    && mkdir -p /models /var/lib/specloop/registry && chown specloop:specloop /var/lib/specloop/registry
+USER specloop
 EXPOSE 8000
 CMD ["specloop", "--help"]

@@ -1,9 +1,11 @@
 """The online learner's long-horizon curve on one steady domain (issue 29, item 4).
 
 Traffic: N chat requests of one domain go through `specloop replay` with the default serving
-configuration (the fetched eagle head with suffix decoding beside it, k chosen by the controller,
-the learner on its own core: worker and learner are Ray actors, the embedded buffer), exactly the
-actors `specloop serve --learner klrl` runs. Every `--every` requests the version that served
+configuration (the fetched eagle head with suffix decoding beside it, the learner on its own core:
+worker and learner are Ray actors, the embedded buffer), exactly the actors `specloop serve
+--learner klrl` runs, at a fixed draft length (`--serve-k 2`: every block drafts, so the learner
+gets records) or the controller's (`--serve-k auto`: where it turns speculation off, the learner
+gets no records). Every `--every` requests the version that served
 that request (the champion) is evaluated on held-out prompts of the same domain, alongside the
 fetched head frozen:
 - first-draft acceptance and τ at fixed k (every block drafts k), greedy;
@@ -78,7 +80,7 @@ def serve_traffic(args, traffic: Path, registry: Path) -> dict:
     from services.replay_traffic import Replay, ReplayConfig
 
     cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind="eagle", prompts=[traffic],
-                       learner=args.learner, max_tokens=args.max_tokens, k=None, registry=registry,
+                       learner=args.learner, max_tokens=args.max_tokens, k=args.serve_k, registry=registry,
                        seed=args.seed, worker_overrides={"speculators": ("suffix",)})
     t0 = time.perf_counter()
     replay = Replay(cfg)
@@ -219,6 +221,9 @@ def main(argv=None) -> int:
     p.add_argument("--every", type=int, default=250)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--k", type=int, default=2, help="draft length of the held-out acceptance runs")
+    p.add_argument("--serve-k", type=lambda v: None if v == "auto" else int(v), default=2,
+                   help="draft length while serving the traffic: a number (every block drafts, so the learner "
+                        "gets records whatever the machine's load) or auto (the controller chooses, as serve does)")
     p.add_argument("--learner", default="klrl")
     p.add_argument("--threads", type=int, default=2, help="threads of the held-out evaluation")
     p.add_argument("--seed", type=int, default=0)
@@ -233,6 +238,7 @@ def main(argv=None) -> int:
     traffic_file.write_text("".join(json.dumps(r) + "\n" for r in traffic))
     served = serve_traffic(args, traffic_file, registry)
     result = {"machine": machine_info(), "source": args.source.name, "learner": args.learner, "k": args.k,
+              "serve_k": args.serve_k or "auto",
               "max_tokens": args.max_tokens, "held_out_prompts": len(held_out), "traffic": served}
     result["held_out"] = evaluate(args, held_out, checkpoints(served["requests"], args.every), registry)
     OUT.mkdir(parents=True, exist_ok=True)

@@ -191,13 +191,16 @@ class Completions:
 
 
 def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, admin_router: APIRouter | None = None,
-               metrics=None, default_max_tokens: int = DEFAULT_MAX_TOKENS, api_key: str | None = None) -> FastAPI:
+               metrics=None, default_max_tokens: int = DEFAULT_MAX_TOKENS, api_key: str | None = None,
+               docs: bool = False) -> FastAPI:
     """The API over `backend`. `tokenizer` is the verifier's (chat template, prompt encoding);
     `metrics` an ApiMetrics (services/metrics.py) or None (no /metrics, nothing recorded); `api_key`
-    (when set) is asked of every /v1 route and /tokenize, /detokenize (services/auth.py)."""
+    (when set) is asked of every /v1 route and /tokenize, /detokenize (services/auth.py); `docs`:
+    serve /docs, /redoc and /openapi.json (off: 404)."""
     cfg = ApiConfig(model_id, max_context, default_max_tokens,
                     max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context))
-    app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding", version=VERSION)
+    hidden = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding", version=VERSION, **hidden)
     app.state.api, app.state.drain = cfg, Drain()
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)

@@ -38,15 +38,15 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from services.buffer_memory import MemoryBuffer
-from services.buffer_redis import FIELD, MIN_ENTRIES, RedisStreamBuffer
+from services.buffer_redis import FIELD, MIN_ENTRIES, RedisStreamBuffer, redacted
 from services.buffer_types import BufferEntry, BufferStats, ReplayBuffer
 
 __all__ = [
     "ACCEPTED_SPECS", "FIELD", "MIN_ENTRIES", "BufferEntry", "BufferStats", "MemoryBuffer", "RedisStreamBuffer",
-    "ReplayBuffer", "check_spec", "open_buffer",
+    "ReplayBuffer", "check_spec", "open_buffer", "redacted",
 ]
 
-ACCEPTED_SPECS = "'memory' or 'redis://HOST:PORT[/DB]'"
+ACCEPTED_SPECS = "'memory' or 'redis://[:PASSWORD@]HOST:PORT[/DB]'"
 
 
 def open_buffer(spec: str, prefix: str = "specloop", maxlen: int = 100_000) -> ReplayBuffer:
@@ -68,4 +68,4 @@ def check_spec(spec: str) -> None:
     except ValueError:  # a port that is not a number
         ok = False
     if not ok or not (db == "" or db.isdigit()):
-        raise ValueError(f"unknown replay buffer spec {spec!r}: expected {ACCEPTED_SPECS}")
+        raise ValueError(f"unknown replay buffer spec {redacted(spec)!r}: expected {ACCEPTED_SPECS}")

@@ -7,6 +7,7 @@ import logging
 import queue
 import threading
 import time
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -228,10 +229,23 @@ class RedisStreamBuffer:
             return
         self._healthy = healthy
         if healthy:
-            log.info("replay buffer: Redis at %s is back; writing to %s again", self.url, self.key)
+            log.info("replay buffer: Redis at %s is back; writing to %s again", redacted(self.url), self.key)
         else:
             log.warning("replay buffer: Redis at %s unreachable (%s); dropping records until it "
-                        "returns", self.url, error)
+                        "returns", redacted(self.url), error)
+
+
+def redacted(url: str) -> str:
+    """`url` without its password, for logs and errors (redis://:secret@redis:6379/0 ->
+    redis://:***@redis:6379/0)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is None:
+            return url
+    except ValueError:
+        return "<a malformed URL>"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def _str(value) -> str:

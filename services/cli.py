@@ -211,7 +211,7 @@ def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, dra
                       port=endpoint.port, learner=learner, ray_address=ray_address, workers=workers, slots=slots,
                       max_queue=max_queue, max_context=max_context, registry=registry,
                       admin_token=endpoint.admin_token or None, api_key=endpoint.api_key or None,
-                      drain_timeout=endpoint.drain_timeout, model_id=served_model_name,
+                      drain_timeout=endpoint.drain_timeout, docs=endpoint.docs, model_id=served_model_name,
                       worker_threads=max(1, glob.threads // 2), worker_resources={r: 1 for r in worker_resource or ()},
                       weights=weights.weights, drafter_weights=weights.drafter_weights)
     return run_serve(cfg)
@@ -225,7 +225,7 @@ def api(endpoint: Endpoint, glob: Globals, ray_address: Annotated[Optional[str],
 
     use_threads(glob.threads)
     return run_api_process(ray_address, endpoint.host, endpoint.port, endpoint.admin_token or None,
-                           api_key=endpoint.api_key or None, drain_timeout=endpoint.drain_timeout)
+                           api_key=endpoint.api_key or None, drain_timeout=endpoint.drain_timeout, docs=endpoint.docs)
 
 
 @app.command()

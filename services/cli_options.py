@@ -137,6 +137,9 @@ class Endpoint:
         show_default=False, help="the token of the /admin endpoints (the operator commands' --token)")] = None
     drain_timeout: Annotated[float, typer.Option(
         min=0, help="seconds in-flight requests may take to finish after SIGTERM")] = 30.0
+    docs: Annotated[bool, typer.Option(
+        "--docs", help="serve the interactive API docs at /docs and the schema at /openapi.json (off by default: "
+                       "they list every route to whoever asks)")] = False
 
 
 @dataclass

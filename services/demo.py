@@ -12,9 +12,10 @@ from pathlib import Path
 
 import httpx
 
+from services.buffer_redis import redacted
+from services.deployment import default_registry
 from services.launch import ServeProcess
 from services.prompts import load_prompts
-from services.deployment import default_registry
 
 READY_TIMEOUT_S = 300.0
 
@@ -102,7 +103,7 @@ def run_demo(cfg: DemoConfig) -> int:
     server = ServeProcess(["--verifier", cfg.verifier, "--drafter", cfg.drafter], threads=cfg.threads,
                           registry=default_registry(cfg.registry, cfg.verifier, cfg.drafter, kind))
     url = server.url
-    print(f"starting specloop serve on {url} (Redis: {os.environ.get('SPECLOOP_REDIS_URL', 'auto')}) ...", file=sys.stderr)
+    print(f"starting specloop serve on {url} (Redis: {redacted(os.environ.get('SPECLOOP_REDIS_URL', 'auto'))}) ...", file=sys.stderr)
     try:
         model = server.start(READY_TIMEOUT_S).model
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]

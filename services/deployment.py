@@ -45,6 +45,7 @@ class ServeConfig:
     admin_token: str | None = None
     api_key: str | None = None  # when set, /v1 asks for `Authorization: Bearer KEY` (401 without it)
     drain_timeout: float = 30.0  # seconds in-flight requests may take to finish after SIGTERM
+    docs: bool = False  # serve /docs and /openapi.json
     worker_threads: int = 1
     learner_threads: int = 1
     worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
@@ -163,9 +164,10 @@ def _opt(path) -> str | None:
     return None if path is None else str(path)
 
 
-def build_app(admin_token: str | None, api_key: str | None = None):
+def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = False):
     """The API over the cluster's workers (this process must have joined Ray); `api_key`: asked of
-    every /v1 request (services/auth.py)."""
+    every /v1 request (services/auth.py); `docs`: serve /docs and /openapi.json. The served model
+    and its weight mode are logged."""
     import asyncio
 
     from drafter.models import load_tokenizer
@@ -180,15 +182,16 @@ def build_app(admin_token: str | None, api_key: str | None = None):
         raise RuntimeError("no specloop worker in this Ray cluster: start one with `specloop serve`")
     info = workers[0]
     tokenizer = load_tokenizer(info.verifier)
+    log.warning("model %s, weights %s, drafter %s %s", info.model, info.weights, info.drafter_kind, info.drafter_version)
     return create_app(backend, tokenizer, info.model, info.max_context, make_admin_router(backend, admin_token),
-                      ApiMetrics(model_name=info.model), api_key=api_key)
+                      ApiMetrics(model_name=info.model), api_key=api_key, docs=docs)
 
 
 def run_serve(cfg: ServeConfig) -> int:
     deployment = Deployment(cfg)
     try:
         deployment.wait_ready()
-        app = build_app(cfg.admin_token, cfg.api_key)
+        app = build_app(cfg.admin_token, cfg.api_key, cfg.docs)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
                     cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner, deployment.registry)
         serve_until_stopped(app, cfg.host, cfg.port, cfg.drain_timeout)
@@ -210,7 +213,7 @@ def serve_until_stopped(app, host: str, port: int, drain_timeout: float = 30.0) 
 
 
 def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None,
-                    api_key: str | None = None, drain_timeout: float = 30.0) -> int:
+                    api_key: str | None = None, drain_timeout: float = 30.0, docs: bool = False) -> int:
     """`specloop api`: attach to a running cluster's workers and serve the API."""
     import ray
 
@@ -218,7 +221,7 @@ def run_api_process(ray_address: str | None, host: str, port: int, admin_token: 
 
     init_ray(ray_address or "auto", NAMESPACE)
     try:
-        serve_until_stopped(build_app(admin_token, api_key), host, port, drain_timeout)
+        serve_until_stopped(build_app(admin_token, api_key, docs), host, port, drain_timeout)
     finally:
         ray.shutdown()
     return 0

@@ -665,6 +665,16 @@ def test_token_routes_refuse_another_model_and_garbage(url):
     assert_openai_400(httpx.post(url + "/detokenize", content=b"[" * 1000, timeout=10))
 
 
+def test_the_api_docs_are_off_unless_asked_for(url, backend):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(url + path, timeout=10).status_code == 404, path
+    from fastapi.testclient import TestClient
+
+    with TestClient(make_app(backend, docs=True)) as open_docs:
+        assert open_docs.get("/openapi.json").json()["info"]["title"] == "specloop"
+        assert open_docs.get("/docs").status_code == 200
+
+
 def test_version_is_the_package_version(url):
     from importlib.metadata import version
 

@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SERVICES = {"redis", "ray-head", "ray-worker", "api-1", "api-2", "nginx", "prometheus", "grafana"}
+SECRETS = {"SPECLOOP_ADMIN_TOKEN": "test-token", "RAY_AUTH_TOKEN": "ray-test-token", "SPECLOOP_API_KEY": "test-key",
+           "REDIS_PASSWORD": "redis-test-password", "GRAFANA_ADMIN_PASSWORD": "grafana-test-password"}
+SPECLOOP_SERVICES = ("ray-head", "ray-worker", "api-1", "api-2")
 
 
 def _load_render():
@@ -50,9 +53,8 @@ def upstream_servers(nginx_conf: str) -> list[str]:
 def compose() -> dict:
     """docker-compose.yml as docker-compose itself resolves it (anchors, defaults, env)."""
     exe = program("docker-compose")
-    env = os.environ | {"SPECLOOP_ADMIN_TOKEN": "test-token", "RAY_AUTH_TOKEN": "ray-test-token"}
     out = subprocess.run([exe, "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
-                         env=env, cwd=ROOT, timeout=60)
+                         env=os.environ | SECRETS, cwd=ROOT, timeout=60)
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
 
@@ -64,11 +66,10 @@ def test_compose_config_resolves_with_every_service(compose):
     assert set(compose["services"]) == SERVICES
 
 
-@pytest.mark.parametrize("secret", ["SPECLOOP_ADMIN_TOKEN", "RAY_AUTH_TOKEN"])
+@pytest.mark.parametrize("secret", sorted(SECRETS))
 def test_compose_refuses_to_start_without_its_secrets(secret):
     exe = program("docker-compose")
-    env = {k: v for k, v in os.environ.items() if k not in ("SPECLOOP_ADMIN_TOKEN", "RAY_AUTH_TOKEN")}
-    env |= {"SPECLOOP_ADMIN_TOKEN": "test-token", "RAY_AUTH_TOKEN": "ray-test-token"}
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS} | SECRETS
     del env[secret]
     out = subprocess.run([exe, "-f", str(COMPOSE_FILE), "config"], capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=60)
@@ -109,9 +110,9 @@ def test_ray_nodes_and_api_replicas_run_the_specloop_commands(compose):
 
 
 def test_every_specloop_process_sees_redis_and_the_models(compose):
-    for name in ("ray-head", "ray-worker", "api-1", "api-2"):
+    for name in SPECLOOP_SERVICES:
         service = compose["services"][name]
-        assert service["environment"]["SPECLOOP_REDIS_URL"] == "redis://redis:6379/0"
+        assert service["environment"]["SPECLOOP_REDIS_URL"] == "redis://:redis-test-password@redis:6379/0"
         assert service["environment"]["SPECLOOP_ADMIN_TOKEN"] == "test-token"
         assert (service["environment"]["RAY_AUTH_MODE"], service["environment"]["RAY_AUTH_TOKEN"]) == ("token", "ray-test-token")
         targets = [v.split(":")[1] for v in service["volumes"]]
@@ -120,8 +121,41 @@ def test_every_specloop_process_sees_redis_and_the_models(compose):
 
 def test_redis_runs_with_the_deploy_conf(compose):
     redis = compose["services"]["redis"]
-    assert redis["command"] == ["redis-server", "/usr/local/etc/redis/redis.conf"]
+    assert redis["command"][-1].startswith("exec redis-server /usr/local/etc/redis/redis.conf --requirepass ")
     assert any(v.startswith(f"{DEPLOY / 'redis' / 'redis.conf'}:/usr/local/etc/redis/redis.conf") for v in redis["volumes"])
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s") in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3}
+    return sum(float(n) * units[u] for n, u in re.findall(r"([\d.]+)(ms|h|m|s)", duration))
+
+
+def test_compose_is_closed_by_default(compose):
+    """Nothing is reachable without a secret: every specloop process asks clients for the API key and
+    operators for the admin token, talks to a Redis that asks a password, and runs as a non-root user;
+    host ports listen on 127.0.0.1 only; Grafana has no anonymous access and no default password; the
+    drain (30 s) ends before Docker's SIGKILL."""
+    from services.cli_options import Endpoint
+
+    drain = Endpoint.__dataclass_fields__["drain_timeout"].default
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            published = port if isinstance(port, str) else f"{port.get('host_ip')}:{port['published']}"
+            assert published.startswith("127.0.0.1:"), (name, port)
+    for name in SPECLOOP_SERVICES:
+        env = compose["services"][name]["environment"]
+        assert env["SPECLOOP_API_KEY"] == SECRETS["SPECLOOP_API_KEY"], name
+        assert f":{SECRETS['REDIS_PASSWORD']}@" in env["SPECLOOP_REDIS_URL"], name
+        assert _seconds(compose["services"][name]["stop_grace_period"]) >= drain + 10, name
+        assert "--docs" not in json.dumps(compose["services"][name].get("command")), name
+    redis = compose["services"]["redis"]
+    assert "ports" not in redis and redis["environment"]["REDIS_PASSWORD"] == SECRETS["REDIS_PASSWORD"]
+    grafana = compose["services"]["grafana"]["environment"]
+    assert grafana["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert grafana["GF_SECURITY_ADMIN_PASSWORD"] == SECRETS["GRAFANA_ADMIN_PASSWORD"]
+    users = re.findall(r"^USER\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M)
+    assert users and users[-1] not in ("root", "0")
 
 
 def test_nginx_prometheus_and_grafana_mount_the_deploy_configs(compose):
@@ -190,9 +224,10 @@ def test_redis_conf_appends_every_second_and_never_evicts(tmp_path):
     exe = program("redis-server")
     port = free_port()
     proc = subprocess.Popen([exe, str(DEPLOY / "redis" / "redis.conf"), "--port", str(port), "--bind", "127.0.0.1",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--dir", str(tmp_path), "--requirepass", "pw"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        client = redis.Redis(port=port, socket_timeout=5)
+        client = redis.Redis(port=port, socket_timeout=5, password="pw")
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -207,6 +242,12 @@ def test_redis_conf_appends_every_second_and_never_evicts(tmp_path):
         assert config["appendfsync"] == "everysec"
         assert config["maxmemory-policy"] == "noeviction"
         assert int(config["maxmemory"]) == 2 * 1024**3
+        assert config["protected-mode"] == "yes"
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, socket_timeout=5).ping()
+        for wipe in ("FLUSHALL", "FLUSHDB"):
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                client.execute_command(wipe)
     finally:
         proc.terminate()
         proc.wait(timeout=10)
