@@ -3,7 +3,7 @@ run (`specloop generate`'s totals), of a drafter version (the worker's monitor, 
 and of the blocks drafted on a stale cache.
 
 A block drafts k tokens (k = 0: a plain step) and the verifier accepts the first n of them, then
-emits one more. Words as in DESIGN.md: α = accepted / drafted; τ = mean(n + 1) over blocks.
+emits one more. Words as in docs/architecture.md: α = accepted / drafted; τ = mean(n + 1) over blocks.
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ class AcceptanceStats:
         return (self.accepted + self.blocks) / self.blocks if self.blocks else 0.0
 
     def to_dict(self) -> dict:
-        """The `stats` object of `specloop generate --json` (DESIGN.md)."""
+        """The `stats` object of `specloop generate --json` (docs/usage.md)."""
         return {
             "blocks": self.blocks,
             "drafted": self.drafted,

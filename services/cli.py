@@ -213,7 +213,7 @@ def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, dra
                       admin_token=endpoint.admin_token or None, api_key=endpoint.api_key or None,
                       drain_timeout=endpoint.drain_timeout, docs=endpoint.docs, model_id=served_model_name,
                       worker_threads=max(1, glob.threads // 2), worker_resources={r: 1 for r in worker_resource or ()},
-                      weights=weights.weights, drafter_weights=weights.drafter_weights)
+                      weights=weights.weights, drafter_weights=weights.drafter_weights, cache=cache)
     return run_serve(cfg)
 
 

@@ -41,6 +41,7 @@ class ServeConfig:
     max_queue: int = 64  # waiting requests per worker before 503
     max_context: int = 1024
     registry: Path | None = None
+    cache: Path = Path.home() / ".cache" / "specloop"  # the default registry lives under cache/registry
     redis_url: str | None = None  # None: detect (SPECLOOP_REDIS_URL, then the local Redis, else embedded)
     admin_token: str | None = None
     api_key: str | None = None  # when set, /v1 asks for `Authorization: Bearer KEY` (401 without it)
@@ -94,7 +95,7 @@ class Deployment:
         if redis_url is None:
             log.warning("no Redis answers (SPECLOOP_REDIS_URL unset, nothing on 127.0.0.1:6379): using the embedded buffer")
         learning = cfg.learner != "off"
-        self.registry = Path(cfg.registry or default_registry(Path.home() / ".cache" / "specloop" / "registry",
+        self.registry = Path(cfg.registry or default_registry(Path(cfg.cache) / "registry",
                                                               cfg.verifier, cfg.drafter, cfg.kind)).resolve()
         self.registry.mkdir(parents=True, exist_ok=True)
         prefix = redis_namespace(self.registry)

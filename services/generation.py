@@ -97,7 +97,7 @@ def final_text(tokenizer, gen: Generation, stop: tuple[str, ...]) -> str:
 
 
 def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary | None = None) -> Iterator[dict]:
-    """Yield one result dict per prompt, in file order (the `--json` contract of DESIGN.md)."""
+    """Yield one result dict per prompt, in file order (the `--json` contract of docs/usage.md)."""
     verifier = load_model(cfg.verifier, weights=cfg.weights)
     print(f"verifier {cfg.verifier} served as {verifier.served}", file=sys.stderr, flush=True)
     drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter, cfg.drafter_weights,

@@ -79,6 +79,9 @@ def check_prompt_bytes(texts: list[str], cfg: ApiConfig, param: str) -> None:
 
 
 def message_text(message: Message, i: int) -> str:
+    for field in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, field) not in (None, "", []):
+            raise invalid(f"`{field}` on a message is not supported by this server", f"messages.{i}.{field}")
     content = message.content
     if content is None:
         return ""
@@ -227,6 +230,9 @@ def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBod
     check_model(req.model, cfg)
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise invalid("`continuous_usage_stats` is not supported by this server (include_usage is)",
+                      "stream_options.continuous_usage_stats")
     return req
 
 

@@ -97,11 +97,17 @@ class Speculative(BaseModel):
 
 class StreamOptions(_Lenient):
     include_usage: bool | None = False
+    continuous_usage_stats: StrictBool | None = None  # vLLM's usage on every chunk: only false (`validated`)
 
 
 class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # a string, a list of text parts, or null (checked by `message_text`)
+    # what a chat template would render for tool calls and named speakers: refused unless empty
+    # (`planning.message_text`), never dropped
+    name: Any = None
+    tool_calls: Any = None
+    tool_call_id: Any = None
 
 
 class Sampling(_Lenient):
@@ -193,6 +199,9 @@ NEUTRAL = {
     "guided_grammar": (None,),
     "structured_outputs": (None,),
     "logits_processors": (None,),
+    "allowed_token_ids": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "reasoning_effort": (None,),
 }
 
 

@@ -258,6 +258,13 @@ def test_malformed_json_is_a_400_in_openai_shape_never_a_422(url):
     ({"add_generation_prompt": False}, "add_generation_prompt"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, "messages.0.name"),
+    ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]}]}, "messages.0.tool_calls"),
+    ({"messages": [{"role": "tool", "content": "4", "tool_call_id": "c"}]}, "messages.0.tool_call_id"),
 ])
 def test_wrong_parameters_are_400s_naming_the_parameter(url, extra, param):
     body = {"model": MODEL, "messages": CHAT, **extra}
