@@ -19,6 +19,7 @@ log = logging.getLogger("specloop.buffer")
 
 FIELD = b"r"  # the stream field that holds the payload
 MIN_ENTRIES = 1024  # the byte bound never trims a Redis stream below this many entries
+READ_TIMEOUT_S = 30  # the learner's reads fail after this long without an answer
 
 
 class RedisStreamBuffer:
@@ -36,9 +37,10 @@ class RedisStreamBuffer:
         # Writer and stats: short timeouts and no client-side retries (the writer backs off).
         self._fast = redis.Redis.from_url(url, socket_connect_timeout=0.5, socket_timeout=0.5,
                                           retry=Retry(NoBackoff(), 0), decode_responses=False)
-        # Learner side: blocking reads may take as long as they ask for.
+        # Learner side: blocking reads may take as long as they ask for (at most READ_TIMEOUT_S - 5 s);
+        # a Redis that stops answering fails the read after READ_TIMEOUT_S instead of hanging it.
         self._reader = redis.Redis.from_url(url, socket_connect_timeout=2.0, socket_keepalive=True,
-                                            decode_responses=False)
+                                            socket_timeout=READ_TIMEOUT_S, decode_responses=False)
         self._queue: queue.Queue[bytes] = queue.Queue(maxsize=queue_size)
         self._cond = threading.Condition()  # guards the counters below
         self._enqueued = self._settled = self._written = self._dropped = 0
@@ -71,7 +73,7 @@ class RedisStreamBuffer:
     # -- learner side
 
     def read(self, consumer: str, count: int, block_ms: int = 0) -> list[BufferEntry]:
-        block = block_ms if block_ms > 0 else None
+        block = min(block_ms, 1000 * (READ_TIMEOUT_S - 5)) if block_ms > 0 else None
         reply = self._with_group(lambda: self._reader.xreadgroup(
             self.group, consumer, {self.key: ">"}, count=count, block=block))
         return [e for _, entries in (reply or []) for e in _entries(entries)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ import torch
 from drafter.models import load_model
 from services.buffer import ReplayBuffer
 from services.canary import Canary, CanaryConfig
+from services.event_log import EventLog
 from services.metrics import LearnerMetrics, serve_metrics
 from services.registry import Registry, RegistryError
 from trainer.online import LearnerConfig, OnlineLearner, is_finite, serving_student
@@ -74,12 +76,12 @@ class LearnerService:
         self.learner = OnlineLearner(cfg.learner, student)
         self.unacked: list[str] = []
         self.bad_records = 0
-        self.published: list[dict] = []
+        self.published: EventLog[dict] = EventLog(1024)
         self.canary: Canary | None = None  # the newly promoted version under watch (services.canary)
-        self.verdicts: list[dict] = []  # the canaries judged
+        self.verdicts: EventLog[dict] = EventLog(1024)  # the canaries judged (the last ones)
         self._alias = None  # the registry alias last read (`_watch_champion`)
         self._alias_read = float("-inf")
-        self.losses: list[float] = []
+        self.losses: deque[float] = deque(maxlen=max(1, self.cfg.learner.publish_every))
         self._champion: tuple[str, dict] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,7 +183,7 @@ class LearnerService:
             return None
         candidate = self.learner.evaluate()
         baseline = self.learner.evaluate(self._champion_weights(champion)) if champion else None
-        recent = self.losses[-self.cfg.learner.publish_every:]
+        recent = list(self.losses)
         info = self.registry.publish(
             weights, parent=champion, learner_step=self.learner.updates, objective=self.cfg.learner.objective.name,
             loss=sum(recent) / len(recent) if recent else None, sim_acceptance=candidate, kind=self.cfg.learner.kind,

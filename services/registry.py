@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import math
 import shutil
+from dataclasses import replace
 
 from services.registry_meta import EVENT_LOG_BYTES, EVENT_LOG_ENTRIES, forget_namespace, redis_namespace
 from services.registry_types import (
     INFO, VERSION_RE, WEIGHTS, AliasState, Decision, PromotionResult, RegistryError, UnknownVersion,
-    UnservableVersion, VersionInfo, new_event,
+    UnservableVersion, VersionInfo, new_event, version_number,
 )
 from services.registry_versions import VersionStore
 
@@ -57,6 +58,10 @@ __all__ = [
     "Registry", "RegistryError", "UnknownVersion", "UnservableVersion", "VersionInfo", "forget_namespace",
     "redis_namespace",
 ]
+
+def _pruned(version_id: str, state: AliasState) -> str | None:
+    return f"{version_id} is being pruned" if version_id in state.pruning else None
+
 
 def _fmt(x: float | None) -> str:
     return "None" if x is None else f"{x:.4f}"
@@ -77,19 +82,23 @@ class Registry(VersionStore):
 
         def decide(now: AliasState):  # under the lock: a version promoted meanwhile is protected
             protected = {now.champion, now.pinned, *now.history[-keep:]}
-            doomed[:] = [v for v in older if v not in protected]
+            doomed[:] = sorted({v for v in older if v not in protected} | set(now.pruning), key=version_number)
             history = [h for h in now.history[-keep:] if h not in doomed]
             if not doomed and history == now.history:
                 return None, None
-            return (now.changed(history=history) if history != now.history else None), new_event(
-                "prune", None, f"kept the newest {keep} versions, the champion, the pin and the rollback history",
-                deleted=list(doomed))
+            # marked in the same change: from now on pin and promote refuse them (`_refusal`, `pin`)
+            marked = now.changed(history=history) if history != now.history else replace(now)
+            marked.pruning = list(doomed)
+            return marked, new_event("prune", None, f"kept the newest {keep} versions, the champion, the pin and "
+                                                    "the rollback history", deleted=list(doomed))
 
         self._update(decide)
         for vid in doomed:
             self._meta.forget_info(vid)
             shutil.rmtree(self._folder(vid), ignore_errors=True)
             self._finite.pop(vid, None)
+        if doomed:  # deleted: unmark (a prune killed before this point is finished by the next one)
+            self._update(lambda now: (replace(now, pruning=[v for v in now.pruning if v not in doomed]), None))
         return doomed
 
     # ---- alias state
@@ -123,7 +132,7 @@ class Registry(VersionStore):
         bad = self._nonfinite_tensors(version_id)
 
         def decide(state: AliasState):
-            reason = self._refusal(info, state, bad, force)
+            reason = self._refusal(info, state, bad, force) or _pruned(version_id, state)
             if reason:
                 return None, new_event("refuse", version_id, reason, champion=state.champion)
             history = state.history + [state.champion] if state.champion else state.history
@@ -148,6 +157,8 @@ class Registry(VersionStore):
             target = version_id or state.champion
             if target is None:
                 raise RegistryError("nothing to pin: there is no champion yet")
+            if _pruned(target, state):
+                raise RegistryError(_pruned(target, state))
             if state.champion == target and state.pinned == target:
                 return None, None
             history = state.history

@@ -68,9 +68,11 @@ class FolderMeta:
         return VersionInfo.from_dict(json.loads(path.read_text())) if path.is_file() else None
 
     def all_infos(self) -> list[VersionInfo]:
-        ids = [p.name for p in self.versions.iterdir() if VERSION_RE.fullmatch(p.name)]
-        infos = (self.load_info(v) for v in ids)
+        infos = (self.load_info(v) for v in self.indexed())
         return [i for i in infos if i is not None]
+
+    def indexed(self) -> list[str]:
+        return [p.name for p in self.versions.iterdir() if VERSION_RE.fullmatch(p.name)]
 
     def read_state(self) -> AliasState:
         try:
@@ -168,6 +170,9 @@ class RedisMeta:
 
     def all_infos(self) -> list[VersionInfo]:
         return [VersionInfo.from_dict(json.loads(v)) for v in self.r.hvals(self.k_info)]
+
+    def indexed(self) -> list[str]:
+        return list(self.r.hkeys(self.k_info))
 
     def read_state(self) -> AliasState:
         raw = self.r.get(self.k_state)

@@ -89,6 +89,7 @@ class AliasState:
     pinned: str | None = None
     history: list[str] = field(default_factory=list)  # previous champions, most recent last
     generation: int = 0  # +1 on every champion / pin change
+    pruning: list[str] = field(default_factory=list)  # versions `prune` is deleting: never pinned or promoted
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -156,8 +156,17 @@ class VersionStore:
             raise UnservableVersion(f"weights of {version_id} are unreadable ({path}): {exc}") from None
 
     def list(self) -> list[VersionInfo]:
-        """Every published version, oldest first."""
-        return sorted(self._meta.all_infos(), key=lambda i: version_number(i.id))
+        """Every published version, oldest first. The version folders are the source of truth (a
+        version whose folder holds its info.json exists); Redis is their index, reconciled here: a
+        version it lost (data loss, a kill between the two writes) is indexed again, one whose folder
+        is gone is dropped from it."""
+        on_disk = {i.id: i for i in FolderMeta(self.root, self.versions).all_infos()}
+        indexed = set(self._meta.indexed())
+        for vid in sorted(on_disk.keys() - indexed):
+            self._meta.save_info(on_disk[vid])
+        for vid in sorted(indexed - on_disk.keys()):
+            self._meta.forget_info(vid)
+        return sorted(on_disk.values(), key=lambda i: version_number(i.id))
 
     # ---- events and checks
 

@@ -28,13 +28,13 @@ def attach_metrics(loop, metrics) -> None:
         if engine is worker.engine and time.monotonic() - seen["estimates_at"] > 1.0:
             seen["estimates_at"] = time.monotonic()
             metrics.estimates(engine.controller.estimates(max(1, engine.running)))
-        for s in worker.swaps[seen["swaps"]:]:
+        for s in worker.swaps.since(seen["swaps"]):
             metrics.swap(s.old, s.new)
-        for _ in worker.rollbacks[seen["rollbacks"]:]:
+        for _ in worker.rollbacks.since(seen["rollbacks"]):
             metrics.rollback()
-        for _ in worker.load_failures[seen["failures"]:]:
+        for _ in worker.load_failures.since(seen["failures"]):
             metrics.load_failed()
-        seen.update(swaps=len(worker.swaps), rollbacks=len(worker.rollbacks), failures=len(worker.load_failures))
+        seen.update(swaps=worker.swaps.total, rollbacks=worker.rollbacks.total, failures=worker.load_failures.total)
 
         if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:
             seen["records_at"] = time.monotonic()

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from services.event_log import EventLog
+
 log = logging.getLogger("specloop.worker")
 
 
@@ -37,7 +39,7 @@ class RegistryWatcher:
         self.token: str | None = None  # the alias last acted on
         self.down = False  # the last read failed
         self.errors = 0  # reads that failed
-        self.rollbacks: list[str] = []  # reasons of the rollbacks carried out
+        self.rollbacks: EventLog[str] = EventLog()  # reasons of the last rollbacks carried out
         self._ready: Loaded | None = None
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)

@@ -45,6 +45,7 @@ from drafter.requests import EngineRequest, RowUpdate, StopRule
 from drafter.speculative import StepTrace
 from drafter.stats import AcceptanceStats
 from services.buffer import ReplayBuffer
+from services.event_log import EventLog
 from services.protocol import CompletionRequest
 from services.registry import Registry
 from services.watcher import RegistryWatcher
@@ -207,9 +208,9 @@ class VerifierWorker:
         self.loader = ThreadPoolExecutor(1, thread_name_prefix="drafter-loader")  # versions requests name
         self.watcher = None if self.registry is None else RegistryWatcher(
             self.registry, self._load, max(cfg.poll_interval_s, MIN_POLL_S), self.version)
-        self.swaps: list[SwapEvent] = []
-        self.rollbacks: list[str] = [] if self.watcher is None else self.watcher.rollbacks
-        self.load_failures: list[str] = []
+        self.swaps: EventLog[SwapEvent] = EventLog()
+        self.rollbacks: EventLog[str] = EventLog() if self.watcher is None else self.watcher.rollbacks
+        self.load_failures: EventLog[str] = EventLog()
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = AcceptanceStats()  # blocks decoded on a stale drafter cache
         self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.registry import PromotionResult, Registry, RegistryError, VersionInfo
+from services.registry_meta import RedisMeta
 from tests.redis_helpers import needs_redis
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -545,3 +546,32 @@ def test_forgetting_a_namespace_deletes_its_keys_and_only_those(tmp_path):
     finally:
         client.delete(f"{other}:a")
         client.close()
+
+
+def test_redis_data_lost_listing_and_pruning_still_see_every_version(make):
+    reg = make()
+    ids = [_publish(reg, sim=0.1 * i, seed=i).id for i in range(4)]
+    assert reg.promote(ids[0]).promoted
+    if isinstance(reg._meta, RedisMeta):
+        reg._meta.r.delete(reg._meta.k_info)  # the index lost (a Redis restarted without its data)
+        reg._meta.r.hset(reg._meta.k_info, "v0999", '{"id": "v0999"}')  # and one whose folder is gone
+    assert [v.id for v in reg.list()] == ids
+    if isinstance(reg._meta, RedisMeta):
+        assert sorted(reg._meta.r.hkeys(reg._meta.k_info)) == ids  # reconciled with the folders
+    assert reg.prune(keep=1) == ids[1:3]
+
+
+def test_a_version_being_pruned_is_never_pinned_or_promoted_and_the_next_prune_finishes_it(reg):
+    from dataclasses import replace
+
+    ids = [_publish(reg, sim=0.1 * i, seed=i).id for i in range(3)]
+    assert reg.promote(ids[0]).promoted
+    # the state a prune leaves between marking its versions and deleting their folders
+    reg._update(lambda s: (replace(s, pruning=[ids[1]]), None))
+    with pytest.raises(RegistryError, match="being pruned"):
+        reg.pin(ids[1])
+    result = reg.promote(ids[1])
+    assert not result.promoted and "being pruned" in result.reason
+    assert reg.prune(keep=1) == [ids[1]]  # a prune killed before deleting is finished by the next
+    assert reg.alias().pruning == [] and not (reg.root / "versions" / ids[1]).exists()
+    assert reg.champion() == ids[0]
