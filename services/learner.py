@@ -42,6 +42,24 @@ from trainer.records import RecordError, decode
 log = logging.getLogger("specloop.learner")
 BUFFER_STATS_EVERY_S = 1.0
 ALIAS_EVERY_S = 1.0  # how often the learner reads the registry alias (to watch a new champion)
+CANARY_EVENTS = 1000  # registry events a restarted learner reads for a promotion still to be judged
+
+
+def pending_canary(alias, events: list[dict], cfg) -> Canary | None:
+    """The canary a restarted learner owes: the champion's promotion (or pin) over a predecessor, when
+    no canary verdict and no rollback has been logged for it since."""
+    if alias.champion is None or not alias.history:
+        return None
+    for event in reversed(events):
+        if event.get("version") == alias.champion and event.get("event") == "canary":
+            return None
+        if event.get("event") == "rollback" and event.get("previous") == alias.champion:
+            return None
+        if event.get("version") == alias.champion and event.get("event") in ("promote", "pin"):
+            log.info("canary: %s was promoted and never judged; watching it against %s", alias.champion,
+                     alias.history[-1])
+            return Canary(alias.champion, alias.history[-1], cfg)
+    return None
 
 
 @dataclass
@@ -83,6 +101,7 @@ class LearnerService:
         self._alias_read = float("-inf")
         self.losses: deque[float] = deque(maxlen=max(1, self.cfg.learner.publish_every))
         self._champion: tuple[str, dict] | None = None
+        self._line: str | None = None  # the version the learner's weights descend from (`_now_serving`)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
@@ -204,9 +223,22 @@ class LearnerService:
         return event
 
     def _now_serving(self, version: str) -> None:
-        """A version with the learner's current weights was promoted: its records are on-policy."""
+        """A version with the learner's current weights was promoted: its records are on-policy, and the
+        learner's next candidates descend from it."""
         self.learner.published(version)
         self._served.setdefault(version, len(self._served))
+        self._line = version
+
+    def _adopt(self, champion: str) -> None:
+        """The champion is a version this learner's weights do not descend from (an operator's pin or
+        rollback, another learner's promotion): continue from its weights."""
+        try:
+            self.learner.load_weights(self._champion_weights(champion))
+        except RegistryError as exc:
+            log.warning("cannot continue from the champion %s: %s", champion, exc)
+            return
+        self._now_serving(champion)
+        log.info("the champion is %s, which this learner did not train: it continues from it", champion)
 
     # -- metrics
 
@@ -222,7 +254,12 @@ class LearnerService:
             log.debug("registry alias unavailable: %s", exc)
             return
         before, self._alias = self._alias, alias
-        if before is None or alias.champion == before.champion or alias.champion is None:
+        if alias.champion is not None and alias.champion != self._line:
+            self._adopt(alias.champion)
+        if before is None:  # (re)started: a promotion no canary has judged yet is judged now
+            self.canary = pending_canary(alias, self.registry.events(CANARY_EVENTS), self.cfg.canary)
+            return
+        if alias.champion == before.champion or alias.champion is None:
             return
         rolled_back = bool(before.history) and alias.champion == before.history[-1]
         if (self.canary is None or self.canary.version != alias.champion) and not rolled_back and alias.history:
@@ -254,6 +291,8 @@ class LearnerService:
                 self._now_serving(back)
                 log.warning("rolled back to %s: %s", back, reason)
         self.verdicts.append(verdict)
+        self.registry.note("canary", canary.version, reason or "kept: acceptance held against the predecessor",
+                           predecessor=canary.predecessor, rolled_back=verdict["rolled_back"])
         return verdict
 
     def _prune(self) -> None:
@@ -306,6 +345,7 @@ class LearnerService:
         return self._champion[1]
 
     # -- thread control (the Ray actor calls these)
+
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="learner", daemon=True)

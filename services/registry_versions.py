@@ -170,6 +170,10 @@ class VersionStore:
 
     # ---- events and checks
 
+    def note(self, kind: str, version: str | None, reason: str, **extra) -> None:
+        """Log an event of another component (the learner's canary verdicts) beside the registry's own."""
+        self._record(new_event(kind, version, reason, **extra))
+
     def _record(self, event: dict) -> None:
         self._meta.append_event(event)
         self._log(event)

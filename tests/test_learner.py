@@ -374,3 +374,43 @@ def test_a_periodic_claim_never_reads_the_learners_own_waiting_entries_twice(tin
     for _ in range(5):
         service.step()  # each step claims every pending entry, its own included
     assert len(service.unacked) == len(set(service.unacked)) and service.learner.seen <= len(payloads)
+
+
+def test_an_operator_rollback_resets_the_learner_to_the_champion(tiny_pair, tmp_path, payloads):
+    """After `drafter rollback` the learner's next candidates descend from the champion rolled back to,
+    not from the line the operator rolled away from."""
+    registry = Registry(tmp_path / "registry")
+    service = make_service(tiny_pair, tmp_path / "registry", filled(payloads))
+    v1 = registry.champion()
+    step_until(service, lambda: registry.champion() != v1)  # the learner's own version was promoted
+    assert not same_weights(service.learner.weights(), registry.load_weights(v1))
+    service.cfg.updates_per_read = 0  # from here on it only watches
+    registry.rollback("operator: back to the base")
+    time.sleep(1.1)  # the learner reads the alias once a second
+    service.step()
+    assert registry.champion() == v1
+    assert same_weights(service.learner.weights(), registry.load_weights(v1))
+
+
+def test_a_learner_restarted_after_a_promotion_still_judges_it(tiny_pair, tmp_path):
+    """The canary's state is the registry's event log: a promotion with no verdict logged is watched
+    by the next learner to start, and its verdict is logged (so a third learner owes none)."""
+    buffer = MemoryBuffer()
+    first = make_service(tiny_pair, tmp_path / "registry", buffer, updates_per_read=0)
+    registry = Registry(tmp_path / "registry")
+    v1 = registry.champion()
+    zeroed = {n: t * 0 for n, t in registry.load_weights(v1).items()}
+    v2 = registry.publish(zeroed, parent=v1, learner_step=0, objective="operator", loss=None, sim_acceptance=None,
+                          kind="pretrained").id
+    assert registry.promote(v2, force=True).promoted
+    del first  # the learner dies before it ever read the alias
+    second = make_service(tiny_pair, tmp_path / "registry", buffer, updates_per_read=0)
+    second.step()
+    assert second.canary is not None and (second.canary.version, second.canary.predecessor) == (v2, v1)
+    _serve_with(tmp_path / "registry", tiny_pair, buffer, 24)
+    step_until(second, lambda: second.verdicts)
+    assert second.verdicts[0]["rolled_back"] and registry.champion() == v1
+    third = make_service(tiny_pair, tmp_path / "registry", buffer, updates_per_read=0)
+    third.step()
+    assert third.canary is None
+    assert [e["event"] for e in registry.events()].count("canary") == 1
