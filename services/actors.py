@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 
@@ -20,6 +21,9 @@ ACTOR_RESTARTS = 8  # Ray restarts a dead worker or learner this many times (eac
 NAMESPACE = "specloop"  # Ray namespace of the serving actors (named, so API processes find them)
 WORKER_PREFIX = "specloop-worker-"
 LEARNER_NAME = "specloop-learner"
+BUFFER_NAME = "specloop-buffer"
+LEASE_NAME = "specloop-serve-lease"
+LEASE_S = 10.0  # a `serve` that has not renewed its lease this long is gone: another may adopt its actors
 
 
 def init_ray(address: str | None = None, namespace: str | None = None) -> bool:
@@ -31,6 +35,22 @@ def init_ray(address: str | None = None, namespace: str | None = None) -> bool:
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=True,
              namespace=namespace, **extra)
     return True
+
+
+@ray.remote(num_cpus=0)
+class ServeLease:
+    """Which `specloop serve` process runs the (detached) serving actors: it renews the lease every
+    LEASE_S / 4; a lease older than LEASE_S means that process is gone (its actors live on)."""
+
+    def __init__(self):
+        self.owner, self.renewed = None, 0.0
+
+    def renew(self, owner: str) -> None:
+        self.owner, self.renewed = owner, time.monotonic()
+
+    def held(self) -> tuple[str | None, float]:
+        """(owner, seconds since its last renewal); both measured on this actor's clock."""
+        return self.owner, time.monotonic() - self.renewed
 
 
 @ray.remote(num_cpus=0)

@@ -16,6 +16,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,34 +82,99 @@ def default_registry(root: Path, verifier: Path, drafter: Path | None, kind: str
 
 
 class Deployment:
-    """The actors `serve` starts; `stop()` ends them (and Ray, when this process started it)."""
+    """The actors `serve` runs; `stop()` ends them (and Ray, when this process started it).
+
+    The actors are detached: they outlive this process, so a `serve` that dies (SIGKILL, a lost node)
+    leaves the workers serving the other API replicas. It holds a lease (`ServeLease`) it renews every
+    few seconds; a new `serve` on the same cluster waits out a lease that is no longer renewed and
+    adopts the workers, learner and buffer it finds instead of starting more (one that is still
+    renewed means another serve runs: refused)."""
 
     def __init__(self, cfg: ServeConfig):
         import ray
 
-        from services.actors import (LEARNER_NAME, NAMESPACE, WORKER_PREFIX, BufferHost, LearnerActor, ServingActor,
-                                     init_ray)
+        from services.actors import NAMESPACE, WORKER_PREFIX, init_ray
 
         self.cfg = cfg
         self.started_ray = init_ray(cfg.ray_address, NAMESPACE)
-        self._check_free(ray, NAMESPACE, WORKER_PREFIX)
+        self.owner = f"{socket.gethostname()}:{os.getpid()}"
+        self.lease = self._take_lease(ray)
+        self._renewing = threading.Event()
+        threading.Thread(target=self._renew, name="specloop-lease", daemon=True).start()
         redis_url = cfg.redis_url if cfg.redis_url is not None else detect_redis()
         if redis_url is None:
             log.warning("no Redis answers (SPECLOOP_REDIS_URL unset, nothing on 127.0.0.1:6379): using the embedded buffer")
-        learning = cfg.learner != "off"
         self.registry = Path(cfg.registry or default_registry(Path(cfg.cache) / "registry",
                                                               cfg.verifier, cfg.drafter, cfg.kind)).resolve()
         self.registry.mkdir(parents=True, exist_ok=True)
+        running = named_actors(ray, NAMESPACE, WORKER_PREFIX)
+        self.workers, self.learner, self.host = [], None, None
+        try:
+            if running:
+                self._adopt(ray, running)
+            else:
+                self._start(ray, redis_url)
+            ray.get([w.info.remote() for w in self.workers])  # constructed (models loaded)
+        except BaseException:
+            self._renewing.set()
+            for actor in ([] if running else [*self.workers, self.learner, self.host]) + [self.lease]:
+                if actor is not None:
+                    ray.kill(actor)  # detached: nothing else would end them
+            raise
+
+    def _take_lease(self, ray):
+        from services.actors import LEASE_NAME, LEASE_S, NAMESPACE, ServeLease
+
+        lease = ServeLease.options(name=LEASE_NAME, namespace=NAMESPACE, lifetime="detached",
+                                   get_if_exists=True).remote()
+        deadline = time.monotonic() + LEASE_S + 1.0
+        owner, age = ray.get(lease.held.remote())
+        while owner is not None and age < LEASE_S and time.monotonic() < deadline:  # gone, or alive?
+            time.sleep(0.5)
+            owner, age = ray.get(lease.held.remote())
+        if owner is not None and age < LEASE_S:
+            raise RuntimeError(f"this Ray cluster is served by another `specloop serve` ({owner}): attach with "
+                               "`specloop api` instead")
+        ray.get(lease.renew.remote(self.owner))
+        return lease
+
+    def _renew(self) -> None:
+        from services.actors import LEASE_S
+
+        while not self._renewing.wait(LEASE_S / 4):
+            try:
+                self.lease.renew.remote(self.owner)
+            except Exception as exc:  # noqa: BLE001 - Ray going away: stop() follows
+                log.debug("lease renewal failed: %s", exc)
+
+    def _adopt(self, ray, names: list[str]) -> None:
+        from services.actors import BUFFER_NAME, LEARNER_NAME, NAMESPACE
+
+        self.workers = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
+        self.learner = get_actor(ray, LEARNER_NAME, NAMESPACE)
+        self.host = get_actor(ray, BUFFER_NAME, NAMESPACE)
+        log.warning("adopted %d worker(s)%s a previous `specloop serve` left running (their own configuration "
+                    "holds; stop them with this serve to start others)", len(self.workers),
+                    " and the learner" if self.learner is not None else "")
+
+    def _start(self, ray, redis_url: str | None) -> None:
+        from services.actors import (BUFFER_NAME, LEARNER_NAME, WORKER_PREFIX, BufferHost, LearnerActor,
+                                     ServingActor)
+
+        cfg = self.cfg
+        learning = cfg.learner != "off"
         prefix = redis_namespace(self.registry)
         spec = (redis_url or "memory") if learning else None
-        self.host = BufferHost.options(name="specloop-buffer").remote(100_000) if learning and redis_url is None else None
+        detached = {"lifetime": "detached"}
+        self.host = (BufferHost.options(name=BUFFER_NAME, **detached).remote(100_000)
+                     if learning and redis_url is None else None)
         self.learner = None
         if learning:
             from trainer.objectives import ObjectiveConfig
             from trainer.online import LearnerConfig
 
             lcfg = LearnerConfig(kind=cfg.kind, objective=ObjectiveConfig(name=cfg.learner))
-            self.learner = LearnerActor.options(name=LEARNER_NAME).remote(
+            self.learner = LearnerActor.options(name=LEARNER_NAME, **detached).remote(
                 {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": str(self.registry),
                  "learner": lcfg.to_dict(), "threads": cfg.learner_threads, "prefix": prefix, "redis_url": redis_url},
                 spec, self.host, prefix)
@@ -121,16 +188,9 @@ class Deployment:
                     "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
                     "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
                     "speculators": list(cfg.speculators)}
-            actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus, resources=cfg.worker_resources or None)
+            actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,
+                                         resources=cfg.worker_resources or None, **detached)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
-        ray.get([w.info.remote() for w in self.workers])  # constructed (models loaded)
-
-    @staticmethod
-    def _check_free(ray, namespace: str, prefix: str) -> None:
-        taken = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == namespace and a["name"].startswith(prefix)]
-        if taken:
-            raise RuntimeError(f"this Ray cluster already serves ({', '.join(taken)}): attach with `specloop api` instead")
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         import ray
@@ -154,11 +214,25 @@ class Deployment:
                 ray.get(self.learner.stop.remote(), timeout=30)
             except Exception as exc:  # noqa: BLE001
                 log.warning("learner stop: %s", exc)
-        for actor in [*self.workers, self.learner, self.host]:
+        self._renewing.set()
+        for actor in [*self.workers, self.learner, self.host, self.lease]:
             if actor is not None:
                 ray.kill(actor)
         if self.started_ray:
             ray.shutdown()
+
+
+def named_actors(ray, namespace: str, prefix: str) -> list[str]:
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == namespace and a["name"].startswith(prefix))
+
+
+def get_actor(ray, name: str, namespace: str):
+    """The named actor, or None."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
 
 
 def _opt(path) -> str | None:

@@ -23,7 +23,8 @@ from services.prompts import PromptError, PromptRecord, encode
 from services.protocol import CompletionRequest
 from services.schemas import (MAX_BODY_BYTES, MAX_CHOICES, MAX_MESSAGES, MAX_STOP_CHARS, RETRY_AFTER_S, ChatBody,
                               CompletionBody, DetokenizeBody, Message, Speculative, TokenizeBody, check_lengths,
-                              check_supported, invalid, not_found, parse_body, parse_json, validation_message)
+                              check_supported, count_messages, invalid, not_found, parse_body, parse_json,
+                              validation_message)
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
 MAX_STOP = 4  # stop strings per request (OpenAI's limit)
@@ -190,6 +191,7 @@ def completion_budget(prompt_len: int, requested: int | None, k: int | None, cfg
 
 def plan_body(raw: bytes, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     """A raw request body parsed and planned: what runs on the planner thread, off the event loop."""
+    count_messages(raw, cfg.max_messages)
     return plan_request(parse_json(raw), chat, cfg, tokenizer)
 
 

@@ -275,8 +275,19 @@ def check_lengths(body: dict, max_messages: int = MAX_MESSAGES) -> None:
             raise invalid(f"`{name}` holds {len(value)} items; this server takes at most {limit}", name)
 
 
+def count_messages(raw: bytes, max_messages: int) -> None:
+    """A body with far more `"role"` keys than messages allowed is refused before it is parsed: parsing
+    250,000 message objects alone holds the planner thread (and the GIL) for half a second. A JSON
+    string cannot hold an unescaped quote, so the count is of keys (and of values spelled "role")."""
+    found = raw.count(b'"role"')
+    if found > 2 * max_messages + 16:
+        raise invalid(f"`messages` holds at least {found // 2} items; this server takes at most {max_messages}",
+                      "messages")
+
+
 def parse_body(raw: bytes, model: type[BaseModel], max_messages: int = MAX_MESSAGES) -> BaseModel:
     """A raw body as `model`, or the 400 that says what is wrong with it."""
+    count_messages(raw, max_messages)
     body = parse_json(raw)
     if not isinstance(body, dict):
         raise invalid("the request body must be a JSON object")

@@ -460,3 +460,29 @@ def test_a_worker_killed_mid_stream_ends_its_streams_in_band_and_ray_brings_it_b
             break
         time.sleep(1.0)
     assert all(o.ok for o in outcomes), [o.problem for o in outcomes if not o.ok]
+
+
+def test_the_workers_outlive_a_sigkilled_serve_and_the_next_serve_adopts_them(cluster, tiny_pair):
+    """`serve` is no single point of failure: SIGKILLed, its (detached) workers go on serving an API
+    replica; a new `serve` on the cluster waits out the dead one's lease and adopts the workers
+    instead of refusing or starting more. Last in this file: it replaces the fixture's serve."""
+    replica = cluster.start_api("api-survivor")
+    model = model_id(replica)
+    serve = dict(cluster.procs.procs)["serve"]
+    os.killpg(serve.pid, signal.SIGKILL)
+    serve.wait(timeout=10)
+    outcomes = asyncio.run(drive(replica, model, PROMPTS[:3], concurrency=2))
+    assert all(o.ok for o in outcomes), [o.problem for o in outcomes if not o.ok]
+    port = free_port()
+    verifier, drafter = tiny_pair
+    cluster.procs.start("serve-2", [SPECLOOP, "--threads", "1", "serve", "--ray-address", cluster.ray_address,
+                                    "--host", "127.0.0.1", "--port", str(port), "--verifier", str(verifier),
+                                    "--drafter", str(drafter), "--learner", "off", "--workers", "2",
+                                    "--worker-resource", "specloop_worker",
+                                    "--registry", str(cluster.procs.folder / "registry")], cluster.env)
+    wait_http(f"http://127.0.0.1:{port}/ready", cluster.procs, "serve-2", timeout=SERVE_STARTUP_S)
+    assert "adopted 2 worker(s)" in cluster.procs.log("serve-2", tail=None)
+    outcomes = asyncio.run(drive(f"http://127.0.0.1:{port}", model, PROMPTS[:3], concurrency=2))
+    assert all(o.ok for o in outcomes), [o.problem for o in outcomes if not o.ok]
+    loads = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).json()
+    assert loads["workers"] == 2  # the same two, not two more

@@ -69,3 +69,19 @@ def test_ignore_eos_reaches_every_choice_and_its_sampling_params(tokenizer):
     assert not plan_request({"model": MODEL, "prompt": "x"}, False, cfg, tokenizer).requests[0].sampling().ignore_eos
     with pytest.raises(ApiError):
         plan_request({"model": MODEL, "prompt": "x", "ignore_eos": "yes please"}, False, cfg, tokenizer)
+
+
+def test_a_body_with_far_more_role_keys_than_messages_allowed_is_refused_before_parsing():
+    import json
+
+    from services.schemas import ApiError, count_messages
+
+    at_limit = json.dumps({"messages": [{"role": "user", "content": 'my "role" is "role"'}] * 64}).encode()
+    count_messages(at_limit, 64)  # quotes inside strings are escaped: only the keys count
+    over = json.dumps({"messages": [{"role": "user", "content": ""}] * 200}).encode()
+    try:
+        count_messages(over, 64)
+    except ApiError as err:
+        assert err.status == 400 and err.param == "messages" and "at most 64" in err.message
+    else:
+        raise AssertionError("200 messages passed a limit of 64")
