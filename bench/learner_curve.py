@@ -202,7 +202,7 @@ def plot(result: dict, path: Path) -> None:
     axes[0].legend()
     axes[1].plot(xs, [c["tau"] for c in curve], "o-", label=f"held out, k = {result['k']}")
     axes[1].plot(range(1, len(result["traffic"]["requests"]) + 1), rolling_tau(result["traffic"]["requests"]),
-                 lw=0.8, label="traffic (default, rolling 100)")
+                 lw=0.8, label=f"traffic (head + suffix, k = {result.get('serve_k', 'auto')}, rolling 100)")
     axes[1].set(xlabel="requests served", ylabel="τ", title="τ")
     axes[1].legend()
     fig.suptitle(f"online learner ({result['learner']}) on {result['source']}, {result['machine']['cpu']}",

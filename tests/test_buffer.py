@@ -234,8 +234,19 @@ def test_stats_are_json_friendly_and_name_the_backend(redis_buffer_factory):
 @pytest.mark.parametrize("spec", ["redis:/bad", "kafka://x", "redis://", "redis://host:port",
                                   "redis://localhost:6379/db", ""])
 def test_open_buffer_rejects_unknown_specs_naming_what_is_accepted(spec):
-    with pytest.raises(ValueError, match=r"'memory' or 'redis://HOST:PORT\[/DB\]'"):
+    with pytest.raises(ValueError, match=r"'memory' or 'redis://\[:PASSWORD@\]HOST:PORT\[/DB\]'"):
         open_buffer(spec)
+
+
+def test_a_redis_password_never_appears_in_errors_or_logs():
+    from services.buffer import redacted
+
+    with pytest.raises(ValueError) as refused:
+        open_buffer("redis://:s3cret@host:port/0")
+    assert "s3cret" not in str(refused.value) and ":***@host" in str(refused.value)
+    assert redacted("redis://:s3cret@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redacted("redis://user:pw@redis:6379") == "redis://user:***@redis:6379"
+    assert redacted("redis://redis:6379/0") == "redis://redis:6379/0"
 
 
 def test_open_buffer_builds_each_backend():
