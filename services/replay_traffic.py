@@ -7,6 +7,7 @@ Results come back in request order as the replay contract's JSON objects.
 """
 from __future__ import annotations
 
+import logging
 import sys
 import tempfile
 import time
@@ -17,12 +18,15 @@ from typing import Iterator
 
 from tqdm import tqdm
 
+from drafter.capacity import fits
 from drafter.models import load_tokenizer
 from services.buffer import check_spec
 from services.registry import forget_namespace, redis_namespace
 from services.prompts import encode, load_prompts
 from trainer.objectives import ObjectiveConfig
 from trainer.online import TRAINABLE_KINDS, LearnerConfig
+
+log = logging.getLogger("specloop.replay")
 
 LEARNERS = ("off", "kl", "klrl", "lk")
 
@@ -76,12 +80,24 @@ class ReplayRequest:
 
 
 def load_traffic(cfg: ReplayConfig) -> list[ReplayRequest]:
-    """Every prompt file in order, encoded with the verifier's tokenizer."""
+    """Every prompt file in order, encoded with the verifier's tokenizer; a prompt that leaves no room
+    for --max-tokens in the worker's context is skipped (and said once), as `serve` would refuse it,
+    rather than failing the run when its turn comes."""
+    from services.worker import WorkerConfig
+
     tok = load_tokenizer(cfg.verifier)
-    out = []
+    capacity = cfg.worker_overrides.get("max_context", WorkerConfig.max_context)
+    out, skipped = [], []
     for path in cfg.prompts:
         for rec in load_prompts(path):
-            out.append(ReplayRequest(len(out), rec.id, encode(tok, rec)))
+            ids = encode(tok, rec)
+            if fits(len(ids), cfg.max_tokens, cfg.k, capacity):
+                out.append(ReplayRequest(len(out), rec.id, ids))
+            else:
+                skipped.append(rec.id)
+    if skipped:
+        log.warning("skipped %d prompt(s) that leave no room for %d new tokens in the %d-position context: %s%s",
+                    len(skipped), cfg.max_tokens, capacity, ", ".join(skipped[:5]), " ..." if len(skipped) > 5 else "")
     return out
 
 

@@ -424,7 +424,8 @@ def test_a_worker_killed_mid_stream_ends_its_streams_in_band_and_ray_brings_it_b
 
     async def stream_until_killed() -> tuple[list[list[str]], float]:
         async def one(client: httpx.AsyncClient, prompt: str, first: asyncio.Event) -> list[str]:
-            body = chat_body(model, prompt, True) | {"max_tokens": 200}
+            # no end-of-sequence: every stream runs its 400 tokens, so the kill always finds them open
+            body = chat_body(model, prompt, True) | {"max_tokens": 400, "ignore_eos": True}
             async with client.stream("POST", f"{cluster.api}/v1/chat/completions", json=body) as r:
                 events = []
                 async for line in r.aiter_lines():

@@ -210,3 +210,18 @@ def test_redis_stopped_mid_run_fails_no_request_and_logging_resumes_when_it_retu
     assert summary["learner"]["learner"]["records_seen"] > seen_at_restart  # and the learner read them
     print(f"redis outage: logged {before['logged']} -> {down['logged']} -> {after['logged']}, "
           f"dropped {after['dropped']}, stream after restart {stream_len}")
+
+
+def test_a_prompt_that_does_not_fit_the_context_is_skipped_not_fatal(tiny_pair, tmp_path, caplog):
+    from services.replay_traffic import load_traffic
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "short", "prompt": "def f(x):"}) + "\n"
+                       + json.dumps({"id": "long", "prompt": "x = 1\n" * 200}) + "\n"
+                       + json.dumps({"id": "short2", "prompt": "import os"}) + "\n")
+    cfg = ReplayConfig(verifier=tiny_pair[0], drafter=tiny_pair[1], kind="pretrained", prompts=[prompts],
+                       learner="off", max_tokens=8, k=2, worker_overrides={"max_context": 64})
+    with caplog.at_level("WARNING", logger="specloop.replay"):
+        traffic = load_traffic(cfg)
+    assert [(r.index, r.id) for r in traffic] == [(0, "short"), (1, "short2")]
+    assert "skipped 1 prompt(s)" in caplog.text and "long" in caplog.text
