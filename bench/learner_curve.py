@@ -38,7 +38,6 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
