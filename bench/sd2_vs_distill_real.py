@@ -5,7 +5,7 @@ verifier and int4 drafters on 10 chat + 10 code prompts × 64 tokens, greedy.
 
     .venv/bin/python bench/sd2_vs_distill_real.py 140     # after `specloop models fetch`
 """
-import json, sys, time, torch
+import json, sys, torch
 torch.set_num_threads(2)
 from pathlib import Path
 from trainer.offline import OfflineConfig, train_offline

@@ -11,7 +11,6 @@ import time
 from contextlib import contextmanager
 
 import httpx
-import pytest
 
 from services.api import api_server
 from services.drain import Drain

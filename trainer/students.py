@@ -40,7 +40,7 @@ from torch import nn
 
 from drafter.dvi import DraftHead, DVIConfig
 from drafter.eagle import FeatureHead, feature_layer, new_head
-from drafter.eagle3 import Eagle3Head, Window, chain, check_layers, new_head3, ttt_logits, window_entries
+from drafter.eagle3 import Window, chain, check_layers, new_head3, ttt_logits, window_entries
 from drafter.models import LoadedModel, check_same_vocabulary, load_model
 from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
 
