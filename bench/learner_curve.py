@@ -135,7 +135,6 @@ class Evaluator:
 
         from drafter.kinds import DrafterBuilder
         from drafter.models import load_model
-        from drafter.requests import StopRule
         from services.prompts import encode, parse_record
 
         torch.set_num_threads(args.threads)
@@ -143,18 +142,15 @@ class Evaluator:
         self.verifier = load_model(args.verifier, weights="auto")
         self.builder = DrafterBuilder("eagle", self.verifier, args.drafter)
         self.mixed = DrafterBuilder("eagle", self.verifier, args.drafter, speculators=("suffix",))
-        self.stop = StopRule(eos_ids=frozenset(self.verifier.eos_ids))
+        self.eos = sorted(self.verifier.eos_ids)
         self.prompts = [encode(self.verifier.tokenizer, parse_record(r, r["id"])) for r in held_out]
         self.answers = [self._run(None, ids, 0)[0].token_ids for ids in self.prompts]
 
     def _run(self, drafter, ids: list[int], k: int | None):
-        from drafter.engine import generate
-        from drafter.sampling import SamplingParams
+        """(generation, seconds) of one greedy request (k None: the controller's)."""
+        from heads_real import timed
 
-        t0 = time.perf_counter()
-        g = generate(self.verifier.lean, drafter, [ids], SamplingParams(max_tokens=self.args.max_tokens), k,
-                     self.stop)[0]
-        return g, time.perf_counter() - t0
+        return timed(self.verifier, drafter, ids, k, self.args.max_tokens, self.eos)
 
     def acceptance(self, weights: dict | None) -> dict:
         """First-draft acceptance, acceptance per position and τ of the head at fixed k over the

@@ -37,6 +37,20 @@ def init_ray(address: str | None = None, namespace: str | None = None) -> bool:
     return True
 
 
+def named_actors(prefix: str) -> list[str]:
+    """Names of the named actors in NAMESPACE that start with `prefix`, sorted (a blocking Ray call)."""
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == NAMESPACE and a["name"].startswith(prefix))
+
+
+def named_actor(name: str):
+    """The named actor of NAMESPACE, or None when there is none (it never was, or died)."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
 @ray.remote(num_cpus=0)
 class ServeLease:
     """Which `specloop serve` process runs the (detached) serving actors: it renews the lease every

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 import ray
 
-from services.actors import LEARNER_NAME, NAMESPACE, WORKER_PREFIX
+from services.actors import LEARNER_NAME, WORKER_PREFIX, named_actor, named_actors
 from services.protocol import Chunk, CompletionRequest, ErrorInfo, WorkerInfo, WorkerLoad
 
 log = logging.getLogger("specloop.cluster")
@@ -24,23 +24,18 @@ PICK_WAIT_S = 0.5  # routing waits this long for the workers' loads, then picks 
 
 
 def named_workers(known: dict[str, object]) -> dict[str, object]:
-    """Handles of the named worker actors now in the cluster (blocking Ray calls: run off the event loop)."""
-    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                   if a["namespace"] == NAMESPACE and a["name"].startswith(WORKER_PREFIX))
-    handles = {}
-    for name in names:
-        try:
-            handles[name] = known.get(name) or ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:  # died between listing and lookup
-            continue
-    return handles
+    """Handles of the named worker actors now in the cluster (blocking Ray calls: run off the event loop);
+    one that died between listing and lookup is left out."""
+    handles = {name: known.get(name) or named_actor(name) for name in named_actors(WORKER_PREFIX)}
+    return {name: h for name, h in handles.items() if h is not None}
 
 
 def learner_metrics_url() -> str | None:
     """The learner's metrics URL (blocking Ray calls: run off the event loop)."""
+    learner = named_actor(LEARNER_NAME)
     try:
-        return ray.get(ray.get_actor(LEARNER_NAME, namespace=NAMESPACE).metrics_url.remote(), timeout=CALL_TIMEOUT_S)
-    except (ValueError, ray.exceptions.RayError):
+        return None if learner is None else ray.get(learner.metrics_url.remote(), timeout=CALL_TIMEOUT_S)
+    except ray.exceptions.RayError:
         return None
 
 
@@ -48,10 +43,9 @@ async def answered(calls: dict, wait_s: float) -> list[tuple[WorkerLoad, object]
     """(load, handle) of the `load` calls that answered within `wait_s`; when none did, of the first
     that answers (a dead or hung worker's call fails or times out, and is left out)."""
     done, pending = await asyncio.wait(calls, timeout=wait_s)
-    live = [(WorkerLoad.from_dict(t.result()), calls[t]) for t in done if t.exception() is None]
-    while not live and pending:
+    while not (live := [(WorkerLoad.from_dict(t.result()), calls[t]) for t in done if t.exception() is None]) \
+            and pending:
         done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        live = [(WorkerLoad.from_dict(t.result()), calls[t]) for t in done if t.exception() is None]
     return live
 
 
@@ -102,9 +96,13 @@ class RayBackend:
             return await asyncio.shield(self._refresh)
         return self._view
 
+    async def _known(self) -> list:
+        """The workers' handles as of the view (renewed in the background once it is old)."""
+        await self.view()
+        return list(self._handles.values())
+
     async def _pick(self):
-        await self.view()  # renews the handles in the background once the view is old
-        calls = {asyncio.ensure_future(self._call(h, "load")): h for h in self._handles.values()}
+        calls = {asyncio.ensure_future(self._call(h, "load")): h for h in await self._known()}
         try:
             live = await answered(calls, PICK_WAIT_S)
         finally:
@@ -137,14 +135,13 @@ class RayBackend:
         return (await self.view())[0]
 
     async def loads(self) -> list[WorkerLoad]:
-        handles = list((await self._workers()).values())
-        return [WorkerLoad.from_dict(d) for d in await self._gather("load", handles) if d is not None]
+        return [WorkerLoad.from_dict(d) for d in await self._gather("load", await self._known()) if d is not None]
 
     async def ready(self) -> bool:
         return (await self.view())[1]
 
     async def buffer_stats(self) -> dict | None:
-        stats = await self._gather("buffer_stats", list((await self._workers()).values()))
+        stats = await self._gather("buffer_stats", await self._known())
         return next((s for s in stats if s is not None), None)
 
     async def metrics_targets(self) -> list[str]:

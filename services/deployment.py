@@ -93,7 +93,7 @@ class Deployment:
     def __init__(self, cfg: ServeConfig):
         import ray
 
-        from services.actors import NAMESPACE, WORKER_PREFIX, init_ray
+        from services.actors import NAMESPACE, WORKER_PREFIX, init_ray, named_actors
 
         self.cfg = cfg
         self.started_ray = init_ray(cfg.ray_address, NAMESPACE)
@@ -107,7 +107,7 @@ class Deployment:
         self.registry = Path(cfg.registry or default_registry(Path(cfg.cache) / "registry",
                                                               cfg.verifier, cfg.drafter, cfg.kind)).resolve()
         self.registry.mkdir(parents=True, exist_ok=True)
-        running = named_actors(ray, NAMESPACE, WORKER_PREFIX)
+        running = named_actors(WORKER_PREFIX)
         self.workers, self.learner, self.host = [], None, None
         try:
             if running:
@@ -148,11 +148,10 @@ class Deployment:
                 log.debug("lease renewal failed: %s", exc)
 
     def _adopt(self, ray, names: list[str]) -> None:
-        from services.actors import BUFFER_NAME, LEARNER_NAME, NAMESPACE
+        from services.actors import BUFFER_NAME, LEARNER_NAME, NAMESPACE, named_actor
 
         self.workers = [ray.get_actor(n, namespace=NAMESPACE) for n in names]
-        self.learner = get_actor(ray, LEARNER_NAME, NAMESPACE)
-        self.host = get_actor(ray, BUFFER_NAME, NAMESPACE)
+        self.learner, self.host = named_actor(LEARNER_NAME), named_actor(BUFFER_NAME)
         log.warning("adopted %d worker(s)%s a previous `specloop serve` left running (their own configuration "
                     "holds; stop them with this serve to start others)", len(self.workers),
                     " and the learner" if self.learner is not None else "")
@@ -220,19 +219,6 @@ class Deployment:
                 ray.kill(actor)
         if self.started_ray:
             ray.shutdown()
-
-
-def named_actors(ray, namespace: str, prefix: str) -> list[str]:
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == namespace and a["name"].startswith(prefix))
-
-
-def get_actor(ray, name: str, namespace: str):
-    """The named actor, or None."""
-    try:
-        return ray.get_actor(name, namespace=namespace)
-    except ValueError:
-        return None
 
 
 def _opt(path) -> str | None:

@@ -87,8 +87,7 @@ class Registry(VersionStore):
             if not doomed and history == now.history:
                 return None, None
             # marked in the same change: from now on pin and promote refuse them (`_refusal`, `pin`)
-            marked = now.changed(history=history) if history != now.history else replace(now)
-            marked.pruning = list(doomed)
+            marked = replace(now.changed(history=history) if history != now.history else now, pruning=list(doomed))
             return marked, new_event("prune", None, f"kept the newest {keep} versions, the champion, the pin and "
                                                     "the rollback history", deleted=list(doomed))
 
@@ -157,8 +156,8 @@ class Registry(VersionStore):
             target = version_id or state.champion
             if target is None:
                 raise RegistryError("nothing to pin: there is no champion yet")
-            if _pruned(target, state):
-                raise RegistryError(_pruned(target, state))
+            if why := _pruned(target, state):
+                raise RegistryError(why)
             if state.champion == target and state.pinned == target:
                 return None, None
             history = state.history

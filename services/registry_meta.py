@@ -168,9 +168,6 @@ class RedisMeta:
         raw = self.r.hget(self.k_info, vid)
         return VersionInfo.from_dict(json.loads(raw)) if raw else None
 
-    def all_infos(self) -> list[VersionInfo]:
-        return [VersionInfo.from_dict(json.loads(v)) for v in self.r.hvals(self.k_info)]
-
     def indexed(self) -> list[str]:
         return list(self.r.hkeys(self.k_info))
 

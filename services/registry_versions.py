@@ -55,8 +55,8 @@ class VersionStore:
         self.root = Path(root).resolve()
         self.versions = self.root / "versions"
         self.versions.mkdir(parents=True, exist_ok=True)
-        self._meta = (RedisMeta(redis_url, prefix, self.root / "champion.json") if redis_url
-                      else FolderMeta(self.root, self.versions))
+        self._folders = FolderMeta(self.root, self.versions)  # the versions themselves: the source of truth
+        self._meta = RedisMeta(redis_url, prefix, self.root / "champion.json") if redis_url else self._folders
         self._finite: dict[str, list[str]] = {}  # version → non-finite tensor names (weights are immutable)
 
     # ---- ids and paths
@@ -160,8 +160,8 @@ class VersionStore:
         version whose folder holds its info.json exists); Redis is their index, reconciled here: a
         version it lost (data loss, a kill between the two writes) is indexed again, one whose folder
         is gone is dropped from it."""
-        on_disk = {i.id: i for i in FolderMeta(self.root, self.versions).all_infos()}
-        indexed = set(self._meta.indexed())
+        on_disk = {i.id: i for i in self._folders.all_infos()}
+        indexed = on_disk.keys() if self._meta is self._folders else set(self._meta.indexed())
         for vid in sorted(on_disk.keys() - indexed):
             self._meta.save_info(on_disk[vid])
         for vid in sorted(indexed - on_disk.keys()):
