@@ -433,7 +433,7 @@ def default_systems(args) -> list[System]:
 def act_dtypes(modes: set[str]) -> dict[str, str]:
     """The activation dtype of each quantized mode, chosen once here for every child."""
     try:
-        from drafter.quant import activation_dtype
+        from drafter.weight_modes import activation_dtype
     except ImportError:
         return {}
     out = {}

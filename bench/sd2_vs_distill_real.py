@@ -8,7 +8,8 @@ verifier and int4 drafters on 10 chat + 10 code prompts × 64 tokens, greedy.
 import json, sys, torch
 torch.set_num_threads(2)
 from pathlib import Path
-from trainer.offline import OfflineConfig, train_offline
+from trainer.offline_config import OfflineConfig
+from trainer.offline import train_offline
 from drafter.models import load_model
 from drafter.kinds import build_drafter
 from drafter.engine import generate

@@ -127,7 +127,8 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
 def decode(verifier, drafter, controller, prompt: list[int], max_tokens: int, run: Run) -> list[int]:
     """One whole request on a fresh engine (as `specloop generate` runs it); accumulates into `run`."""
     from drafter.capacity import positions_needed
-    from drafter.engine import Engine, EngineRequest
+    from drafter.engine import Engine
+    from drafter.requests import EngineRequest
     from drafter.requests import StopRule
     from drafter.sampling import SamplingParams
 

@@ -41,7 +41,7 @@ def load(path: str, kind: str):
 def forward_ms(lean, context: int, T: int, repeats: int) -> float:
     import torch
 
-    from drafter.decoder import prefill
+    from drafter.kv_cache import prefill
 
     cache, _ = prefill(lean, [list(range(100, 100 + context + 1))], context + 64)
     base, tokens, times = cache.lens.clone(), torch.full((1, T), 200), []
@@ -66,7 +66,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from bench.machine import machine_info
-    from drafter.quant import describe_mode
+    from drafter.weight_modes import describe_mode
 
     models = {kind: load(args.verifier, kind) for kind in KINDS}
     widths = range(1, 6)

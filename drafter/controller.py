@@ -63,7 +63,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from drafter.capacity import AUTO_K_MAX  # noqa: F401 - re-exported; the capacity rule owns it
+from drafter.capacity import AUTO_K_MAX
 
 
 MAX_DEPTH = 32  # draft positions whose acceptance the confidence gate keeps per speculator

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from drafter import kernels
-from drafter.architecture import (SUPPORTED_ACT, Architecture, StaticRope, UnsupportedModel, _Layer, _tensor,  # noqa: F401
+from drafter.architecture import (Architecture, _Layer, _tensor,
                                   check_config, fuse_layer)
-from drafter.attention import KEY_BLOCK, KV_DTYPE, QUERY_CHUNK, StepPositions, _rope, _round_up, exact_attention  # noqa: F401
-from drafter.kv_cache import KVCache, pad_right, prefill, prefill_recent, prefill_rows  # noqa: F401
-from drafter.quant import linear
+from drafter.attention import KEY_BLOCK, KV_DTYPE, QUERY_CHUNK, StepPositions, _rope, _round_up, exact_attention
+from drafter.kv_cache import KVCache
+from drafter.linears import linear
 from drafter.vocab import expand
 
 
@@ -273,7 +273,7 @@ class LeanDecoder:
 
 
 def _fused_linears(linears) -> tuple | None:
-    from drafter.quant import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight
+    from drafter.own_linears import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight
 
     kinds, dims, parts = [], [], []
     for lin in linears:

@@ -32,7 +32,8 @@ from torch.nn import functional as F
 
 from drafter.decoder import LeanDecoder
 from drafter.proposer import Choice, Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
-from drafter.quant import linear, quantize_like
+from drafter.linears import linear
+from drafter.quant import quantize_like
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams
 from drafter.sd2 import MANIFEST

@@ -40,7 +40,8 @@ import torch
 
 from drafter.capacity import draft_reserve, positions_needed
 from drafter.controller import Batch, Choice, Confident, Controller, StepSample
-from drafter.decoder import KVCache, LeanDecoder, prefill_rows
+from drafter.kv_cache import KVCache, prefill_rows
+from drafter.decoder import LeanDecoder
 from drafter.graph import GraphDecoder, graph_ready, on_backend, resolve_backend
 from drafter.logprobs import Scoring, scoring_for
 from drafter.proposer import Drafter, VerifierView, emitted_tokens

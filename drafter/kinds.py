@@ -20,7 +20,8 @@ from drafter.eagle3 import Eagle3Drafter, Eagle3Head, new_head3
 from drafter.models import LoadedModel, ModelError, check_same_vocabulary, load_model
 from drafter.ngram import NgramDrafter
 from drafter.pretrained import PretrainedDrafter
-from drafter.quant import quantize_decoder, resolve_mode
+from drafter.quant import quantize_decoder
+from drafter.weight_modes import resolve_mode
 from drafter.proposer import Drafter
 from drafter.sd2 import MANIFEST, Steering, SteeredDrafter, steering_for
 from drafter.mix import SPECULATORS, SpeculatorMix

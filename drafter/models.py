@@ -15,8 +15,9 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from drafter.quant import open_safetensors  # noqa: E402
-from drafter.decoder import Architecture, LeanDecoder, StaticRope, check_config, fuse_layer  # noqa: E402
+from drafter.weight_groups import open_safetensors
+from drafter.architecture import Architecture, StaticRope, check_config, fuse_layer
+from drafter.decoder import LeanDecoder
 
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
@@ -54,7 +55,7 @@ class LoadedModel:
     def served(self) -> str:
         """The weight mode it is served in ("fp32", "int4 (fp32 activations, specloop kernels)", ...): printed wherever
         the model is named."""
-        from drafter.quant import describe_mode
+        from drafter.weight_modes import describe_mode
 
         return describe_mode(self.lean)
 
@@ -135,7 +136,7 @@ def load_model(path: str | Path, device: torch.device | None = None, dtype: torc
     dtype = dtype or default_dtype(device, path)
     mode = None
     if weights is not None:
-        from drafter.quant import resolve_mode
+        from drafter.weight_modes import resolve_mode
 
         mode = resolve_mode(weights, device, path=path)
     if keep_module:

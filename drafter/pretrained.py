@@ -5,7 +5,8 @@ import copy
 
 import torch
 
-from drafter.decoder import LeanDecoder, pad_right, prefill, prefill_rows
+from drafter.decoder import LeanDecoder
+from drafter.kv_cache import pad_right, prefill, prefill_rows
 from drafter.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from drafter.rejection import BlockOutcome
 from drafter.sampling import SamplingParams

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from drafter.decoder import KVCache
+from drafter.kv_cache import KVCache
 from drafter.rejection import BlockOutcome
 from drafter.sampling import RowParams, SamplingParams, sample, warp
 

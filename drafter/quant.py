@@ -46,14 +46,13 @@ from pathlib import Path
 import torch
 
 from drafter import kernels
-from drafter.linears import (DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, ROW_BLOCK, Dense, Int4Weight, Int8Weight,  # noqa: F401
-                             _check_group_size, _nearest, int8_channels, linear, minmax_groups, row_blocked)
-from drafter.own_linears import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight, OwnW8A8Weight  # noqa: F401
-from drafter.weight_groups import (INT4_GROUPS_FILE, GroupsFile, dequantize_groups, int4_groups,  # noqa: F401
-                                   int8_blocks, open_safetensors, reproduces)
-from drafter.weight_modes import (DTYPE_MODES, VERIFIER_MANIFEST, W4A8_NEEDS, _kernels_for, activation_dtype,  # noqa: F401
-                                  check_mode, cpu_flags, default_mode, describe_mode, manifest_mode, native_bf16,
-                                  resolve_mode, stored_mode)
+from drafter.weight_modes import DEFAULT_GROUP_SIZE
+from drafter.linears import INT4_GROUP_SIZES, Dense, Int4Weight, Int8Weight, minmax_groups
+from drafter.own_linears import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight, OwnW8A8Weight
+from drafter.weight_groups import (int4_groups,
+                                   int8_blocks, reproduces)
+from drafter.weight_modes import (W4A8_NEEDS, _kernels_for, activation_dtype,
+                                  check_mode)
 
 
 @dataclass(frozen=True)

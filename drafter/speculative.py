@@ -12,7 +12,8 @@ from typing import Callable, Protocol
 
 import torch
 
-from drafter.decoder import KVCache, LeanDecoder
+from drafter.kv_cache import KVCache
+from drafter.decoder import LeanDecoder
 from drafter.logprobs import Scoring
 from drafter.proposer import Drafter, Proposal, VerifierView
 from drafter.rejection import BlockOutcome, greedy_accept, rejection_sample

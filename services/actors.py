@@ -12,7 +12,9 @@ import time
 
 import ray
 
-from services.buffer import BufferEntry, BufferStats, MemoryBuffer, ReplayBuffer, open_buffer
+from services.buffer_types import BufferEntry, BufferStats, ReplayBuffer
+from services.buffer_memory import MemoryBuffer
+from services.buffer import open_buffer
 
 ACTOR_CPUS = 0.5  # the worker and the learner fit beside the driver on 2 CPUs
 ACTOR_RESTARTS = 8  # Ray restarts a dead worker or learner this many times (each restart reloads it)
@@ -174,8 +176,10 @@ class ServingActor:
 
     def __init__(self, cfg: dict, buffer_spec: str | None, host=None, prefix: str = "specloop",
                  name: str = "worker-0", model: str = "specloop", max_queue: int = 64):
-        from services.metrics import WorkerMetrics, serve_metrics
-        from services.serving_loop import ServingConfig, ServingLoop, attach_metrics
+        from services.metrics_worker import WorkerMetrics
+        from services.metrics_export import serve_metrics
+        from services.serving_loop import ServingConfig, ServingLoop
+        from services.serving_metrics import attach_metrics
         from services.worker import VerifierWorker, WorkerConfig
 
         self.buffer_spec = buffer_spec

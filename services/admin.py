@@ -31,7 +31,8 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 
 from services.protocol import WorkerInfo
-from services.registry import VERSION_RE, AliasState, Registry, RegistryError, VersionInfo
+from services.registry_types import VERSION_RE, AliasState, RegistryError, VersionInfo
+from services.registry import Registry
 
 DEFAULT_EVENTS = 20
 MAX_EVENTS = 1000

@@ -38,13 +38,9 @@ from __future__ import annotations
 from urllib.parse import urlparse
 
 from services.buffer_memory import MemoryBuffer
-from services.buffer_redis import FIELD, MIN_ENTRIES, RedisStreamBuffer, redacted
-from services.buffer_types import BufferEntry, BufferStats, ReplayBuffer
+from services.buffer_redis import RedisStreamBuffer, redacted
+from services.buffer_types import ReplayBuffer
 
-__all__ = [
-    "ACCEPTED_SPECS", "FIELD", "MIN_ENTRIES", "BufferEntry", "BufferStats", "MemoryBuffer", "RedisStreamBuffer",
-    "ReplayBuffer", "check_spec", "open_buffer", "redacted",
-]
 
 ACCEPTED_SPECS = "'memory' or 'redis://[:PASSWORD@]HOST:PORT[/DB]'"
 

@@ -20,11 +20,10 @@ import typer
 from services.cli_options import (DEFAULT_CACHE, Cache, DraftLenAuto, DrafterKind, Speculators, Endpoint, Globals,
                                   Json, Learner, MaxTokens, Models, Prompts, RayAddress, Registry,
                                   Sampling, Seed, Stop, Temperature, UsageError, Weights)
-from services.cli_runtime import EXIT_USAGE, Greedy, run, show_version, use_threads
+from services.cli_runtime import Greedy, run, show_version, use_threads
 from services.cli_train import models, train
 from services.operator import buffer as operator_buffer, drafter as operator_drafter
 
-__all__ = ["EXIT_USAGE", "UsageError", "app", "main"]
 EXAMPLES = Path(__file__).resolve().parent / "examples" / "prompts.jsonl"
 
 app = typer.Typer(name="specloop", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,

@@ -45,7 +45,8 @@ def fetch(glob: Globals,
               help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for the heads)")] = None,
           cache: Cache = DEFAULT_CACHE) -> int:
     """A real pretrained verifier and a drafter built for it."""
-    from trainer.fetch import FetchConfig, FetchError, default_out, fetch_models
+    from trainer.fetch import FetchConfig, default_out, fetch_models
+    from trainer.gguf import FetchError
 
     if drafter_minutes is not None and drafter_minutes <= 0:
         raise UsageError("--drafter-minutes must be > 0")
@@ -105,7 +106,8 @@ class OfflineOptions:
 @train.command()
 def offline(options: OfflineOptions, glob: Globals) -> int:
     """Align a drafter with the verifier offline."""
-    from trainer.offline import config_from_options, train_offline
+    from trainer.offline_config import config_from_options
+    from trainer.offline import train_offline
 
     use_threads(glob.threads)
     print(json.dumps(train_offline(config_from_options(vars(options), glob.threads)), indent=2))

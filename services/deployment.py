@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.registry import redis_namespace
+from services.registry_meta import redis_namespace
 
 log = logging.getLogger("specloop.serve")
 LOCAL_REDIS = "redis://127.0.0.1:6379"
@@ -235,7 +235,7 @@ def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = 
     from services.admin import make_admin_router
     from services.api import create_app
     from services.cluster import RayBackend
-    from services.metrics import ApiMetrics
+    from services.metrics_api import ApiMetrics
 
     backend = RayBackend()
     workers = asyncio.run(backend.workers())

@@ -89,7 +89,7 @@ class ServeProcess:
         """Delete what serve kept in Redis under its registry's prefix (a throwaway run); the count."""
         if self.redis_url is None or self.registry is None:
             return 0
-        from services.registry import forget_namespace, redis_namespace
+        from services.registry_meta import forget_namespace, redis_namespace
 
         return forget_namespace(self.redis_url, redis_namespace(self.registry))
 

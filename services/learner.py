@@ -31,11 +31,13 @@ from dataclasses import dataclass, field
 import torch
 
 from drafter.models import load_model
-from services.buffer import ReplayBuffer
+from services.buffer_types import ReplayBuffer
 from services.canary import Canary, CanaryConfig
 from services.event_log import EventLog
-from services.metrics import LearnerMetrics, serve_metrics
-from services.registry import Registry, RegistryError
+from services.metrics_learner import LearnerMetrics
+from services.metrics_export import serve_metrics
+from services.registry import Registry
+from services.registry_types import RegistryError
 from trainer.online import LearnerConfig, OnlineLearner, is_finite, serving_student
 from trainer.records import RecordError, decode
 

@@ -111,12 +111,4 @@ Every name is importable from here.
 """
 from __future__ import annotations
 
-from services.metrics_api import FINISHED_REASONS, ApiMetrics
-from services.metrics_export import LATENCY_BUCKETS, PREFIX, Exporter, serve_metrics, stop_metrics
-from services.metrics_learner import AGE_BUCKETS, LearnerMetrics
-from services.metrics_worker import K_BUCKETS, MAX_VERSIONS, STEP_BUCKETS, WorkerMetrics
 
-__all__ = [
-    "AGE_BUCKETS", "FINISHED_REASONS", "K_BUCKETS", "LATENCY_BUCKETS", "MAX_VERSIONS", "PREFIX", "STEP_BUCKETS",
-    "ApiMetrics", "Exporter", "LearnerMetrics", "WorkerMetrics", "serve_metrics", "stop_metrics",
-]

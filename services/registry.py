@@ -46,18 +46,11 @@ import math
 import shutil
 from dataclasses import replace
 
-from services.registry_meta import EVENT_LOG_BYTES, EVENT_LOG_ENTRIES, forget_namespace, redis_namespace
 from services.registry_types import (
-    INFO, VERSION_RE, WEIGHTS, AliasState, Decision, PromotionResult, RegistryError, UnknownVersion,
-    UnservableVersion, VersionInfo, new_event, version_number,
+    AliasState, Decision, PromotionResult, RegistryError, VersionInfo, new_event, version_number,
 )
 from services.registry_versions import VersionStore
 
-__all__ = [
-    "EVENT_LOG_BYTES", "EVENT_LOG_ENTRIES", "INFO", "VERSION_RE", "WEIGHTS", "AliasState", "PromotionResult",
-    "Registry", "RegistryError", "UnknownVersion", "UnservableVersion", "VersionInfo", "forget_namespace",
-    "redis_namespace",
-]
 
 def _pruned(version_id: str, state: AliasState) -> str | None:
     return f"{version_id} is being pruned" if version_id in state.pruning else None

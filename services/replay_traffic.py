@@ -21,7 +21,7 @@ from tqdm import tqdm
 from drafter.capacity import fits
 from drafter.models import load_tokenizer
 from services.buffer import check_spec
-from services.registry import forget_namespace, redis_namespace
+from services.registry_meta import forget_namespace, redis_namespace
 from services.prompts import encode, load_prompts
 from trainer.objectives import ObjectiveConfig
 from trainer.online import TRAINABLE_KINDS, LearnerConfig

@@ -30,14 +30,9 @@ from drafter.requests import EngineRequest, Generation, RowUpdate
 from services.detokenize import IncrementalText
 from services.protocol import (MAX_TOP_LOGPROBS, Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage, WorkerInfo,
                                WorkerLoad, invalid, overloaded)
-from services.serving_metrics import attach_metrics
-from services.version_engines import VersionEngines, version_refusal
+from services.version_engines import VersionEngines
 from services.worker import VerifierWorker, WorkerConfig
 
-__all__ = [
-    "LocalBackend", "ServingConfig", "ServingLoop", "Sink", "VersionEngines", "attach_metrics", "token_logprobs",
-    "usage", "version_refusal", "wait_ready",
-]
 
 log = logging.getLogger("specloop.serving")
 Sink = Callable[[Chunk], None]

@@ -6,7 +6,7 @@ from __future__ import annotations
 from drafter.engine import Engine
 from drafter.requests import EngineRequest, RowUpdate
 from services.protocol import ErrorInfo
-from services.registry import UnknownVersion, UnservableVersion
+from services.registry_types import UnknownVersion, UnservableVersion
 from services.worker import VerifierWorker
 
 

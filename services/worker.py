@@ -44,7 +44,7 @@ from drafter.proposer import Drafter
 from drafter.requests import EngineRequest, RowUpdate, StopRule
 from drafter.speculative import StepTrace
 from drafter.stats import AcceptanceStats
-from services.buffer import ReplayBuffer
+from services.buffer_types import ReplayBuffer
 from services.event_log import EventLog
 from services.protocol import CompletionRequest
 from services.registry import Registry

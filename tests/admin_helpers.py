@@ -15,9 +15,10 @@ import uvicorn
 from fastapi import FastAPI
 
 from services.admin import make_admin_router
-from services.buffer import MemoryBuffer
+from services.buffer_memory import MemoryBuffer
 from services.protocol import WorkerInfo
-from services.registry import Registry, VersionInfo
+from services.registry import Registry
+from services.registry_types import VersionInfo
 from tests.redis_helpers import free_port
 
 TOKEN = "s3cret-admin-token"

@@ -578,7 +578,7 @@ def test_sd_targets_is_prometheus_http_service_discovery(url, local):
 def test_metrics_count_requests_latencies_tokens_and_finish_reasons(local):
     from prometheus_client import CollectorRegistry
 
-    from services.metrics import ApiMetrics
+    from services.metrics_api import ApiMetrics
 
     registry = CollectorRegistry()
     metrics = ApiMetrics(registry, model_name=MODEL)
@@ -607,7 +607,7 @@ def test_metrics_count_requests_latencies_tokens_and_finish_reasons(local):
 def test_a_client_gone_counts_its_choices_as_aborted(local):
     from prometheus_client import CollectorRegistry
 
-    from services.metrics import ApiMetrics
+    from services.metrics_api import ApiMetrics
 
     registry = CollectorRegistry()
     body = {"model": MODEL, "prompt": "def main():", "max_tokens": 200, "temperature": 0, "stream": True,

@@ -18,7 +18,7 @@ KEY = "sk-specloop-test"
 def url(tiny_pair):
     from prometheus_client import CollectorRegistry
 
-    from services.metrics import ApiMetrics
+    from services.metrics_api import ApiMetrics
 
     admin = APIRouter(prefix="/admin")
     admin.get("/ping")(lambda: {"pong": True})

@@ -8,7 +8,9 @@ from uuid import uuid4
 import pytest
 import redis
 
-from services.buffer import MemoryBuffer, RedisStreamBuffer, open_buffer
+from services.buffer_memory import MemoryBuffer
+from services.buffer_redis import RedisStreamBuffer
+from services.buffer import open_buffer
 from tests.redis_helpers import REDIS_URL, free_port, needs_redis, needs_redis_server
 
 
@@ -239,7 +241,7 @@ def test_open_buffer_rejects_unknown_specs_naming_what_is_accepted(spec):
 
 
 def test_a_redis_password_never_appears_in_errors_or_logs():
-    from services.buffer import redacted
+    from services.buffer_redis import redacted
 
     with pytest.raises(ValueError) as refused:
         open_buffer("redis://:s3cret@host:port/0")

@@ -300,7 +300,8 @@ def test_serve_answers_as_the_served_model_name_and_asks_for_the_api_key(tiny_pa
 
 
 def test_speculators_default_to_the_kinds_and_none_turns_them_off():
-    from services.cli import UsageError, _speculators
+    from services.cli_options import UsageError
+    from services.cli import _speculators
 
     assert _speculators(None, "eagle") == ("suffix",)
     assert _speculators("none", "eagle") == ()

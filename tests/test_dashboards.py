@@ -19,7 +19,10 @@ import pytest
 
 from dashboards import build
 from services.launch import ServeProcess
-from services.metrics import ApiMetrics, LearnerMetrics, WorkerMetrics, serve_metrics, stop_metrics
+from services.metrics_api import ApiMetrics
+from services.metrics_learner import LearnerMetrics
+from services.metrics_worker import WorkerMetrics
+from services.metrics_export import serve_metrics, stop_metrics
 from tests.prometheus_helpers import PROMTOOL, ThrowawayPrometheus, needs_prometheus, needs_promtool
 
 ROOT = Path(__file__).resolve().parents[1]

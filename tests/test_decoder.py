@@ -1,7 +1,9 @@
 import pytest
 import torch
 
-from drafter.decoder import KEY_BLOCK, LeanDecoder, UnsupportedModel
+from drafter.attention import KEY_BLOCK
+from drafter.decoder import LeanDecoder
+from drafter.architecture import UnsupportedModel
 from tests.tiny import build_model, llama_config
 
 
@@ -86,7 +88,7 @@ def test_non_swiglu_models_are_refused():
 def _prefilled(lean, histories, capacity=512):
     """A cache holding every history, each prefilled alone as serving does (`prefill` keeps a prompt's
     last token for the first step; the 0 appended here is that token)."""
-    from drafter.decoder import prefill
+    from drafter.kv_cache import prefill
 
     return prefill(lean, [h + [0] for h in histories], capacity)[0]
 
@@ -127,7 +129,7 @@ def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries()
     """The attention kernel alone: a query attended with L whole key blocks equals the same query among
     398 others attended with more blocks (a long prefill, which goes in query chunks, and where the BLAS
     would split one long reduction over keys differently)."""
-    from drafter.decoder import exact_attention
+    from drafter.attention import exact_attention
 
     torch.manual_seed(0)
     B, Hkv, rep, D, T = 4, 2, 2, 64, 398

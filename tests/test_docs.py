@@ -106,7 +106,7 @@ def test_each_documented_endpoint_is_a_route(tiny_pair):
     from drafter.models import load_tokenizer
     from services.admin import make_admin_router
     from services.api import create_app
-    from services.metrics import ApiMetrics
+    from services.metrics_api import ApiMetrics
 
     app = create_app(None, load_tokenizer(tiny_pair[0]), "m", 64, make_admin_router(None, "t"), ApiMetrics(model_name="m"))
     routes = {(method, re.sub(r"\{[^}]+\}", "{}", route.path)) for route in app.routes

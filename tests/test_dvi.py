@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder, prefill
+from drafter.decoder import LeanDecoder
+from drafter.kv_cache import prefill
 from drafter.dvi import DVIConfig, DVIDrafter, DraftHead
 from drafter.engine import generate
 from drafter.proposer import VerifierView

@@ -4,7 +4,8 @@ steps, round-trips through its checkpoint and refuses what does not fit."""
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder, prefill
+from drafter.decoder import LeanDecoder
+from drafter.kv_cache import prefill
 from drafter.eagle import EagleConfig, EagleDrafter, FeatureHead, new_head
 from drafter.engine import generate
 from drafter.kinds import build_drafter

@@ -5,7 +5,8 @@ through its checkpoint and refuses what does not fit."""
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder, prefill_recent
+from drafter.decoder import LeanDecoder
+from drafter.kv_cache import prefill_recent
 from drafter.eagle3 import (Eagle3Config, Eagle3Drafter, Eagle3Head, Window, chain, default_layers, new_head3,
                             shifted_in, ttt_logits, window_entries)
 from drafter.engine import generate

@@ -6,8 +6,9 @@ import torch
 
 from drafter.capacity import positions_needed
 from drafter.controller import Batch, Choice, Controller, ControllerConfig
-from drafter.decoder import prefill
-from drafter.engine import Engine, EngineRequest, generate
+from drafter.kv_cache import prefill
+from drafter.engine import Engine, generate
+from drafter.requests import EngineRequest
 from drafter.kinds import build_drafter
 from drafter.models import load_model
 from drafter.proposer import VerifierView, emitted_tokens

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from drafter.models import load_model
-from drafter.quant import dequantize_groups
-from trainer.fetch import (DEFAULT_MODEL, FetchConfig, FetchError, RealModel, convert_gguf, decode_q4_1, default_out,
-                           fetch_models, known_model, locate_gguf, package_dir, prune_depth, unpermute_rows,
-                           write_source_groups)
+from drafter.weight_groups import dequantize_groups
+from trainer.fetch import DEFAULT_MODEL, FetchConfig, RealModel, default_out, fetch_models, known_model, locate_gguf, package_dir, prune_depth
+from trainer.gguf import FetchError, convert_gguf, decode_q4_1, unpermute_rows, write_source_groups
 from tests.tiny import make_pair
 
 REAL = known_model(DEFAULT_MODEL)
@@ -165,7 +164,8 @@ def test_converted_verifier_gets_the_ggufs_q4_1_groups_and_a_manifest(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from drafter.decoder import LeanDecoder
-    from drafter.quant import int4_groups, quantize_decoder
+    from drafter.weight_groups import int4_groups
+    from drafter.quant import quantize_decoder
     from tests.test_quant import packed_q
 
     gguf, verifier, groups = _q4_1_checkpoint(tmp_path)
@@ -245,7 +245,7 @@ def test_the_real_verifier_as_served_reads_its_q8_0_head_and_embedding_from_the_
     embedding is looked up from the same bytes (no float copy), equal to the converted fp32 table."""
     from safetensors import safe_open
 
-    from drafter.quant import OwnW8A8Weight
+    from drafter.own_linears import OwnW8A8Weight
 
     gguf, verifier = real_verifier
     manifest = json.loads((verifier / "manifest.json").read_text())

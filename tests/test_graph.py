@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from drafter.engine import Engine, EngineRequest
+from drafter.engine import Engine
+from drafter.requests import EngineRequest
 from drafter.graph import GraphDecoder, StaticModel, graph_ready, resolve_backend
 from drafter.kinds import build_drafter
 from drafter.kv_cache import KVCache, prefill_rows

@@ -71,7 +71,7 @@ def test_thread_count_changes_no_rounding():
 
 def test_stock_kernels_can_be_forced(monkeypatch):
     """SPECLOOP_KERNELS=stock: drafter.quant serves torch's own int kernels."""
-    from drafter.quant import _kernels_for
+    from drafter.weight_modes import _kernels_for
 
     monkeypatch.setenv("SPECLOOP_KERNELS", "stock")
     kernels._module.cache_clear()
@@ -87,7 +87,7 @@ def test_stock_kernels_can_be_forced(monkeypatch):
 def test_quantized_linears_take_any_leading_shape_and_keep_the_dtype():
     """OwnInt4Weight / OwnInt8Weight as the decoder calls them: [B, T, K] in, [B, T, N] out in the
     activation dtype, bias added, close to the float product."""
-    from drafter.quant import OwnInt4Weight, OwnInt8Weight
+    from drafter.own_linears import OwnInt4Weight, OwnInt8Weight
 
     g = torch.Generator().manual_seed(7)
     w, b = torch.randn(100, 64, generator=g) * 0.1, torch.randn(100, generator=g)

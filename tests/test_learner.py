@@ -12,7 +12,8 @@ import pytest
 import redis
 import torch
 
-from services.buffer import MemoryBuffer, RedisStreamBuffer
+from services.buffer_memory import MemoryBuffer
+from services.buffer_redis import RedisStreamBuffer
 from services.learner import LearnerService, LearnerServiceConfig
 from services.registry import Registry
 from services.protocol import CompletionRequest
@@ -239,7 +240,7 @@ def test_a_malformed_payload_is_counted_and_acknowledged_and_never_stops_the_lea
 def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_metrics(tiny_pair, tmp_path, payloads):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from services.metrics import stop_metrics
+    from services.metrics_export import stop_metrics
 
     buffer = filled(payloads)
     service = make_service(tiny_pair, tmp_path / "registry", buffer)

@@ -10,15 +10,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from drafter.stats import AcceptanceStats
-from services.metrics import (
-    FINISHED_REASONS,
-    MAX_VERSIONS,
-    ApiMetrics,
-    LearnerMetrics,
-    WorkerMetrics,
-    serve_metrics,
-    stop_metrics,
-)
+from services.metrics_api import FINISHED_REASONS, ApiMetrics
+from services.metrics_worker import MAX_VERSIONS, WorkerMetrics
+from services.metrics_learner import LearnerMetrics
+from services.metrics_export import serve_metrics, stop_metrics
 
 
 def samples(exporter) -> dict[tuple[str, tuple], float]:

@@ -125,7 +125,8 @@ def test_suffix_calibration_follows_what_its_drafts_really_earn(lean):
 def test_rows_the_suffix_member_drafts_teach_the_calibration_not_the_acceptance_k_is_chosen_by(lean):
     """The controller prices asking the model for k drafts: a mix's suffix rows (free drafts) must not
     inflate that acceptance; they go to suffix decoding's own calibration."""
-    from drafter.engine import Engine, EngineRequest
+    from drafter.engine import Engine
+    from drafter.requests import EngineRequest
 
     mix = mix_of(lean, "suffix")
     for _ in range(30):
@@ -147,7 +148,8 @@ def test_rows_the_suffix_member_drafts_teach_the_calibration_not_the_acceptance_
 def test_a_step_the_model_would_draft_k_for_runs_as_a_lookup_where_every_row_copies_better(lean):
     """The controller gave the model k = 1, but every live row's suffix draft promises more: the step
     verifies the suffix drafts at full width (not cut to 1), and output stays the verifier's."""
-    from drafter.engine import Engine, EngineRequest
+    from drafter.engine import Engine
+    from drafter.requests import EngineRequest
 
     prompt = [1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 1, 2, 3]
     params = SamplingParams(max_tokens=12)

@@ -7,7 +7,7 @@ import torch
 from drafter.decoder import LeanDecoder
 from drafter.kinds import build_drafter
 from drafter.models import ModelError, check_same_vocabulary, default_dtype, load_model, load_tokenizer
-from drafter.quant import DTYPE_MODES
+from drafter.weight_modes import DTYPE_MODES
 from tests.tiny import build_model, llama_config, make_model, make_tokenizer
 
 

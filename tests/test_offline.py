@@ -13,17 +13,9 @@ from drafter.engine import generate
 from drafter.requests import StopRule
 from tests.tiny import CONVERSATIONS, TEXT
 from trainer.data import GENERATED_FILE
-from trainer.offline import (
-    CHECKPOINT_DIR,
-    CHECKPOINT_JSON,
-    KIND_OF_METHOD,
-    LOG_FILE,
-    METHODS,
-    OfflineConfig,
-    OfflineTrainer,
-    config_from_options,
-    train_offline,
-)
+from trainer.offline import CHECKPOINT_DIR, CHECKPOINT_JSON, LOG_FILE, OfflineTrainer, train_offline
+from trainer.offline_config import KIND_OF_METHOD, OfflineConfig, config_from_options
+from trainer.students import METHODS
 
 torch.set_num_threads(1)
 
@@ -241,7 +233,7 @@ def test_the_help_names_the_trainers_choices():
     from services.cli import app
     from services.cli_runtime import command
     from trainer.losses import LOSSES
-    from trainer.offline import DATA_MODES
+    from trainer.offline_config import DATA_MODES
 
     helps = {p.name: p.help for p in command(app).commands["train"].commands["offline"].params}
     for name, choices in (("method", METHODS), ("data", DATA_MODES), ("loss", LOSSES)):

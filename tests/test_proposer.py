@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.decoder import prefill
+from drafter.kv_cache import prefill
 from drafter.kinds import DRAFTER_KINDS, build_drafter
 from drafter.models import load_model
 from drafter.proposer import Drafter, VerifierView, first_rows, with_rows

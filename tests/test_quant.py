@@ -8,8 +8,10 @@ from drafter.decoder import LeanDecoder
 from drafter.dvi import DVIDrafter
 from drafter.models import load_model
 from drafter.pretrained import PretrainedDrafter
-from drafter.quant import (DTYPE_MODES, Dense, Int4Weight, Int8Weight, OwnInt4Weight, QuantSpec, default_mode, linear,
-                           quantize_decoder, quantize_weight)
+from drafter.weight_modes import DTYPE_MODES, default_mode
+from drafter.linears import Dense, Int4Weight, Int8Weight, linear
+from drafter.own_linears import OwnInt4Weight
+from drafter.quant import QuantSpec, quantize_decoder, quantize_weight
 from drafter.sampling import SamplingParams
 from drafter.sd2 import SteeredDrafter
 from drafter.engine import generate
@@ -176,7 +178,8 @@ def packed_q(w) -> torch.Tensor:
 
 
 def test_int4_from_groups_packs_the_given_q_and_the_nearest_scales_and_zeros():
-    from drafter.quant import _nearest, dequantize_groups
+    from drafter.linears import _nearest
+    from drafter.weight_groups import dequantize_groups
 
     g = torch.Generator().manual_seed(3)
     N, K = 97, 64  # N padded to 112 inside

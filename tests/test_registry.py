@@ -8,7 +8,8 @@ from uuid import uuid4
 import pytest
 import torch
 
-from services.registry import PromotionResult, Registry, RegistryError, VersionInfo
+from services.registry_types import PromotionResult, RegistryError, VersionInfo
+from services.registry import Registry
 from services.registry_meta import RedisMeta
 from tests.redis_helpers import needs_redis
 
@@ -169,7 +170,7 @@ def test_non_finite_weights_are_refused_even_with_force(reg, fill, force):
 
 
 def test_a_version_that_cannot_be_served_is_never_loaded(reg):
-    from services.registry import UnknownVersion, UnservableVersion
+    from services.registry_types import UnknownVersion, UnservableVersion
 
     good, nan, cut = _publish(reg, seed=1), _publish(reg, fill=float("nan")), _publish(reg, seed=2)
     assert torch.equal(reg.load_weights(good.id)["embed.weight"], _weights(1)["embed.weight"])
@@ -522,7 +523,7 @@ def test_the_champion_and_the_pin_survive_redis_losing_its_data_and_the_gate_sti
 
 
 def test_a_registry_folder_has_one_stable_redis_namespace(tmp_path):
-    from services.registry import redis_namespace
+    from services.registry_meta import redis_namespace
 
     assert redis_namespace(tmp_path) == redis_namespace(tmp_path / ".")
     assert redis_namespace(tmp_path).startswith("specloop:") and redis_namespace(tmp_path, "other").startswith("other:")
@@ -533,7 +534,7 @@ def test_a_registry_folder_has_one_stable_redis_namespace(tmp_path):
 def test_forgetting_a_namespace_deletes_its_keys_and_only_those(tmp_path):
     import redis
 
-    from services.registry import forget_namespace, redis_namespace
+    from services.registry_meta import forget_namespace, redis_namespace
 
     url = "redis://127.0.0.1:6379"
     mine, other = redis_namespace(tmp_path, "sltest-forget"), redis_namespace(tmp_path / "o", "sltest-forget")

@@ -58,8 +58,8 @@ def test_concurrent_requests_decode_exactly_as_generate_alone(tiny_pair, verifie
 
 
 def test_auto_requests_beside_explicit_ones_stay_lossless_and_export_the_chosen_k(tiny_pair, verifier):
-    from services.metrics import WorkerMetrics
-    from services.serving_loop import attach_metrics
+    from services.metrics_worker import WorkerMetrics
+    from services.serving_metrics import attach_metrics
 
     backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=3, max_queue=8)
     metrics = WorkerMetrics()
@@ -197,7 +197,8 @@ def test_a_request_naming_a_version_with_non_finite_weights_is_a_409_and_never_d
 
 
 def test_logprobs_come_one_per_streamed_token_as_the_verifier_alone_scores_them(tiny_pair, verifier):
-    from drafter.engine import Engine, EngineRequest
+    from drafter.engine import Engine
+    from drafter.requests import EngineRequest
     from services.protocol import Chunk
 
     backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=3, max_queue=8)

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from drafter.decoder import LeanDecoder, prefill
+from drafter.decoder import LeanDecoder
+from drafter.kv_cache import prefill
 from drafter.engine import Engine, generate
 from drafter.requests import EngineRequest, StopRule
 from drafter.sampling import SamplingParams

@@ -14,7 +14,8 @@ from drafter.kinds import DrafterBuilder
 from drafter.models import load_model
 from drafter.requests import StopRule
 from drafter.sampling import SamplingParams
-from services.buffer import MemoryBuffer, RedisStreamBuffer
+from services.buffer_memory import MemoryBuffer
+from services.buffer_redis import RedisStreamBuffer
 from services.registry import Registry
 from services.protocol import CompletionRequest
 from services.worker import AcceptanceMonitor, VerifierWorker, WorkerConfig

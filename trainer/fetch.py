@@ -23,9 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.gguf import (MANIFEST_FORMAT, Q4_1_BLOCK, Q4_1_BYTES, FetchError, convert_gguf, decode_q4_1,  # noqa: F401
-                          decode_q8_0, has_source_groups, hf_name, served_mode, source_groups, unpermute_rows,
-                          write_source_groups)
+from trainer.gguf import (FetchError, convert_gguf, has_source_groups, write_source_groups)
 
 DONE_FILE = "fetched.json"
 
@@ -206,7 +204,8 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
     """FR-Spec vocabulary from real traffic, then the self-distilled eagle head (the default), or a
     depth-pruned copy of the verifier aligned by `train offline` (sd2, distill), which resumes a run
     that was cut off."""
-    from trainer.offline import OfflineConfig, train_offline
+    from trainer.offline_config import OfflineConfig
+    from trainer.offline import train_offline
 
     vocab = out / "draft_vocab.safetensors"
     if not vocab.is_file():

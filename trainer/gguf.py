@@ -123,7 +123,7 @@ def _field(reader, key: str, default=None):
 
 
 def has_source_groups(verifier: Path) -> bool:
-    from drafter.quant import VERIFIER_MANIFEST
+    from drafter.weight_modes import VERIFIER_MANIFEST
 
     manifest = verifier / VERIFIER_MANIFEST
     if not manifest.is_file():
@@ -184,7 +184,8 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from drafter.quant import INT4_GROUPS_FILE, VERIFIER_MANIFEST, dequantize_groups
+    from drafter.weight_groups import INT4_GROUPS_FILE, dequantize_groups
+    from drafter.weight_modes import VERIFIER_MANIFEST
 
     groups, info = source_groups(gguf)
     kept, diffs, mismatched = {}, {}, []

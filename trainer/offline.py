@@ -31,11 +31,10 @@ from tqdm import tqdm
 
 from drafter.models import load_model
 from trainer.data import ConversationSource, GeneratedSet, GenerationSpec, WindowStream, code_documents, conversation_ids
-from trainer.losses import LOSSES, distribution_loss, expected_acceptance  # noqa: F401
+from trainer.losses import distribution_loss, expected_acceptance
 from drafter.vocab import save_vocab
-from trainer.offline_config import (DATA_MODES, KIND_OF_METHOD, NEEDS_DRAFTER, OfflineConfig,  # noqa: F401
-                                    config_from_options)
-from trainer.students import METHODS, build_student, teacher_autocast, verifier_targets  # noqa: F401
+from trainer.offline_config import (KIND_OF_METHOD, OfflineConfig)
+from trainer.students import build_student, teacher_autocast, verifier_targets
 
 CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT_TENSORS = "state.safetensors"

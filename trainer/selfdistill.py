@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from drafter.decoder import prefill
+from drafter.kv_cache import prefill
 from drafter.models import LoadedModel, load_model
 from drafter.vocab import save_vocab
 from trainer.data import ConversationSource, code_documents, conversation_ids, first_turn_prompt

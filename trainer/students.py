@@ -59,7 +59,7 @@ def head_logits(hf, input_ids: torch.Tensor, vocab: torch.Tensor | None = None) 
 def teacher_autocast(device: torch.device, dtype: str):
     """bf16 autocast for the frozen verifier's forward when asked ("bf16"), or when "auto" and the
     CPU has native bf16 dot products (AVX512-BF16 / AMX); fp32 otherwise."""
-    from drafter.quant import native_bf16
+    from drafter.weight_modes import native_bf16
 
     use = dtype == "bf16" or (dtype == "auto" and (device.type == "cuda" or native_bf16()))
     return torch.autocast(device.type, dtype=torch.bfloat16) if use else nullcontext()
