@@ -10,8 +10,8 @@ Systems, all decoding the same chat-templated prompt token ids (batch 1, EOS hon
 - `llama.cpp`: llama-cpp-python `Llama(model_path=GGUF, n_threads=T)` fed the token ids (not text);
 - `llama.cpp-lookup`: the same with `draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k)`;
 - `specloop` configurations, LABEL:DTYPE:KIND:DIR:K (DIR "-" for none, K = 0 for the verifier
-  alone), e.g. `specloop-int8-d4:int8:pretrained:/work/real/d4:4`. The dtype mode (drafter/quant.py;
-  DTYPE+stock, e.g. auto+stock: with torch's stock int kernels instead of drafter.kernels)
+  alone), e.g. `specloop-int8-d4:int8:pretrained:/work/real/d4:4`. The dtype mode (drafter/model/weights/quant.py;
+  DTYPE+stock, e.g. auto+stock: with torch's stock int kernels instead of specloop.drafter.model.kernels)
   applies to the verifier and to a drafter with its own LM. For every dtype with a speculative
   configuration, the verifier alone in that dtype is added (greedy outputs are checked against it).
 
@@ -77,7 +77,7 @@ class System:
         return self.family in ("hf-assisted", "hf-lookup", "llama.cpp-lookup") or (self.family == "specloop" and self.k != 0)
 
 
-AUTO_K = -1  # K "auto": the cost-aware controller (drafter/controller.py) chooses k step by step
+AUTO_K = -1  # K "auto": the cost-aware controller (drafter/decode/controller.py) chooses k step by step
 
 
 def parse_specloop(text: str) -> System:
@@ -272,8 +272,8 @@ class SpecloopRunner:
     def __init__(self, sys_: System, s: dict):
         import torch
 
-        from drafter.models import load_model
-        from drafter.requests import StopRule
+        from specloop.drafter.decode.requests import StopRule
+        from specloop.drafter.model.loading import load_model
 
         self.torch = torch
         self.sys = sys_
@@ -289,10 +289,10 @@ class SpecloopRunner:
         act = None
         if mode not in ("fp32", "auto"):
             try:
-                from drafter.quant import quantize_decoder
+                from specloop.drafter.model.weights.quant import quantize_decoder
             except ImportError as exc:
-                raise SkipSystem(f"dtype {sys_.dtype!r} needs drafter.quant: {exc}") from None
-            # The activation dtype is chosen once by the parent (drafter.quant times it per process,
+                raise SkipSystem(f"dtype {sys_.dtype!r} needs specloop.drafter.model.weights.quant: {exc}") from None
+            # The activation dtype is chosen once by the parent (specloop.drafter.model.weights.quant times it per process,
             # and two processes could choose differently: two different verifiers).
             name = s["act_dtypes"].get(mode)
             act = getattr(torch, name) if name else None
@@ -304,14 +304,14 @@ class SpecloopRunner:
         self.timers = [ForwardTimer(v.lean, (4 if sys_.k == AUTO_K else sys_.k) + 1)]
         self.controller = None
         if sys_.kind:
-            from drafter.kinds import build_drafter
+            from specloop.drafter.kinds.table import build_drafter
 
             # a drafter LM of its own is restricted to its draft vocabulary, then packed, before any
-            # steering reads its dtype (drafter.kinds)
-            kind, *speculators = sys_.kind.split("+")  # KIND+static+suffix: a mix of speculators (drafter.mix)
+            # steering reads its dtype (specloop.drafter.kinds.table)
+            kind, *speculators = sys_.kind.split("+")  # KIND+static+suffix: a mix of speculators (specloop.drafter.kinds.mix)
             self.drafter = build_drafter(kind, v, sys_.drafter_dir, weights=sys_.drafter_dtype or "auto",
                                          speculators=tuple(speculators))
-            from drafter.controller import Controller
+            from specloop.drafter.decode.controller import Controller
 
             self.controller = Controller() if sys_.k == AUTO_K else None  # one for the whole run, as `generate` has
             dlean = getattr(self.drafter, "lean", None)
@@ -320,8 +320,8 @@ class SpecloopRunner:
         self.stop = StopRule(frozenset(s["eos_ids"]))
 
     def run(self, ids, temperature, seed, index, max_tokens):
-        from drafter.sampling import SamplingParams
-        from drafter.engine import generate
+        from specloop.drafter.decode.engine import generate
+        from specloop.drafter.decode.sampling import SamplingParams
 
         params = SamplingParams(temperature=float(temperature), max_tokens=max_tokens, seed=seed)
         for t in self.timers:
@@ -433,7 +433,7 @@ def default_systems(args) -> list[System]:
 def act_dtypes(modes: set[str]) -> dict[str, str]:
     """The activation dtype of each quantized mode, chosen once here for every child."""
     try:
-        from drafter.weight_modes import activation_dtype
+        from specloop.drafter.model.weights.modes import activation_dtype
     except ImportError:
         return {}
     out = {}
@@ -446,7 +446,7 @@ def act_dtypes(modes: set[str]) -> dict[str, str]:
 
 
 def load_prompts_ids(tok, n_chat: int, n_code: int) -> list[dict]:
-    from services.prompts import encode, load_prompts
+    from specloop.services.prompts import encode, load_prompts
 
     chat = [("chat", r) for r in load_prompts(SHARED / "prompts" / "chat_dev.jsonl", n_chat)] if n_chat else []
     code = [("code", r) for r in load_prompts(SHARED / "prompts" / "code_dev.jsonl", n_code)] if n_code else []
@@ -637,7 +637,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from bench.machine import machine_info
-    from drafter.models import load_tokenizer
+    from specloop.drafter.model.loading import load_tokenizer
 
     tok = load_tokenizer(args.verifier)
     from transformers import GenerationConfig

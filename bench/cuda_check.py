@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from drafter.kinds import build_drafter
-from drafter.models import load_model
-from drafter.pretrained import PretrainedDrafter
-from drafter.sampling import SamplingParams
-from drafter.engine import generate
-from drafter.requests import StopRule
-from drafter.vocab import frequency_ranked
-from services.prompts import encode, load_prompts
+from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.requests import StopRule
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.pretrained import PretrainedDrafter
+from specloop.drafter.kinds.table import build_drafter
+from specloop.drafter.model.loading import load_model
+from specloop.drafter.model.vocab import frequency_ranked
+from specloop.services.prompts import encode, load_prompts
 
 
 def systems(verifier, models: Path, prompts: list[list[int]]) -> dict:

@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from machine import machine_info  # noqa: E402
-from services.launch import ServeProcess  # noqa: E402
+
+from specloop.services.cli.launch import ServeProcess  # noqa: E402
 from tests.prometheus_helpers import PROMETHEUS, ThrowawayPrometheus  # noqa: E402
 
 SHARED = ROOT.parent / "shared"

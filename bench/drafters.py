@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -24,13 +24,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter.kinds import build_drafter  # noqa: E402
-from drafter.models import load_model  # noqa: E402
-from drafter.sampling import SamplingParams  # noqa: E402
-from drafter.sd2 import SteeredDrafter  # noqa: E402
-from drafter.engine import generate  # noqa: E402
-from drafter.requests import StopRule  # noqa: E402
-from services.prompts import encode, load_prompts  # noqa: E402
+from specloop.drafter.decode.engine import generate  # noqa: E402
+from specloop.drafter.decode.requests import StopRule  # noqa: E402
+from specloop.drafter.decode.sampling import SamplingParams  # noqa: E402
+from specloop.drafter.kinds.sd2 import SteeredDrafter  # noqa: E402
+from specloop.drafter.kinds.table import build_drafter  # noqa: E402
+from specloop.drafter.model.loading import load_model  # noqa: E402
+from specloop.services.prompts import encode, load_prompts  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 METHODS = ("distill", "sd2", "sd2-frozen", "dvi")
@@ -45,7 +45,7 @@ class System:
 
 def train_all(args, ckpt: Path) -> dict:
     """Train every method with the same budget, two processes at a time, one thread each."""
-    specloop = [sys.executable, "-m", "services.cli", "--threads", "1", "train", "offline"]
+    specloop = [sys.executable, "-m", "specloop", "--threads", "1", "train", "offline"]
     models = args.models
     jobs = []
     for method in METHODS:

@@ -12,7 +12,7 @@ as `specloop replay` does, and records τ per request. Targets (issue: the onlin
         --segments 100 300 100 --oracle runs/oracle-code --tag pretrained
 
 Or any list of runs KIND:LEARNER, where KIND may carry speculators chosen per step beside the drafter
-(drafter/mix.py: eagle+static+suffix), `none` is the verifier alone (tokens/s reference) and
+(drafter/kinds/mix.py: eagle+static+suffix), `none` is the verifier alone (tokens/s reference) and
 `--frozen KIND` names the learner-off run every ratio is taken against:
 
     M=~/.cache/specloop/models/smollm2-135m-instruct
@@ -62,7 +62,7 @@ def traffic_files(tmp: Path, segments: tuple[int, int, int]) -> list[Path]:
 def learner_settings(text: str) -> dict:
     """"lr=1e-4,batch_records=64" -> LearnerConfig overrides (values read as Python literals); an unknown
     field is refused here, before any run starts."""
-    from trainer.online import LearnerConfig
+    from specloop.trainer.online import LearnerConfig
 
     out = dict(pair.split("=", 1) for pair in filter(None, text.split(",")))
     unknown = set(out) - set(LearnerConfig.__dataclass_fields__)
@@ -74,7 +74,7 @@ def learner_settings(text: str) -> dict:
 
 def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | None, files: list[Path],
             settings: str = "") -> dict:
-    from services.replay_traffic import Replay, ReplayConfig
+    from specloop.services.cli.replay_traffic import Replay, ReplayConfig
 
     base, *speculators = kind.split("+")
     alone = base == "none"  # the verifier alone: k = 0 with a drafter that never drafts

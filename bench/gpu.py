@@ -1,4 +1,4 @@
-"""Benchmark: the engine's graph backend (drafter/graph.py) on a lent GPU, in one call.
+"""Benchmark: the engine's graph backend (drafter/model/graph.py) on a lent GPU, in one call.
 
 Random bf16 weights of real shapes (SmolLM2-135M, SmolLM2-1.7B, Llama-3.1-8B), built on the device from
 their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 512 cached tokens:
@@ -18,7 +18,7 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
 - anchor: plain transformers (AutoModelForCausalLM.from_config, StaticCache, torch.compile
   mode="reduce-overhead", fullgraph) one-token decode at batch 1, same shapes and context; a failure
   (transformers API drift) is recorded, not raised.
-- pair (with --models): the reference pair end to end through drafter.engine.generate, greedy, 64 new
+- pair (with --models): the reference pair end to end through specloop.drafter.decode.engine.generate, greedy, 64 new
   tokens, batch 1 and 8: the verifier alone (graph and eager backends), and the pretrained, n-gram and
   eagle (untrained head: cost only) drafters at k = auto and k = 4 on the graph backend: tokens/s
   (median over alternating rounds after a warm-up pass that compiles), τ = 1 + accepted / blocks, and
@@ -57,10 +57,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from drafter.attention import KEY_BLOCK  # noqa: E402
-from drafter.architecture import Architecture, StaticRope, fuse_layer
-from drafter.decoder import LeanDecoder
-from drafter.graph import GraphDecoder, pool_shape  # noqa: E402
+from specloop.drafter.model.architecture import Architecture, StaticRope, fuse_layer
+from specloop.drafter.model.attention import KEY_BLOCK  # noqa: E402
+from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least
 SECTIONS = ("steps", "pair", "batches", "inexact", "drafter", "verify", "compile", "anchor")
@@ -610,9 +610,9 @@ class System:
 
 def build_systems(verifier, models: Path) -> list[System]:
     """Fresh drafters per batch size: the engine wraps a drafter's own LM for the slot count of the
-    first engine it joins (drafter.engine.Engine._graph_drafter) and keeps that wrapper. A drafter that
+    first engine it joins (specloop.drafter.decode.engine.Engine._graph_drafter) and keeps that wrapper. A drafter that
     fails to build leaves its systems with the error."""
-    from drafter.kinds import build_drafter
+    from specloop.drafter.kinds.table import build_drafter
 
     untrained = "untrained head: drafts noise; its cost is real, its τ is not"
     systems = [System("alone-graph", None, 0, "graph"), System("alone-eager", None, 0, "eager")]
@@ -627,10 +627,10 @@ def build_systems(verifier, models: Path) -> list[System]:
 
 
 def pair_section(plan: Plan, args, report: Report, budget: Budget, clock: Clock) -> None:
-    from drafter.models import load_model
-    from drafter.requests import StopRule
-    from drafter.sampling import SamplingParams
-    from services.prompts import encode, load_prompts
+    from specloop.drafter.decode.requests import StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
+    from specloop.drafter.model.loading import load_model
+    from specloop.services.prompts import encode, load_prompts
 
     out = report.section("pair")
     # the entries other models compiled go: dynamo's recompile-reason code can fail across models of
@@ -662,10 +662,10 @@ def pair_section(plan: Plan, args, report: Report, budget: Budget, clock: Clock)
 
 def one_pool(lean, plan: Plan) -> range:
     """Prompt lengths for which every system's engine gets the same pool: generate() sizes the pool from
-    the batch's longest prompt, max_tokens and k (drafter.capacity), and each distinct pool shape is
+    the batch's longest prompt, max_tokens and k (specloop.drafter.decode.capacity), and each distinct pool shape is
     another compile of the static step (dynamic=False). Kept: the lengths whose pool, for k = 0 and for
     k up to k_max alike, is that of a `pool_prompt`-token prompt (default 96: 62-117 tokens at 64 new)."""
-    from drafter.capacity import AUTO_K_MAX, positions_needed
+    from specloop.drafter.decode.capacity import AUTO_K_MAX, positions_needed
 
     def pool(length: int, k: int) -> int:
         return pool_shape(1, positions_needed(length, plan.max_tokens, k, AUTO_K_MAX), lean)[2]
@@ -676,7 +676,7 @@ def one_pool(lean, plan: Plan) -> range:
 
 
 def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, budget: Budget, clock: Clock) -> dict:
-    from drafter.engine import generate
+    from specloop.drafter.decode.engine import generate
 
     systems = build_systems(verifier, args.models)
 
@@ -721,7 +721,7 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
 
 
 def pair_rows(systems: list[System], batch: int, passes: list[float], budget: Budget) -> dict:
-    from drafter.graph import GraphDecoder
+    from specloop.drafter.model.graph import GraphDecoder
 
     base = next(s for s in systems if s.name == "alone-graph").rates
     rows = {}
@@ -969,8 +969,9 @@ def main() -> None:
     budget = Budget(args.budget_s)
     plan = make_plan(args)
     clock = Clock(plan.device)
-    from bench.machine import machine_info
     import transformers
+
+    from bench.machine import machine_info
 
     device_name = torch.cuda.get_device_name(plan.device) if plan.cuda else f"cpu: {machine_info()['cpu']}"
     peak = peak_bandwidth(device_name, args.peak_gbs)

@@ -27,12 +27,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench.cpu_real import load_prompts_ids  # noqa: E402
 from bench.machine import machine_info  # noqa: E402
-from drafter.engine import generate  # noqa: E402
-from drafter.kinds import build_drafter  # noqa: E402
-from drafter.models import load_model  # noqa: E402
-from drafter.requests import StopRule  # noqa: E402
-from drafter.sampling import SamplingParams  # noqa: E402
-from drafter.stats import AcceptanceStats  # noqa: E402
+from specloop.drafter.decode.engine import generate  # noqa: E402
+from specloop.drafter.decode.requests import StopRule  # noqa: E402
+from specloop.drafter.decode.sampling import SamplingParams  # noqa: E402
+from specloop.drafter.decode.stats import AcceptanceStats  # noqa: E402
+from specloop.drafter.kinds.table import build_drafter  # noqa: E402
+from specloop.drafter.model.loading import load_model  # noqa: E402
 
 DEFAULT_PAIR = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"
 OUT = ROOT / "bench" / "results"

@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2, help="serve's torch threads")
     args = p.parse_args(argv)
-    from services.launch import ServeProcess
+    from specloop.services.cli.launch import ServeProcess
 
     server = ServeProcess(["--learner", "off", "--workers", "1"], threads=args.threads).start()
     try:

@@ -67,8 +67,8 @@ def sharegpt_records(start: int, requests: int, held_out: int, fits) -> tuple[li
     `fits(text)` holds (their templated prompt leaves room in the context). Held out: from the benchmark hold-out (the file's last 500 conversations,
     which nothing trains on); traffic: training conversations from index `start` on (the fetched head's
     self-distillation read the first few hundred)."""
-    from trainer.corpora import HOLDOUT, iter_sharegpt_conversations
-    from trainer.data import ConversationSource
+    from specloop.trainer.corpora import HOLDOUT, iter_sharegpt_conversations
+    from specloop.trainer.data import ConversationSource
 
     def first_turn(tag: str, i: int, conversation: list) -> dict | None:
         user = next((m["content"] for m in conversation if m["role"] == "user" and m["content"].strip()), None)
@@ -107,7 +107,7 @@ def checkpoints(rows: list[dict], every: int) -> list[tuple[int, str]]:
 
 
 def serve_traffic(args, traffic: Path, registry: Path) -> dict:
-    from services.replay_traffic import Replay, ReplayConfig
+    from specloop.services.cli.replay_traffic import Replay, ReplayConfig
 
     cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind="eagle", prompts=[traffic],
                        learner=args.learner, max_tokens=args.max_tokens, k=args.serve_k, registry=registry,
@@ -133,9 +133,9 @@ class Evaluator:
     def __init__(self, args, held_out: list[dict]):
         import torch
 
-        from drafter.kinds import DrafterBuilder
-        from drafter.models import load_model
-        from services.prompts import encode, parse_record
+        from specloop.drafter.kinds.table import DrafterBuilder
+        from specloop.drafter.model.loading import load_model
+        from specloop.services.prompts import encode, parse_record
 
         torch.set_num_threads(args.threads)
         self.args = args
@@ -155,7 +155,7 @@ class Evaluator:
     def acceptance(self, weights: dict | None) -> dict:
         """First-draft acceptance, acceptance per position and τ of the head at fixed k over the
         held-out prompts (every answer checked against the verifier alone)."""
-        from drafter.stats import AcceptanceStats
+        from specloop.drafter.decode.stats import AcceptanceStats
 
         drafter, stats = self.builder.build(weights), AcceptanceStats()
         for ids, answer in zip(self.prompts, self.answers):
@@ -193,7 +193,7 @@ def _check(tokens: list[int], answer: list[int]) -> None:
 
 
 def evaluate(args, held_out: list[dict], marks: list[tuple[int, str]], registry: Path) -> dict:
-    from services.registry_versions import VersionStore
+    from specloop.services.registry.versions import VersionStore
 
     ev, store = Evaluator(args, held_out), VersionStore(registry)
     weights = {version: store.load_weights(version) for _, version in marks}
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.source is None:
-        from drafter.models import load_tokenizer
+        from specloop.drafter.model.loading import load_tokenizer
 
         tok = load_tokenizer(args.verifier)
         fits = lambda text: len(tok.encode(text, add_special_tokens=False)) <= args.max_prompt  # noqa: E731

@@ -61,9 +61,9 @@ NGINX = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/bin"
 CLIENT_LEVELS = (1, 8, 32)
 # `specloop serve` with the replay buffer forced to the embedded one (the default picks a Redis on
 # 127.0.0.1:6379 when one answers, which on this machine is the shared test Redis)
-SERVE_EMBEDDED = ("import sys, services.deployment as s; s.detect_redis = lambda: None; print(\"services from\", s.__file__, file=sys.stderr); "
-                  "from services.cli import main; sys.exit(main(sys.argv[1:]))")
-SERVE_AUTO = "import sys; from services.cli import main; sys.exit(main(sys.argv[1:]))"
+SERVE_EMBEDDED = ("import sys, specloop.services.cli.deployment as s; s.detect_redis = lambda: None; print(\"services from\", s.__file__, file=sys.stderr); "
+                  "from specloop.services.cli.main import main; sys.exit(main(sys.argv[1:]))")
+SERVE_AUTO = "import sys; from specloop.services.cli.main import main; sys.exit(main(sys.argv[1:]))"
 
 
 def snapshot(dest: Path, head_files: list[str]) -> dict:
@@ -139,7 +139,7 @@ class Server:
         return path.read_text(errors="replace")[-tail:] if path.exists() else ""
 
     def command(self, port: int) -> list[str]:
-        """`specloop serve` (services.cli.main), run from the code snapshot."""
+        """`specloop serve` (specloop.services.cli.main.main), run from the code snapshot."""
         a = self.args
         flags = ["--threads", str(a.threads), "serve", "--verifier", str(a.verifier), "--drafter", str(a.drafter),
                  "--port", str(port), "--registry", str(self.folder / "registry"), "--learner", self.learner,

@@ -24,13 +24,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import redis  # noqa: E402
 import torch  # noqa: E402
-
 from machine import machine_info  # noqa: E402
-from services.buffer_memory import MemoryBuffer
-from services.buffer import open_buffer
-from services.prompts import encode, load_prompts  # noqa: E402
-from services.protocol import CompletionRequest  # noqa: E402
-from services.worker import VerifierWorker, WorkerConfig  # noqa: E402
+
+from specloop.services.buffer.connect import open_buffer
+from specloop.services.buffer.memory import MemoryBuffer
+from specloop.services.prompts import encode, load_prompts  # noqa: E402
+from specloop.services.protocol import CompletionRequest  # noqa: E402
+from specloop.services.worker.worker import VerifierWorker, WorkerConfig  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 OUT = ROOT / "bench" / "results"

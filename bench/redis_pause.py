@@ -26,7 +26,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info  # noqa: E402
-from services.launch import ServeProcess  # noqa: E402
+from specloop.services.cli.launch import ServeProcess  # noqa: E402
 from tests.redis_helpers import ThrowawayRedis  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def summary(streams: list[dict]) -> dict:
 
 
 class Serve(ServeProcess):
-    """`specloop serve` (services.launch.ServeProcess) with its registry and replay stream in a
+    """`specloop serve` (specloop.services.cli.launch.ServeProcess) with its registry and replay stream in a
     throwaway Redis of its own, stopped with it."""
 
     def __init__(self, folder: Path, name: str, flags: list[str]):

@@ -5,17 +5,23 @@ verifier and int4 drafters on 10 chat + 10 code prompts × 64 tokens, greedy.
 
     .venv/bin/python bench/sd2_vs_distill_real.py 140     # after `specloop models fetch`
 """
-import json, sys, torch
+import json
+import sys
+
+import torch
+
 torch.set_num_threads(2)
 from pathlib import Path
-from trainer.offline_config import OfflineConfig
-from trainer.offline import train_offline
-from drafter.models import load_model
-from drafter.kinds import build_drafter
-from drafter.engine import generate
-from drafter.requests import StopRule
-from drafter.sampling import SamplingParams
-from services.prompts import load_prompts, encode
+
+from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.requests import StopRule
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.table import build_drafter
+from specloop.drafter.model.loading import load_model
+from specloop.services.prompts import encode, load_prompts
+from specloop.trainer.offline import train_offline
+from specloop.trainer.offline_config import OfflineConfig
+
 D = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"
 out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path.home() / ".cache" / "specloop" / "sd2_vs_distill"; out.mkdir(parents=True, exist_ok=True)
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 140

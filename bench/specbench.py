@@ -105,7 +105,7 @@ def _spaced(items: list, n: int) -> list:
 
 def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_dir: Path | None, kind: str):
     """name -> drafter (None: the verifier alone); names whose drafter is missing map to a reason (str)."""
-    from drafter.kinds import build_drafter, default_speculators
+    from specloop.drafter.kinds.table import build_drafter, default_speculators
 
     def model(kind_: str, path: Path | None, speculators: tuple[str, ...]):
         if path is None or not path.is_dir():
@@ -126,11 +126,10 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
 
 def decode(verifier, drafter, controller, prompt: list[int], max_tokens: int, run: Run) -> list[int]:
     """One whole request on a fresh engine (as `specloop generate` runs it); accumulates into `run`."""
-    from drafter.capacity import positions_needed
-    from drafter.engine import Engine
-    from drafter.requests import EngineRequest
-    from drafter.requests import StopRule
-    from drafter.sampling import SamplingParams
+    from specloop.drafter.decode.capacity import positions_needed
+    from specloop.drafter.decode.engine import Engine
+    from specloop.drafter.decode.requests import EngineRequest, StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
 
     k = 0 if drafter is None else None
     capacity = positions_needed(len(prompt), max_tokens, k, controller.cfg.k_max)
@@ -174,7 +173,7 @@ def turn_prompts(tokenizer, q: Question, first_answer: str | None) -> list[dict]
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    from services.prompts import PromptRecord, encode
+    from specloop.services.prompts import PromptRecord, encode
 
     return encode(tokenizer, PromptRecord(id="q", messages=tuple(messages)))
 
@@ -307,11 +306,11 @@ def main() -> None:
     import torch
 
     from bench.machine import machine_info
-    from drafter.controller import Controller
-    from drafter.kinds import resolve_kind
-    from drafter.models import load_model
-    from trainer.fetch import DEFAULT_MODEL, default_out
-    from services.cli_options import DEFAULT_CACHE
+    from specloop.drafter.decode.controller import Controller
+    from specloop.drafter.kinds.table import resolve_kind
+    from specloop.drafter.model.loading import load_model
+    from specloop.services.cli.options import DEFAULT_CACHE
+    from specloop.trainer.fetch import DEFAULT_MODEL, default_out
 
     torch.set_num_threads(args.threads)
     pair = default_out(DEFAULT_CACHE, DEFAULT_MODEL)

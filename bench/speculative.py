@@ -20,12 +20,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter.models import LoadedModel, load_model  # noqa: E402
-from drafter.pretrained import PretrainedDrafter  # noqa: E402
-from drafter.sampling import SamplingParams  # noqa: E402
-from drafter.engine import generate  # noqa: E402
-from drafter.requests import StopRule  # noqa: E402
-from services.prompts import encode, load_prompts  # noqa: E402
+from specloop.drafter.decode.engine import generate  # noqa: E402
+from specloop.drafter.decode.requests import StopRule  # noqa: E402
+from specloop.drafter.decode.sampling import SamplingParams  # noqa: E402
+from specloop.drafter.kinds.pretrained import PretrainedDrafter  # noqa: E402
+from specloop.drafter.model.loading import LoadedModel, load_model  # noqa: E402
+from specloop.services.prompts import encode, load_prompts  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 OUT = ROOT / "bench" / "results"

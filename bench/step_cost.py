@@ -1,7 +1,7 @@
 """Benchmark: what one decode forward of T tokens costs, by kernel choice, in one process.
 
 The verifier (default: the `specloop models fetch` pair, served as `auto`) is loaded once per
-kernel choice (`own`: drafter/kernels.py; `stock`: torch's int kernels, SPECLOOP_KERNELS=stock),
+kernel choice (`own`: drafter/model/kernels.py; `stock`: torch's int kernels, SPECLOOP_KERNELS=stock),
 a prompt of --context tokens is prefilled, and forwards of T = 1..5 new tokens on one row are
 timed at that context (the cache length reset each time). Kinds take turns T by T, the order
 alternating every round, medians of --repeats forwards per round and of the rounds. v_T = cost(T)
@@ -27,8 +27,8 @@ KINDS = ("own", "stock")
 
 
 def load(path: str, kind: str):
-    from drafter import kernels
-    from drafter.models import load_model
+    from specloop.drafter.model import kernels
+    from specloop.drafter.model.loading import load_model
 
     os.environ["SPECLOOP_KERNELS"] = "auto" if kind == "own" else "stock"
     kernels._module.cache_clear()
@@ -41,7 +41,7 @@ def load(path: str, kind: str):
 def forward_ms(lean, context: int, T: int, repeats: int) -> float:
     import torch
 
-    from drafter.kv_cache import prefill
+    from specloop.drafter.model.kv_cache import prefill
 
     cache, _ = prefill(lean, [list(range(100, 100 + context + 1))], context + 64)
     base, tokens, times = cache.lens.clone(), torch.full((1, T), 200), []
@@ -66,7 +66,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from bench.machine import machine_info
-    from drafter.weight_modes import describe_mode
+    from specloop.drafter.model.weights.modes import describe_mode
 
     models = {kind: load(args.verifier, kind) for kind in KINDS}
     widths = range(1, 6)

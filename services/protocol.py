@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from drafter.sampling import SamplingParams
+from specloop.drafter.decode.sampling import SamplingParams
 
 
 class ProtocolError(ValueError):
@@ -156,7 +156,7 @@ class WorkerInfo:
     prefix: str = "specloop"
     buffer: str | None = None  # buffer spec ("memory" or a redis URL), None = no logging
     metrics_url: str | None = None  # host:port of its Prometheus endpoint
-    weights: str = "fp32"  # the verifier as served (drafter.quant.describe_mode): "fp32", "w4a8 (int4 weights, int8 activations, specloop kernels)"
+    weights: str = "fp32"  # the verifier as served (specloop.drafter.model.weights.quant.describe_mode): "fp32", "w4a8 (int4 weights, int8 activations, specloop kernels)"
 
     def to_dict(self) -> dict:
         return asdict(self)

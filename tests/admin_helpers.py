@@ -14,11 +14,11 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from services.admin import make_admin_router
-from services.buffer_memory import MemoryBuffer
-from services.protocol import WorkerInfo
-from services.registry import Registry
-from services.registry_types import VersionInfo
+from specloop.services.api.admin import make_admin_router
+from specloop.services.buffer.memory import MemoryBuffer
+from specloop.services.protocol import WorkerInfo
+from specloop.services.registry.registry import Registry
+from specloop.services.registry.types import VersionInfo
 from tests.redis_helpers import free_port
 
 TOKEN = "s3cret-admin-token"
@@ -59,7 +59,7 @@ def filled_buffer(n: int = 5, payload: bytes = b"record") -> MemoryBuffer:
 
 @dataclass
 class WorkerListBackend:
-    """The part of services.backend.Backend the admin router reads: live workers and buffer stats."""
+    """The part of specloop.services.api.backend.Backend the admin router reads: live workers and buffer stats."""
 
     infos: list[WorkerInfo] = field(default_factory=list)
     buffer: MemoryBuffer | None = None

@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from drafter.models import load_tokenizer
-from services.api import create_app
-from services.protocol import Chunk, CompletionRequest, TokenLogprob, Usage, WorkerInfo
+from specloop.drafter.model.loading import load_tokenizer
+from specloop.services.api.app import create_app
+from specloop.services.protocol import Chunk, CompletionRequest, TokenLogprob, Usage, WorkerInfo
 
 MODEL = "tiny-verifier"
 MAX_CONTEXT = 256

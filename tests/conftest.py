@@ -6,11 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-import drafter  # noqa: F401  (sets MKL_CBWR before any product: drafter/__init__.py)
+import specloop.drafter  # noqa: F401  (sets MKL_CBWR before any product: drafter/__init__.py)
 
 torch.set_num_threads(1)
 
-from tests.tiny import make_pair  # noqa: E402
+from specloop.services.buffer.memory import MemoryBuffer  # noqa: E402
+from specloop.services.protocol import CompletionRequest  # noqa: E402
+from specloop.services.worker.worker import VerifierWorker, WorkerConfig  # noqa: E402
+from tests.tiny import TEXT, make_pair  # noqa: E402
 
 SHARED_MODELS = Path(__file__).resolve().parents[2] / "shared" / "models"
 SHARED_PROMPTS = Path(__file__).resolve().parents[2] / "shared" / "prompts"
@@ -53,3 +56,35 @@ def peaky_pair(tmp_path_factory):
 def peaky_verifier(peaky_pair):
     """The verifier directory of `peaky_pair`."""
     return peaky_pair[0]
+
+
+@pytest.fixture(scope="session")
+def payloads(tiny_pair) -> list[bytes]:
+    """Encoded replay records logged by a verifier worker serving 12 prompts (greedy, k 4)."""
+    verifier, drafter = tiny_pair
+    buffer = MemoryBuffer()
+    worker = VerifierWorker(WorkerConfig(str(verifier), str(drafter), "pretrained"), buffer)
+    tok = worker.verifier.tokenizer
+    prompts = [tok.encode(text[start : start + 20]) for text in TEXT for start in (0, 15, 30)]
+    for i, ids in enumerate(prompts):
+        worker.serve(CompletionRequest(f"p{i}", ids, max_tokens=32, k=4, stream_index=i))
+    worker.close()
+    out = [e.payload for e in buffer.read("collect", 100_000)]
+    assert len(out) >= 60
+    return out
+
+
+# Integration tests start something beside the test process (Redis, Ray, a uvicorn server, nginx,
+# Prometheus, docker-compose, a specloop subprocess); the rest are unit tests. `-m "not integration"` runs
+# the unit tests alone; the README's test command runs both.
+STARTS_SOMETHING = {"redis_server", "redis_buffers", "redis_buffer_factory", "local_ray", "cluster", "server", "runs"}
+INTEGRATION_MODULES = {"test_deploy", "test_dashboards", "test_faithful_defaults", "test_cluster", "test_actors",
+                       "test_deployment", "test_launch", "test_drain", "test_cli"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        uses_redis = any(m.name == "skipif" and "Redis" in str(m.kwargs.get("reason", "")) for m in item.iter_markers())
+        if module in INTEGRATION_MODULES or uses_redis or STARTS_SOMETHING & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from scipy.stats import chisquare
 
-from drafter.sampling import SamplingParams, warp
+from specloop.drafter.decode.sampling import SamplingParams, warp
 
 
 def chi2_pvalue(counts, probs, min_expected: float = 5.0) -> float:

@@ -18,11 +18,11 @@ import httpx
 import pytest
 
 from dashboards import build
-from services.launch import ServeProcess
-from services.metrics_api import ApiMetrics
-from services.metrics_learner import LearnerMetrics
-from services.metrics_worker import WorkerMetrics
-from services.metrics_export import serve_metrics, stop_metrics
+from specloop.services.cli.launch import ServeProcess
+from specloop.services.metrics.api import ApiMetrics
+from specloop.services.metrics.export import serve_metrics, stop_metrics
+from specloop.services.metrics.learner import LearnerMetrics
+from specloop.services.metrics.worker import WorkerMetrics
 from tests.prometheus_helpers import PROMTOOL, ThrowawayPrometheus, needs_prometheus, needs_promtool
 
 ROOT = Path(__file__).resolve().parents[1]

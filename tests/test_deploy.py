@@ -3,20 +3,18 @@ needed), `nginx -t`, `promtool check config`, and a real redis-server reading de
 Each test skips when its program is absent (scripts/system-deps.sh installs them)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-DEPLOY = ROOT / "deploy"
+from tests.deploy_helpers import DEPLOY, ROOT, render
+
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SERVICES = {"redis", "ray-head", "ray-worker", "api-1", "api-2", "nginx", "prometheus", "grafana"}
 SECRETS = {"SPECLOOP_ADMIN_TOKEN": "test-token", "RAY_AUTH_TOKEN": "ray-test-token", "SPECLOOP_API_KEY": "test-key",
@@ -24,14 +22,8 @@ SECRETS = {"SPECLOOP_ADMIN_TOKEN": "test-token", "RAY_AUTH_TOKEN": "ray-test-tok
 SPECLOOP_SERVICES = ("ray-head", "ray-worker", "api-1", "api-2")
 
 
-def _load_render():
-    spec = importlib.util.spec_from_file_location("deploy_render", DEPLOY / "render.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
-render = _load_render()
 
 
 def program(name: str) -> str:
@@ -136,7 +128,7 @@ def test_compose_is_closed_by_default(compose):
     operators for the admin token, talks to a Redis that asks a password, and runs as a non-root user;
     host ports listen on 127.0.0.1 only; Grafana has no anonymous access and no default password; the
     drain (30 s) ends before Docker's SIGKILL."""
-    from services.cli_options import Endpoint
+    from specloop.services.cli.options import Endpoint
 
     drain = Endpoint.__dataclass_fields__["drain_timeout"].default
     for name, service in compose["services"].items():

@@ -76,8 +76,8 @@ def option_names(cmd) -> set[str]:
 
 @pytest.fixture(scope="module")
 def cli():
-    from services.cli import app
-    from services.cli_runtime import command
+    from specloop.services.cli.main import app
+    from specloop.services.cli.runtime import command
 
     return command(app)
 
@@ -103,10 +103,10 @@ def documented_endpoints() -> set[tuple[str, str]]:
 
 
 def test_each_documented_endpoint_is_a_route(tiny_pair):
-    from drafter.models import load_tokenizer
-    from services.admin import make_admin_router
-    from services.api import create_app
-    from services.metrics_api import ApiMetrics
+    from specloop.drafter.model.loading import load_tokenizer
+    from specloop.services.api.admin import make_admin_router
+    from specloop.services.api.app import create_app
+    from specloop.services.metrics.api import ApiMetrics
 
     app = create_app(None, load_tokenizer(tiny_pair[0]), "m", 64, make_admin_router(None, "t"), ApiMetrics(model_name="m"))
     routes = {(method, re.sub(r"\{[^}]+\}", "{}", route.path)) for route in app.routes

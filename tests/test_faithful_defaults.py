@@ -17,8 +17,8 @@ import httpx
 import pytest
 import torch
 
-from services.launch import ServeProcess
-from services.prompts import encode, load_prompts
+from specloop.services.cli.launch import ServeProcess
+from specloop.services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
 
 MAX_TOKENS = 16
@@ -94,7 +94,7 @@ def test_generate_with_default_flags_reproduces_transformers_greedy_on_every_pro
 
 def _generate(verifier: str, drafter: str, name: str) -> list[dict]:
     done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "--threads", "1", "generate", "--verifier", verifier,
+        [sys.executable, "-m", "specloop", "--threads", "1", "generate", "--verifier", verifier,
          "--drafter", drafter, "--prompts", str(SHARED_PROMPTS / name), "--max-tokens", str(MAX_TOKENS),
          "--batch-size", "4", "--json"],
         capture_output=True, text=True, timeout=900)

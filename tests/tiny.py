@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.bootstrap import train_tokenizer
+from specloop.trainer.bootstrap import train_tokenizer
 
 TEXT = [
     "def main():\n    print('hello world')\n    return 0\n",

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from trainer.corpora import HOLDOUT, iter_sharegpt_train, iter_stdlib_code_files, render_chat
+from specloop.trainer.corpora import HOLDOUT, iter_sharegpt_train, iter_stdlib_code_files, render_chat
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 PAD_ID, EOS_ID = 0, 4  # <|endoftext|>, <|end|>

@@ -22,12 +22,12 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from drafter.models import LoadedModel, check_same_vocabulary, load_model
-from drafter.pretrained import PretrainedDrafter
-from drafter.sampling import SamplingParams
-from drafter.engine import generate
-from drafter.requests import StopRule
-from trainer.corpora import iter_sharegpt_train, iter_stdlib_code_files, render_chat
+from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.requests import StopRule
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.pretrained import PretrainedDrafter
+from specloop.drafter.model.loading import LoadedModel, check_same_vocabulary, load_model
+from specloop.trainer.corpora import iter_sharegpt_train, iter_stdlib_code_files, render_chat
 
 GENERATED_FILE = "generated.jsonl"
 GENERATED_META = "generated.json"

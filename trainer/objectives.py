@@ -1,11 +1,11 @@
 """Online objectives on replay records: kl (OSD), klrl (DVI's KL→RL schedule), lk (KL blended into TV).
 
-Per logged position (see `trainer.records`): p = the verifier's distribution, known as top-K
+Per logged position (see `specloop.trainer.records`): p = the verifier's distribution, known as top-K
 probabilities plus the remaining mass; q = the drafter's, recomputed with the current weights;
 a = the drafted token, r = its reward (1 accepted, 0 the first reject).
 
 Distribution terms compare p and q over K + 1 buckets (the top-K tokens of p, and "the rest"),
-which is exact for the top-K and lumps the tail; `trainer.losses` computes them on bucket
+which is exact for the top-K and lumps the tail; `specloop.trainer.losses` computes them on bucket
 log-probabilities:
 - KL(p ‖ q)                      online distillation, every record in the window;
 - Σ min(p, q)                    expected acceptance of a sampled draft (the registry's gate
@@ -18,7 +18,7 @@ Policy terms (on-policy records only: drafted by the version the learner last pu
 klrl weights over updates t (DVI §3.4): warm-up t < T_warmup: (λ_pg, λ_kl) = (0, λ_0); a linear
 ramp over T_ramp to (λ_pg^max, λ_kl^min); then constant.
     loss = λ_kl KL + λ_pg (w_ce CE_masked + w_rl PG) − w_ent H
-lk: λ KL + (1 − λ) TV with λ = 1 − α̂, α̂ an EMA of Σ min(p, q) (`trainer.losses.lk_hybrid`).
+lk: λ KL + (1 − λ) TV with λ = 1 − α̂, α̂ an EMA of Σ min(p, q) (`specloop.trainer.losses.lk_hybrid`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.losses import distribution_loss, expected_acceptance, forward_kl
+from specloop.trainer.losses import distribution_loss, expected_acceptance, forward_kl
 
 OBJECTIVES = ("kl", "klrl", "lk")
 

@@ -1,16 +1,16 @@
 """`specloop train offline`: align a drafter with the verifier before it serves.
 
 Every method minimises a distance between the verifier's next-token distribution π_V and the
-drafter's π_D at every position of training sequences (`trainer.losses`: forward KL, TV or LK).
-What each method (distill, sd2, sd2-frozen, dvi, eagle) trains is a `trainer.students.Student`, including
-SD²'s random offset; the training windows come from `trainer.data` (teacher-forced or generated,
+drafter's π_D at every position of training sequences (`specloop.trainer.losses`: forward KL, TV or LK).
+What each method (distill, sd2, sd2-frozen, dvi, eagle) trains is a `specloop.trainer.students.Student`, including
+SD²'s random offset; the training windows come from `specloop.trainer.data` (teacher-forced or generated,
 packed into windows of `seq_len` tokens). Targets are computed on the fly by the frozen verifier
 (fp32), which also supplies SD²/DVI features.
 
 Out dir: manifest.json, drafter/ (HF format; distill and sd2), steering.safetensors (sd2),
-dvi_head.safetensors (dvi), eagle_head.safetensors (eagle) — all loadable with `drafter.kinds.build_drafter(kind, verifier, out)` —
+dvi_head.safetensors (dvi), eagle_head.safetensors (eagle) — all loadable with `specloop.drafter.kinds.table.build_drafter(kind, verifier, out)` —
 plus train_log.jsonl (one line per step) and checkpoint/ (safetensors + JSON, for --resume).
-The config and its command line: trainer.offline_config (its names are importable from here too).
+The config and its command line: specloop.trainer.offline_config (its names are importable from here too).
 """
 from __future__ import annotations
 
@@ -29,12 +29,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm import tqdm
 
-from drafter.models import load_model
-from trainer.data import ConversationSource, GeneratedSet, GenerationSpec, WindowStream, code_documents, conversation_ids
-from trainer.losses import distribution_loss, expected_acceptance
-from drafter.vocab import save_vocab
-from trainer.offline_config import (KIND_OF_METHOD, OfflineConfig)
-from trainer.students import build_student, teacher_autocast, verifier_targets
+from specloop.drafter.model.loading import load_model
+from specloop.drafter.model.vocab import save_vocab
+from specloop.trainer.data import (
+    ConversationSource,
+    GeneratedSet,
+    GenerationSpec,
+    WindowStream,
+    code_documents,
+    conversation_ids,
+)
+from specloop.trainer.losses import distribution_loss, expected_acceptance
+from specloop.trainer.offline_config import KIND_OF_METHOD, OfflineConfig
+from specloop.trainer.students import build_student, teacher_autocast, verifier_targets
 
 CHECKPOINT_DIR = "checkpoint"
 CHECKPOINT_TENSORS = "state.safetensors"
@@ -343,9 +350,9 @@ def train_offline(cfg: OfflineConfig, progress: bool = True) -> dict:
 
 
 def self_distilled(cfg: OfflineConfig, progress: bool) -> dict:
-    """The eagle head from the verifier's own answers (trainer.selfdistill): 4/9 of the minutes
+    """The eagle head from the verifier's own answers (specloop.trainer.selfdistill): 4/9 of the minutes
     decoding them, 5/9 training, unrolled up to k drafts."""
-    from trainer.selfdistill import DistillConfig, distill_eagle
+    from specloop.trainer.selfdistill import DistillConfig, distill_eagle
 
     lr = cfg.lr if cfg.lr != OfflineConfig.lr else DistillConfig.lr  # the head's own default unless --lr was given
     distill = DistillConfig(collect_minutes=cfg.minutes * 4 / 9, train_minutes=cfg.minutes * 5 / 9, depth=cfg.k,

@@ -1,16 +1,16 @@
 """What `specloop train offline` is asked to do: `OfflineConfig` (every option, checked by
 `validate`), the data modes and methods it accepts, and `config_from_options` (the command line's
-options as a config). The training itself: trainer.offline, which re-exports these names."""
+options as a config). The training itself: specloop.trainer.offline, which re-exports these names."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainer.losses import LOSSES
-from trainer.students import METHODS
+from specloop.trainer.losses import LOSSES
+from specloop.trainer.students import METHODS
 
 DATA_MODES = ("teacher-forced", "generated", "code", "self-distilled")  # code: the standard library's non-test
-# source, raw; self-distilled (eagle only): trainer.selfdistill, the verifier's answers with its features
+# source, raw; self-distilled (eagle only): specloop.trainer.selfdistill, the verifier's answers with its features
 KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi", "eagle": "eagle",
                   "eagle3": "eagle3"}
 NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
@@ -23,7 +23,7 @@ class OfflineConfig:
     out_dir: str
     drafter: str | None = None  # drafter LM directory (distill / sd2 / sd2-frozen; dvi: only to generate data)
     data: str = "teacher-forced"  # one of DATA_MODES
-    loss: str = "kl"  # one of trainer.losses.LOSSES
+    loss: str = "kl"  # one of specloop.trainer.losses.LOSSES
     k: int = 8  # SD²: δ ~ U{1..k}; eagle: unrolled up to k drafts
     minutes: float | None = None  # wall-clock budget (all runs of this out dir together)
     max_steps: int | None = None  # step budget; give this and/or minutes
@@ -38,7 +38,7 @@ class OfflineConfig:
     seed: int = 0
     threads: int = 1
     dvi_layers: int = 2  # s: verifier layers under the DVI head
-    steer_layers: tuple[int, int, int] | None = None  # default: drafter.sd2.default_steer_layers
+    steer_layers: tuple[int, int, int] | None = None  # default: specloop.drafter.kinds.sd2.default_steer_layers
     resume: bool = False
     checkpoint_every: int = 100
     acceptance_ema: float = 0.95  # decay of the running acceptance estimate (LK's λ)
@@ -86,7 +86,7 @@ class OfflineConfig:
 
 
 def config_from_options(options: dict, threads: int = 1) -> OfflineConfig:
-    """The OfflineConfig of `specloop train offline`'s options (services.cli_train.OfflineOptions, by
+    """The OfflineConfig of `specloop train offline`'s options (specloop.services.cli.train.OfflineOptions, by
     field name; `out` is out_dir), with paths as strings and the top-level --threads."""
     fields = dict(options, out_dir=options["out"], threads=threads)
     del fields["out"]

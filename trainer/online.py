@@ -1,5 +1,5 @@
 """The online learner: trains the serving drafter kind from replay records (no processes here;
-`services.learner` runs it against the replay buffer and the registry).
+`specloop.services.learner.learner` runs it against the replay buffer and the registry).
 
 Records flow in with `ingest()`. Every `holdout_every`-th record is held out (the most recent
 `holdout_size` of them measure simulated acceptance for the registry's gate); the rest enter a
@@ -7,7 +7,7 @@ bounded window of recent records and a reservoir sample over everything seen (th
 of older traffic blended into each minibatch against forgetting, ATLAS-style). `update()` samples
 a minibatch of records, recomputes the drafter's logits at their logged positions with the
 current weights (`record_logits`), and takes one optimizer step on the objective
-(`trainer.objectives`). `weights()` is what a published version holds, named as the student's
+(`specloop.trainer.objectives`). `weights()` is what a published version holds, named as the student's
 trainable parameters ("lm.*", "steering.*", "head.*").
 
 Policy terms use only on-policy records: drafted by one of the last `max_policy_lag + 1` versions
@@ -25,14 +25,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from drafter.dvi import DraftHead
-from drafter.eagle import FeatureHead, new_head
-from drafter.eagle3 import Eagle3Head, new_head3
-from drafter.models import LoadedModel
-from drafter.sd2 import Steering
-from trainer.objectives import Objective, ObjectiveConfig, PositionBatch, position_acceptance
-from trainer.records import ReplayRecord
-from trainer.students import DistillStudent, DVIStudent, Eagle3Student, EagleStudent, SteeredStudent, Student, build_student
+from specloop.drafter.kinds.dvi import DraftHead
+from specloop.drafter.kinds.eagle import FeatureHead, new_head
+from specloop.drafter.kinds.eagle3 import Eagle3Head, new_head3
+from specloop.drafter.kinds.sd2 import Steering
+from specloop.drafter.model.loading import LoadedModel
+from specloop.trainer.objectives import Objective, ObjectiveConfig, PositionBatch, position_acceptance
+from specloop.trainer.records import ReplayRecord
+from specloop.trainer.students import (
+    DistillStudent,
+    DVIStudent,
+    Eagle3Student,
+    EagleStudent,
+    SteeredStudent,
+    Student,
+    build_student,
+)
 
 TRAINABLE_KINDS = ("pretrained", "sd2", "dvi", "eagle", "eagle3")
 # (lr, batch_records) of the kinds whose whole drafter arrives trained offline and is fine-tuned: the eagle heads.
@@ -82,7 +90,7 @@ class LearnerConfig:
 
 def serving_student(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, train_lm: bool = True) -> Student:
     """The trainable counterpart of a serving drafter (plain directory or trained checkpoint)."""
-    from drafter.kinds import drafter_lm_dir, read_checkpoint_kind
+    from specloop.drafter.kinds.table import drafter_lm_dir, read_checkpoint_kind
 
     found = None if drafter_dir is None else read_checkpoint_kind(Path(drafter_dir))
     device = verifier.lean.device

@@ -186,7 +186,7 @@ class BlockSnapshot:
 
 @torch.inference_mode()
 def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K, k: int | None = None) -> BlockSnapshot:
-    """Extract what records need from a `drafter.speculative.StepTrace`, for `rows`, all drafted with
+    """Extract what records need from a `specloop.drafter.decode.speculative.StepTrace`, for `rows`, all drafted with
     k tokens (default: the step's; less when rows of a continuous batch differ in k). Only the first
     max(n + 1) positions are ever logged, so the verifier's top-K is taken over those alone."""
     idx = torch.tensor(rows, dtype=torch.long)

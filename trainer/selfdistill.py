@@ -1,4 +1,4 @@
-"""Self-distillation of the eagle heads (drafter.eagle, drafter.eagle3): the verifier's own answers, with the features
+"""Self-distillation of the eagle heads (specloop.drafter.kinds.eagle, specloop.drafter.kinds.eagle3): the verifier's own answers, with the features
 and distributions it computed while decoding them, are the training data (the setting of the EAGLE
 and DVI papers: a drafter is judged on the verifier's outputs, so it learns from them).
 
@@ -8,12 +8,12 @@ and DVI papers: a drafter is judged on the verifier's outputs, so it learns from
    Per decoded position it keeps the head's layers' residual streams (fp16), the token, and the
    verifier's top-K next-token log-probabilities over the draft vocabulary. Optionally, between
    batches, it reads whole conversations and source files teacher-forced (the same fields).
-2. `train_head`: windows of those sequences train `trainer.students.EagleStudent` (or
+2. `train_head`: windows of those sequences train `specloop.trainer.students.EagleStudent` (or
    `Eagle3Student`) with a random depth (as it drafts), by cross-entropy against the verifier's
    renormalised top-K.
 
 `distill_eagle` runs both within a wall-clock budget and writes a checkpoint that
-`drafter.kinds.build_drafter("eagle" or "eagle3", ...)` loads.
+`specloop.drafter.kinds.table.build_drafter("eagle" or "eagle3", ...)` loads.
 """
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-from drafter.kv_cache import prefill
-from drafter.models import LoadedModel, load_model
-from drafter.vocab import save_vocab
-from trainer.data import ConversationSource, code_documents, conversation_ids, first_turn_prompt
-from trainer.students import Eagle3Student, EagleStudent, build_student
+from specloop.drafter.model.kv_cache import prefill
+from specloop.drafter.model.loading import LoadedModel, load_model
+from specloop.drafter.model.vocab import save_vocab
+from specloop.trainer.data import ConversationSource, code_documents, conversation_ids, first_turn_prompt
+from specloop.trainer.students import Eagle3Student, EagleStudent, build_student
 
 TOP_K = 16
 

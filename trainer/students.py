@@ -2,7 +2,7 @@
 
 A `Student` maps a batch of token ids [B, T] plus the verifier's residual streams to the drafter's
 next-token logits π_D [B, T, V], and names its trainable parameters; the trainer minimises a
-distance to the verifier's π_V (`verifier_targets`) at every position (`trainer.losses`).
+distance to the verifier's π_V (`verifier_targets`) at every position (`specloop.trainer.losses`).
 
 - distill     a plain drafter LM, all parameters trained           → kind "pretrained"  (`DistillStudent`)
 - sd2         SD² steering (W_hml, LayerNorm, W_s) + the drafter LM  → kind "sd2"         (`SteeredStudent`)
@@ -15,7 +15,7 @@ distance to the verifier's π_V (`verifier_targets`) at every position (`trainer
               its own inputs, trained by the training-time test      → kind "eagle3"      (`Eagle3Student`)
 
 `build_student` constructs the one a method needs; `Student.export` writes what
-`drafter.kinds.build_drafter(kind, verifier, out)` loads.
+`specloop.drafter.kinds.table.build_drafter(kind, verifier, out)` loads.
 
 The eagle head trains with a random depth, as it drafts: at position t with depth δ_t ~ U{1..k}
 it starts from the verifier's true feature at t − δ_t and steps δ_t times through the tokens
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from drafter.dvi import DraftHead, DVIConfig
-from drafter.eagle import FeatureHead, feature_layer, new_head
-from drafter.eagle3 import Window, chain, check_layers, new_head3, ttt_logits, window_entries
-from drafter.models import LoadedModel, check_same_vocabulary, load_model
-from drafter.sd2 import MANIFEST, default_steer_layers, steering_for
+from specloop.drafter.kinds.dvi import DraftHead, DVIConfig
+from specloop.drafter.kinds.eagle import FeatureHead, feature_layer, new_head
+from specloop.drafter.kinds.eagle3 import Window, chain, check_layers, new_head3, ttt_logits, window_entries
+from specloop.drafter.kinds.sd2 import MANIFEST, default_steer_layers, steering_for
+from specloop.drafter.model.loading import LoadedModel, check_same_vocabulary, load_model
 
 METHODS = ("distill", "sd2", "sd2-frozen", "dvi", "eagle", "eagle3")  # what `build_student` builds
 
@@ -59,7 +59,7 @@ def head_logits(hf, input_ids: torch.Tensor, vocab: torch.Tensor | None = None) 
 def teacher_autocast(device: torch.device, dtype: str):
     """bf16 autocast for the frozen verifier's forward when asked ("bf16"), or when "auto" and the
     CPU has native bf16 dot products (AVX512-BF16 / AMX); fp32 otherwise."""
-    from drafter.weight_modes import native_bf16
+    from specloop.drafter.model.weights.modes import native_bf16
 
     use = dtype == "bf16" or (dtype == "auto" and (device.type == "cuda" or native_bf16()))
     return torch.autocast(device.type, dtype=torch.bfloat16) if use else nullcontext()
@@ -239,7 +239,7 @@ class DVIStudent(Student):
 
 
 class EagleStudent(Student):
-    """The eagle feature head (drafter.eagle) over the frozen verifier's embedding and LM head."""
+    """The eagle feature head (specloop.drafter.kinds.eagle) over the frozen verifier's embedding and LM head."""
 
     kind = "eagle"
 
@@ -297,7 +297,7 @@ class EagleStudent(Student):
 
 
 class Eagle3Student(EagleStudent):
-    """The EAGLE-3-style head (drafter.eagle3) over the frozen verifier's embedding and LM head
+    """The EAGLE-3-style head (specloop.drafter.kinds.eagle3) over the frozen verifier's embedding and LM head
     (the eagle student's, but three layers read and the training-time test unrolled)."""
 
     kind = "eagle3"
@@ -329,7 +329,7 @@ class Eagle3Student(EagleStudent):
 
 
 def _floats(weight) -> torch.Tensor:
-    """A raw float tensor as fp32, or a drafter.quant weight object dequantized."""
+    """A raw float tensor as fp32, or a specloop.drafter.model.weights.quant weight object dequantized."""
     return (weight if isinstance(weight, torch.Tensor) else weight.dequantize()).detach().float()
 
 

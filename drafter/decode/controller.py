@@ -1,0 +1,520 @@
+"""Cost-aware speculation: the per-step choice of k (0 = the verifier alone) from live acceptance and
+costs measured in place. Pure Python, no processes, no clock: the engine times its steps and feeds
+them in (`observe`), then asks for the next k (`choose`); the same inputs give the same choices.
+
+Model of one step with draft length k over a verify pass of B rows (bucket b = B rounded up to a
+power of two):
+
+    a_i   = P(draft i accepted | drafts < i accepted)       conditional per-position acceptance
+    E(k)  = 1 + Σ_{i≤k} Π_{j≤i} a_j                          tokens a row gains from the block
+    S(k)  = overhead(k > 0, b) + k · draft(b) + verify(k + 1, b)   seconds of the step
+    k*    = argmax_k  E(k) / S(k)                            (rows · E(k) with several rows)
+
+k* > 0 only if it beats k = 0 by `margin`. Rows with an explicit k ride along: their k is paid for
+anyway, so the controller's rows draft at least that much (up to `k_max`) at no extra cost.
+
+- Acceptance: per position, exponentially decayed counts of trials (a block tries position i when
+  its first i − 1 drafts were accepted) and hits, shrunk towards a prior: `prior_acceptance` at
+  position 1, then `depth_discount` × the estimate of the position before (positions never tried
+  inherit a pessimistic guess). A new drafter (hot swap) keeps `swap_keep` of the old counts.
+- Costs, relative to a plain (T = 1) verify pass at the same bucket, so that a busy machine, which
+  slows every shape alike, changes none of them: r(T, b) = verify(T) / verify(1), learned only from
+  drafting steps close (`side_by_side` steps) to a plain step at the same bucket; drafting per token
+  and the rest of the step (bookkeeping, acceptance, logging; by drafting or not) relative to the
+  same step's plain-pass equivalent (verify / r). Shapes never measured take the nearest measured
+  bucket's slope (steeper for a larger batch) or the priors; the first sample of a shape may carry
+  one-time costs, so a lower second sample replaces it. The decision needs only these ratios:
+
+      S(k) / verify(1) = overhead(k > 0) + k · draft + r(k + 1)
+
+- Exploration: while nothing drafts, a probe (the best k > 0 under the current estimates) runs once
+  `idle` steps have passed without drafting: `explore_min` steps when the probe's verify shape was
+  never measured at this bucket, else `interval`, which doubles after every probe (up to
+  `explore_max`) and is reset when speculation wins or the drafter changes. While drafting pays, a
+  plain step is taken when the bucket's last one is more than `explore_max` steps old (or there is
+  none), to learn the ratios against. Both wait longer by the measured cost of switching (the
+  drafter restarts rows that skipped plain steps: `switch_cost`), so exploring costs at most about
+  one step in `explore_min` and tends to one in `explore_max`.
+- Confidence (drafters that report it: suffix decoding's path frequency, an eagle head's own
+  probability of its drafts): once a step has drafted, the verify pass is cut to the width W* that
+  maximizes the batch's expected tokens per unit of time, and each row keeps the first min(W*, L_b)
+  of its L_b drafts (within the pass's width a row's drafts cost nothing more),
+
+      W* = argmax_W Σ_b (1 + c · Σ_{i≤min(W, L_b)} P_{b,i}) / (overhead(W > 0) + r(W + 1))
+
+  where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c the live
+  calibration of the speculator that drafted row b (accepted / predicted, decayed), each term c · P_{b,i}
+  capped by Π_{j≤i} a_j, the per-position acceptance of that speculator's verified drafts (`depth`: a
+  long unique continuation, P = 1 throughout, is worth only as deep as such drafts are accepted): a
+  draft the verifier is unlikely to take costs no verify
+  pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
+  spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
+  plain pass: a lookup), probes keep the shortest interval.
+- Free drafts (specloop.drafter.decode.engine: a lookup on a step left plain): one whose verified drafts earned no token
+  makes the next wait 1, then 3, then `lookup_backoff` steps; one that verified nothing (no match, or all
+  cut) waits one step; one that earned a token brings the next at once. Rows a free speculator drafted
+  (a mix's suffix member) teach the calibration, never the acceptance k is chosen by: that prices the
+  drafter that costs a pass.
+- Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
+  until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from specloop.drafter.decode.capacity import AUTO_K_MAX
+
+MAX_DEPTH = 32  # draft positions whose acceptance the confidence gate keeps per speculator
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    k_max: int = AUTO_K_MAX
+    margin: float = 0.03  # speculate only when it is expected to be this much faster
+    prior_acceptance: float = 0.4  # a_1 before any block was verified
+    prior_strength: float = 4.0  # trials' worth of weight behind each position's prior
+    depth_discount: float = 0.9  # prior of a_{i+1} = depth_discount · a_i
+    acceptance_decay: float = 0.99  # weight kept by older trials of a position at each new one
+    swap_keep: float = 0.25  # weight kept by acceptance counts when a new drafter takes over
+    cost_decay: float = 0.9  # EWMA: weight kept by the old estimate at each new sample
+    side_by_side: int = 2  # a drafting step this close (in steps) to a plain one measures r(T)
+    prior_verify_slope: float = 0.5  # verify(T) ≈ verify(1) · (1 + slope · (T − 1)) before measuring
+    prior_draft_ratio: float = 0.3  # drafting per token ≈ ratio · verify(1) before measuring
+    prior_overhead_ratio: float = 2.0  # a drafting step's overhead ≈ ratio · a plain step's before measuring
+    explore_min: int = 16  # steps without drafting before a probe (an unmeasured shape, or a reset)
+    explore_max: int = 256  # the longest interval between probes
+    refresh: int = 8  # plain steps of the same batch shape that reuse the last evaluation (it costs ~30 µs)
+    cheap_draft: float = 0.02  # drafting per token at most this share of a plain pass (a lookup): probes stay frequent
+    calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
+    lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
+    lookup_max: int = 16  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
+
+    def __post_init__(self):
+        if self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        if self.lookup_max < 1:
+            raise ValueError(f"lookup_max must be >= 1, got {self.lookup_max}")
+        if not 1 <= self.explore_min <= self.explore_max:
+            raise ValueError("need 1 <= explore_min <= explore_max")
+
+
+def bucket(rows: int) -> int:
+    """Rows of a verify pass rounded up to a power of two: the unit costs are measured and kept by."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def expected_tokens(a: list[float], k: int) -> float:
+    """E(k) = 1 + Σ_{i≤k} Π_{j≤i} a_j: tokens a row gains from a block of k drafts."""
+    total, run = 1.0, 1.0
+    for a_i in a[:k]:
+        run *= a_i
+        total += run
+    return total
+
+
+# ----------------------------------------------------------------------------- estimates
+
+
+@dataclass
+class Acceptance:
+    """Conditional per-position acceptance a_1..a_{k_max}: decayed trial counts with a prior."""
+
+    cfg: ControllerConfig
+    hits: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.hits = self.hits or [0.0] * self.cfg.k_max
+        self.trials = self.trials or [0.0] * self.cfg.k_max
+
+    def observe(self, k: int, n: int) -> None:
+        """One block: k drafts, the first n accepted. Positions 1..min(n + 1, k) were tried."""
+        lam = self.cfg.acceptance_decay
+        for i in range(min(n + 1, k, self.cfg.k_max)):
+            self.hits[i] = lam * self.hits[i] + (i < n)
+            self.trials[i] = lam * self.trials[i] + 1.0
+
+    def rates(self) -> list[float]:
+        m, prior, out = self.cfg.prior_strength, self.cfg.prior_acceptance, []
+        for h, t in zip(self.hits, self.trials):
+            a = (h + m * prior) / (t + m)
+            out.append(a)
+            prior = self.cfg.depth_discount * a
+        return out
+
+    def fade(self, keep: float) -> None:
+        """Keep `keep` of the evidence (a new drafter: the old one's estimate becomes a weak prior)."""
+        self.hits = [h * keep for h in self.hits]
+        self.trials = [t * keep for t in self.trials]
+
+
+@dataclass
+class Calibration:
+    """What confident drafts really earned over what their drafter predicted, both decayed:
+    scale = accepted / predicted (1 before any draft)."""
+
+    decay: float = 0.98
+    accepted: float = 1.0
+    predicted: float = 1.0
+
+    def observe(self, predicted: float, accepted: float) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.predicted = self.decay * self.predicted + predicted
+
+    def fade(self, keep: float) -> None:
+        self.accepted, self.predicted = self.accepted * keep, self.predicted * keep
+
+    @property
+    def scale(self) -> float:
+        return self.accepted / self.predicted if self.predicted > 0 else 1.0
+
+
+@dataclass
+class Ewma:
+    value: float = 0.0
+    n: int = 0  # samples seen
+
+    def add(self, x: float, decay: float) -> None:
+        if self.n == 0:
+            self.value = x
+        elif self.n == 1 and x < self.value:  # the first sample of a shape may carry one-time costs
+            self.value = x
+        else:
+            w = max(1.0 - decay, 1.0 / (self.n + 1))
+            self.value += w * (x - self.value)
+        self.n += 1
+
+
+@dataclass
+class Costs:
+    """Step costs relative to a plain verify pass at the same bucket, and guesses for shapes never measured."""
+
+    cfg: ControllerConfig
+    ratio: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (T >= 2, bucket) -> verify(T) / verify(1)
+    draft: dict[int, Ewma] = field(default_factory=dict)  # bucket -> drafting per token / verify(1)
+    overhead: dict[tuple[bool, int], Ewma] = field(default_factory=dict)  # (drafting?, bucket) -> rest / verify(1)
+    resync: dict[int, Ewma] = field(default_factory=dict)  # bucket -> restarting the drafter's rows / verify(1)
+    offered: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafts verified
+    plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds): recent plain passes
+    steps: int = 0  # steps observed
+
+    def add(self, table: dict, key, value: float) -> None:
+        table.setdefault(key, Ewma()).add(max(value, 0.0), self.cfg.cost_decay)
+
+    def observe(self, step: StepSample) -> None:
+        self.steps += 1
+        b, T = bucket(step.rows), step.k + 1
+        recent = self.plain.get(b)
+        side_by_side = recent is not None and self.steps - recent[0] <= self.cfg.side_by_side
+        if T == 1:
+            seconds = step.verify_s if not side_by_side else recent[1] + 0.5 * (step.verify_s - recent[1])
+            self.plain[b] = (self.steps, seconds)
+            unit = step.verify_s
+        elif side_by_side and recent[1] > 0:
+            self.add(self.ratio, (T, b), step.verify_s / recent[1])
+            unit = recent[1]
+        else:  # drafting steps only: this pass in plain-pass units, by the ratio learned before
+            unit = step.verify_s / self.ratio_of(T, b)
+        if unit <= 0:
+            return
+        asked = 0 if step.lookup else step.drafting  # a lookup's drafts say nothing of what asking the drafter costs
+        if asked:
+            self.add(self.draft, b, step.draft_s / asked / unit)
+            self.add(self.offered, (asked, b), float(step.k))
+        if step.resync_s > 0:
+            self.add(self.resync, b, step.resync_s / unit)
+        self.add(self.overhead, (asked > 0 or T > 1, b), step.overhead_s / unit)
+
+    def measured(self, k: int, b: int) -> bool:
+        """Whether a step asking k drafts at bucket b was measured (k = 0: a plain pass)."""
+        if not k:
+            return b in self.plain
+        return (k, b) in self.offered and self.verify_shape(k, b) in [T for (T, bb) in self.ratio if bb == b] + [1]
+
+    def verify_shape(self, k: int, b: int) -> int:
+        """The verify pass's T a step asking k drafts is expected to have (rounded): k + 1, or less for
+        a self-limiting drafter."""
+        return round(1 + self.offered_of(k, b))
+
+    def offered_of(self, k: int, b: int) -> float:
+        """Drafts a step asking k verifies on average at bucket b: k, or less for a self-limiting drafter."""
+        return min(float(k), self.offered[(k, b)].value) if (k, b) in self.offered else float(k)
+
+    def stale(self, b: int, age: int) -> bool:
+        """No plain pass at bucket b within the last `age` steps (the reference the ratios are learned against)."""
+        return b not in self.plain or self.steps - self.plain[b][0] >= age
+
+    def _nearest(self, b: int, buckets) -> int | None:
+        """The measured bucket closest to b in log scale (the smaller one on a tie)."""
+        return min(buckets, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)) if buckets else None
+
+    def _points(self, b: int) -> dict[int, float]:
+        return {T: e.value for (T, bb), e in self.ratio.items() if bb == b}
+
+    def slope(self, b: int) -> float:
+        """r(T) − 1 per extra token at bucket b: through r(1) = 1 and the largest shape learned there; else
+        the nearest bucket's, steeper by sqrt(b / b') for a larger batch (less idle compute); else the prior."""
+        pts = self._points(b)
+        if pts:
+            top = max(pts)
+            return max(0.0, (pts[top] - 1) / (top - 1))
+        near = self._nearest(b, {bb for (_, bb) in self.ratio})
+        if near is None:
+            return self.cfg.prior_verify_slope
+        return self.slope(near) * max(1.0, (b / near) ** 0.5)
+
+    def ratio_of(self, T: int, b: int) -> float:
+        """r(T, b) = verify(T) / verify(1): learned, between learned shapes (linear), or by the slope."""
+        if T == 1:
+            return 1.0
+        if (T, b) in self.ratio:
+            return self.ratio[(T, b)].value
+        pts = {1: 1.0} | self._points(b)
+        below, above = [t for t in pts if t < T], [t for t in pts if t > T]
+        lo = max(below)
+        if above:
+            hi = min(above)
+            return pts[lo] + (pts[hi] - pts[lo]) * (T - lo) / (hi - lo)
+        return pts[lo] + self.slope(b) * (T - lo)
+
+    def draft_of(self, b: int) -> float:
+        """Drafting per token at bucket b, relative to a plain pass."""
+        if b in self.draft:
+            return self.draft[b].value
+        near = self._nearest(b, set(self.draft))
+        return self.cfg.prior_draft_ratio if near is None else self.draft[near].value
+
+    def overhead_of(self, drafting: bool, b: int) -> float:
+        if (drafting, b) in self.overhead:
+            return self.overhead[(drafting, b)].value
+        near = self._nearest(b, {bb for (d, bb) in self.overhead if d == drafting})
+        if near is not None:
+            return self.overhead[(drafting, near)].value
+        return self.cfg.prior_overhead_ratio * self.overhead_of(False, b) if drafting else 0.0
+
+    def switch_cost(self, b: int) -> float:
+        """Plain passes' worth of work a switch from plain steps to drafting costs at bucket b (the drafter
+        restarts the rows that skipped steps); exploring waits this much longer."""
+        near = b if b in self.resync else self._nearest(b, set(self.resync))
+        return 0.0 if near is None else self.resync[near].value
+
+    def step_cost(self, k: int, b: int) -> float:
+        """S(k) at bucket b in plain-pass units: overhead + k drafts + a verify pass of k + 1 tokens per row
+        (of 1 + what a self-limiting drafter really drafts when asked for k, between the shapes around it)."""
+        if not k:
+            return self.overhead_of(False, b) + 1.0
+        t = self.offered_of(k, b)
+        lo = int(t)
+        verify = self.ratio_of(lo + 1, b) + (t - lo) * (self.ratio_of(lo + 2, b) - self.ratio_of(lo + 1, b))
+        return self.overhead_of(True, b) + k * self.draft_of(b) + verify
+
+
+# ----------------------------------------------------------------------------- the controller
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The step to decide: the verify pass's rows, how many of them the controller's k applies to,
+    and the explicit k of the others."""
+
+    rows: int
+    auto: int
+    fixed: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Choice:
+    k: int  # drafts per block for the controller's rows
+    probe: bool = False  # chosen to measure, not because it is expected to win
+    speedup: float = 1.0  # expected tokens/s of this choice over the cheapest one (k = the explicit rows' max)
+
+
+class Confident(NamedTuple):
+    """One row whose draft carried confidence, as verified: what its drafter predicted (Σ_i P_i over the
+    drafts verified), what was accepted, the speculator that drafted it (None: the drafter itself; each
+    speculator is calibrated on its own) and how many drafts were verified (0: not known)."""
+
+    predicted: float
+    accepted: int
+    source: str | None = None
+    drafted: int = 0
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: the verify pass's rows and draft length (its T is k + 1), the seconds of
+    drafting, of the verify pass and of the rest, and (k_b, n_b) of every row that drafted."""
+
+    rows: int
+    k: int  # drafts the verify pass covered (T = k + 1)
+    draft_s: float
+    verify_s: float
+    overhead_s: float
+    blocks: tuple[tuple[int, int], ...] = ()  # (k asked, n accepted) of every row asked to draft
+    resync_s: float = 0.0  # restarting drafter rows that skipped plain steps (0: none needed it)
+    asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
+    #                           (suffix) may draft less, and the verify pass covers only what it drafted
+    confident: tuple[Confident, ...] = ()  # every row whose draft carried confidence (plain tuples are read as one)
+    lookup: bool = False  # the drafts were free ones on a step left plain (specloop.drafter.decode.engine `lookup`): no drafting cost
+
+    @property
+    def drafting(self) -> int:
+        return self.k if self.asked is None else self.asked
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig | None = None):
+        self.cfg = cfg or ControllerConfig()
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every estimate (back to the priors)."""
+        self.acceptance = Acceptance(self.cfg)
+        self.costs = Costs(self.cfg)
+        self.interval = self.cfg.explore_min
+        self.idle = self.cfg.explore_min - 1  # the first probe comes right after one plain step is measured
+        self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
+        self._age = 0  # steps it has been reused
+        self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
+        self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
+        self.lookup_misses = 0  # lookups in a row that earned no token
+        self.lookup_wait = 0  # plain steps before the next lookup
+
+    # -- inputs
+
+    def observe(self, step: StepSample) -> None:
+        self.costs.observe(step)
+        for k, n in step.blocks:
+            self.acceptance.observe(k, n)
+        rows = [Confident(*row) for row in step.confident]
+        for row in rows:
+            self.calibration(row.source).observe(row.predicted, row.accepted)
+            if row.drafted:
+                self.depth(row.source).observe(row.drafted, row.accepted)
+        if step.lookup:
+            self._looked_up(any(row.accepted for row in rows), bool(rows))
+        if step.drafting:
+            self._cached = None
+
+    def drafter_swapped(self) -> None:
+        """A new drafter (version) serves: its acceptance is unknown; the old estimate stays as a weak
+        prior, and a probe comes soon."""
+        self.acceptance.fade(self.cfg.swap_keep)
+        for source in (None, "adaptive"):  # the served drafter's; the other speculators did not change
+            self.calibration(source).fade(self.cfg.swap_keep)
+            self.depth(source).fade(self.cfg.swap_keep)
+        self.interval = self.cfg.explore_min
+        self._cached = None
+
+    def _looked_up(self, earned: bool, verified: bool) -> None:
+        """After a lookup: the next one comes at once if this one earned a token; after one step if it
+        verified nothing (no draft matched, or the gate cut them all: it cost the lookup alone); after 1, 3,
+        ... steps (at most `lookup_backoff`) while verified drafts keep earning nothing, so that where the
+        free drafts never pay they cost next to nothing."""
+        if earned:
+            self.lookup_misses = self.lookup_wait = 0
+            return
+        if not verified:
+            self.lookup_wait = 1
+            return
+        self.lookup_misses = min(self.lookup_misses + 1, 16)
+        self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff)
+
+    def lookup_due(self) -> bool:
+        """Whether a step left plain looks the free drafts up (specloop.drafter.decode.engine); counts down the wait."""
+        if self.lookup_wait:
+            self.lookup_wait -= 1
+            return False
+        return True
+
+    # -- the decision
+
+    def rates(self, batch: Batch) -> list[float]:
+        """Expected tokens of the whole batch per plain-pass time, for k = 0..k_max of the controller's rows."""
+        a, b = self.acceptance.rates(), bucket(batch.rows)
+        floor = max(batch.fixed, default=0)
+        fixed_tokens = sum(expected_tokens(a, k) for k in batch.fixed)
+        return [(batch.auto * expected_tokens(a, k) + fixed_tokens) / self.costs.step_cost(max(k, floor), b)
+                for k in range(self.cfg.k_max + 1)]
+
+    def _evaluate(self, batch: Batch) -> list[float]:
+        if self._cached is not None and self._cached[0] == batch and self._age < self.cfg.refresh:
+            self._age += 1
+            return self._cached[1]
+        rates = self.rates(batch)
+        self._cached, self._age = (batch, rates), 0
+        return rates
+
+    def choose(self, batch: Batch) -> Choice:
+        base = min(max(batch.fixed, default=0), self.cfg.k_max)  # paid for by explicit rows anyway
+        rates, b = self._evaluate(batch), bucket(batch.rows)
+        best = max(range(base, len(rates)), key=lambda k: (rates[k], -k))
+        switch = 1 + self.costs.switch_cost(b)  # a probe, or a plain step amid drafting, costs this much more
+        if best > base and rates[best] >= (1 + self.cfg.margin) * rates[base]:
+            self.interval = self.cfg.explore_min
+            if base == 0 and self.costs.stale(b, round(self.cfg.explore_max * switch)):  # refresh the reference
+                return self._chose(Choice(0, True))
+            return self._chose(Choice(best, False, rates[best] / rates[base]))
+        if base == 0:
+            probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+            due = self.cfg.explore_min if not self.costs.measured(probe, b) else self.interval
+            if self.idle >= due * switch and not self.costs.stale(b, self.cfg.side_by_side):
+                cheap = b in self.costs.draft and self.costs.draft_of(b) <= self.cfg.cheap_draft
+                self.interval = self.cfg.explore_min if cheap else min(2 * self.interval, self.cfg.explore_max)
+                return self._chose(Choice(probe, True, rates[probe] / rates[0]))
+        return self._chose(Choice(base))
+
+    def _chose(self, choice: Choice) -> Choice:
+        self.idle = 0 if choice.k else self.idle + 1
+        return choice
+
+    # -- confidence
+
+    def calibration(self, source: str | None = None) -> Calibration:
+        """The live calibration of one speculator's confidence (None: the drafter's own)."""
+        if source not in self.calibrations:
+            self.calibrations[source] = Calibration(self.cfg.calibration_decay)
+        return self.calibrations[source]
+
+    def depth(self, source: str | None = None) -> Acceptance:
+        """Per-position acceptance of one speculator's confident drafts (what a draft as deep as i earned)."""
+        if source not in self.depths:
+            self.depths[source] = Acceptance(ControllerConfig(k_max=MAX_DEPTH, prior_acceptance=0.9, depth_discount=1.0))
+        return self.depths[source]
+
+    def confidence_scale(self, source: str | None = None) -> float:
+        """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
+        return self.calibration(source).scale
+
+    def cut(self, confidence: list[list[float]], rows: int, sources: list[str] | None = None) -> list[int]:
+        """Per row, how many of its drafts the verify pass keeps (see the module doc: one width W* for the
+        batch) for cumulative acceptance probabilities confidence[b] = [P_1, P_2, ...] (non-increasing),
+        at the bucket of a `rows`-row verify pass; row b's confidence is scaled by the calibration of the
+        speculator that drafted it (`sources[b]`; None: the drafter's)."""
+        b = bucket(rows)
+        width = max(map(len, confidence), default=0)
+        costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
+        gains = [0.0] * (width + 1)
+        scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator: c and a_1..a_MAX_DEPTH, once
+        for row, probs in enumerate(confidence):
+            source = None if sources is None else sources[row]
+            if source not in scales:
+                scales[source] = (self.confidence_scale(source), self.depth(source).rates())
+            (c, rates), total, run = scales[source], 1.0, 1.0
+            earned = [total]
+            for i, p in enumerate(probs):  # c · P_i, but never above what drafts this deep earned: Π_{j≤i} a_j
+                run *= rates[min(i, MAX_DEPTH - 1)]
+                earned.append(total := total + min(c * p, run))
+            for W in range(width + 1):
+                gains[W] += earned[min(W, len(probs))]
+        best = max(range(width + 1), key=lambda W: (gains[W] / costs[W], -W))
+        return [min(best, len(probs)) for probs in confidence]
+
+    # -- for metrics
+
+    def estimates(self, rows: int) -> dict:
+        """{"acceptance": [a_1..], "speedup": [rate(k) / rate(0) for k = 0..k_max]} for a batch of `rows`
+        rows whose k the controller chooses."""
+        rates = self.rates(Batch(rows, rows))
+        return {"acceptance": self.acceptance.rates(), "speedup": [r / rates[0] for r in rates]}

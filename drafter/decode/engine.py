@@ -1,0 +1,432 @@
+"""Continuous batching: a fixed pool of cache slots that requests join and leave between steps.
+
+Pure torch, no processes: `generate()` and the serving worker both drive an `Engine`.
+
+- `admit(requests)` prefills new prompts into free slots (one forward for all of them, the other
+  rows untouched) — between two steps, never inside one.
+- `step()` runs one `speculative_step` over the pool. Rows differ in k, temperature, top-k/top-p
+  and seed: the drafter proposes max k for every row, and row b accepts at most its own k (the
+  position after is its bonus, drawn from p alone), so each row is decoded exactly as it would be
+  alone — the same token ids at temperature 0, the same draws from its own seeded stream.
+- k = None ("auto"): the engine's `Controller` (drafter/decode/controller.py) chooses one k for all such
+  rows at every step, from the acceptance and step times it is fed after each step; explicit-k rows
+  keep theirs. When every row's k is 0 the step is plain decoding: no drafter call at all, so the
+  drafter falls behind on those rows; before a row drafts again, `join` restarts it from the row's
+  committed tokens (exact; a drafter LM re-prefills them, an SD² drafter's steering inputs are zeros
+  for that first block: fewer accepted drafts, never other output).
+- Free drafts: on a step the controller leaves plain, a drafter with a `lookup` (suffix decoding,
+  alone or in a mix of speculators) is still asked for the drafts that cost no model pass, and each
+  row keeps what its confidence pays for (the controller's `cut`); rows with none verify `last`
+  alone. The prompt and the turns draft wherever they match, whatever the learned head earns.
+- A request leaves the moment it finishes (EOS, stop string, max tokens) or is aborted; its slot is
+  free for the next `admit`. Empty slots ride along inactive (their cache never advances).
+- The engine owns each running request's state (`LiveRequest`: the request, its generation so far,
+  its random stream), found by id with `get`; `step()` hands a finished request's `Generation` over
+  on its last update.
+- `offer_swap()` (between steps, and before every drafting step) lets the hooks hand over a new
+  drafter version: the one place `drafter` is written after construction.
+
+Uniform layout per step (kmax = max k of the live rows), row b with its own k_b drawing 2 k_b + 1
+uniforms from its stream, as `generate` alone would: columns [0, k_b) drive drafting, [kmax,
+kmax + k_b) the accept tests, column 2 kmax the emitted token; the other columns are unused filler.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specloop.drafter.decode.capacity import draft_reserve, positions_needed
+from specloop.drafter.decode.controller import Batch, Choice, Confident, Controller, StepSample
+from specloop.drafter.decode.logprobs import Scoring, scoring_for
+from specloop.drafter.decode.proposer import Drafter, VerifierView, emitted_tokens
+from specloop.drafter.decode.rejection import rejection_sample
+from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate, StopRule
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, make_generators
+from specloop.drafter.decode.speculative import Sampler, StepClock, StepHooks, follows_plain, speculative_step
+from specloop.drafter.decode.stats import AcceptanceStats
+from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.graph import GraphDecoder, graph_ready, on_backend, resolve_backend
+from specloop.drafter.model.kv_cache import KVCache, prefill_rows
+
+
+@dataclass
+class LiveRequest:
+    """A running request as the engine holds it."""
+
+    request: EngineRequest
+    slot: int
+    gen: Generation  # its tokens, stats (and log-probabilities) so far
+    generator: torch.Generator | None  # None when greedy
+
+    @property
+    def history(self) -> list[int]:
+        return self.request.prompt + self.gen.token_ids
+
+
+@dataclass
+class StepTiming:
+    """The last step: its times, and the controller's choice when it had rows to choose for."""
+
+    forward_s: float = 0.0  # inside speculative_step (draft + verify passes, acceptance)
+    total_s: float = 0.0  # the whole step, Python bookkeeping included
+    draft_s: float = 0.0  # drafter.propose
+    verify_s: float = 0.0  # the verify pass and the verdict
+    resync_s: float = 0.0  # restarting drafter rows that fell behind during plain steps
+    choice: Choice | None = None  # the controller's k for the auto rows (None: no auto row, or no drafter)
+
+
+@dataclass
+class Engine:
+    verifier: LeanDecoder
+    drafter: Drafter | None
+    slots: int
+    capacity: int  # positions per slot: a request's `specloop.drafter.decode.capacity.positions_needed` must fit
+    stop_rule: StopRule
+    sampler: Sampler = rejection_sample
+    hooks: StepHooks | None = None
+    controller: Controller = field(default_factory=Controller)  # chooses k for the auto rows
+    timing: StepTiming = field(default_factory=StepTiming)  # of the last step
+    backend: str | None = None  # specloop.drafter.model.graph: "eager", "graph", or auto (None: graph on CUDA, eager on the CPU)
+    # graph backend: compile the static step (SPECLOOP_COMPILE=0: run the same function eagerly, for tests and debugging)
+    compile_graphs: bool = field(default_factory=lambda: os.environ.get("SPECLOOP_COMPILE", "1") != "0")
+    # steps the controller leaves plain still verify the drafter's free drafts (`Drafter.lookup`: suffix decoding
+    # over the request's prompt and turns) where their confidence pays for them; False: plain means plain
+    lookups: bool = True
+
+    def __post_init__(self):
+        self.backend = self._graph_backend(self.backend)
+        self.cache = self.verifier.new_cache(self.slots, self.capacity)
+        self.rows: list[LiveRequest | None] = [None] * self.slots
+        self._slot_of: dict[str, int] = {}  # running request id -> slot
+        self.last = torch.zeros(self.slots, dtype=torch.long)
+        self.behind: set[int] = set()  # slots whose drafter state missed plain steps
+        if self.drafter is not None:
+            self._start_drafter()
+        self.warm_s = self._warm()  # graph backend: seconds spent compiling / capturing the steps at start-up
+
+    def _graph_backend(self, wanted: str | None) -> str:
+        """Wrap the verifier (and a drafter's own LM) in specloop.drafter.model.graph's static step where the backend is
+        graph; returns the backend the engine runs. Auto falls back to eager for weights the step cannot
+        run (quantized: specloop.drafter.model.kernels); an explicit "graph" refuses them."""
+        backend = resolve_backend(wanted, self.verifier.device)
+        why = graph_ready(self.verifier) if backend == "graph" else None
+        if why is not None:
+            if wanted == "graph":
+                raise ValueError(f"backend graph: {why}")
+            backend = "eager"
+        width = self.controller.cfg.k_max + 1  # W: a plain step is a verify pass with one real query
+        self.verifier = on_backend(self.verifier, backend, self.slots, width, self.compile_graphs)
+        self._graph_drafter(self.drafter, backend)  # eager: a drafter an earlier graph engine wrapped runs eagerly
+        return backend
+
+    def _graph_drafter(self, drafter: Drafter | None, backend: str) -> None:
+        """A drafter with an LM of its own (`graph_width`: its widest pass) drafts through this engine's
+        static step on the graph backend (its LM as this engine's slots need it), through its own
+        LeanDecoder on the eager one."""
+        width = getattr(drafter, "graph_width", 0)
+        if width and graph_ready(drafter.lean) is None:
+            drafter.lean = on_backend(drafter.lean, backend, self.slots, width, self.compile_graphs)
+
+    def _warm(self) -> float:
+        """Graph backend: build the verifier's step for the capture sets its steps use (none; the drafter's
+        layers) and a drafter LM's step, before the first request pays for it."""
+        if self.backend != "graph":
+            return 0.0
+        layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
+        seconds = self.verifier.warm(self.cache, {(), layers})
+        lm = getattr(self.drafter, "lean", None)
+        if isinstance(lm, GraphDecoder) and lm is not self.verifier:
+            seconds += lm.warm(self.drafter.cache, {()}, last_only=True)
+        return seconds
+
+    def _start_drafter(self) -> None:
+        empty = [[0]] * self.slots
+        zeros = {i: torch.zeros(self.slots, self.verifier.hidden_size, device=self.verifier.device, dtype=self.verifier.dtype)
+                 for i in self.drafter.verifier_layers}
+        self.drafter.start(empty, self.capacity, VerifierView(self.cache, zeros))
+
+    # -- admission
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def free(self) -> list[int]:
+        return [s for s, r in enumerate(self.rows) if r is None]
+
+    def get(self, request_id: str) -> LiveRequest | None:
+        """The running request `request_id` (None once it finished or was aborted)."""
+        slot = self._slot_of.get(request_id)
+        return None if slot is None else self.rows[slot]
+
+    def live(self) -> list[LiveRequest]:
+        """Every running request, by slot."""
+        return [r for r in self.rows if r is not None]
+
+    def reserve(self, k: int | None) -> int:
+        """Positions a request of draft length k needs beyond prompt + output (auto: the controller's k_max)."""
+        return draft_reserve(k, self.controller.cfg.k_max)
+
+    def fits(self, prompt_len: int, max_tokens: int, k: int | None) -> bool:
+        return positions_needed(prompt_len, max_tokens, k, self.controller.cfg.k_max) <= self.capacity
+
+    def admit(self, requests: list[EngineRequest]) -> list[int]:
+        """Prefill `requests` into free slots (at most len(free) of them); returns their slots."""
+        if not requests:
+            return []
+        if len(requests) > len(self.free):
+            raise ValueError(f"{len(requests)} requests for {len(self.free)} free slots")
+        for r in requests:
+            self._check(r)
+        slots = self.free[: len(requests)]
+        prompts = [r.prompt for r in requests]
+        layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
+        tail = getattr(self.drafter, "feature_window", 0)  # a windowed head (eagle3) reads the prompt's last positions
+        features, recent, lens = prefill_rows(self.verifier, self.cache, slots, prompts, layers, tail)
+        if self.drafter is not None:
+            window = (recent, lens) if tail else (None, None)
+            self.drafter.join(slots, prompts, VerifierView(self.cache, features, *window))
+        for s, r in zip(slots, requests):
+            gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
+            positions = self.controller.cfg.k_max if r.k is None else r.k
+            scores = None if r.logprobs is None else []
+            self.rows[s] = LiveRequest(r, s, Generation([], None, AcceptanceStats(positions), scores), gen)
+            self._slot_of[r.id] = s
+            self.last[s] = r.prompt[-1]
+        self.behind.difference_update(slots)
+        return slots
+
+    def _check(self, r: EngineRequest) -> None:
+        if not r.prompt:
+            raise ValueError(f"request {r.id}: empty prompt")
+        if r.id in self._slot_of:
+            raise ValueError(f"request {r.id} is already running")
+        if r.k and self.drafter is None:
+            raise ValueError(f"request {r.id}: k = {r.k} needs a drafter")
+        if r.params.stop and self.stop_rule.decode is None:
+            raise ValueError("stop strings need a decode function")
+        if r.k is not None and r.k < 0:
+            raise ValueError(f"request {r.id}: k = {r.k} < 0")
+        if self.backend == "graph" and r.k is not None and r.k > self.controller.cfg.k_max:
+            raise ValueError(f"request {r.id}: k = {r.k} exceeds the graph step's {self.controller.cfg.k_max} drafts "
+                             "per block (the controller's k_max)")
+        if r.logprobs is not None and r.logprobs < 0:
+            raise ValueError(f"request {r.id}: logprobs = {r.logprobs} < 0")
+        if not self.fits(len(r.prompt), r.params.max_tokens, r.k):
+            raise ValueError(f"request {r.id}: {len(r.prompt)} prompt tokens + {r.params.max_tokens} new "
+                             f"(+ {self.reserve(r.k)} for drafting) exceed the {self.capacity}-position context")
+
+    def abort(self, request_id: str) -> bool:
+        """Free the request's slot now (between steps); False if it is not running."""
+        if request_id not in self._slot_of:
+            return False
+        self._leave(self._slot_of[request_id])
+        return True
+
+    def _leave(self, slot: int) -> None:
+        del self._slot_of[self.rows[slot].request.id]
+        self.rows[slot] = None
+        self.behind.discard(slot)
+
+    def offer_swap(self) -> None:
+        """Between steps: the hooks may hand over a new drafter version that took over the old one's
+        rows (a hot swap, or a version switched in between requests); the controller is told."""
+        if self.hooks is None or self.drafter is None:
+            return
+        new = self.hooks.swap(self.drafter, self._histories())
+        if new is not self.drafter:
+            self._graph_drafter(new, self.backend)
+            self.drafter = new
+            self.controller.drafter_swapped()
+
+    def _histories(self) -> list[list[int]]:
+        return [r.history if r is not None else [0] for r in self.rows]
+
+    # -- one step
+
+    def step(self) -> list[RowUpdate]:
+        """One speculative step over every running request, on the pool's occupied prefix: rows [0, m)
+        with m = 1 + the highest occupied slot (admission fills the lowest free slots first), so a
+        half-empty pool costs what its running requests cost."""
+        t0 = time.perf_counter()
+        live = [s for s, r in enumerate(self.rows) if r is not None]
+        if not live:
+            return []
+        m = live[-1] + 1
+        rows = self.rows[:m]
+        choice = self._choose(rows, live, m)
+        width = self._lookup(choice, rows, live)
+        lookup = width > 0
+        auto_k = width if lookup else 0 if choice is None else choice.k
+        ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
+        kmax = max(ks[s] for s in live)
+        active = torch.tensor([r is not None for r in rows])
+        drafter, on_trace = self._hooked(kmax)
+        resync_s = self._resync([s for s in live if ks[s] and s in self.behind]) if kmax else 0.0
+        follow = bool(kmax) or follows_plain(drafter)
+        if not kmax and self.drafter is not None and not follow:
+            self.behind.update(live)
+        params, limit = self._params(rows, live, ks, kmax)
+        uniforms = None if params.greedy else self._uniforms(rows, ks, kmax)
+        cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
+        narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
+        clock = StepClock()
+        scoring = scoring_for({s: rows[s].request.logprobs for s in live if rows[s].request.logprobs is not None})
+        t1 = time.perf_counter()
+        gate = None if choice is None or any(rows[s].request.k is not None for s in live) else (
+            lambda confidence, sources: self.controller.cut(confidence, m, sources))  # every row auto: confidence may cut
+        outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
+                                   active, self.sampler, on_trace, limit, clock, scoring, gate, lookup)
+        t2 = time.perf_counter()
+        if narrowed is not drafter:
+            drafter.widen(narrowed, m)
+        self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
+        if outcome.drafted is not None:
+            drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
+        else:  # every row drafted its k, or none did (a pass of `last` alone: a lookup that found nothing)
+            drafted = ks if outcome.tokens.shape[1] > 1 else [0] * len(ks)
+        # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
+        # they teach the calibration alone)
+        free = getattr(self.drafter, "free_sources", ())
+        blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
+            outcome.sources is None or outcome.sources[s] not in free))
+        confident = () if outcome.predicted is None else tuple(
+            Confident(float(outcome.predicted[s]), int(outcome.num_accepted[s]),
+                      None if outcome.sources is None else outcome.sources[s], drafted[s]) for s in live if drafted[s])
+        updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
+        self.last[:m] = outcome.last_tokens
+        total = time.perf_counter() - t0
+        self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
+                                 resync_s=resync_s, choice=choice)
+        self.controller.observe(StepSample(m, outcome.tokens.shape[1] - 1, clock.draft_s, clock.verify_s,
+                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s, kmax,
+                                           confident, lookup))
+        return updates
+
+    def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> int:
+        """How many free drafts per row this step of auto rows verifies instead (`Drafter.lookup`; 0: none):
+        where the controller left it plain (not to measure a plain pass), or gave a mix's model members k
+        drafts but every row's free draft promises as much (`prefers_free`: a copy is not cut to k)."""
+        if not (self.lookups and choice is not None and not choice.probe and hasattr(self.drafter, "lookup")
+                and all(rows[s].request.k is None for s in live)):
+            return 0
+        width = self._lookup_width(live)
+        if not choice.k:
+            return width if self.controller.lookup_due() else 0
+        prefers = getattr(self.drafter, "prefers_free", None)
+        return width if prefers is not None and choice.k < width and prefers(choice.k, width, live) else 0
+
+    def _lookup_width(self, live: list[int]) -> int:
+        """The most free drafts a lookup verifies per row: the controller's `lookup_max` (its k_max on the graph
+        backend, whose step width is fixed), within the room every live row's cache has left, never under k_max
+        (the capacity rule reserves that much)."""
+        if self.backend == "graph":
+            return self.controller.cfg.k_max
+        room = self.capacity - 1 - int(self.cache.lens[live].max())
+        return max(self.controller.cfg.k_max, min(self.controller.cfg.lookup_max, room))
+
+    def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:
+        """The controller's k for this step's auto rows (None when there are none, or no drafter)."""
+        if self.drafter is None:
+            return None
+        fixed = tuple(rows[s].request.k for s in live if rows[s].request.k is not None)
+        if len(fixed) == len(live):
+            return None
+        return self.controller.choose(Batch(m, len(live) - len(fixed), fixed))
+
+    def _resync(self, slots: list[int]) -> float:
+        """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`);
+        returns the seconds it took (0 when no row needed it)."""
+        if not slots:
+            return 0.0
+        t0 = time.perf_counter()
+        features = {i: torch.zeros(len(slots), self.verifier.hidden_size, device=self.verifier.device,
+                                   dtype=self.verifier.dtype) for i in self.drafter.verifier_layers}
+        self.drafter.join(slots, [self.rows[s].history for s in slots], VerifierView(self.cache, features))
+        self.behind.difference_update(slots)
+        return time.perf_counter() - t0
+
+    def _hooked(self, kmax: int):
+        if self.hooks is None or not kmax:
+            return self.drafter, None
+        self.offer_swap()
+        ids = [r.request.id if r is not None else None for r in self.rows]
+        return self.drafter, self.hooks.traced(self._histories(), ids)
+
+    @staticmethod
+    def _params(rows: list, live: list[int], ks: list[int], kmax: int):
+        """One SamplingParams when every live row shares the transform (the scalar path), else RowParams;
+        per-row k limits only when live rows' k differ."""
+        first = rows[live[0]].request.params
+        key = lambda p: (p.temperature, p.top_k, p.top_p)  # noqa: E731
+        shared = all(key(rows[s].request.params) == key(first) for s in live)
+        params = first if shared else RowParams(tuple(r.request.params if r is not None else first for r in rows))
+        same_k = all(ks[s] == kmax for s in live)
+        return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, rows)])
+
+    @staticmethod
+    def _uniforms(rows: list, ks: list[int], kmax: int) -> torch.Tensor:
+        u = torch.full((len(rows), 2 * kmax + 1), 0.5)
+        for s, row in enumerate(rows):
+            if row is None or row.generator is None:
+                continue
+            k = ks[s]
+            drawn = torch.rand(2 * k + 1, generator=row.generator)
+            u[s, :k] = drawn[:k]
+            u[s, kmax : kmax + k] = drawn[k : 2 * k]
+            u[s, 2 * kmax] = drawn[2 * k]
+        return u
+
+    def _commit(self, s: int, outcome, k: int, scoring: Scoring | None) -> RowUpdate:
+        row = self.rows[s]
+        n = int(outcome.num_accepted[s])
+        before = len(row.gen.token_ids)
+        row.gen.stats.observe(k, n)
+        self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
+        new = row.gen.token_ids[before:]  # cut as the stop rule cut them: their scores are cut the same way
+        scores = None if row.gen.logprobs is None else scoring.scores(s, new, row.request.logprobs)
+        if scores is not None:
+            row.gen.logprobs.extend(scores)
+        done = row.gen.finish_reason is not None
+        speculator = outcome.sources[s] if outcome.sources is not None and k else None
+        update = RowUpdate(row.request.id, s, new, k, n, row.gen.finish_reason, scores, row.gen if done else None,
+                           speculator)
+        if done:
+            self._leave(s)
+        return update
+
+
+def generate(
+    verifier: LeanDecoder,
+    drafter: Drafter | None,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    k: int | None,
+    stop_rule: StopRule,
+    sampler: Sampler = rejection_sample,
+    first_request: int = 0,
+    hooks: "StepHooks | None" = None,
+    controller: Controller | None = None,
+    backend: str | None = None,
+) -> list[Generation]:
+    """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone,
+    k = None lets `controller` (drafter/decode/controller.py; a new one when None) choose k step by step.
+    Request i draws from the stream seeded by (params.seed, first_request + i).
+
+    `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
+    old one's rows), and `traced(histories)` returns a callback for the step's trace."""
+    if k and drafter is None:
+        raise ValueError("k > 0 needs a drafter")
+    controller = Controller() if controller is None else controller
+    capacity = positions_needed(max(map(len, prompts)), params.max_tokens, k, controller.cfg.k_max)
+    engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
+                    controller=controller, backend=backend)
+    engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
+    finished = {}
+    while engine.running:
+        finished.update((u.id, u.generation) for u in engine.step() if u.generation is not None)
+    return [finished[str(i)] for i in range(len(prompts))]

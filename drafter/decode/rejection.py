@@ -1,0 +1,86 @@
+"""The rejection sampler of speculative decoding (Leviathan et al. 2023; Chen et al. 2023).
+
+Glossary
+- accepted token: a drafted token d_i kept because u_i < p_i(d_i) / q_i(d_i).
+- recovered token: after the first rejection at position n, a token drawn from
+  norm(max(0, p_n − q_n)); together with acceptance this makes the output distributed as p.
+- bonus token: when all k drafts are accepted, a token drawn from p_k (the verifier's
+  distribution after the last draft). Either way a block emits n + 1 tokens.
+
+Symbols: p = verifier (target) probabilities, q = drafter probabilities, both already warped by
+the same temperature / top-k / top-p. Pure functions: all randomness comes in as uniforms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specloop.drafter.decode.sampling import sample
+
+
+@dataclass
+class BlockOutcome:
+    tokens: torch.Tensor  # [B, k+1] emitted tokens; only the first num_accepted + 1 are valid
+    num_accepted: torch.Tensor  # [B] int64, n in [0, k]
+    drafted: torch.Tensor | None = None  # [B] int64: drafts each row offered (None: k each; fewer for a
+    #                                      self-limiting drafter, `Proposal.lengths`)
+    sources: list[str] | None = None  # [B] the speculator that drafted each row (a mix: `Proposal.sources`)
+    predicted: torch.Tensor | None = None  # [B] Σ_i P_i over each row's drafted positions: the drafts the
+    #                                        drafter expected accepted (`Proposal.confidence`; None without)
+
+    @property
+    def last_tokens(self) -> torch.Tensor:
+        """[B] the token each row emitted last: the recovered or bonus token at index n."""
+        return self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
+
+
+def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+    """[B, k] bool → [B] number of leading True values."""
+    return mask.long().cumprod(dim=-1).sum(dim=-1)
+
+
+def _capped(n: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
+    """Rows drafted fewer than k tokens (continuous batching: k per request) accept at most their own
+    k; the position after it is that row's bonus."""
+    return n if limit is None else torch.minimum(n, limit.to(n.device))
+
+
+def greedy_accept(
+    draft_tokens: torch.Tensor,  # [B, k]
+    target_logits: torch.Tensor,  # [B, k+1, V]
+    limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
+) -> BlockOutcome:
+    """Temperature 0. The verifier's argmax at every position is the token it would emit; drafts are
+    accepted while they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
+    """
+    target = target_logits.argmax(dim=-1)  # [B, k+1]
+    n = _capped(_leading_true(draft_tokens == target[:, :-1]), limit)
+    return BlockOutcome(tokens=target, num_accepted=n)
+
+
+def rejection_sample(
+    draft_tokens: torch.Tensor,  # [B, k] int64
+    draft_probs: torch.Tensor,  # [B, k, V] q
+    target_probs: torch.Tensor,  # [B, k+1, V] p
+    uniforms: torch.Tensor,  # [B, k+1]: u_0..u_{k-1} accept tests, u_k samples the emitted token
+    limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
+) -> BlockOutcome:
+    """Lossless acceptance for temperature > 0."""
+    B, k = draft_tokens.shape
+    idx = draft_tokens[..., None]
+    p_d = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k] p_i(d_i)
+    q_d = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k] q_i(d_i)
+    n = _capped(_leading_true(uniforms[:, :k] * q_d < p_d), limit)  # accept iff u < p/q
+    rows = torch.arange(B, device=n.device)
+    p_n = target_probs[rows, n]  # [B, V]
+    q_n = torch.cat([draft_probs, draft_probs.new_zeros(B, 1, draft_probs.shape[-1])], dim=1)[rows, n]  # q_k := 0
+    if limit is not None:  # all of a row's own k accepted: a bonus, drawn from p alone
+        q_n = torch.where((n == limit.to(n.device))[:, None], 0.0, q_n)
+    residual = (p_n - q_n).clamp_(min=0)  # [B, V] norm(max(0, p − q)); equals p_n for the bonus
+    empty = residual.sum(dim=-1, keepdim=True) <= 0  # p == q exactly: rejection was impossible
+    residual = torch.where(empty, p_n, residual)
+    emitted = sample(residual, uniforms[:, k])  # [B]
+    tokens = torch.cat([draft_tokens, emitted[:, None]], dim=1)
+    tokens[rows, n] = emitted
+    return BlockOutcome(tokens=tokens, num_accepted=n)

@@ -1,0 +1,128 @@
+"""Sampling parameters, the logits → probabilities transform, and inverse-CDF sampling.
+
+The same `warp` is applied to the verifier's and the drafter's logits, so that the distribution
+speculative decoding preserves is exactly the verifier's after temperature, top-k and top-p.
+Randomness enters only as uniforms drawn from per-request `torch.Generator`s (`draw_uniforms`):
+request i of a run owns the stream seeded from (seed, i), so its samples do not depend on what
+else shares its batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_TEMPERATURE = 0.01  # a temperature in (0, this) samples at this one (as vLLM clamps it): logits / 1e-40 overflow
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy; (0, MIN_TEMPERATURE) is raised to MIN_TEMPERATURE
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    max_tokens: int = 64
+    stop: tuple[str, ...] = ()
+    seed: int = 0
+    ignore_eos: bool = False  # vLLM's: EOS does not end the request (it is emitted as any token)
+
+    def __post_init__(self):
+        if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """The sampling transforms of a batch whose rows belong to different requests (continuous
+    batching). Rows with equal (temperature, top-k, top-p) are warped together by the scalar path,
+    so each row gets bit for bit what it would get decoded alone."""
+
+    rows: tuple[SamplingParams, ...]  # one per batch row (empty slots: the greedy default)
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy: the whole step takes the temperature-0 path."""
+        return all(p.greedy for p in self.rows)
+
+    @property
+    def greedy_rows(self) -> torch.Tensor:
+        """[B] bool."""
+        return torch.tensor([p.greedy for p in self.rows])
+
+    def groups(self) -> dict[SamplingParams, torch.Tensor]:
+        """Sampled rows by transform: a representative SamplingParams → row indices [R]."""
+        by: dict[tuple, list[int]] = {}
+        for b, p in enumerate(self.rows):
+            if not p.greedy:
+                by.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
+        return {SamplingParams(t, k, tp): torch.tensor(rows) for (t, k, tp), rows in by.items()}
+
+
+def warp(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tensor:
+    """Probabilities after temperature, top-k and top-p. logits: [B, ..., V] → float32 [B, ..., V].
+    With RowParams, greedy rows get softmax(logits) (temperature 1: what their log q is logged from)."""
+    if isinstance(params, RowParams):
+        return _warp_rows(logits, params)
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        probs = _top_p(probs, params.top_p)
+    return probs
+
+
+def _warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    greedy = params.greedy_rows.to(logits.device)
+    out[greedy] = torch.softmax(logits[greedy].float(), dim=-1)
+    for group, rows in params.groups().items():
+        out[rows.to(logits.device)] = warp(logits[rows.to(logits.device)], group)
+    return out
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the top-1 always)."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling. probs: [N, V] (need not sum to 1), u: [N] in [0, 1) → [N] int64."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u[:, None].to(cdf.device, cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def make_generators(seed: int, n: int, start: int = 0) -> list[torch.Generator]:
+    """One generator per request; request i is seeded from (seed, i)."""
+    return [torch.Generator().manual_seed(_mix(seed, start + i)) for i in range(n)]
+
+
+def _mix(seed: int, index: int) -> int:
+    """A 63-bit seed from the pair (seed, index) (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
+
+
+def draw_uniforms(generators: list[torch.Generator], n: int) -> torch.Tensor:
+    """[B, n] uniforms, row b from generators[b]."""
+    return torch.stack([torch.rand(n, generator=g) for g in generators])

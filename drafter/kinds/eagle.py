@@ -1,0 +1,227 @@
+"""A feature-level draft head on the verifier's last layer (EAGLE-style; Li et al. 2024).
+
+The verifier's residual stream after its last layer, f_t, at the position that produced the newest
+committed token x_{t+1}, already holds what the verifier knows about the context. The head
+predicts the next such feature from it and the embedding of x_{t+1},
+
+    z_{t+1} = W_in [rms(f_t) ⊙ a; rms(e(x_{t+1})) ⊙ b]
+    z_{t+1} = z_{t+1} + W_down (silu(W_gate n) ⊙ W_up n),   n = rms(z_{t+1}) ⊙ c
+
+and reads the next token through the verifier's own final norm and LM head (its rows over the
+FR-Spec draft vocabulary: specloop.drafter.model.vocab), q(x_{t+2}) = softmax(W_head rms(z_{t+1})). Draft i + 1
+feeds z back in place of f, with the token just drafted (no attention and no KV cache of its own:
+one MLP block per draft, which is where it differs from EAGLE's one decoder layer).
+
+What it reuses from the verifier: the features (captured by passes the verifier runs anyway, plain
+steps included: `follows_plain`), the token embedding and the LM head rows (quantized as the
+verifier's own linears). What it trains: everything in `FeatureHead` (offline by
+`specloop.trainer.students.EagleStudent` on the verifier's features and distributions, unrolled over the
+draft depth as at inference; online from replay records, whose `steer` holds f_t).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.nn import functional as F
+
+from specloop.drafter.decode.proposer import (
+    Choice,
+    Proposal,
+    VerifierView,
+    choose,
+    first_rows,
+    stack_proposal,
+    with_rows,
+)
+from specloop.drafter.decode.rejection import BlockOutcome
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.sd2 import MANIFEST
+from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.vocab import expand
+from specloop.drafter.model.weights.linears import linear
+from specloop.drafter.model.weights.quant import quantize_like
+
+HEAD_FILE = "eagle_head.safetensors"
+
+
+@dataclass
+class EagleConfig:
+    hidden: int  # the verifier's width d
+    intermediate: int = 768  # the head's MLP width
+    layer: int = -1  # 0-based verifier layer whose output feeds the head (-1: the last)
+    eps: float = 1e-5
+
+
+class FeatureHead(nn.Module):
+    """z' = step(z, e): the predicted next feature; `logits(z, head)` reads a token distribution."""
+
+    def __init__(self, cfg: EagleConfig, final_norm: torch.Tensor | None = None):
+        super().__init__()
+        d, i = cfg.hidden, cfg.intermediate
+        self.cfg = cfg
+        self.norm_feature = nn.Parameter(torch.ones(d))
+        self.norm_token = nn.Parameter(torch.ones(d))
+        self.fc = nn.Linear(2 * d, d, bias=False)
+        self.norm_mlp = nn.Parameter(torch.ones(d))
+        self.gate_up = nn.Linear(d, 2 * i, bias=False)
+        self.down = nn.Linear(i, d, bias=False)
+        self.norm_out = nn.Parameter(torch.ones(d) if final_norm is None else final_norm.detach().float().clone())
+        with torch.no_grad():
+            self.down.weight.mul_(0.1)  # the block starts close to the identity on fc's output
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), self.cfg.eps)
+
+    def step(self, z: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+        """z [..., d] (a verifier feature or a predicted one), e [..., d] token embedding → z' [..., d]."""
+        x = self.fc(torch.cat([self._rms(z, self.norm_feature), self._rms(e, self.norm_token)], dim=-1))
+        gate, up = self.gate_up(self._rms(x, self.norm_mlp)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+    def logits(self, z: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+        """[..., d] → [..., rows of `head`] through the head's output norm."""
+        return F.linear(self._rms(z, self.norm_out), head.to(z.dtype))
+
+    def save(self, out: Path, extra: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({n: p.detach().contiguous().cpu() for n, p in self.state_dict().items()}, out / HEAD_FILE)
+        (out / MANIFEST).write_text(json.dumps({"kind": "eagle", "eagle": asdict(self.cfg)} | extra, indent=2))
+
+    @classmethod
+    def load(cls, directory: Path) -> "FeatureHead":
+        manifest = json.loads((Path(directory) / MANIFEST).read_text())
+        if manifest.get("kind") != "eagle":
+            raise ValueError(f"{directory} holds a {manifest.get('kind')!r} checkpoint, not an eagle head")
+        head = cls(EagleConfig(**manifest["eagle"]))
+        state = load_file(Path(directory) / HEAD_FILE)
+        missing = set(head.state_dict()) - set(state)
+        if missing:
+            raise ValueError(f"{directory}: eagle head file lacks {sorted(missing)}")
+        head.load_state_dict(state)
+        return head
+
+
+def new_head(lean: LeanDecoder, intermediate: int = EagleConfig.intermediate) -> FeatureHead:
+    """An untrained head for the verifier `lean` (output norm from the verifier's final norm), the
+    same on every call (its random initialisation is seeded: two workers, or a worker and a learner,
+    start from one head)."""
+    cfg = EagleConfig(hidden=lean.hidden_size, intermediate=intermediate, eps=lean.eps)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return FeatureHead(cfg, lean.final_norm)
+
+
+def head_rows(lean: LeanDecoder, vocab: torch.Tensor | None) -> torch.Tensor:
+    """The verifier's LM head over the draft vocabulary (all of it for None), as floats."""
+    head = lean.lm_head
+    if vocab is not None and hasattr(head, "rows"):  # only those rows (the whole head in floats: 113 MB)
+        return head.rows(vocab.to(lean.device)).float()
+    weight = (head if isinstance(head, torch.Tensor) else head.dequantize()).float()
+    return weight if vocab is None else weight[vocab.to(weight.device)]
+
+
+def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, params: SamplingParams,
+         u: torch.Tensor | None) -> tuple[Choice, torch.Tensor]:
+    """A draft from a head's logits over the draft vocabulary: the choice (its logits expanded to the
+    full vocabulary) and the head's own probability of the token chosen [B]."""
+    logits = logits.float()
+    norm = torch.logsumexp(logits, dim=-1)  # over the draft vocabulary, before it is expanded
+    if vocab is not None:
+        logits = expand(logits, vocab, vocab_size)
+    c = choose(logits, params, u)
+    return c, (logits.gather(-1, c.token[:, None].to(logits.device)).squeeze(-1) - norm).exp()
+
+
+def feature_layer(cfg: EagleConfig, num_layers: int) -> int:
+    """The 0-based verifier layer the head reads."""
+    layer = cfg.layer if cfg.layer >= 0 else num_layers + cfg.layer
+    if not 0 <= layer < num_layers:
+        raise ValueError(f"eagle head reads layer {cfg.layer}, outside the verifier's {num_layers}")
+    return layer
+
+
+class EagleDrafter:
+    """Drafts k tokens per row with the head, from the verifier's newest feature and committed token."""
+
+    kind = "eagle"
+    record_layers: tuple[int, ...] = ()
+    follows_plain = True  # plain (k = 0) steps also hand it the verifier's features: never behind
+
+    def __init__(self, verifier: LeanDecoder, head: FeatureHead, vocab: torch.Tensor | None = None):
+        if head.cfg.hidden != verifier.hidden_size:
+            raise ValueError(f"eagle head width {head.cfg.hidden} does not fit a {verifier.hidden_size}-wide verifier")
+        self.lean, self.head_module = verifier, head.eval()
+        self.verifier_layers = (feature_layer(head.cfg, verifier.num_layers),)
+        self.vocab = None if vocab is None else vocab.to(verifier.device)
+        self._linears(head)
+
+    def _linears(self, head: FeatureHead) -> None:
+        """The head's matrices prepared as the verifier's own linears are (specloop.drafter.model.weights.quant)."""
+        prep = lambda w: quantize_like(self.lean, w.detach().float())  # noqa: E731
+        self.fc, self.gate_up, self.down = prep(head.fc.weight), prep(head.gate_up.weight), prep(head.down.weight)
+        dt = self.lean.dtype
+        self.norms = [p.detach().to(self.lean.device, dt) for p in (head.norm_feature, head.norm_token, head.norm_mlp)]
+        self.norm_out = head.norm_out.detach().to(self.lean.device, dt)
+        self.head = prep(head_rows(self.lean, self.vocab))
+
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), w, self.head_module.cfg.eps)
+
+    def step(self, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """One head step for [B] tokens from features z [B, d]."""
+        e = self.lean.embed_tokens(tokens[:, None])[:, 0].to(z.dtype)
+        x = linear(torch.cat([self._rms(z, self.norms[0]), self._rms(e, self.norms[1])], dim=-1), self.fc)
+        gate, up = linear(self._rms(x, self.norms[2]), self.gate_up).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down)
+
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
+        self.feature = view.features[self.verifier_layers[0]].to(self.lean.dtype)
+        self.last = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
+
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView) -> None:
+        idx = torch.tensor(slots, dtype=torch.long)
+        feature = self.feature.clone()
+        feature[idx.to(feature.device)] = view.features[self.verifier_layers[0]].to(feature.dtype)
+        self.feature = feature
+        self.last[idx] = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
+
+    @torch.inference_mode()
+    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        z, tokens, steps, confidence, run = self.feature, self.last, [], [], 1.0
+        for i in range(k):
+            z = self.step(z, tokens)
+            logits = linear(self._rms(z, self.norm_out), self.head)
+            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, None if uniforms is None else uniforms[:, i])
+            steps.append(choice)
+            tokens, run = choice.token, run * p
+            confidence.append(run)  # the head's own probability that its drafts so far are all taken
+        proposal = stack_proposal(steps, params)
+        proposal.steer = self.feature[:, None].float()  # what the block was drafted from (replay records)
+        proposal.confidence = torch.stack(confidence, dim=1) if confidence else None
+        return proposal
+
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
+        new = view.features[self.verifier_layers[0]].to(self.feature.dtype)
+        self.feature = torch.where(active[:, None].to(new.device), new, self.feature)
+        self.last = torch.where(active, outcome.last_tokens, self.last)
+
+    def narrow(self, m: int) -> "EagleDrafter":
+        view = copy.copy(self)
+        view.feature, view.last = first_rows(self.feature, m), first_rows(self.last, m)
+        return view
+
+    def widen(self, view: "EagleDrafter", m: int) -> None:
+        self.feature, self.last = with_rows(self.feature, view.feature, m), with_rows(self.last, view.last, m)
+
+    def adopt(self, old: "EagleDrafter") -> None:
+        """Continue `old`'s rows: its state is the verifier's, valid for any head."""
+        self.feature, self.last = old.feature, old.last
+
+    def refill(self, old: "EagleDrafter", histories: list[list[int]]) -> None:
+        self.adopt(old)

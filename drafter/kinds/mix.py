@@ -1,0 +1,211 @@
+"""Several speculators behind one Drafter, chosen per step and row (ATLAS's static + adaptive pair,
+and suffix decoding beside a model drafter, as ArcticInference pairs it).
+
+Members, by name (every one follows plain steps, so each stays current whichever one drafts):
+- "adaptive": the served drafter version, the one the online learner trains;
+- "static": a frozen copy of the base drafter beside it (optional): a drift never costs more than
+  the static speculator, and the adaptive one takes over once it has learned;
+- "suffix": suffix decoding over the row's history and earlier outputs (optional, no model).
+
+The choice, from live acceptance kept per member (specloop.drafter.decode.controller.Acceptance: decayed counts of
+per-position trials and hits, shrunk to a prior):
+
+    E_m(k) = 1 + Σ_{i≤k} Π_{j≤i} a_{m,j}                 a model member's expected tokens per block
+    model  = argmax over {adaptive, static} of E_m(k)     one of them drafts for the batch; the other
+                                                           drafts once every `explore` steps it sat out
+    row b takes the suffix draft when 1 + c · Σ_i p_{b,i} ≥ E_model(k), where p_{b,i} is the suffix
+    draft's own path probability and c its live calibration (accepted / predicted, decayed)
+
+and the model member is not run at all when every row took a suffix draft (its cost is saved).
+On steps where the controller chose not to draft (the model members do not pay), `lookup` offers the
+suffix member's drafts alone (specloop.drafter.decode.engine verifies what their confidence pays for); so does a step
+where it chose k > 0 but every row's suffix draft, up to the widest pass, promises at least what the
+model's k would (`prefers_free`): a copy is not cut to the model's k.
+Every row's speculator is in `Proposal.sources`, for metrics and for the replay records (only a
+model member's drafts are records; the learner's policy terms use the adaptive member's alone).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from specloop.drafter.decode.controller import Acceptance, Calibration, ControllerConfig, expected_tokens
+from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
+from specloop.drafter.decode.rejection import BlockOutcome
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.suffix import proposal_of
+
+SPECULATORS = ("static", "suffix")  # what may join the served ("adaptive") drafter
+MODELS = ("adaptive", "static")
+FREE = frozenset({"suffix"})  # members whose drafts cost no model pass
+
+
+class SpeculatorMix:
+    """The Drafter protocol over named members (see the module doc)."""
+
+    def __init__(self, members: dict[str, Drafter], explore: int = 32, calibration_decay: float = 0.98):
+        bad = [name for name, d in members.items() if not getattr(d, "follows_plain", False)]
+        if bad:
+            raise ValueError(f"a mix of speculators needs members that follow plain steps; "
+                             f"{', '.join(f'{n} ({members[n].kind})' for n in bad)} do not: use an eagle drafter")
+        if "adaptive" not in members:
+            raise ValueError("a mix of speculators needs the served ('adaptive') drafter")
+        self.members = members
+        self.kind = members["adaptive"].kind
+        self.verifier_layers = tuple(sorted({i for d in members.values() for i in d.verifier_layers}))
+        self.record_layers = tuple(members["adaptive"].record_layers)
+        self.follows_plain = True
+        self.free_sources = FREE  # specloop.drafter.decode.engine: their rows do not teach the controller what asking k earns
+        self.feature_window = max(getattr(d, "feature_window", 0) for d in members.values())
+        self.explore = explore
+        cfg = ControllerConfig(k_max=8)
+        self.acceptance = {name: Acceptance(cfg) for name in members if name != "suffix"}
+        self.idle = {name: 0 for name in self.acceptance}  # drafting steps each model member sat out
+        self.calibration = Calibration(calibration_decay)  # of the suffix member's drafts
+        self.served: dict[str, int] = {name: 0 for name in members}  # blocks drafted by each member
+        self._last: tuple[list[str], list[float]] | None = None
+
+    # -- the choice
+
+    def expected(self, name: str, k: int) -> float:
+        return expected_tokens(self.acceptance[name].rates(), k)
+
+    def pick_model(self, k: int) -> str:
+        """The model member that drafts this step: the best by expected tokens, or one that sat out too long."""
+        models = [n for n in MODELS if n in self.acceptance]
+        starved = [n for n in models if self.idle[n] >= self.explore]
+        return starved[0] if starved else max(models, key=lambda n: (self.expected(n, k), n == "adaptive"))
+
+    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        model = self.pick_model(k)
+        suffix = self.members.get("suffix")
+        if suffix is None:
+            return self._model_proposal(model, k, params, uniforms)
+        drafts = suffix.drafts(k)
+        bar = self.expected(model, k)
+        scores = [1 + self.calibration.scale * d.score for d in drafts]
+        takes = [bool(d.tokens) and s >= bar for d, s in zip(drafts, scores)]
+        mine = proposal_of(drafts, k, [r.tokens[-1] for r in suffix.rows])
+        if all(takes):
+            mine.sources = ["suffix"] * len(drafts)
+            self._remember(mine.sources, drafts, model=None)
+            return mine
+        theirs = self._model_proposal(model, k, params, uniforms)
+        rows = torch.tensor(takes)
+        merged = merge(theirs, mine, rows)
+        merged.sources = ["suffix" if t else model for t in takes]
+        self._remember(merged.sources, drafts, model)
+        return merged
+
+    def prefers_free(self, k: int, width: int, live: list[int]) -> bool:
+        """Whether, on a step the controller gave the model members k drafts, every live row is expected to do at
+        least as well with its suffix draft of up to `width` tokens (the widest a pass may verify) as with
+        the model's: specloop.drafter.decode.engine then runs the step as a lookup (no model pass, the suffix drafts not
+        capped at k)."""
+        suffix = self.members.get("suffix")
+        if suffix is None:
+            return False
+        bar = self.expected(self.pick_model(k), k)
+        drafts = suffix.drafts(width, live)
+        return all(d.tokens and 1 + self.calibration.scale * d.score >= bar for d in drafts)
+
+    def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
+        """The suffix member's drafts alone, no model member run: what specloop.drafter.decode.engine verifies on a step
+        the controller left plain, each row cut to what its confidence pays for. None without a suffix
+        member, or where no row has a draft."""
+        suffix = self.members.get("suffix")
+        mine = suffix.lookup(k, params) if suffix is not None else None
+        if mine is not None:
+            mine.sources = ["suffix"] * len(mine.tokens)
+            self._last = (mine.sources, mine.confidence.tolist())  # the model members sat out no drafting step
+        return mine
+
+    def _model_proposal(self, model: str, k: int, params: SamplingParams, uniforms) -> Proposal:
+        proposal = self.members[model].propose(k, params, uniforms)
+        proposal.sources = [model] * len(proposal.tokens)
+        self._remember(proposal.sources, None, model)
+        return proposal
+
+    def _remember(self, sources: list[str], drafts, model: str | None) -> None:
+        predicted = [0.0] * len(sources) if drafts is None else [d.probs for d in drafts]
+        self._last = (sources, predicted)
+        for name in self.idle:
+            self.idle[name] = 0 if name == model else self.idle[name] + 1
+
+    # -- the verdict
+
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
+        for member in self.members.values():
+            member.observe(outcome, active, view)
+        if self._last is None:  # a plain step
+            return
+        sources, predicted = self._last
+        self._last = None
+        k = outcome.tokens.shape[1] - 1
+        for b in torch.nonzero(active).flatten().tolist():
+            drafted = k if outcome.drafted is None else int(outcome.drafted[b])
+            n = int(outcome.num_accepted[b])
+            if not drafted:
+                continue
+            self.served[sources[b]] += 1
+            if sources[b] == "suffix":
+                self.calibration.observe(sum(predicted[b][:drafted]), n)
+            else:
+                self.acceptance[sources[b]].observe(drafted, n)
+
+    # -- rows and swaps
+
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
+        for member in self.members.values():
+            member.start(prompts, capacity, view)
+
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView) -> None:
+        for member in self.members.values():
+            member.join(slots, prompts, view)
+
+    def narrow(self, m: int) -> "SpeculatorMix":
+        view = copy.copy(self)  # acceptance, calibration and counts are shared with the pool
+        view.members = {name: d.narrow(m) for name, d in self.members.items()}
+        return view
+
+    def widen(self, view: "SpeculatorMix", m: int) -> None:
+        for name, d in self.members.items():
+            d.widen(view.members[name], m)
+        self._last = None
+
+    def adopt(self, old: "SpeculatorMix") -> None:
+        """A new adaptive version: every member continues `old`'s rows; the other members' estimates
+        carry over, the adaptive one's keeps a quarter of its weight (a new version is a new drafter)."""
+        self._take(old, lambda d, o: d.adopt(o))
+
+    def refill(self, old: "SpeculatorMix", histories: list[list[int]]) -> None:
+        self._take(old, lambda d, o: d.refill(o, histories))
+
+    def _take(self, old: "SpeculatorMix", carry) -> None:
+        for name, d in self.members.items():
+            if name in old.members:
+                carry(d, old.members[name])
+        for name, acc in old.acceptance.items():
+            if name in self.acceptance:
+                self.acceptance[name] = copy.deepcopy(acc)
+        if "adaptive" in self.acceptance:
+            self.acceptance["adaptive"].fade(0.25)
+        self.calibration, self.served, self.idle = copy.deepcopy(old.calibration), dict(old.served), dict(old.idle)
+
+
+def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:
+    """Row b from `suffix` where rows[b], else from `model` (both [B, k]); a model row drafts all k."""
+    dev = model.tokens.device
+    pick = rows.to(dev)
+    tokens = torch.where(pick[:, None], suffix.tokens.to(dev), model.tokens)
+    probs = None
+    if model.probs is not None:
+        one_hot = torch.nn.functional.one_hot(suffix.tokens, model.probs.shape[-1]).to(model.probs)
+        probs = torch.where(pick[:, None, None], one_hot.to(dev), model.probs)
+    k = tokens.shape[1]
+    lengths = torch.where(rows, suffix.lengths, torch.full_like(suffix.lengths, k))
+    theirs = model.confidence.float().cpu() if model.confidence is not None else torch.ones(len(rows), k)
+    confidence = torch.where(rows[:, None], suffix.confidence, theirs)
+    return Proposal(tokens=tokens, probs=probs, logits=model.logits, steer=model.steer, lengths=lengths,
+                    confidence=confidence)

@@ -1,0 +1,91 @@
+"""An independent pretrained LM as drafter, with its own KV cache rolled back on rejection."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from specloop.drafter.decode.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
+from specloop.drafter.decode.rejection import BlockOutcome
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.kv_cache import pad_right, prefill, prefill_rows
+
+
+class PretrainedDrafter:
+    """Drafts autoregressively with a small LM sharing the verifier's vocabulary.
+
+    Its cache holds committed tokens except `pending` (1 or 2 per row: the bonus token, and the
+    k-th draft when all k were accepted), which are fed first at the next proposal.
+    """
+
+    kind = "pretrained"
+    verifier_layers: tuple[int, ...] = ()
+    record_layers: tuple[int, ...] = ()
+    follows_plain = False  # its cache misses the tokens of plain steps
+    graph_width = 2  # its widest decode pass (the pending tokens): specloop.drafter.model.graph runs its LM at this width
+
+    def __init__(self, lean: LeanDecoder):
+        self.lean = lean
+
+    def start(self, prompts: list[list[int]], capacity: int, view: VerifierView | None = None) -> None:
+        self.cache, _ = prefill(self.lean, prompts, capacity)
+        self.pending = [[p[-1]] for p in prompts]
+
+    def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView | None = None) -> None:
+        """New requests take rows `slots` (continuous batching): prefill their prompts there."""
+        prefill_rows(self.lean, self.cache, slots, prompts)
+        for s, p in zip(slots, prompts):
+            self.pending[s] = [p[-1]]
+
+    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+        self._base = self.cache.lens  # forward() rebinds lens, never writes it in place
+        tokens, self._n_pending = pad_right(self.pending)
+        steer = self.block_inputs()
+        bias = self.block_bias(steer)
+        steps = []
+        for i in range(k):
+            n_new = self._n_pending if i == 0 else None
+            out = self.lean.forward(self.cache, tokens, n_new=n_new, last_only=True, mlp_up_bias=bias)
+            steps.append(choose(out.logits[:, -1], params, None if uniforms is None else uniforms[:, i]))
+            tokens = steps[-1].token[:, None]
+        proposal = stack_proposal(steps, params)
+        proposal.steer = steer
+        return proposal
+
+    def block_bias(self, steer: torch.Tensor | None) -> list[torch.Tensor] | None:
+        """Per-layer MLP up-projection bias for this block from its steering inputs (steered kinds);
+        None for a plain LM."""
+        return None
+
+    def block_inputs(self) -> torch.Tensor | None:
+        """[B, 3, d_verifier] steering inputs of this block (steered kinds); None for a plain LM."""
+        return None
+
+    def narrow(self, m: int) -> "PretrainedDrafter":
+        view = copy.copy(self)
+        view.cache, view.pending = first_rows(self.cache, m), first_rows(self.pending, m)
+        return view
+
+    def widen(self, view: "PretrainedDrafter", m: int) -> None:
+        self.cache, self.pending = with_rows(self.cache, view.cache, m), with_rows(self.pending, view.pending, m)
+
+    def adopt(self, old: "PretrainedDrafter") -> None:
+        """Continue `old`'s rows with these weights, keeping its KV cache (computed with the old
+        weights: stale until those positions are rewritten, which costs acceptance, never output)."""
+        self.cache, self.pending = old.cache, old.pending
+
+    def refill(self, old: "PretrainedDrafter", histories: list[list[int]]) -> None:
+        """Continue `old`'s rows with a KV cache recomputed by these weights from each row's
+        committed tokens (one prefill: exact, at the cost of a stall)."""
+        PretrainedDrafter.start(self, histories, old.cache.capacity)
+
+    def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
+        n = outcome.num_accepted
+        k = outcome.tokens.shape[1] - 1
+        in_cache = self._base + self._n_pending + n.clamp(max=k - 1)
+        self.cache.lens = torch.where(active, in_cache, self._base)
+        for b in torch.nonzero(active).flatten().tolist():
+            nb = int(n[b])
+            first = nb - 1 if nb == k else nb  # all accepted: d_k never went through the drafter
+            self.pending[b] = outcome.tokens[b, first : nb + 1].tolist()

@@ -1,0 +1,106 @@
+"""The decoder's reference attention path (torch's ops, where specloop.drafter.model.kernels do not serve):
+`exact_attention`, bit for bit the same for a query whatever the pass's length, batch or attended key
+blocks; the rotary embedding (`_rope`); where a step's new tokens go (`StepPositions`); and the
+constants of the KV cache's layout (`KEY_BLOCK`, `KV_DTYPE`, `QUERY_CHUNK`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Keys are attended in whole blocks of this many positions (the KV cache's capacity is a multiple).
+KEY_BLOCK = 64
+# The KV cache and attention are fp32 in every weight mode (bf16 keys and values are upcast exactly):
+# fp32 batched products cost a third of bf16 ones at decode shapes here, and no per-step conversion.
+KV_DTYPE = torch.float32
+# Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
+QUERY_CHUNK = 16
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
+
+def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of q [B, T, H, D] over the cache (kc/vc [B, H_kv, capacity, D]) → [B, T, H, D],
+    computed so that a query's output does not depend on T, on the batch, or on how many whole key
+    blocks are attended: a verify pass of k+1 tokens scores every token bit for bit as the one-token
+    step at its position does, and rows of different lengths share a batch exactly.
+
+    How (the reduction structure is fixed by construction, not by the call's shape):
+    - a pass of T tokens makes, for every token, the very products a one-token step makes (same
+      shapes, same batch of rows and KV heads), one token after another: a BLAS may round a product
+      by its shape (on AMD EPYC, one product with 5+ query columns rounds otherwise than one with 3),
+      so no token's product is ever widened by another's;
+    - scores are [rep, D] @ [D, L] per (row, KV head): the token's head group as rows, the keys as
+      columns, each score a dot product over D alone;
+    - keys are taken in whole blocks of KEY_BLOCK; positions a query may not see (`hidden`
+      [B, 1, T, 1, L]: the causal tail and the stale rest of the last block) score -inf, so their
+      probabilities are exactly 0 and appended blocks add exact zeros to every sum; the softmax runs
+      over the keys in fp32 (a max is exact in any order; a sum over appended zeros is unchanged);
+    - values are summed per key block (probs[rep, KEY_BLOCK] @ values[KEY_BLOCK, D] in fp32, one
+      fixed inner length), and the blocks' sums are added in a fixed pairwise tree over a
+      power-of-two count: zero blocks appended at the end leave every addition as it was (one product
+      over all L keys is not enough: the BLAS splits a long reduction by its length);
+    - queries go in chunks of at most QUERY_CHUNK tokens, which bounds a long prefill's temporaries.
+    tests/drafter/model/test_decoder.py checks the bit-identity on the CPU that runs the suite (T 1..9, batches
+    1/3/8, ragged rows, long prefills, every weight mode): that a product's result depends on its
+    shape and operands alone, whatever the number of key columns, is a property of the machine's
+    BLAS, which that test keeps honest.
+    """
+    T = q.shape[1]
+    if T <= QUERY_CHUNK:
+        return _attend(q, kc, vc, hidden, scale)
+    return torch.cat([_attend(q[:, a : a + QUERY_CHUNK], kc, vc, hidden[:, :, a : a + QUERY_CHUNK], scale)
+                      for a in range(0, T, QUERY_CHUNK)], dim=1)
+
+
+def _attend(q, kc, vc, hidden, scale):
+    B, T, H, D = q.shape
+    Hkv, L = kc.shape[1], hidden.shape[-1]
+    rep, n = H // Hkv, L // KEY_BLOCK
+    keys = kc[:, :, :L].reshape(B * Hkv, L, D).transpose(1, 2)  # [B Hkv, D, L], a view
+    queries = q.view(B, T, Hkv, rep, D).transpose(1, 2).reshape(B * Hkv, T, rep, D).to(kc.dtype)
+    scores = torch.stack([torch.bmm(queries[:, t], keys) for t in range(T)], 1)  # [B Hkv, T, rep, L]
+    scores = scores.view(B, Hkv, T, rep, L).mul_(scale).masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(B * Hkv, T, rep, n, KEY_BLOCK).transpose(2, 3)
+    values = vc[:, :, :L].reshape(B * Hkv * n, KEY_BLOCK, D)  # [B Hkv n, blk, D]
+    parts = torch.stack([torch.bmm(probs[:, t].reshape(B * Hkv * n, rep, KEY_BLOCK), values).view(B * Hkv, n, rep, D)
+                         for t in range(T)], 1)  # [B Hkv, T, n, rep, D]
+    out = _sum_over_key_blocks(parts)  # [B Hkv, T, rep, D]
+    return out.to(q.dtype).view(B, Hkv, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
+
+
+def _sum_over_key_blocks(parts: torch.Tensor) -> torch.Tensor:
+    """Σ over dim 2 of parts [..., T, n, rep, D] (one value sum per key block) in a fixed pairwise tree
+    over the n blocks padded with zeros to a power of two → [..., T, rep, D]."""
+    n = parts.shape[2]
+    width = 1 << (n - 1).bit_length()
+    if width > n:
+        pad = list(parts.shape)
+        pad[2] = width - n
+        parts = torch.cat([parts, parts.new_zeros(pad)], dim=2)
+    while parts.shape[2] > 1:
+        parts = parts[:, :, 0::2] + parts[:, :, 1::2]
+    return parts[:, :, 0]
+
+
+@dataclass
+class StepPositions:
+    """Where a step's new tokens go. The eager attention's fields (rows .. sin) are None where
+    specloop.drafter.model.kernels.attend runs, which needs `lens` alone."""
+    rows: torch.Tensor | None  # [B, T] row index of every new token
+    pos: torch.Tensor | None  # [B, T] absolute position of every new token
+    mask: torch.Tensor | None  # [B, 1, T, 1, L] True where a key is hidden from the query (L: whole key blocks)
+    cos: torch.Tensor | None  # [B, T, 1, D]
+    sin: torch.Tensor | None
+    max_len: int  # L: keys attended this step
+    lens: torch.Tensor  # [B] host int64: valid positions per row before the step (new tokens go from here)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in the rotate-half convention (x: [B, T, H, D], cos/sin: [B, T, 1, D])."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

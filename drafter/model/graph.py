@@ -1,0 +1,324 @@
+"""The GPU worker's decode step: one static-shape, sync-free forward over the engine's whole slot pool,
+compiled with `torch.compile(fullgraph=True)` and, on CUDA, captured as a CUDA graph
+(`mode="reduce-overhead"`): the engine's "graph" backend.
+
+Why: on a GPU, the eager decoder (specloop.drafter.model.decoder.LeanDecoder) launches a few hundred small kernels
+per step from Python, and the GPU waits on the host; a captured step replays them all in one launch.
+
+The step (`static_forward`, a pure function of its tensors):
+- every call has the same shapes: all S rows of the pool (rows nobody runs ride along with no real
+  token), W = k_max + 1 query positions per row (a plain step is a verify pass with one real query and
+  W − 1 padded ones), the KV cache's whole capacity attended under a mask. So the one-token step and
+  a verify pass of k + 1 tokens are the same kernels on the same shapes, and a row's result cannot
+  depend on how many of its queries are real, on how long it is, or on what the other rows hold:
+  greedy speculative output equals this engine's own plain decoding by construction, in bf16 too
+  (tests/drafter/model/test_graph.py checks it on the CPU; bench/gpu.py on a GPU);
+- token, length and count inputs are device tensors; nothing in it reads a value back to the host or
+  branches on one: the host reads the step's verdict once, after it (specloop.drafter.decode.speculative);
+- KV writes go to each row's positions lens .. lens + n_new − 1; a padded query's write goes to the
+  cache's last position, a trash slot no real query ever sees (the pool is allocated one position
+  longer than asked: `GraphDecoder.new_cache`). Rolling back stays `lens = ...` on the host.
+
+`GraphDecoder` wraps a LeanDecoder: forwards shaped like a decode step (T <= W tokens on the pool) run
+the compiled step; everything else (prefills, one prompt at a time; caches that are not the pool; the
+early-exit layers a DVI drafter runs) goes to the LeanDecoder's own passes, which write the same cache
+layout. Plain float weights only (fp32 / bf16): `graph_ready` says whether a decoder qualifies.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specloop.drafter.model.attention import KEY_BLOCK, KV_DTYPE, _round_up
+from specloop.drafter.model.decoder import ForwardOut
+from specloop.drafter.model.kv_cache import KVCache
+from specloop.drafter.model.weights.linears import Dense
+
+BACKENDS = ("auto", "eager", "graph")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """"eager" or "graph": "auto" (and None, and SPECLOOP_BACKEND when set) means graph on CUDA, eager on
+    the CPU, where specloop.drafter.model.kernels' own passes are faster than a compiled step and already exact."""
+    backend = backend or os.environ.get("SPECLOOP_BACKEND") or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "graph" if device.type == "cuda" else "eager"
+    return backend
+
+
+def _float_weight(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of a plain float linear (a raw tensor or a specloop.drafter.model.weights.linears.Dense), else None."""
+    if isinstance(w, torch.Tensor):
+        return w, None
+    if isinstance(w, Dense):
+        return w.weight, w.bias
+    return None
+
+
+def graph_ready(lean) -> str | None:
+    """None when the compiled step can run `lean`, else why not (quantized weights run specloop.drafter.model.kernels)."""
+    if lean.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"activations in {lean.dtype}"
+    linears = [lean.lm_head] + [getattr(w, n) for w in lean.layers for n in ("qkv", "o", "gate_up", "down")]
+    if not isinstance(lean.embed, torch.Tensor) or any(_float_weight(w) is None for w in linears):
+        return f"weights served as {getattr(lean.quant, 'mode', '?')} (the graph step takes fp32 / bf16 weights)"
+    return None
+
+
+class StaticModel(torch.nn.Module):
+    """A LeanDecoder's weights as module buffers (the same storage, no copy), so that a compiled step
+    sees them at static addresses (CUDA graphs replay on them)."""
+
+    def __init__(self, lean):
+        super().__init__()
+        why = graph_ready(lean)
+        if why is not None:
+            raise ValueError(f"the graph step cannot run this decoder: {why}")
+        self.n_heads, self.n_kv, self.head_dim = lean.n_heads, lean.n_kv, lean.head_dim
+        self.scaling, self.eps, self.hidden_size = lean.scaling, lean.eps, lean.hidden_size
+        self.vocab_size, self.num_layers = lean.vocab_size, lean.num_layers
+        self.dtype = lean.dtype
+        head, head_bias = _float_weight(lean.lm_head)
+        self._put("embed", lean.embed)
+        self._put("final_norm", lean.final_norm)
+        self._put("lm_head", head)
+        self._put("lm_head_bias", head_bias)
+        self._put("cos", lean.cos)
+        self._put("sin", lean.sin)
+        self._put("vocab_ids", lean.vocab_ids)
+        for i, w in enumerate(lean.layers):
+            qkv, qkv_bias = _float_weight(w.qkv)
+            for name, value in (("in_norm", w.in_norm), ("post_norm", w.post_norm), ("qkv", qkv),
+                                ("qkv_bias", w.qkv_bias if w.qkv_bias is not None else qkv_bias),
+                                ("q_norm", w.q_norm), ("k_norm", w.k_norm), ("o", _float_weight(w.o)[0]),
+                                ("gate_up", _float_weight(w.gate_up)[0]), ("down", _float_weight(w.down)[0])):
+                self._put(f"l{i}_{name}", value)
+
+    def _put(self, name: str, value: torch.Tensor | None) -> None:
+        if value is not None:
+            value = value.detach()
+            torch._dynamo.mark_static_address(value)
+        self.register_buffer(name, value, persistent=False)
+
+    def w(self, i: int, name: str) -> torch.Tensor | None:
+        return getattr(self, f"l{i}_{name}")
+
+    def forward(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
+                n_new: torch.Tensor, lens: torch.Tensor, bias: list[torch.Tensor] | None = None,
+                capture: tuple[int, ...] = (), last_only: bool = False):
+        return static_forward(self, keys, values, tokens, n_new, lens, bias, capture, last_only)
+
+
+def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   tokens: torch.Tensor,  # [S, W] int64 on the device (right-padded)
+                   n_new: torch.Tensor,  # [S] int64: real tokens per row (0: the row does not advance)
+                   lens: torch.Tensor,  # [S] int64: committed positions per row before the step
+                   bias: list[torch.Tensor] | None,  # per layer [S, I] added to the MLP's up half (SD²)
+                   capture: tuple[int, ...], last_only: bool):
+    """One decode-shaped pass over the pool: writes the real tokens' KV, attends over the whole capacity
+    under the causal mask. Returns (logits [S, W, V] or [S, 1, V] at each row's last real token,
+    residual streams [S, W, hidden] after each `capture` layer, in capture's order)."""
+    S, W = tokens.shape
+    C = keys[0].shape[2]
+    dev = tokens.device
+    j = torch.arange(W, device=dev)
+    pos = lens[:, None] + j[None]  # [S, W] absolute position of each query
+    real = j[None] < n_new[:, None]  # [S, W]
+    slot = torch.where(real, pos, C - 1)  # padded queries write the trash slot
+    at = pos.clamp(max=m.cos.shape[0] - 1)
+    cos, sin = m.cos[at][:, :, None], m.sin[at][:, :, None]  # [S, W, 1, D]
+    # a query sees keys at positions <= its own; the trash slot (C − 1) is beyond every real query
+    visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None]  # [S, W, C]
+    rows = torch.arange(S, device=dev)[:, None].expand(S, W)
+    x = F.embedding(tokens, m.embed)  # [S, W, hidden]
+    hidden = []
+    for i in range(m.num_layers):
+        up_bias = None if bias is None else bias[i]
+        x = _layer(m, i, x, keys[i], values[i], rows, slot, cos, sin, visible, up_bias)
+        if i in capture:
+            hidden.append(x)
+    if last_only:
+        x = x[torch.arange(S, device=dev), (n_new - 1).clamp(min=0)][:, None]  # [S, 1, hidden]
+    x = F.rms_norm(x, (m.hidden_size,), m.final_norm, m.eps)
+    logits = F.linear(x, m.lm_head, m.lm_head_bias)
+    if m.vocab_ids is not None:  # FR-Spec: the head holds the draft vocabulary's rows only
+        full = logits.new_full((*logits.shape[:-1], m.vocab_size), float("-inf"))
+        logits = full.index_copy(-1, m.vocab_ids, logits)
+    return logits, tuple(hidden)
+
+
+def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_bias):
+    S, W, _ = x.shape
+    H, Hkv, D = m.n_heads, m.n_kv, m.head_dim
+    h = F.rms_norm(x, (m.hidden_size,), m.w(i, "in_norm"), m.eps)
+    q, k, v = F.linear(h, m.w(i, "qkv"), m.w(i, "qkv_bias")).split((H * D, Hkv * D, Hkv * D), dim=-1)
+    q, k, v = q.view(S, W, H, D), k.view(S, W, Hkv, D), v.view(S, W, Hkv, D)
+    if m.w(i, "q_norm") is not None:  # Qwen3: per-head RMSNorm of queries and keys
+        q = F.rms_norm(q, (D,), m.w(i, "q_norm"), m.eps)
+        k = F.rms_norm(k, (D,), m.w(i, "k_norm"), m.eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    kc[rows, :, slot] = k.to(KV_DTYPE)  # [S, W, Hkv, D] into [S, Hkv, C, D]
+    vc[rows, :, slot] = v.to(KV_DTYPE)
+    att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
+    x = x + F.linear(att.to(x.dtype), m.w(i, "o"))
+    h = F.rms_norm(x, (m.hidden_size,), m.w(i, "post_norm"), m.eps)
+    gate, up = F.linear(h, m.w(i, "gate_up")).chunk(2, dim=-1)
+    if up_bias is not None:
+        up = up + up_bias[:, None]
+    return x + F.linear(F.silu(gate) * up, m.w(i, "down"))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, rotate-half convention (x [S, W, heads, D], cos/sin [S, W, 1, D])."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [S, W, H, D] over the whole cache kc/vc [S, H_kv, C, D] where visible [S, W, C] → [S, W, H D], in
+    the cache's dtype (fp32): each query's scores, softmax and value sum reduce over all C keys, masked
+    ones exactly 0, whatever the row's length."""
+    S, W, H, D = q.shape
+    Hkv, C = kc.shape[1], kc.shape[2]
+    rep = H // Hkv
+    queries = q.to(kc.dtype).view(S, W, Hkv, rep, D).permute(0, 2, 1, 3, 4).reshape(S, Hkv, W * rep, D)
+    scores = torch.matmul(queries, kc.transpose(-1, -2)).view(S, Hkv, W, rep, C) * scale
+    scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(S, Hkv, W * rep, C)
+    out = torch.matmul(probs, vc)  # [S, Hkv, W rep, D]
+    return out.view(S, Hkv, W, rep, D).permute(0, 2, 1, 3, 4).reshape(S, W, H * D)
+
+
+def compile_step(model: StaticModel, device: torch.device, compiled: bool = True):
+    """The callable a GraphDecoder runs: `model` itself (eager; tests and debugging), or compiled with
+    fullgraph=True: a graph break or host sync in the step is an error, not a silent slowdown. On
+    CUDA mode="reduce-overhead" captures each shape's step as a CUDA graph on its first calls."""
+    if not compiled:
+        return model
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
+
+
+def pool_shape(batch: int, capacity: int, lean) -> tuple[int, int, int, int]:
+    """A graph pool's KV shape per layer: one position longer than asked (the trash slot), in whole key
+    blocks, rounded up to one of 8 sizes per octave (at most 1/8 more): engines sized by their longest
+    prompt (`generate`, batch by batch) share a few compiled shapes instead of one per 64 positions."""
+    blocks = _round_up(capacity + 1, KEY_BLOCK) // KEY_BLOCK
+    step = 1 << max(0, blocks.bit_length() - 4)
+    return (batch, lean.n_kv, KEY_BLOCK * _round_up(blocks, step), lean.head_dim)
+
+
+class GraphDecoder:
+    """A LeanDecoder whose decode-shaped passes on the engine's pool run one compiled static step.
+
+    slots: the pool's rows (every step runs all of them); width: W, the query positions per row (the
+    verifier: k_max + 1; a drafter LM: 2, its pending tokens). Every other attribute is the wrapped
+    decoder's, and every other pass its own."""
+
+    def __init__(self, lean, slots: int, width: int, compiled: bool = True):
+        self.lean, self.slots, self.width = lean, slots, width
+        self.model = StaticModel(lean)
+        self.step_fn = compile_step(self.model, lean.device, compiled)
+        self.graph_calls = 0  # passes the static step ran (the rest went to the eager decoder)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["lean"], name)
+
+    @property
+    def eager(self):
+        """The wrapped LeanDecoder: what prefills run (specloop.drafter.model.kv_cache), whatever the cache."""
+        return self.lean
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        """A cache the LeanDecoder's passes can use too; a pool (batch == slots) gets the trash slot and
+        static addresses for the compiled step."""
+        if batch != self.slots:
+            return self.lean.new_cache(batch, capacity)
+        shape = pool_shape(batch, capacity, self.lean)
+        keys, values = [], []
+        for _ in range(self.lean.num_layers):
+            for store in (keys, values):
+                t = torch.zeros(shape, device=self.lean.device, dtype=KV_DTYPE)
+                # static for CUDA graphs, no identity guard: another engine's pool of this shape reuses the
+                # compiled step (a CUDA graph is re-recorded at the new addresses, nothing recompiles)
+                torch._dynamo.mark_static_address(t, guard=False)
+                t._specloop_pool = True
+                store.append(t)
+        return KVCache(keys, values, torch.zeros(batch, dtype=torch.long))
+
+    def _pool(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """The pool tensors behind `cache` when it is the pool or its first rows (the engine's step over
+        the occupied prefix), else None."""
+        k0 = cache.keys[0]
+        base = k0 if k0._base is None else k0._base
+        if not getattr(base, "_specloop_pool", False) or k0.storage_offset() != 0 or base.shape[0] != self.slots:
+            return None
+        full = lambda t: t if t._base is None else t._base  # noqa: E731
+        return [full(t) for t in cache.keys], [full(t) for t in cache.values]
+
+    @torch.inference_mode()
+    def warm(self, cache: KVCache, captures: set[tuple[int, ...]], last_only: bool = False) -> float:
+        """Compile (and on CUDA capture) the step for each capture set before any request needs it: a pass
+        over `cache`'s pool in which no row has a real token (only the trash slot is written). Seconds."""
+        pool = self._pool(cache)
+        if pool is None:
+            raise ValueError("warm() takes the pool this decoder's new_cache made")
+        t0 = time.perf_counter()
+        S, W, dev = self.slots, self.width, self.lean.device
+        for capture in sorted(captures):  # inputs as forward passes them: distinct tensors (dynamo guards on aliasing)
+            tokens, counts, lens = (torch.zeros(shape, dtype=torch.long, device=dev) for shape in ((S, W), (S,), (S,)))
+            self.step_fn(*pool, tokens, counts, lens, None, tuple(sorted(set(capture))), last_only)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return time.perf_counter() - t0
+
+    @torch.inference_mode()
+    def forward(self, cache: KVCache, tokens: torch.Tensor, n_new: torch.Tensor | None = None,
+                last_only: bool = False, capture: tuple[int, ...] = (),
+                mlp_up_bias: list[torch.Tensor] | None = None):
+        """LeanDecoder.forward's contract (append at each row's lens, advance lens by n_new)."""
+        B, T = tokens.shape
+        pool = self._pool(cache) if T <= self.width else None
+        if pool is None:
+            return self.lean.forward(cache, tokens, n_new, last_only, capture, mlp_up_bias)
+        n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new.cpu()
+        S, W, dev = self.slots, self.width, self.lean.device
+        padded = torch.zeros(S, W, dtype=torch.long, device=dev)  # on the device: the tokens may be drafts there
+        padded[:B, :T] = tokens.to(dev)
+        counts, lens = torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
+        counts[:B], lens[:B] = n_new, cache.lens
+        bias = None if mlp_up_bias is None else [_pad_rows(b, S) for b in mlp_up_bias]
+        capture = tuple(sorted(set(capture)))
+        logits, hidden = self.step_fn(*pool, padded, counts.to(dev), lens.to(dev), bias, capture, last_only)
+        self.graph_calls += 1
+        cache.lens = cache.lens + n_new
+        # copies: a captured graph's outputs are overwritten by its next replay
+        logits = logits[:B] if last_only else logits[:B, :T]
+        return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)})
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True):
+    """`lean` (a LeanDecoder, or a GraphDecoder an earlier engine made) as an engine of `slots` rows runs it:
+    the LeanDecoder itself (eager), or its GraphDecoder for (slots, width): one per decoder and shape,
+    kept on the decoder, so that every engine of that shape (`generate` batch after batch, an engine
+    per drafter version) reuses one compiled step."""
+    lean = getattr(lean, "eager", lean)
+    if backend == "eager":
+        return lean
+    graphs = lean.__dict__.setdefault("_graph_decoders", {})
+    key = (slots, width, compiled)
+    if key not in graphs:
+        graphs[key] = GraphDecoder(lean, slots, width, compiled)
+    return graphs[key]

@@ -1,0 +1,90 @@
+"""The decoder's KV cache (`KVCache`; its layout and rollback: specloop.drafter.model.decoder) and filling it from
+prompts: `prefill` (a new cache, one prompt at a time) and `prefill_rows` (rows of a running batch).
+`lean` below is a specloop.drafter.model.decoder.LeanDecoder."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVCache:
+    keys: list[torch.Tensor]  # per layer [B, H_kv, capacity, D], KV_DTYPE (capacity: whole KEY_BLOCKs)
+    values: list[torch.Tensor]  # per layer [B, H_kv, capacity, D]
+    lens: torch.Tensor  # [B] int64 on the host: valid positions per row
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+
+def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged token lists → ([B, T] int64 right-padded, [B] lengths)."""
+    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    width = max(1, int(lens.max())) if rows else 1
+    out = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return out, lens
+
+
+def prefill(lean, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = ()):
+    """A new cache holding every prompt token but the last (which is the first block's input).
+
+    Prompts are prefilled one at a time (each row's own pass, into its row of the cache): a long pass
+    takes plain GEMMs whose rounding depends on their row count, so a prompt's KV must not depend on
+    which other prompts joined with it (continuous batching stays exact).
+
+    Returns (cache, features): features maps each captured layer to [B, hidden], the residual
+    stream at the position whose output predicts the last prompt token (zeros for 1-token prompts).
+    """
+    cache, features, _, _ = prefill_recent(lean, prompts, capacity, capture)
+    return cache, features
+
+
+def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = (), tail: int = 0):
+    """`prefill`, also returning each captured layer's residual streams at the positions that
+    produced the prompt's last `tail` tokens: (cache, features, recent {layer: [B, tail, hidden]},
+    recent_lens [B]); row b's first recent_lens[b] = min(tail, len(prompt) − 1) are real, oldest first."""
+    cache = lean.new_cache(len(prompts), capacity)  # a graph pool where `lean` is a specloop.drafter.model.graph.GraphDecoder
+    lean = getattr(lean, "eager", lean)  # prefills run the LeanDecoder's own passes
+    features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    recent = {i: torch.zeros(len(prompts), tail, lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
+    first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
+    for b, prompt in enumerate(prompts):
+        if len(prompt) < 2:
+            continue
+        src = first.setdefault(tuple(prompt), b)
+        if src != b:
+            for layer in cache.keys + cache.values:
+                layer[b] = layer[src]
+            cache.lens[b] = cache.lens[src]
+            for i in capture:
+                features[i][b], recent[i][b] = features[i][src], recent[i][src]
+            continue
+        row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
+        out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture)
+        cache.lens[b] = row.lens[0]
+        m = int(lens[b])
+        for i in capture:
+            features[i][b] = out.hidden[i][0, -1]
+            if m:
+                recent[i][b, :m] = out.hidden[i][0, -m:]
+    return cache, features, recent, lens
+
+
+def prefill_rows(lean, cache: KVCache, slots: list[int], prompts: list[list[int]],
+                 capture: tuple[int, ...] = (), tail: int = 0):
+    """`prefill` into rows `slots` of an existing cache (continuous batching: requests join a running
+    batch); the other rows are untouched. Returns what `prefill_recent` captured for these rows:
+    (features [len(slots), hidden] per layer, recent [len(slots), tail, hidden] per layer, recent_lens)."""
+    width = max(len(p) for p in prompts)
+    fresh, features, recent, lens = prefill_recent(getattr(lean, "eager", lean), prompts, width, capture, tail)
+    idx = torch.tensor(slots, dtype=torch.long)
+    dev = idx.to(lean.device)
+    for dst, src in zip(cache.keys + cache.values, fresh.keys + fresh.values):
+        dst[dev, :, :width] = src[:, :, :width]
+    cache.lens[idx] = fresh.lens
+    return features, recent, lens

@@ -1,0 +1,308 @@
+"""Request planning: a validated request body becomes a `Plan`, one `CompletionRequest` per choice.
+
+Planning resolves the prompt (chat template or completion prompt, as token ids), the completion
+budget under the capacity rule (drafter/decode/capacity.py: prompt + max_tokens + 2k + 2 positions), stop
+strings, the seed and the draft length. It runs on the API's planner thread (tokenizing never
+holds the event loop) and raises `ApiError` for anything off.
+
+A request with `n` choices (or several prompts) fans out into one `CompletionRequest` per choice,
+all with the request's seed and stream_index = choice index.
+"""
+from __future__ import annotations
+
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from specloop.drafter.decode.capacity import draft_reserve
+from specloop.services.api.schemas import (
+    MAX_BODY_BYTES,
+    MAX_CHOICES,
+    MAX_MESSAGES,
+    MAX_STOP_CHARS,
+    RETRY_AFTER_S,
+    ChatBody,
+    CompletionBody,
+    DetokenizeBody,
+    Message,
+    Speculative,
+    TokenizeBody,
+    check_lengths,
+    check_supported,
+    count_messages,
+    invalid,
+    not_found,
+    parse_body,
+    parse_json,
+    validation_message,
+)
+from specloop.services.prompts import PromptError, PromptRecord, encode
+from specloop.services.protocol import CompletionRequest
+
+DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
+MAX_STOP = 4  # stop strings per request (OpenAI's limit)
+
+
+@dataclass
+class ApiConfig:
+    model_id: str  # the id clients name in `model`
+    max_context: int  # positions of a worker slot: prompt + max_tokens + draft_reserve(k) must fit
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    retry_after_s: int = RETRY_AFTER_S
+    max_prompt_bytes: int | None = None  # prompt text beyond this cannot fit the context (`prompt_bytes_limit`)
+    max_body_bytes: int = MAX_BODY_BYTES
+
+    @property
+    def max_messages(self) -> int:
+        """Messages per request: each costs at least one token of the context after templating."""
+        return min(MAX_MESSAGES, self.max_context)
+
+
+@dataclass
+class Plan:
+    """One API request, validated: a CompletionRequest per choice (choice index = list index)."""
+
+    id: str
+    chat: bool
+    created: int
+    prompt_lens: list[int]  # tokens of each distinct prompt (usage counts each once)
+    requests: list[CompletionRequest]
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None  # None: none asked; n: each token's log-probability and its n most likely alternatives
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def prompt_bytes_limit(tokenizer, max_context: int) -> int:
+    """The most UTF-8 bytes of prompt text that can encode to `max_context` tokens or fewer: each token
+    stands for at most as many input bytes as its own vocabulary string holds (an upper bound, so no
+    prompt that fits is refused), doubled for normalizers that shorten their input. Checked before
+    tokenizing, so a 12 MB prompt is refused in microseconds rather than after seconds of encoding."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    longest = max((len(t.encode("utf-8")) for t in tokens if isinstance(t, str)), default=1)
+    return 2 * max(longest, 4) * max_context
+
+
+def check_prompt_bytes(texts: list[str], cfg: ApiConfig, param: str) -> None:
+    size = sum(len(t.encode("utf-8", "surrogatepass")) for t in texts)
+    if cfg.max_prompt_bytes is not None and size > cfg.max_prompt_bytes:
+        raise invalid(f"the prompt has {size} bytes of text; at most {cfg.max_prompt_bytes} can fit this model's "
+                      f"context of {cfg.max_context} tokens. Please shorten it.", param)
+
+
+def message_text(message: Message, i: int) -> str:
+    for field in ("name", "tool_calls", "tool_call_id"):
+        if getattr(message, field) not in (None, "", []):
+            raise invalid(f"`{field}` on a message is not supported by this server", f"messages.{i}.{field}")
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid("only text content parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                              f"messages.{i}.content.{j}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid("content must be a string or a list of text parts", f"messages.{i}.content")
+
+
+def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig, add_generation_prompt: bool = True) -> list[int]:
+    """The chat template applied, by default with a generation prompt (as `specloop generate` does)."""
+    turns = tuple({"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages))
+    check_prompt_bytes([t["content"] for t in turns], cfg, "messages")
+    try:
+        ids = template_ids(tokenizer, turns, add_generation_prompt)
+    except PromptError:
+        ids = []
+    except Exception as exc:  # the template's own checks (jinja raise_exception)
+        raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
+    if not ids:
+        raise invalid("the messages encode to no tokens", "messages")
+    return ids
+
+
+def template_ids(tokenizer, turns: tuple[dict, ...], add_generation_prompt: bool) -> list[int]:
+    if add_generation_prompt:
+        return encode(tokenizer, PromptRecord(id="request", messages=turns))
+    ids = tokenizer.apply_chat_template(list(turns), add_generation_prompt=False)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def completion_prompts(tokenizer, prompt: Any, cfg: ApiConfig) -> list[list[int]]:
+    """`prompt` as token ids: a string, a list of strings, a token-id list, or a list of those."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise invalid("prompt must be a string, a list of strings, a list of token ids, or a list of those",
+                      "prompt")
+    if len(prompt) > MAX_CHOICES:
+        raise invalid(f"at most {MAX_CHOICES} prompts per request, got {len(prompt)}", "prompt")
+    for p in prompt:
+        check_prompt_bytes([p] if isinstance(p, str) else [], cfg, "prompt")
+    vocab = len(tokenizer)
+    out = []
+    for p in prompt:
+        ids = p if _is_ids(p) else tokenizer.encode(p, add_special_tokens=False)
+        if not ids:
+            raise invalid("the prompt is empty (it encodes to no tokens)", "prompt")
+        if not all(0 <= t < vocab for t in ids):
+            raise invalid(f"prompt token ids must lie in [0, {vocab})", "prompt")
+        out.append(list(ids))
+    return out
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def stop_strings(stop: Any) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop must be a string or a list of strings", "stop")
+    if len(stops) > MAX_STOP:
+        raise invalid(f"stop takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    if any(not s for s in stops):
+        raise invalid("stop strings must not be empty", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise invalid(f"stop strings are at most {MAX_STOP_CHARS} characters long, got "
+                      f"{max(map(len, stops))}", "stop")
+    return stops
+
+
+# ---------------------------------------------------------------------------------------------- budgets
+
+
+def completion_budget(prompt_len: int, requested: int | None, k: int | None, cfg: ApiConfig,
+                      prompt_param: str = "prompt") -> int:
+    """max_tokens for a prompt decoded with draft length k (None: auto): the requested count if it fits
+    the context, else a 400; by default what fits, at most cfg.default_max_tokens."""
+    reserve = draft_reserve(k)
+    usable = cfg.max_context - reserve
+    limit = (f"This model's maximum context length is {usable} tokens ({cfg.max_context} positions, {reserve} of "
+             f"them reserved for drafting with k={'auto' if k is None else k}).")
+    if requested is None:
+        if prompt_len >= usable:
+            raise invalid(f"{limit} However, the prompt has {prompt_len} tokens, which leaves no room for a "
+                          "completion. Please shorten the prompt.", prompt_param)
+        return min(usable - prompt_len, cfg.default_max_tokens)
+    if prompt_len + requested > usable:
+        raise invalid(f"{limit} However, you requested {prompt_len + requested} tokens ({prompt_len} in the prompt, "
+                      f"{requested} for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+    return requested
+
+
+# ---------------------------------------------------------------------------------------------- plans
+
+
+def plan_body(raw: bytes, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
+    """A raw request body parsed and planned: what runs on the planner thread, off the event loop."""
+    count_messages(raw, cfg.max_messages)
+    return plan_request(parse_json(raw), chat, cfg, tokenizer)
+
+
+def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
+    """Validate a request body (a parsed JSON value) into a Plan; ApiError if anything is off."""
+    req = validated(body, chat, cfg)
+    logprobs = logprobs_asked(req)
+    sampling = sampling_fields(req)  # cheap checks (stop strings) before templating and tokenizing
+    prompts = [chat_prompt(tokenizer, req.messages, cfg)] if chat else completion_prompts(tokenizer, req.prompt, cfg)
+    n = req.n or 1
+    if n * len(prompts) > MAX_CHOICES:
+        raise invalid(f"n × prompts is at most {MAX_CHOICES}, got {n} × {len(prompts)}", "n")
+    requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    spec = req.speculative or Speculative()
+    k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
+    budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs)
+    requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
+                                  stream_index=p * n + i, **common)
+                for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
+    include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage,
+                logprobs)
+
+
+def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBody:
+    """The body as its pydantic model, with the checks that span fields."""
+    if not isinstance(body, dict):
+        raise invalid("the request body must be a JSON object")
+    check_lengths(body, cfg.max_messages)
+    model = ChatBody if chat else CompletionBody
+    try:
+        req = model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_message(exc) from None
+    check_supported(body, model)
+    check_model(req.model, cfg)
+    if req.stream_options is not None and not req.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise invalid("`continuous_usage_stats` is not supported by this server (include_usage is)",
+                      "stream_options.continuous_usage_stats")
+    return req
+
+
+def logprobs_asked(req: ChatBody | CompletionBody) -> int | None:
+    """The alternatives per token a request asks for (None: no log-probabilities): chat's
+    `logprobs: true` with `top_logprobs` (0 by default; without logprobs it is a 400, as OpenAI's),
+    completions' `logprobs: n`."""
+    if isinstance(req, CompletionBody):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise invalid("top_logprobs is only allowed when logprobs is true", "top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+def sampling_fields(req: ChatBody | CompletionBody) -> dict:
+    """temperature, top-k, top-p, seed and stop strings of the CompletionRequests."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    seed = req.seed if req.seed is not None else (secrets.randbits(63) if temperature > 0 else 0)
+    return dict(temperature=temperature, top_k=max(req.top_k or 0, 0), top_p=1.0 if req.top_p is None else req.top_p,
+                seed=seed, stop=stop_strings(req.stop), ignore_eos=bool(req.ignore_eos))
+
+
+# ---------------------------------------------------------------------------------------------- tokens
+
+
+def tokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
+    """POST /tokenize: a prompt or chat messages as the token ids a completion would be fed."""
+    body = parse_body(raw, TokenizeBody, cfg.max_messages)
+    check_model(body.model, cfg)
+    if (body.prompt is None) == (body.messages is None):
+        raise invalid("give exactly one of `prompt` (a string) or `messages`", "prompt")
+    if body.messages is not None:
+        ids = chat_prompt(tokenizer, body.messages, cfg, body.add_generation_prompt)
+    else:
+        check_prompt_bytes([body.prompt], cfg, "prompt")
+        ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_context}
+
+
+def detokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
+    """POST /detokenize: token ids as text (special tokens kept)."""
+    body = parse_body(raw, DetokenizeBody)
+    check_model(body.model, cfg)
+    vocab = len(tokenizer)
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise invalid(f"token ids must lie in [0, {vocab}), got {bad}", "tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
+
+
+def check_model(model: str | None, cfg: ApiConfig) -> None:
+    """An optional `model` must name the served one."""
+    if model is not None and model != cfg.model_id:
+        raise not_found(model, cfg.model_id)

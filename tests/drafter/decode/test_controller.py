@@ -1,0 +1,349 @@
+"""The cost-aware controller: synthetic acceptance and step times in, draft lengths out (no clock, no models)."""
+from __future__ import annotations
+
+import pytest
+
+from specloop.drafter.decode.controller import (
+    Acceptance,
+    Batch,
+    Calibration,
+    Controller,
+    ControllerConfig,
+    Costs,
+    Ewma,
+    StepSample,
+    bucket,
+    expected_tokens,
+)
+
+PLAIN_S, OVERHEAD_S = 0.010, 0.001
+
+
+def verify_time(T: int, rows: int = 1, slope: float = 0.05, batch_slope: float = 0.0) -> float:
+    """A verify pass that costs PLAIN_S at T = 1 and `slope` more per extra token per row; with a batch, each
+    row adds `batch_slope` to that marginal cost (big batches leave no idle compute)."""
+    return PLAIN_S * rows ** 0.5 * (1 + (slope + batch_slope * (rows - 1)) * (T - 1))
+
+
+def run(controller: Controller, steps: int, accepted, rows: int = 1, draft_s: float = 0.0005,
+        slope: float = 0.05, batch_slope: float = 0.0) -> list[int]:
+    """Drive the controller through `steps` steps of a batch of auto rows; accepted(k) = drafts accepted per row."""
+    chosen = []
+    for _ in range(steps):
+        k = controller.choose(Batch(rows, rows)).k
+        n = min(k, accepted(k))
+        controller.observe(StepSample(rows, k, draft_s * k, verify_time(k + 1, rows, slope, batch_slope),
+                                      OVERHEAD_S, ((k, n),) * rows if k else ()))
+        chosen.append(k)
+    return chosen
+
+
+def test_expected_tokens_is_one_plus_the_products_of_conditional_acceptance():
+    assert expected_tokens([0.5, 0.5, 1.0], 0) == 1
+    assert expected_tokens([0.5, 0.5, 1.0], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.25)
+    assert expected_tokens([1.0] * 4, 4) == 5
+
+
+def test_buckets_are_powers_of_two():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [1, 2, 4, 4, 8, 8, 16]
+
+
+def test_acceptance_counts_only_the_positions_a_block_tried():
+    acc = Acceptance(ControllerConfig(prior_strength=0.0, acceptance_decay=1.0))
+    acc.observe(4, 1)  # position 1 accepted, 2 rejected, 3 and 4 never tried
+    acc.observe(4, 4)
+    assert acc.trials == [2, 2, 1, 1] and acc.hits == [2, 1, 1, 1]
+    assert acc.rates() == [1.0, 0.5, 1.0, 1.0]
+
+
+def test_untried_positions_inherit_a_discounted_prior():
+    cfg = ControllerConfig()
+    rates = Acceptance(cfg).rates()
+    assert rates[0] == cfg.prior_acceptance
+    assert rates[1:] == pytest.approx([cfg.prior_acceptance * cfg.depth_discount ** i for i in range(1, cfg.k_max)])
+
+
+def test_rarely_accepted_drafts_keep_the_verifier_alone_and_probes_are_rare():
+    c = Controller()
+    chosen = run(c, 2000, accepted=lambda k: 0)
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert len(probes) <= 2000 // c.cfg.explore_min
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and gaps[-1] >= c.cfg.explore_max  # backs off up to the longest interval
+    assert sum(chosen[1000:]) <= 1000 // c.cfg.explore_max * c.cfg.k_max
+    assert c.choose(Batch(1, 1)).k == 0
+
+
+def test_high_acceptance_with_a_cheap_verify_pass_drafts_the_most():
+    c = Controller()
+    chosen = run(c, 200, accepted=lambda k: k)
+    assert chosen[-50:] == [c.cfg.k_max] * 50
+    assert c.choose(Batch(1, 1)).speedup > 2
+
+
+def test_a_costlier_verify_pass_at_a_larger_batch_drafts_less():
+    def settle(rows: int) -> int:
+        c = Controller()
+        return run(c, 400, accepted=lambda k: min(k, 2), rows=rows, batch_slope=0.12)[-1]
+
+    alone, batched = settle(1), settle(8)
+    assert alone >= 2 and batched < alone
+
+
+def test_speculation_that_wins_by_less_than_the_margin_is_not_chosen():
+    c = Controller(ControllerConfig(margin=0.03, prior_strength=1.0))
+    for _ in range(5):
+        c.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+        c.observe(StepSample(1, 1, 0.0, 0.0122, 0.0, ((1, 1),)))  # k = 1 ...
+    for _ in range(200):
+        c.acceptance.observe(1, 0)
+        c.acceptance.observe(1, 0)
+        c.acceptance.observe(1, 0)
+        c.acceptance.observe(1, 1)
+    rates = c.rates(Batch(1, 1))
+    assert 1.0 < rates[1] / rates[0] < 1.03  # ... at 1.22× the time with a ≈ 0.25: ~1.02× faster
+    assert c.choose(Batch(1, 1)).k == 0
+
+
+def test_explicit_rows_set_a_floor_the_auto_rows_ride_on_for_free():
+    c = Controller()
+    run(c, 50, accepted=lambda k: 0)
+    assert c.choose(Batch(1, 1)).k == 0
+    assert c.choose(Batch(3, 2, (3,))).k == 3  # the pass is 4 tokens long anyway
+    assert c.choose(Batch(3, 2, (9,))).k == c.cfg.k_max  # never beyond what an auto row reserved
+
+
+def test_exploration_resumes_after_a_drafter_swap_and_old_acceptance_fades():
+    c = Controller()
+    run(c, 300, accepted=lambda k: 0)
+    before = c.acceptance.rates()[0]
+    c.drafter_swapped()
+    assert c.acceptance.rates()[0] > before  # towards the prior
+    chosen = run(c, c.cfg.explore_min + 1, accepted=lambda k: k)
+    assert any(chosen)
+    chosen = run(c, 100, accepted=lambda k: k)
+    assert chosen[-1] == c.cfg.k_max  # the new drafter pays: speculation is back on
+
+
+def test_speculation_turns_off_when_acceptance_collapses():
+    c = Controller()
+    assert run(c, 200, accepted=lambda k: k)[-1] == c.cfg.k_max
+    assert run(c, 300, accepted=lambda k: 0)[-20:] == [0] * 20
+
+
+def test_a_new_batch_bucket_is_measured_within_the_shortest_interval():
+    c = Controller()
+    run(c, 2000, accepted=lambda k: 0)  # long intervals at batch 1
+    chosen = run(c, c.cfg.explore_min + 1, accepted=lambda k: 0, rows=8)
+    assert any(chosen)
+
+
+def test_the_same_inputs_give_the_same_choices():
+    pattern = lambda k: [0, 1, 3, 1, 2][k % 5]  # noqa: E731
+    assert run(Controller(), 500, pattern) == run(Controller(), 500, pattern)
+
+
+def test_unmeasured_verify_shapes_are_scaled_from_measured_ones():
+    costs = Costs(ControllerConfig(prior_verify_slope=0.5, prior_draft_ratio=0.3))
+    assert costs.ratio_of(1, 1) == 1 and costs.ratio_of(3, 1) == pytest.approx(2.0)  # the prior slope
+    assert costs.draft_of(1) == pytest.approx(0.3)  # drafting: a share of a plain pass
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 2, 0.0, 0.012, 0.0))  # side by side with the plain pass: r(3) = 1.2
+    assert costs.ratio_of(3, 1) == pytest.approx(1.2)
+    assert costs.ratio_of(2, 1) == pytest.approx(1.1)  # between two measured shapes
+    assert costs.ratio_of(5, 1) == pytest.approx(1.4)  # beyond: the measured slope
+    assert costs.ratio_of(3, 4) == pytest.approx(1 + 0.1 * 2 * 2)  # a larger batch: steeper by sqrt(4)
+
+
+def test_ratios_are_learned_only_beside_a_plain_step():
+    costs = Costs(ControllerConfig(side_by_side=2))
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    for _ in range(3):
+        costs.observe(StepSample(1, 1, 0.0, 0.011, 0.0))
+    assert costs.ratio[(2, 1)].n == 2  # the third came too late after the plain step
+    assert costs.stale(1, 3) and not costs.stale(1, 5) and costs.stale(8, 100)
+
+
+def test_a_machine_wide_slowdown_while_drafting_does_not_make_plain_steps_look_cheaper():
+    c = Controller(ControllerConfig(prior_strength=1.0))
+    for _ in range(20):  # side by side: plain 10 ms, a 2-token pass 11 ms, drafting 2 ms
+        c.observe(StepSample(1, 0, 0.0, 0.010, 0.001))
+        c.observe(StepSample(1, 1, 0.002, 0.011, 0.001, ((1, 1),)))
+    before = c.costs.step_cost(1, 1) / c.costs.step_cost(0, 1)
+    for _ in range(c.cfg.side_by_side):
+        c.observe(StepSample(1, 1, 0.002, 0.011, 0.001, ((1, 1),)))
+    for _ in range(100):  # then only drafting steps, on a machine twice as slow
+        c.observe(StepSample(1, 1, 0.004, 0.022, 0.002, ((1, 1),)))
+    assert c.costs.step_cost(1, 1) / c.costs.step_cost(0, 1) == pytest.approx(before, rel=0.01)
+    assert c.costs.ratio_of(2, 1) == pytest.approx(1.1)
+
+
+def test_while_drafting_pays_a_plain_step_now_and_then_refreshes_the_reference():
+    c = Controller()
+    chosen = run(c, 1200, accepted=lambda k: k)
+    plain = [i for i, k in enumerate(chosen) if k == 0 and i > 100]
+    assert plain and len(plain) <= 1100 // c.cfg.explore_max + 1
+
+
+def test_a_lower_second_sample_replaces_a_first_that_carried_one_time_costs():
+    e = Ewma()
+    e.add(1.0, 0.9)
+    e.add(0.1, 0.9)
+    assert e.value == 0.1
+    e.add(0.2, 0.9)
+    assert 0.1 < e.value < 0.2
+
+
+def test_config_is_checked():
+    with pytest.raises(ValueError):
+        ControllerConfig(k_max=0)
+    with pytest.raises(ValueError):
+        ControllerConfig(explore_min=32, explore_max=16)
+
+
+
+def test_a_costly_switch_to_drafting_makes_exploration_wait_longer():
+    def probes(resync_s: float) -> int:
+        c = Controller()
+        chosen = []
+        for _ in range(1000):
+            k = c.choose(Batch(1, 1)).k
+            c.observe(StepSample(1, k, 0.001 * k, verify_time(k + 1), OVERHEAD_S, ((k, 0),) if k else (),
+                                 resync_s if k else 0.0))
+            chosen.append(k)
+        return sum(1 for k in chosen if k)
+
+    assert probes(0.030) < probes(0.0)  # restarting the drafter's rows costs 3 plain passes
+
+
+def test_a_self_limiting_drafter_is_costed_by_what_it_really_drafts():
+    """Asked for 4, a suffix drafter that drafts 1 on average costs a 2-token verify pass, not a 5-token one;
+    its acceptance counts what asking 4 earned (untried positions are misses)."""
+    costs = Costs(ControllerConfig())
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 1, 0.0, 0.011, 0.0, asked=4))  # side by side: r(2) = 1.1
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 4, 0.0, 0.018, 0.0))  # a full draft: r(5) = 1.8
+    limited = Costs(ControllerConfig())
+    for step in (StepSample(1, 0, 0.0, 0.010, 0.0), StepSample(1, 1, 0.0, 0.011, 0.0, asked=4)):
+        limited.observe(step)
+    assert limited.offered_of(4, 1) == 1.0 and costs.offered_of(4, 1) == pytest.approx(2.5)
+    assert limited.step_cost(4, 1) < costs.step_cost(4, 1)
+    assert limited.verify_shape(4, 1) == 2 and limited.measured(4, 1)
+    c = Controller()
+    c.observe(StepSample(1, 1, 0.0, 0.011, 0.0, ((4, 1),), asked=4))
+    assert c.acceptance.trials[:3] == [1.0, 1.0, 0.0] and c.acceptance.hits[:2] == [1.0, 0.0]
+
+
+def test_a_cheap_self_limiting_drafter_that_is_right_when_it_drafts_is_turned_on():
+    """Drafts on one step in two (1 token, always accepted), nearly free to ask: speculation pays and stays on."""
+    c, chosen, step = Controller(), [], 0
+    for step in range(400):
+        k = c.choose(Batch(1, 1)).k
+        drafted = min(k, 1) if step % 2 else 0
+        c.observe(StepSample(1, drafted, 0.00002 * k, verify_time(drafted + 1, slope=0.2), OVERHEAD_S,
+                             ((k, drafted),) if k else (), asked=k))
+        chosen.append(k)
+    assert sum(k > 0 for k in chosen[200:]) > 150
+
+
+def test_confidence_cuts_each_row_to_the_prefix_worth_its_verify_pass():
+    """r(T) = 1 + 0.25 (T − 1): a draft is worth its place only while its acceptance probability beats
+    the marginal cost of a longer verify pass."""
+    c = Controller()
+    c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.costs.observe(StepSample(1, 4, 0.0, 0.020, 0.0))  # side by side: r(5) = 2.0, slope 0.25
+    sure, unsure, mixed = [1.0, 1.0, 1.0, 1.0], [0.1, 0.01, 0.001, 0.0001], [0.9, 0.8, 0.1, 0.05]
+    assert [c.cut([row], rows=1) for row in (sure, unsure, mixed, [])] == [[4], [0], [2], [0]]
+    # one pass for a batch: as wide as the batch gains from (7.81 tokens for 1.5 at W = 2, 9.96 for 2.0 at
+    # W = 4), and within it every row keeps its drafts
+    assert c.cut([sure, unsure, mixed, []], rows=1) == [2, 2, 2, 0]
+
+
+def test_one_rows_draft_widens_a_batchs_pass_only_where_the_batch_gains():
+    """Alone, a draft with P = 0.6 pays for r(2) = 1.25; beside seven rows with nothing to verify it does
+    not: 8.6 tokens for 1.25 plain passes is less than 8 for one."""
+    c = Controller()
+    for rows in (1, 8):
+        c.costs.observe(StepSample(rows, 0, 0.0, 0.010, 0.0))
+        c.costs.observe(StepSample(rows, 4, 0.0, 0.020, 0.0))  # r(5) = 2.0 at both buckets: r(2) = 1.25
+    assert c.cut([[0.6]], rows=1) == [1]
+    assert c.cut([[0.6]] + [[]] * 7, rows=8) == [0] * 8
+    assert c.cut([[0.6]] * 8, rows=8) == [1] * 8  # every row gains: 12.8 tokens for 1.25
+
+
+def test_the_confidence_calibration_follows_what_confident_drafts_earn():
+    c = Controller(ControllerConfig(calibration_decay=1.0))
+    for _ in range(10):  # predicted 2 accepted drafts per block, earned 1
+        c.observe(StepSample(1, 2, 0.0, 0.012, 0.0, ((2, 1),), confident=((2.0, 1),)))
+    assert c.confidence_scale() == pytest.approx((1 + 10) / (1 + 20))
+    c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.costs.observe(StepSample(1, 2, 0.0, 0.018, 0.0))  # r(3) = 1.8: r(2) = 1.4
+    assert c.cut([[0.5, 0.25]], rows=1) == [0]  # 0.5 predicted is ~0.26 earned: not worth r(2)
+    assert c.cut([[0.5, 0.25]], rows=1, sources=["suffix"]) == [1]  # another speculator's, taken at its word:
+    #                                                               1.5 tokens for 1.4 would pay
+    c.calibrations[None] = Calibration()
+    assert c.cut([[0.5, 0.25]], rows=1) == [1]
+
+
+def test_each_speculator_is_calibrated_on_its_own_drafts():
+    """A mix's rows carry their speculator: one that over-promises does not make the other's drafts look worse."""
+    c = Controller(ControllerConfig(calibration_decay=1.0))
+    for _ in range(10):
+        c.observe(StepSample(2, 2, 0.0, 0.012, 0.0, confident=((2.0, 0, "adaptive"), (1.0, 1, "suffix"))))
+    assert c.confidence_scale("adaptive") == pytest.approx(1 / 21)
+    assert c.confidence_scale("suffix") == pytest.approx(11 / 11)
+    c.drafter_swapped()  # a new served version: its calibration starts over, suffix decoding's is kept
+    assert c.calibration("adaptive").predicted == pytest.approx(21 * ControllerConfig().swap_keep)
+    assert c.calibration("suffix").predicted == pytest.approx(11)
+
+
+def test_a_cheap_drafter_is_probed_at_the_shortest_interval():
+    c, chosen = Controller(), []
+    for _ in range(300):  # a lookup that costs 1 % of a plain pass and never helps
+        k = c.choose(Batch(1, 1)).k
+        c.observe(StepSample(1, 0, 0.0001 * k, PLAIN_S, OVERHEAD_S, ((k, 0),) if k else (), asked=k))
+        chosen.append(k)
+    gaps = [i for i, k in enumerate(chosen) if k]
+    assert len(gaps) >= 300 // (ControllerConfig().explore_min + 2)  # never backs off to explore_max
+
+
+def test_lookups_that_earn_nothing_back_off_and_one_that_earns_brings_the_next_at_once():
+    c = Controller(ControllerConfig(lookup_backoff=4))
+    pattern = []
+    for _ in range(16):
+        due = c.lookup_due()
+        pattern.append(due)
+        if due:  # a lookup step whose verified draft was rejected
+            c.observe(StepSample(1, 1, 0.0, 0.01, 0.0, confident=((0.5, 0),), lookup=True))
+        else:
+            c.observe(StepSample(1, 0, 0.0, 0.01, 0.0))
+    assert pattern == [True, False, True, False, False, False, True, False, False, False, False, True,
+                       False, False, False, False]
+    assert c.lookup_misses == 4 and c.lookup_due()  # the wait stays at lookup_backoff
+    c.observe(StepSample(1, 1, 0.0, 0.01, 0.0, confident=((0.5, 1),), lookup=True))
+    assert c.lookup_due() and c.lookup_due()  # after one that earned: every step
+
+
+def test_a_lookup_that_verified_nothing_waits_one_step():
+    """No draft matched (or the gate cut them all): it cost the lookup alone, so the next comes soon."""
+    c, pattern = Controller(ControllerConfig(lookup_backoff=4)), []
+    for _ in range(8):
+        due = c.lookup_due()
+        pattern.append(due)
+        c.observe(StepSample(1, 0, 0.0, 0.01, 0.0, lookup=due))
+    assert pattern == [True, False] * 4 and c.lookup_misses == 0
+
+
+def test_a_long_sure_draft_is_cut_where_that_speculators_drafts_stop_being_accepted():
+    """P_i = 1 for 16 tokens (a unique continuation) is worth 16 drafts only if drafts that deep earn:
+    the gate caps c · P_i by Π a_j, the speculator's own per-position acceptance."""
+    c = Controller(ControllerConfig(calibration_decay=1.0))
+    c.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.costs.observe(StepSample(1, 4, 0.0, 0.018, 0.0))  # r(5) = 1.8: 0.2 a token
+    for _ in range(200):  # 8 drafts verified, predicted as earned: "copy" all 8 accepted, "guess" always 2
+        c.observe(StepSample(2, 8, 0.0, 0.03, 0.0, confident=((8.0, 8, "copy", 8), (2.0, 2, "guess", 8))))
+    assert c.confidence_scale("guess") == pytest.approx(1.0)  # one scalar cannot tell them apart
+    sure = [[1.0] * 16]
+    assert c.cut(sure, rows=1, sources=["copy"]) == [16]
+    assert c.cut(sure, rows=1, sources=["guess"]) == [2]

@@ -1,0 +1,408 @@
+"""Continuous batching: requests that join and leave a running pool decode exactly as they would alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specloop.drafter.decode.capacity import positions_needed
+from specloop.drafter.decode.controller import Controller, ControllerConfig
+from specloop.drafter.decode.engine import Engine, generate
+from specloop.drafter.decode.proposer import VerifierView, emitted_tokens
+from specloop.drafter.decode.requests import EngineRequest, Generation, StopRule
+from specloop.drafter.decode.sampling import SamplingParams, draw_uniforms, make_generators
+from specloop.drafter.decode.speculative import speculative_step
+from specloop.drafter.decode.stats import AcceptanceStats
+from specloop.drafter.kinds.suffix import SuffixDrafter
+from specloop.drafter.kinds.table import build_drafter
+from specloop.drafter.model.kv_cache import prefill
+from specloop.drafter.model.loading import load_model
+from tests.drafter_helpers import Scripted
+
+PROMPTS = ["def main():\n    print(", "hello world", "import os\nimport sys\n", "class Config:\n    def", "the quick brown"]
+# (k, temperature, top_k, top_p, seed, stream): rows of one pool differ in all of them
+MIX = [(4, 0.0, 0, 1.0, 0, 0), (2, 0.8, 0, 0.9, 7, 3), (0, 0.0, 0, 1.0, 0, 0), (3, 1.0, 5, 1.0, 11, 0),
+       (4, 0.8, 0, 0.9, 7, 4), (1, 0.0, 0, 1.0, 0, 0), (0, 1.2, 0, 1.0, 5, 1)]
+
+
+@pytest.fixture(scope="module")
+def verifier(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+def _drafter(kind, verifier, tiny_pair):
+    drafter = build_drafter(kind, verifier, None if kind in ("ngram", "dvi", "eagle") else tiny_pair[1])
+    if kind == "sd2":  # non-zero steering, so that a row's steering inputs matter
+        with torch.no_grad():
+            drafter.steering.w_s.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    return drafter
+
+
+def _requests(verifier, max_tokens=12):
+    tok = verifier.tokenizer
+    out = []
+    for i, (k, t, top_k, top_p, seed, stream) in enumerate(MIX):
+        prompt = tok.encode(PROMPTS[i % len(PROMPTS)], add_special_tokens=False)
+        params = SamplingParams(t, top_k, top_p, max_tokens + i, (), seed)
+        out.append(EngineRequest(f"r{i}", prompt, params, k, stream))
+    return out
+
+
+def _alone(verifier, drafter, req: EngineRequest, rule):
+    """The reference, independent of the engine: one request, its own cache, the step loop written out."""
+    lean, k, params = verifier.lean, req.k, req.params
+    capacity = positions_needed(len(req.prompt), params.max_tokens, k)
+    cache, features = prefill(lean, [req.prompt], capacity, drafter.verifier_layers if k else ())
+    if k:
+        drafter.start([req.prompt], capacity, VerifierView(cache, features))
+    last, gen = torch.tensor([req.prompt[-1]]), Generation([], None, AcceptanceStats(k))
+    generators = make_generators(params.seed, 1, start=req.stream)
+    while gen.finish_reason is None:
+        uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
+        outcome = speculative_step(lean, cache, last, drafter if k else None, k, params, uniforms, torch.ones(1, dtype=torch.bool))
+        rule.extend(gen, emitted_tokens(outcome, 0), params)
+        last = outcome.last_tokens
+    return gen.token_ids
+
+
+def _run_staggered(engine: Engine, requests: list[EngineRequest]) -> dict[str, list[int]]:
+    """Admit one request per step while slots are free, step until all finish."""
+    waiting, out = list(requests), {}
+    while waiting or engine.running:
+        if waiting and engine.free:
+            engine.admit([waiting.pop(0)])
+        for u in engine.step():
+            out.setdefault(u.id, []).extend(u.new_tokens)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram", "eagle"])
+def test_requests_joining_a_running_pool_decode_exactly_as_alone(kind, verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    drafter = _drafter(kind, verifier, tiny_pair)
+    requests = _requests(verifier)
+    expected = {r.id: _alone(verifier, drafter, r, rule) for r in requests}
+    engine = Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), slots=3, capacity=96, stop_rule=rule)
+    got = _run_staggered(engine, requests)
+    assert got == expected
+
+
+def test_greedy_rows_without_speculation_equal_the_verifier_alone(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    requests = [r for r in _requests(verifier) if r.params.greedy]
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=2, capacity=96, stop_rule=rule)
+    got = _run_staggered(engine, requests)
+    for r in requests:
+        reference = generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+        assert got[r.id] == reference
+
+
+def test_an_aborted_request_frees_its_slot_and_the_next_one_stays_exact(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    drafter = _drafter("pretrained", verifier, tiny_pair)
+    first, second, third = _requests(verifier)[:3]
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=2, capacity=96, stop_rule=rule)
+    engine.admit([first, second])
+    engine.step()
+    assert engine.free == []
+    assert engine.abort(first.id) and not engine.abort(first.id)
+    assert engine.free == [0]
+    got = _run_staggered(engine, [third])
+    assert got[third.id] == _alone(verifier, drafter, third, rule)
+
+
+def test_a_request_that_does_not_fit_the_context_is_refused_before_it_takes_a_slot(verifier, tiny_pair):
+    engine = Engine(verifier.lean, None, slots=2, capacity=32, stop_rule=StopRule(verifier.eos_ids))
+    too_long = EngineRequest("x", list(range(1, 30)), SamplingParams(max_tokens=8), 0)
+    with pytest.raises(ValueError, match="exceed the 32-position context"):
+        engine.admit([too_long])
+    assert engine.free == [0, 1]
+    with pytest.raises(ValueError, match="needs a drafter"):
+        engine.admit([EngineRequest("y", [1, 2], SamplingParams(max_tokens=4), 2)])
+
+
+def test_a_step_reports_every_running_request_and_its_timing(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=4, capacity=96, stop_rule=rule)
+    engine.admit(_requests(verifier)[:2])
+    updates = engine.step()
+    assert sorted(u.id for u in updates) == ["r0", "r1"]
+    assert all(1 <= len(u.new_tokens) <= 5 for u in updates)
+    assert 0 < engine.timing.forward_s <= engine.timing.total_s
+    assert engine.step() and engine.running <= 2
+
+
+# ---------------------------------------------------------------- k = auto (the cost-aware controller)
+
+def _auto(requests: list[EngineRequest]) -> list[EngineRequest]:
+    return [EngineRequest(r.id, r.prompt, r.params, None, r.stream) for r in requests]
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "dvi", "ngram", "eagle"])
+def test_auto_rows_decode_greedy_as_the_verifier_alone_whatever_k_each_step_takes(kind, verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    requests = _auto([r for r in _requests(verifier, max_tokens=20) if r.params.greedy])
+    engine = Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), slots=2, capacity=96, stop_rule=rule,
+                    controller=Scripted())
+    got = _run_staggered(engine, requests)
+    for r in requests:
+        assert got[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+
+
+def test_auto_rows_with_the_real_controller_decode_greedy_as_the_verifier_alone(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    requests = _auto([r for r in _requests(verifier, max_tokens=40) if r.params.greedy])
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=3, capacity=128, stop_rule=rule,
+                    controller=Controller(ControllerConfig(explore_min=2, explore_max=4)))  # probes often
+    got = _run_staggered(engine, requests)
+    for r in requests:
+        assert got[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+
+
+class _Counting:
+    """A drafter wrapper that counts the calls it gets."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, {"propose": 0, "observe": 0, "join": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name in self.calls:
+            def counted(*args, **kwargs):
+                self.calls[name] += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+def test_a_step_where_every_row_has_k_zero_never_calls_the_drafter(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    drafter = _Counting(_drafter("pretrained", verifier, tiny_pair))
+    engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule, controller=Scripted([0]))
+    engine.admit(_auto(_requests(verifier)[:2]))
+    while engine.running:
+        assert all(u.k == 0 for u in engine.step())
+        assert engine.timing.choice.k == 0
+    assert drafter.calls == {"propose": 0, "observe": 0, "join": 1}  # the admission only
+
+
+def test_explicit_k_rows_keep_their_k_and_auto_rows_take_the_controllers(verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    reqs = _requests(verifier)
+    explicit = EngineRequest("fixed", reqs[5].prompt, reqs[5].params, 1, 0)  # k = 1
+    auto = _auto([reqs[0]])[0]
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=2, capacity=96,
+                    stop_rule=rule, controller=Scripted([0, 3]))
+    engine.admit([explicit, auto])
+    first, second = engine.step(), engine.step()
+    assert {u.id: u.k for u in first} == {"fixed": 1, "r0": 1}  # auto chose 0: it rides on the explicit k
+    assert {u.id: u.k for u in second} == {"fixed": 1, "r0": 3}
+    stats = engine.get("r0").gen.stats
+    assert stats.drafted == 4 and stats.drafted_per_position == [2, 1, 1, 0] and stats.blocks == 2
+
+
+def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
+    swaps = []
+
+    class Watching(Controller):
+        def drafter_swapped(self):
+            swaps.append(1)
+            super().drafter_swapped()
+
+    class SwapOnce:
+        def __init__(self):
+            self.new = None
+
+        def swap(self, drafter, histories):
+            return drafter if self.new is None or self.new is drafter else self._adopted(drafter)
+
+        def _adopted(self, drafter):
+            self.new.adopt(drafter)
+            return self.new
+
+        def traced(self, histories, ids):
+            return None
+
+    hooks = SwapOnce()
+    engine = Engine(verifier.lean, _drafter("ngram", verifier, tiny_pair), slots=1, capacity=96,
+                    stop_rule=StopRule(verifier.eos_ids), controller=Watching(), hooks=hooks)
+    engine.admit(_auto(_requests(verifier)[:1]))
+    engine.step()
+    engine.offer_swap()
+    assert swaps == []
+    hooks.new = _drafter("ngram", verifier, tiny_pair)
+    engine.offer_swap()  # the one path that writes engine.drafter
+    assert engine.drafter is hooks.new and swaps == [1]
+    engine.step()
+    assert swaps == [1]
+
+
+def test_an_auto_request_reserves_room_for_the_most_the_controller_may_draft(verifier):
+    engine = Engine(verifier.lean, None, slots=1, capacity=32, stop_rule=StopRule(verifier.eos_ids),
+                    controller=Controller(ControllerConfig(k_max=4)))
+    assert engine.reserve(None) == 10 and engine.reserve(1) == 4
+    with pytest.raises(ValueError, match=r"\+ 10 for drafting"):
+        engine.admit([EngineRequest("x", list(range(1, 20)), SamplingParams(max_tokens=4), None)])
+    engine.admit([EngineRequest("y", list(range(1, 19)), SamplingParams(max_tokens=4), None)])  # no drafter: plain
+    while engine.running:
+        assert all(u.k == 0 for u in engine.step())
+
+
+# ---------------------------------------------------------------- log-probabilities (OpenAI `logprobs`)
+
+
+def _scored(engine: Engine, requests: list[EngineRequest]) -> dict[str, tuple[list[int], list]]:
+    """Each request's tokens and scores over its updates; every update scores exactly the tokens it commits."""
+    waiting, out = list(requests), {}
+    while waiting or engine.running:
+        if waiting and engine.free:
+            engine.admit([waiting.pop(0)])
+        for u in engine.step():
+            tokens, scores = out.setdefault(u.id, ([], []))
+            tokens.extend(u.new_tokens)
+            if u.logprobs is None:
+                assert scores == []
+                continue
+            assert [s.token_id for s in u.logprobs] == u.new_tokens
+            scores.extend(u.logprobs)
+    return out
+
+
+def _asking(req: EngineRequest, k: int | None, n: int | None) -> EngineRequest:
+    return EngineRequest(req.id, req.prompt, req.params, k, req.stream, logprobs=n)
+
+
+def _assert_same_scores(got: list, expected: list) -> None:
+    assert [s.token_id for s in got] == [s.token_id for s in expected]
+    assert torch.allclose(torch.tensor([s.logprob for s in got]), torch.tensor([s.logprob for s in expected]), atol=1e-4)
+    for g, e in zip(got, expected):
+        assert [t for t, _ in g.top] == [t for t, _ in e.top]
+        assert torch.allclose(torch.tensor([lp for _, lp in g.top]), torch.tensor([lp for _, lp in e.top]), atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "ngram", "sd2", "dvi", "eagle"])
+def test_greedy_logprobs_are_the_same_with_speculation_on_and_off_alone_and_batched(kind, verifier, tiny_pair):
+    rule = StopRule(verifier.eos_ids)
+    reqs = _requests(verifier, max_tokens=14)
+    asking = lambda k: _asking(reqs[0], k, 3)  # noqa: E731 - greedy, 3 alternatives
+    others = [_asking(reqs[1], 2, None), _asking(reqs[5], 1, None), _asking(reqs[3], None, None)]  # never asked
+    reference = _scored(Engine(verifier.lean, None, 1, 96, rule), [asking(0)])["r0"]
+    tokens, scores = reference
+    assert tokens == generate(verifier.lean, None, [reqs[0].prompt], reqs[0].params, 0, rule)[0].token_ids
+    assert len(scores) == len(tokens) and all(s.top[0][0] == s.token_id for s in scores)  # greedy: the top-1
+    for k in range(5):
+        alone = _scored(Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), 1, 96, rule), [asking(k)])["r0"]
+        batched = _scored(Engine(verifier.lean, _drafter(kind, verifier, tiny_pair), 3, 96, rule),
+                          [others[0], asking(k), *others[1:]])
+        for got in (alone, batched["r0"]):
+            assert got[0] == tokens
+            _assert_same_scores(got[1], scores)
+
+
+def test_logprobs_are_the_verifiers_log_softmax_at_each_emitted_position(verifier, tiny_pair):
+    """Sampled rows too (raw logits: before temperature / top-k / top-p), checked against one plain
+    forward pass over prompt + output."""
+    rule = StopRule(verifier.eos_ids)
+    reqs = [_asking(r, r.k, i % 3 if i % 2 == 0 else None) for i, r in enumerate(_requests(verifier))]
+    got = _scored(Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), 3, 96, rule), reqs)
+    for r in reqs:
+        tokens, scores = got[r.id]
+        if r.logprobs is None:
+            assert scores == []
+            continue
+        seq = r.prompt + tokens
+        cache = verifier.lean.new_cache(1, len(seq))
+        logits = verifier.lean.forward(cache, torch.tensor([seq])).logits[0, len(r.prompt) - 1 : len(seq) - 1]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        assert torch.allclose(torch.tensor([s.logprob for s in scores]), lp[torch.arange(len(tokens)), tokens], atol=1e-4)
+        top = lp.topk(max(r.logprobs, 1), dim=-1)
+        for j, s in enumerate(scores):
+            assert len(s.top) == r.logprobs
+            assert [t for t, _ in s.top] == top.indices[j, : r.logprobs].tolist()
+
+
+def test_logprobs_are_cut_where_eos_a_stop_string_and_max_tokens_cut_the_tokens(verifier, tiny_pair):
+    tok = verifier.tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    base = _requests(verifier)[0]
+    plain = generate(verifier.lean, None, [base.prompt], base.params, 0, StopRule(verifier.eos_ids))[0].token_ids
+    text = decode(plain)
+    cases = [  # (stop rule, params): each ends the request mid-block at k = 4
+        (StopRule(frozenset({plain[5]}), decode), base.params),
+        (StopRule(verifier.eos_ids, decode), SamplingParams(max_tokens=len(plain), stop=(text[len(text) // 2:][:2],))),
+        (StopRule(verifier.eos_ids, decode), SamplingParams(max_tokens=7)),
+    ]
+    for rule, params in cases:
+        req = EngineRequest("c", base.prompt, params, 4, logprobs=2)
+        engine = Engine(verifier.lean, _drafter("ngram", verifier, tiny_pair), 1, 96, rule)
+        tokens, scores = _scored(engine, [req])["c"]
+        expected = generate(verifier.lean, None, [base.prompt], params, 0, rule)[0].token_ids
+        assert tokens == expected and len(tokens) < len(plain)
+        assert [s.token_id for s in scores] == tokens
+
+
+def test_a_step_where_no_row_asked_computes_no_logprobs(verifier, tiny_pair, monkeypatch):
+    from specloop.drafter.decode.logprobs import Scoring
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("log-probabilities computed for a step where no row asked")
+
+    monkeypatch.setattr(Scoring, "fill", refuse)
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), 3, 96, StopRule(verifier.eos_ids))
+    got = _scored(engine, _requests(verifier)[:4])
+    assert len(got) == 4
+    with pytest.raises(AssertionError, match="no row asked"):
+        engine.admit([_asking(_requests(verifier)[0], 2, 0)])
+        engine.step()
+
+
+def test_steps_left_plain_verify_free_drafts_and_stay_exact(verifier):
+    """A controller that never drafts still gets the suffix drafter's free drafts verified (`lookup`),
+    cut by its gate; greedy output stays the verifier's, and the lookups teach the calibration only."""
+    rule, tok = StopRule(verifier.eos_ids), verifier.tokenizer
+    text = "one two three four five one two three four five one two three four five one two"
+    params = SamplingParams(0.0, 0, 1.0, 24, (), 0)
+    requests = [EngineRequest(f"g{i}", tok.encode(t, add_special_tokens=False), params, None, 0)
+                for i, t in enumerate([text, "hello world", text + " three"])]
+    want = {r.id: generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids for r in requests}
+    drafted = {}
+    for lookups in (True, False):
+        controller = Scripted([0])
+        engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=2, capacity=96, stop_rule=rule,
+                        controller=controller, lookups=lookups)
+        got, ks = {}, []
+        waiting = list(requests)
+        while waiting or engine.running:
+            if waiting and engine.free:
+                engine.admit([waiting.pop(0)])
+            for u in engine.step():
+                got.setdefault(u.id, []).extend(u.new_tokens)
+                ks.append(u.k)
+        assert got == want
+        drafted[lookups] = sum(ks)
+        assert controller.acceptance.trials == [0.0] * 4  # lookups are not the drafter's answers to k
+        assert not controller.costs.draft and not controller.costs.offered
+    assert drafted[True] > 0 and drafted[False] == 0
+
+
+def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
+    """A step left plain verifies up to `lookup_max` free drafts (more than the controller's k_max), never
+    past the room a row's cache has left (its capacity is exactly what its request needs); output exact."""
+    rule, tok = StopRule(verifier.eos_ids), verifier.tokenizer
+    prompt = tok.encode(" ".join(["the cat sat on the mat and looked at the dog"] * 6), add_special_tokens=False)
+    params = SamplingParams(0.0, 0, 1.0, 40, (), 0)
+    want = generate(verifier.lean, None, [prompt], params, 0, rule)[0].token_ids
+    capacity = positions_needed(len(prompt), params.max_tokens, None)
+    controller = Scripted([0])
+    controller.cfg = ControllerConfig(k_max=4, lookup_max=16)
+    controller.cut = lambda confidence, rows, sources=None: [len(c) for c in confidence]  # keep every draft
+    engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1, capacity=capacity, stop_rule=rule,
+                    controller=controller)
+    engine.admit([EngineRequest("r", prompt, params, None, 0)])
+    got, ks = [], []
+    while engine.running:
+        for u in engine.step():
+            got.extend(u.new_tokens)
+            ks.append(u.k)
+        assert int(engine.cache.lens[0]) <= capacity
+    assert got == want
+    assert max(ks) > controller.cfg.k_max and max(ks) <= controller.cfg.lookup_max

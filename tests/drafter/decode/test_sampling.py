@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from specloop.drafter.decode.sampling import SamplingParams, draw_uniforms, make_generators, sample, warp
+from tests.stats import chi2_pvalue
+
+
+def test_temperature_scales_logits_before_softmax():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    probs = warp(logits, SamplingParams(temperature=0.5))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.5, dim=-1))
+
+
+def test_top_k_keeps_exactly_the_k_most_likely_tokens():
+    probs = warp(torch.tensor([[0.1, 3.0, 2.0, -1.0, 1.0]]), SamplingParams(temperature=1.0, top_k=2))
+    assert (probs[0] > 0).tolist() == [False, True, True, False, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_the_mass():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    probs = warp(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+    only_top = warp(logits, SamplingParams(temperature=1.0, top_p=0.1))
+    torch.testing.assert_close(only_top, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_inverse_cdf_sampling_follows_the_distribution_and_skips_zero_mass():
+    p = torch.tensor([0.5, 0.0, 0.2, 0.3, 0.0])
+    u = torch.rand(50_000, generator=torch.Generator().manual_seed(0))
+    draws = sample(p.expand(len(u), -1), u)
+    counts = torch.bincount(draws, minlength=5)
+    assert counts[1] == 0 and counts[4] == 0
+    assert chi2_pvalue(counts, p) > 0.01
+    edge = sample(p[None].expand(2, -1), torch.tensor([0.0, 1.0 - 2**-24]))
+    assert edge.tolist() == [0, 3]
+
+
+def test_each_request_owns_a_reproducible_stream():
+    a = draw_uniforms(make_generators(7, 3), 4)
+    b = draw_uniforms(make_generators(7, 3), 4)
+    c = draw_uniforms(make_generators(7, 1, start=2), 4)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(a[2:], c)
+    assert not torch.equal(a[0], a[1])
+    assert not torch.equal(a, draw_uniforms(make_generators(8, 3), 4))
+
+
+@pytest.mark.parametrize("bad", [dict(temperature=-1), dict(top_k=-1), dict(top_p=0.0), dict(max_tokens=0)])
+def test_bad_sampling_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)

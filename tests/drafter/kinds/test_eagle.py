@@ -1,0 +1,119 @@
+"""The eagle feature head (specloop.drafter.kinds.eagle): drafts as its module computes them, lossless under the
+speculative loop (fixed k, k auto with plain steps in between, continuous batching), follows plain
+steps, round-trips through its checkpoint and refuses what does not fit."""
+import pytest
+import torch
+
+from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.proposer import VerifierView
+from specloop.drafter.decode.requests import StopRule
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.speculative import speculative_step
+from specloop.drafter.kinds.eagle import EagleConfig, EagleDrafter, FeatureHead, new_head
+from specloop.drafter.kinds.table import build_drafter
+from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.kv_cache import prefill
+from tests.drafter_helpers import trained_eagle as trained_like
+from tests.tiny import build_model, llama_config
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], [9, 10, 11, 12]]
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return build_model(llama_config(60, 4, 64), seed=0, init_std=0.2)
+
+
+def test_drafts_are_the_modules_chain_from_the_verifiers_last_feature(verifier):
+    lean = LeanDecoder(verifier)
+    head = trained_like(lean)
+    layer = lean.num_layers - 1
+    cache, feats = prefill(lean, [PROMPTS[0]], 32, capture=(layer,))
+    d = EagleDrafter(lean, head)
+    assert d.verifier_layers == (layer,)
+    d.start([PROMPTS[0]], 32, VerifierView(cache, feats))
+    proposal = d.propose(3, SamplingParams(), None)
+    z, token, want, sure = feats[layer], torch.tensor([PROMPTS[0][-1]]), [], [1.0]
+    with torch.no_grad():
+        for _ in range(3):
+            z = head.step(z, verifier.model.embed_tokens(token))
+            logits = head.logits(z, verifier.lm_head.weight)
+            token = logits.argmax(-1)
+            want.append(int(token))
+            sure.append(sure[-1] * float(torch.softmax(logits, -1)[0, token]))
+    assert proposal.tokens[0].tolist() == want
+    assert torch.allclose(proposal.confidence[0], torch.tensor(sure[1:]), rtol=1e-4)  # its own P(drafts so far taken)
+    assert torch.equal(proposal.steer[:, 0], feats[layer].float())  # what a replay record keeps
+
+
+def test_a_draft_vocabulary_keeps_drafts_inside_it(verifier):
+    lean = LeanDecoder(verifier)
+    vocab = torch.arange(0, 60, 3)
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
+    d = EagleDrafter(lean, trained_like(lean), vocab)
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    greedy = d.propose(4, SamplingParams(), None)
+    sampled = d.propose(4, SamplingParams(temperature=1.0), torch.rand(3, 4))
+    for tokens in (greedy.tokens, sampled.tokens):
+        assert torch.isin(tokens, vocab).all()
+    assert torch.allclose(sampled.probs.sum(-1), torch.ones(3, 4))
+
+
+@pytest.mark.parametrize("k", [1, 3, None])
+def test_speculation_with_the_head_reproduces_the_verifier_alone(verifier, k):
+    lean = LeanDecoder(verifier)
+    params = SamplingParams(max_tokens=24)
+    ref = generate(lean, None, PROMPTS, params, 0, StopRule())
+    out = generate(lean, EagleDrafter(lean, trained_like(lean, seed=1)), PROMPTS, params, k, StopRule())
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+
+
+def test_a_plain_step_hands_the_head_the_verifiers_feature_and_token(verifier):
+    lean = LeanDecoder(verifier)
+    layer = lean.num_layers - 1
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(layer,))
+    d = EagleDrafter(lean, trained_like(lean))
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    last = torch.tensor([p[-1] for p in PROMPTS])
+    before = cache.lens.clone()
+    outcome = speculative_step(lean, cache, last, d, 0, SamplingParams(), None, torch.ones(3, dtype=torch.bool))
+    assert torch.equal(d.last, outcome.last_tokens)
+    again, _ = prefill(lean, PROMPTS, 32)  # the same step by hand: the feature at each prompt's last token
+    again.lens = before.clone()
+    want = lean.forward(again, last[:, None], capture=(layer,)).hidden[layer][:, 0]
+    torch.testing.assert_close(d.feature, want)
+
+
+def test_the_head_round_trips_and_builds_from_its_checkpoint(tmp_path, verifier):
+    lean = LeanDecoder(verifier)
+    head = trained_like(lean)
+    head.save(tmp_path / "h", {"method": "test"})
+    back = FeatureHead.load(tmp_path / "h")
+    assert back.cfg == head.cfg
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), head.state_dict().values()))
+
+
+def test_kinds_builds_an_eagle_drafter_and_refuses_what_does_not_fit(tmp_path, tiny_pair):
+    from specloop.drafter.model.loading import load_model
+
+    v = load_model(tiny_pair[0], dtype=torch.float32)
+    untrained = build_drafter("eagle", v, None)
+    assert isinstance(untrained, EagleDrafter)
+    trained_like(v.lean).save(tmp_path / "e", {})
+    built = build_drafter("eagle", v, tmp_path / "e")
+    assert built.kind == "eagle" and built.verifier_layers == (v.lean.num_layers - 1,)
+    with pytest.raises(ValueError, match="does not fit"):
+        EagleDrafter(v.lean, FeatureHead(EagleConfig(hidden=v.lean.hidden_size + 16)))
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "manifest.json").write_text('{"kind": "dvi"}')
+    with pytest.raises(ValueError, match="not an eagle head"):
+        FeatureHead.load(tmp_path / "x")
+
+
+def test_an_untrained_head_is_the_same_on_every_build(verifier):
+    lean = LeanDecoder(verifier)
+    torch.manual_seed(1)
+    a = new_head(lean).state_dict()
+    torch.manual_seed(2)
+    b = new_head(lean).state_dict()
+    assert all(torch.equal(a[n], b[n]) for n in a)

@@ -1,0 +1,146 @@
+import pytest
+import torch
+
+from specloop.drafter.model.architecture import UnsupportedModel
+from specloop.drafter.model.attention import KEY_BLOCK
+from specloop.drafter.model.decoder import LeanDecoder
+from tests.tiny import build_model, llama_config
+
+
+def _ref_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_lean_forward_matches_transformers_logits(arch):
+    model = build_model(llama_config(97, 2, 64, arch), seed=0, init_std=0.1)
+    lean = LeanDecoder(model)
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(0)).tolist()
+    cache = lean.new_cache(1, 32)
+    out = lean.forward(cache, torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(out, _ref_logits(model, ids), atol=1e-4, rtol=1e-4)
+    assert int(cache.lens[0]) == 12
+
+
+def test_incremental_decoding_matches_full_forward():
+    model = build_model(llama_config(97, 2, 64), seed=1, init_std=0.1)
+    lean = LeanDecoder(model)
+    ids = list(range(3, 23))
+    cache = lean.new_cache(1, 32)
+    lean.forward(cache, torch.tensor([ids[:8]]))
+    step_logits = [lean.forward(cache, torch.tensor([[t]])).logits[0, 0] for t in ids[8:]]
+    full = _ref_logits(model, ids)[8:]
+    torch.testing.assert_close(torch.stack(step_logits), full, atol=1e-4, rtol=1e-4)
+
+
+def test_rollback_reuses_the_accepted_prefix_without_recomputing():
+    model = build_model(llama_config(97, 2, 64), seed=2, init_std=0.1)
+    lean = LeanDecoder(model)
+    cache = lean.new_cache(1, 32)
+    lean.forward(cache, torch.tensor([[5, 6, 7, 8]]))
+    lean.forward(cache, torch.tensor([[50, 51, 52]]))  # a rejected block
+    cache.lens = torch.tensor([5])  # keep 5, 6, 7, 8, 50
+    out = lean.forward(cache, torch.tensor([[9, 10]])).logits[0]
+    torch.testing.assert_close(out, _ref_logits(model, [5, 6, 7, 8, 50, 9, 10])[-2:], atol=1e-4, rtol=1e-4)
+
+
+def test_ragged_batch_rows_match_single_row_results():
+    model = build_model(llama_config(97, 2, 64), seed=3, init_std=0.1)
+    lean = LeanDecoder(model)
+    rows = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    cache = lean.new_cache(3, 32)
+    padded = torch.tensor([r + [0] * (5 - len(r)) for r in rows])
+    out = lean.forward(cache, padded, n_new=torch.tensor([5, 2, 3]), last_only=True).logits[:, 0]
+    assert cache.lens.tolist() == [5, 2, 3]
+    nxt = lean.forward(cache, torch.tensor([[1, 2], [1, 2], [1, 2]])).logits
+    for b, r in enumerate(rows):
+        ref = _ref_logits(model, r + [1, 2])
+        torch.testing.assert_close(out[b], ref[len(r) - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(nxt[b], ref[-2:], atol=1e-4, rtol=1e-4)
+
+
+def test_capture_returns_hidden_states_of_requested_layers():
+    model = build_model(llama_config(97, 3, 64), seed=4, init_std=0.1)
+    lean = LeanDecoder(model)
+    ids = [3, 4, 5, 6]
+    out = lean.forward(lean.new_cache(1, 8), torch.tensor([ids]), capture=(0, 2))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(out.hidden[0], ref[1], atol=1e-4, rtol=1e-4)
+    assert set(out.hidden) == {0, 2}
+
+
+def test_full_cache_is_refused_with_a_clear_error():
+    lean = LeanDecoder(build_model(llama_config(97, 1, 32), seed=5))
+    cache = lean.new_cache(1, 4)
+    assert cache.capacity == KEY_BLOCK  # whole key blocks
+    with pytest.raises(ValueError, match="full"):
+        lean.forward(cache, torch.tensor([list(range(1, KEY_BLOCK + 2))]))
+
+
+def test_non_swiglu_models_are_refused():
+    model = build_model(llama_config(97, 1, 32, hidden_act="gelu"), seed=6)
+    with pytest.raises(UnsupportedModel, match="SwiGLU"):
+        LeanDecoder(model)
+
+
+def _prefilled(lean, histories, capacity=512):
+    """A cache holding every history, each prefilled alone as serving does (`prefill` keeps a prompt's
+    last token for the first step; the 0 appended here is that token)."""
+    from specloop.drafter.model.kv_cache import prefill
+
+    return prefill(lean, [h + [0] for h in histories], capacity)[0]
+
+
+@pytest.mark.parametrize("mode,attention", [("fp32", "kernels"), ("bf16", "kernels"), ("int8", "kernels"),
+                                            ("int4", "kernels"), ("w4a8", "kernels"), ("fp32", "reference"),
+                                            ("int4", "reference")])
+def test_verify_pass_is_bit_identical_to_one_token_steps(mode, attention):
+    """One call over T tokens (a verify pass), for ragged batches of 1, 3 and 8 rows, scores every token
+    bit for bit as that row alone decoding one token at a time does (and a ragged batched prefill
+    writes every row's KV as its own prefill would): every weight mode, T = 1..9, contexts spanning
+    several key blocks."""
+    from specloop.drafter.model.weights.quant import quantize_decoder
+
+    model = build_model(llama_config(97, 2, 128, num_attention_heads=2, num_key_value_heads=1), seed=5, init_std=0.1)
+    lean = LeanDecoder(model)
+    if attention == "reference":  # the eager exact_attention path (SPECLOOP_KERNELS=stock, no compiler)
+        lean.fused = False
+    if mode != "fp32":
+        quantize_decoder(lean, mode)
+    g = torch.Generator().manual_seed(0)
+    for B in (1, 3, 8):
+        lens = torch.randint(20, 300, (B,), generator=g).tolist()
+        histories = [torch.randint(1, 97, (n,), generator=g).tolist() for n in lens]
+        alone = [_prefilled(lean, [h]) for h in histories]
+        for T in range(1, 10):
+            new = torch.randint(1, 97, (B, T), generator=g)
+            batched = _prefilled(lean, histories)
+            out = lean.forward(batched, new).logits
+            for b in range(B):
+                cache = alone[b]
+                cache.lens = torch.tensor([lens[b]])
+                steps = torch.stack([lean.forward(cache, new[b : b + 1, t : t + 1]).logits[0, 0] for t in range(T)])
+                assert torch.equal(steps, out[b]), (mode, B, T, b, float((steps - out[b]).abs().max()))
+
+
+def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries():
+    """The attention kernel alone: a query attended with L whole key blocks equals the same query among
+    398 others attended with more blocks (a long prefill, which goes in query chunks, and where the BLAS
+    would split one long reduction over keys differently)."""
+    from specloop.drafter.model.attention import exact_attention
+
+    torch.manual_seed(0)
+    B, Hkv, rep, D, T = 4, 2, 2, 64, 398
+    kc, vc = torch.randn(B, Hkv, 512, D), torch.randn(B, Hkv, 512, D)
+    q = torch.randn(B, T, Hkv * rep, D)
+    pos = torch.arange(T)[None].expand(B, T) + 10
+
+    def hidden(p):
+        L = -(-(int(p.max()) + 1) // KEY_BLOCK) * KEY_BLOCK
+        return torch.arange(L) > p[:, None, :, None, None]  # [B, 1, T, 1, L]
+
+    every = exact_attention(q, kc, vc, hidden(pos), 0.125)
+    for t in (0, 53, 120, 300, 397):
+        assert torch.equal(exact_attention(q[:, t : t + 1], kc, vc, hidden(pos[:, t : t + 1]), 0.125)[:, 0], every[:, t])

@@ -1,0 +1,243 @@
+"""drafter/model/graph.py: the static decode step behind the engine's graph backend (the GPU worker's step).
+
+On the CPU the step runs uncompiled (SPECLOOP_COMPILE=0: the same function, no inductor build) except
+where a test is about compiling it; tests marked for CUDA skip here (CI has no GPU)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from specloop.drafter.decode.engine import Engine
+from specloop.drafter.decode.requests import EngineRequest, StopRule
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.table import build_drafter
+from specloop.drafter.model.graph import GraphDecoder, StaticModel, graph_ready, resolve_backend
+from specloop.drafter.model.kv_cache import KVCache, prefill_rows
+from specloop.drafter.model.loading import load_model
+from tests.drafter_helpers import POSITIONS, PROMPT, SETTINGS, VOCAB, WARPED, sampled_counts
+from tests.stats import chi2_pvalue, exact_marginals
+from tests.tiny import build_model, llama_config
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def uncompiled(monkeypatch):
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+
+
+@pytest.fixture(scope="module")
+def tiny_verifier(tiny_pair):
+    return load_model(tiny_pair[0])
+
+
+@pytest.fixture(scope="module")
+def reference_bf16(reference_pair):
+    """The reference verifier served in bf16 (where a width-dependent product would show)."""
+    return load_model(reference_pair[0], dtype=torch.bfloat16)
+
+
+def _pool(lean, prompts: list[list[int]], slots: int, width: int, capacity: int = 128):
+    graph = GraphDecoder(lean, slots, width, compiled=False)
+    cache = graph.new_cache(slots, capacity)
+    prefill_rows(lean, cache, list(range(len(prompts))), prompts)
+    return graph, cache
+
+
+def _copy(cache: KVCache) -> KVCache:
+    return KVCache([k.clone() for k in cache.keys], [v.clone() for v in cache.values], cache.lens.clone())
+
+
+def _inputs(graph: GraphDecoder, cache: KVCache, tokens: torch.Tensor, n_new: torch.Tensor):
+    S, W = graph.slots, graph.width
+    padded = torch.zeros(S, W, dtype=torch.long)
+    padded[: len(tokens), : tokens.shape[1]] = tokens
+    counts, lens = torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
+    counts[: len(n_new)], lens[: len(cache.lens)] = n_new, cache.lens
+    return cache.keys, cache.values, padded, counts, lens
+
+
+def test_the_static_step_traces_as_one_graph_with_no_graph_break_or_host_sync(tiny_verifier):
+    # fullgraph=True makes any graph break (a .item(), a data-dependent branch, an untraceable call) an error
+    lean = tiny_verifier.lean
+    graph, cache = _pool(lean, [[5, 6, 7, 8], [9, 10]], slots=3, width=5)
+    args = _inputs(graph, cache, torch.tensor([[11, 12, 13], [14, 0, 0]]), torch.tensor([3, 1]))
+    model = StaticModel(lean)
+    traced = torch.compile(model, fullgraph=True, dynamic=False, backend="eager")
+    for capture, last_only in (((), False), ((0, 1), False), ((), True)):
+        expected = model(*_copy_args(args), capture=capture, last_only=last_only)
+        got = traced(*_copy_args(args), capture=capture, last_only=last_only)
+        assert torch.equal(got[0], expected[0]) and len(got[1]) == len(capture)
+    assert torch._dynamo.explain(model)(*_copy_args(args)).graph_break_count == 0
+
+
+def _copy_args(args):
+    keys, values, *rest = args
+    return [k.clone() for k in keys], [v.clone() for v in values], *rest
+
+
+def test_the_static_step_scores_as_the_lean_decoder_and_writes_only_real_tokens(tiny_verifier):
+    lean = tiny_verifier.lean
+    graph, cache = _pool(lean, [[5, 6, 7, 8], [9, 10, 11]], slots=3, width=5)
+    before, eager = _copy(cache), _copy(cache)
+    rows = KVCache([k[:2] for k in cache.keys], [v[:2] for v in cache.values], cache.lens[:2].clone())  # the occupied prefix
+    tokens, n_new = torch.tensor([[20, 21, 22], [23, 0, 0]]), torch.tensor([3, 1])
+    out = graph.forward(rows, tokens, n_new)
+    ref = lean.forward(KVCache([k[:2] for k in eager.keys], [v[:2] for v in eager.values], eager.lens[:2].clone()),
+                       tokens, n_new)
+    assert graph.graph_calls == 1 and torch.equal(rows.lens, torch.tensor([6, 3]))
+    assert torch.allclose(out.logits[0], ref.logits[0], atol=1e-4)  # every query of the full row
+    assert torch.allclose(out.logits[1, 0], ref.logits[1, 0], atol=1e-4)  # the padded row's real query
+    for k_new, k_old in zip(cache.keys, before.keys):
+        changed = (k_new != k_old).any(dim=(1, 3))  # [slots, capacity]: positions written
+        trash = k_new.shape[2] - 1
+        assert changed[0, 3:6].all() and changed[1, 2]  # the real tokens' positions
+        assert not changed[0, :3].any() and not changed[0, 6:trash].any() and not changed[1, 3:trash].any()
+        assert not changed[2].any() or changed[2].nonzero().flatten().tolist() == [trash]  # the empty row: trash only
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_pair, dtype):
+    # the property that makes speculation exact: a token's logits do not depend on how many real queries
+    # its pass had, nor on its index among them, nor on the other rows
+    lean = load_model(tiny_pair[0], dtype=dtype).lean
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    graph, cache = _pool(lean, prompts, slots=3, width=5)
+    _, stepwise = _pool(lean, prompts, slots=3, width=5)  # a second pool, stepped one token at a time
+    block = torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])
+    verify = graph.forward(KVCache([k[:2] for k in cache.keys], [v[:2] for v in cache.values], cache.lens[:2]),
+                           block, torch.tensor([4, 2]))
+    rows = KVCache([k[:2] for k in stepwise.keys], [v[:2] for v in stepwise.values], stepwise.lens[:2])
+    for t in range(4):
+        one = graph.forward(rows, block[:, t : t + 1], torch.tensor([1, 1 if t < 2 else 0]))
+        assert torch.equal(one.logits[0, 0], verify.logits[0, t])
+        if t < 2:
+            assert torch.equal(one.logits[1, 0], verify.logits[1, t])
+    assert graph.graph_calls == 5  # every pass ran the static step
+
+
+def _decode(verifier, drafter, prompts, k, backend="graph", slots=3, max_tokens=24):
+    """Requests joining a running pool of `slots` rows (continuous batching), each row's greedy tokens."""
+    rule = StopRule(verifier.eos_ids)
+    engine = Engine(verifier.lean, drafter, slots, 256, rule, backend=backend)
+    assert engine.backend == backend
+    waiting = [EngineRequest(f"r{i}", p, SamplingParams(max_tokens=max_tokens + 3 * i), k) for i, p in enumerate(prompts)]
+    done = {}
+    while waiting or engine.running:
+        take = min(len(engine.free), len(waiting))
+        engine.admit(waiting[:take])
+        waiting = waiting[take:]
+        for u in engine.step():
+            if u.generation is not None:
+                done[u.id] = u.generation.token_ids
+    if backend == "graph":
+        assert engine.verifier.graph_calls > 0  # the steps ran the static step
+    return [done[f"r{i}"] for i in range(len(prompts))]
+
+
+def _prompts(verifier):
+    texts = ["def main():\n    print(", "The quick brown fox", "import os\nimport sys\n\nclass",
+             "Sure, here is an example of"]
+    return [verifier.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "ngram", "eagle", "sd2", "dvi"])
+def test_greedy_speculation_in_bf16_on_the_graph_backend_equals_its_plain_decoding(kind, reference_bf16, reference_pair):
+    # bf16 is where a verify pass of k + 1 tokens would round otherwise than a one-token step: every step
+    # of the graph backend runs at one width, so speculative output is the engine's plain output
+    verifier = reference_bf16
+    prompts = _prompts(verifier)
+    plain = _decode(verifier, None, prompts, 0)
+    drafter = build_drafter(kind, verifier, reference_pair[1] if kind in ("pretrained", "sd2") else None)
+    assert _decode(verifier, drafter, prompts, None) == plain  # k auto: the controller's k changes step by step
+    if kind == "pretrained":
+        assert isinstance(drafter.lean, GraphDecoder) and drafter.lean.graph_calls > 0  # its LM drafts in the step too
+        assert _decode(verifier, build_drafter(kind, verifier, reference_pair[1]), prompts, 4) == plain
+
+
+def test_sampled_output_on_the_graph_backend_is_distributed_as_the_verifiers(monkeypatch):
+    tiny = (build_model(llama_config(VOCAB, 2, 32), seed=11, init_std=0.6),
+            build_model(llama_config(VOCAB, 1, 32), seed=12, init_std=0.6))  # test_speculative's pair
+    params = SETTINGS[WARPED]
+    exact = exact_marginals(tiny[0], PROMPT, POSITIONS, params)
+    monkeypatch.setenv("SPECLOOP_BACKEND", "graph")
+    counts = sampled_counts(tiny, params, "pretrained", 2)
+    pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
+    assert min(pvalues) > 0.01, pvalues
+
+
+def test_warming_builds_the_graph_the_steps_then_run_and_prefills_never_run_it(tiny_verifier, monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+
+    import specloop.drafter.model.graph as graph_module
+
+    counter = CompileCounter()
+    monkeypatch.setattr(graph_module, "compile_step",
+                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
+    engine = Engine(tiny_verifier.lean, None, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
+    built = counter.frame_count
+    assert built == 1  # the verifier alone: one capture set
+    engine.admit([EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=6), 0),
+                  EngineRequest("b", [8, 9], SamplingParams(max_tokens=6), 0)])  # short prompts: prefills as wide as W
+    assert engine.verifier.graph_calls == 0  # prefills run the LeanDecoder's own passes
+    while engine.running:
+        engine.step()
+    assert engine.verifier.graph_calls > 0 and counter.frame_count == built  # no step compiled anything new
+    again = Engine(tiny_verifier.lean, None, 2, 150, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
+    assert again.verifier is engine.verifier and counter.frame_count == built  # a pool of the same size: no recompile
+
+
+def test_a_drafter_runs_as_each_engine_it_serves_needs(tiny_verifier, tiny_pair):
+    drafter = build_drafter("pretrained", tiny_verifier, tiny_pair[1])
+    rule = StopRule(tiny_verifier.eos_ids)
+    Engine(tiny_verifier.lean, drafter, 2, 128, rule, backend="graph")
+    assert isinstance(drafter.lean, GraphDecoder) and drafter.lean.slots == 2
+    Engine(tiny_verifier.lean, drafter, 3, 128, rule, backend="graph")
+    assert drafter.lean.slots == 3  # its LM at this engine's pool size
+    Engine(tiny_verifier.lean, drafter, 3, 128, rule, backend="eager")
+    assert not isinstance(drafter.lean, GraphDecoder)  # and its own passes on the eager backend
+
+
+def test_a_draft_length_beyond_the_steps_width_is_refused_before_it_takes_a_slot(tiny_verifier, tiny_pair):
+    drafter = build_drafter("pretrained", tiny_verifier, tiny_pair[1])
+    engine = Engine(tiny_verifier.lean, drafter, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph")
+    with pytest.raises(ValueError, match="exceeds the graph step's 4 drafts"):
+        engine.admit([EngineRequest("r", [5, 6, 7], SamplingParams(max_tokens=4), 6)])
+    assert engine.running == 0
+
+
+def test_auto_is_eager_on_the_cpu_and_quantized_weights_never_run_the_graph_step(tiny_pair):
+    assert resolve_backend(None, torch.device("cpu")) == "eager"
+    assert resolve_backend("auto", torch.device("cuda")) == "graph"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("fast", torch.device("cpu"))
+    int8 = load_model(tiny_pair[0], weights="int8")
+    assert graph_ready(int8.lean) is not None
+    with pytest.raises(ValueError, match="backend graph: weights served as int8"):
+        Engine(int8.lean, None, 1, 64, StopRule(int8.eos_ids), backend="graph")
+
+
+def test_the_compiled_step_keeps_speculation_exact(tiny_verifier, monkeypatch):
+    # inductor's build of the step on the CPU (on CUDA the same build is then captured as a CUDA graph):
+    # its kernels are not the uncompiled step's, and speculation still equals plain decoding through them
+    monkeypatch.setenv("SPECLOOP_COMPILE", "1")
+    prompts = _prompts(tiny_verifier)[:2]
+    t0 = time.perf_counter()
+    plain = _decode(tiny_verifier, None, prompts, 0, slots=2, max_tokens=12)
+    cold = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    drafted = _decode(tiny_verifier, build_drafter("ngram", tiny_verifier, None), prompts, 4, slots=2, max_tokens=12)
+    print(f"compiled step: cold {cold:.1f} s, again (inductor's cache) {time.perf_counter() - t0:.1f} s")
+    assert drafted == plain
+
+
+@cuda
+def test_on_cuda_the_default_serves_bf16_through_the_graph_step_and_speculation_is_exact(reference_pair):
+    verifier = load_model(reference_pair[0], device=torch.device("cuda"), weights="bf16")
+    assert verifier.lean.dtype == torch.bfloat16
+    prompts = _prompts(verifier)
+    plain = _decode(verifier, None, prompts, 0)
+    drafter = build_drafter("pretrained", verifier, reference_pair[1])
+    assert _decode(verifier, drafter, prompts, 4) == plain

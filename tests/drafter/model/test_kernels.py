@@ -1,0 +1,241 @@
+"""specloop.drafter.model.kernels: specloop's int4 / int8 CPU kernels, built for the CPU that runs the suite."""
+import pytest
+import torch
+
+from specloop.drafter.model import kernels
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="specloop kernels not built on this machine")
+
+
+def _groups(N, K, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    d = torch.rand(N, K // 32, generator=g) * 0.05 + 1e-3
+    m = torch.randn(N, K // 32, generator=g) * 0.3
+    return q, d.half().float(), m.half().float()  # fp16 values, as a GGUF stores them (the kernels keep fp16)
+
+
+@needs_kernels
+def test_q4_multiplies_by_q_times_d_plus_m_and_pads_n_to_64():
+    N, K = 97, 96  # N padded to 128
+    q, d, m = _groups(N, K)
+    w = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    x = torch.randn(5, K, dtype=torch.float64)
+    y = kernels.q4_mm(x.float(), *kernels.pack_q4(q, d, m))
+    assert y.shape == (5, 128) and torch.equal(y[:, N:], torch.zeros(5, 128 - N))
+    torch.testing.assert_close(y[:, :N].double(), x @ w.t(), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_q8_multiplies_by_q_times_scale():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (50, 64), generator=g, dtype=torch.int8)
+    s = torch.rand(50, generator=g) * 0.01
+    x = torch.randn(3, 64, dtype=torch.float64)
+    y = kernels.q8_mm(x.float(), *kernels.pack_q8(q, s))
+    torch.testing.assert_close(y[:, :50].double(), x @ (q.double() * s.double()[:, None]).t(), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4", "q8"])
+def test_every_row_is_computed_as_it_is_alone_whatever_the_row_count(kind):
+    """The property a verify pass needs: rows 1..17 in one call (chunks of 8 and their remainders) give
+    each row bit for bit what a one-row call gives it."""
+    N, K = 48, 576
+    if kind == "q4":
+        packed = kernels.pack_q4(*_groups(N, K, seed=2))
+        call = lambda x: kernels.q4_mm(x, *packed)  # noqa: E731
+    else:
+        q = torch.randint(-127, 128, (N, K), generator=torch.Generator().manual_seed(3), dtype=torch.int8)
+        packed = kernels.pack_q8(q, torch.rand(N))
+        call = lambda x: kernels.q8_mm(x, *packed)  # noqa: E731
+    x = torch.randn(17, K, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([call(x[i : i + 1]) for i in range(17)])
+    for R in range(1, 18):
+        assert torch.equal(call(x[:R]), alone[:R]), R
+
+
+@needs_kernels
+def test_thread_count_changes_no_rounding():
+    packed = kernels.pack_q4(*_groups(256, 576, seed=5))
+    x = torch.randn(5, 576, generator=torch.Generator().manual_seed(6))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.q4_mm(x, *packed)
+        torch.set_num_threads(2)
+        assert torch.equal(kernels.q4_mm(x, *packed), one)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_stock_kernels_can_be_forced(monkeypatch):
+    """SPECLOOP_KERNELS=stock: specloop.drafter.model.weights.quant serves torch's own int kernels."""
+    from specloop.drafter.model.weights.modes import _kernels_for
+
+    monkeypatch.setenv("SPECLOOP_KERNELS", "stock")
+    kernels._module.cache_clear()
+    try:
+        assert not kernels.available() and _kernels_for("int4", 32) == "stock"
+    finally:
+        monkeypatch.delenv("SPECLOOP_KERNELS")
+        kernels._module.cache_clear()
+    assert _kernels_for("int4", 64) == "stock" and _kernels_for("bf16", 32) == "stock"
+
+
+@needs_kernels
+def test_quantized_linears_take_any_leading_shape_and_keep_the_dtype():
+    """OwnInt4Weight / OwnInt8Weight as the decoder calls them: [B, T, K] in, [B, T, N] out in the
+    activation dtype, bias added, close to the float product."""
+    from specloop.drafter.model.weights.own_linears import OwnInt4Weight, OwnInt8Weight
+
+    g = torch.Generator().manual_seed(7)
+    w, b = torch.randn(100, 64, generator=g) * 0.1, torch.randn(100, generator=g)
+    x = torch.randn(2, 3, 64, generator=g)
+    for lin in (OwnInt4Weight.quantize(w, b, torch.float32), OwnInt8Weight(w, b, torch.float32),
+                OwnInt4Weight.quantize(w, b, torch.bfloat16)):
+        y = lin(x)
+        assert y.shape == (2, 3, 100) and y.dtype == lin.act_dtype
+        exact = x @ lin.dequantize().t() + b  # the weight as quantized, in fp32
+        tol = 1e-5 if lin.act_dtype == torch.float32 else 0.05  # bf16: the input and output roundings
+        torch.testing.assert_close(y.float(), exact, rtol=tol, atol=tol)
+        torch.testing.assert_close(lin.dequantize(), w, rtol=0, atol=0.05)
+
+
+@needs_kernels
+def test_the_load_time_self_check_accepts_this_build_and_refuses_wrong_or_row_dependent_ones():
+    mod = kernels._module()
+    assert kernels._self_check(mod)
+
+    class Off:  # right rows, wrong values
+        q4_mm = staticmethod(lambda x, *w: mod.q4_mm(x, *w) * 1.01)
+        q8_mm = staticmethod(mod.q8_mm)
+
+    class RowDependent:  # right values, but a row's result depends on the call's row count
+        q4_mm = staticmethod(lambda x, *w: mod.q4_mm(x, *w) * (1 + 1e-5 * (x.shape[0] > 1)))
+        q8_mm = staticmethod(mod.q8_mm)
+
+    assert not kernels._self_check(Off) and not kernels._self_check(RowDependent)
+
+
+def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H):
+    """float64 RoPE + causal softmax attention of one row's T new tokens after `start` cached ones."""
+    T, D = qkv.shape[0], cache_k.shape[-1]
+    Hkv = cache_k.shape[0]
+    x = qkv.double().view(T, H + 2 * Hkv, D)
+    pos = torch.arange(start, start + T)
+    half = D // 2
+
+    def rope(t):
+        return t * cos[pos, None].double() + torch.cat([-t[..., half:], t[..., :half]], -1) * sin[pos, None].double()
+
+    keys = torch.cat([cache_k[:, :start].double(), rope(x[:, H : H + Hkv]).transpose(0, 1)], 1)
+    values = torch.cat([cache_v[:, :start].double(), x[:, H + Hkv :].transpose(0, 1)], 1)
+    rep = H // Hkv
+    q = rope(x[:, :H]).transpose(0, 1)  # [H, T, D]
+    scores = q @ keys.repeat_interleave(rep, 0).transpose(1, 2) * 0.125  # [H, T, start + T]
+    scores = scores.masked_fill(torch.ones(T, start + T, dtype=torch.bool).triu(start + 1), float("-inf"))
+    return (scores.softmax(-1) @ values.repeat_interleave(rep, 0)).transpose(0, 1).reshape(T, H * D)
+
+
+@needs_kernels
+def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_across_t_and_batch():
+    """SmolLM2's shapes (9 query heads over 3 KV heads, D = 64), rows of different lengths: one call over
+    T tokens equals T one-token calls bit for bit and each row alone bit for bit, and all of them
+    match a float64 RoPE + softmax attention."""
+    g = torch.Generator().manual_seed(3)
+    B, H, Hkv, D, C = 3, 9, 3, 64, 448
+    cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
+    starts = torch.tensor([0, 37, 301])
+    history = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    qkv = torch.randn(B, 9, (H + 2 * Hkv) * D, generator=g)
+
+    def run(rows, chunks):
+        kc, vc = history[0][rows].clone(), history[1][rows].clone()
+        lens, outs = starts[rows].clone(), []
+        for a, b in chunks:
+            outs.append(kernels.attend(qkv[rows, a:b], kc, vc, cos, sin, lens, H, 0.125))
+            lens += b - a
+        return torch.cat(outs, 1), kc, vc
+
+    whole, kc, vc = run(torch.arange(B), [(0, 9)])
+    assert torch.equal(whole, run(torch.arange(B), [(t, t + 1) for t in range(9)])[0])
+    assert torch.equal(whole, run(torch.arange(B), [(0, 4), (4, 9)])[0])
+    for b in range(B):
+        assert torch.equal(whole[b], run(torch.tensor([b]), [(0, 9)])[0][0])
+        n = int(starts[b])
+        ref = _attention_reference(qkv[b], history[0][b], history[1][b], cos, sin, n, H)
+        torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kc[b, :, :n], history[0][b, :, :n])  # earlier positions untouched
+        assert torch.equal(vc[b, :, n : n + 9], qkv[b].view(9, H + 2 * Hkv, D)[:, H + Hkv :].transpose(0, 1))
+
+
+@needs_kernels
+def test_attend_refuses_a_full_cache():
+    kc = torch.zeros(1, 1, 16, 32)
+    with pytest.raises(RuntimeError, match="KV cache full"):
+        kernels.attend(torch.zeros(1, 2, 3 * 32), kc, kc.clone(), torch.zeros(64, 32), torch.zeros(64, 32),
+                       torch.tensor([15]), 1, 1.0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_swiglu_match_torch_and_compute_each_row_alone(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(7, 576, generator=g) * 3).to(dtype)
+    w = torch.rand(576, generator=g) + 0.5
+    normed = kernels.rms_norm(x, w, 1e-5)
+    assert normed.dtype == dtype and normed.shape == x.shape
+    ref = torch.nn.functional.rms_norm(x.float(), (576,), w, 1e-5)
+    torch.testing.assert_close(normed.float(), ref, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
+    gate_up = (torch.randn(2, 3, 2 * 1536, generator=g) * 6).to(dtype)  # gates far into both tails of silu
+    out = kernels.silu_mul(gate_up)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert out.shape == (2, 3, 1536) and out.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), torch.nn.functional.silu(gate) * up, rtol=tol, atol=tol)
+    for r in range(7):
+        assert torch.equal(kernels.rms_norm(x[r : r + 1], w, 1e-5), normed[r : r + 1])
+    assert torch.equal(kernels.silu_mul(gate_up[:, 1:2]), out[:, 1:2])
+
+
+@needs_kernels
+def test_w4a8_multiplies_int8_rounded_activations_by_q_times_d_plus_m_each_row_alone():
+    """int4 weights (N not a multiple of 64) times activations rounded to int8 per group of 32, as the
+    kernel documents it (`quantized_rows`): equal to a float64 product of those values, rows 1..9
+    equal to rows alone, and the packing round-trips."""
+    q, d, m = _groups(200, 576, seed=8)
+    packed = kernels.pack_w4a8(q, d, m)
+    assert all(torch.equal(a, b) for a, b in zip(kernels.unpack_w4a8(*packed, 200), (q, d, m)))
+    x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9)) * 2
+    xq, dx, sx = kernels.quantized_rows(x)
+    assert int(xq.abs().max()) == 127 and torch.allclose(dx * xq.view(9, 18, 32).sum(-1).float(), sx)
+    acts = xq.double().view(9, 18, 32) * dx.double()[..., None]
+    w = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    exact = acts.view(9, 576) @ w.t()
+    alone = torch.cat([kernels.w4a8_mm(x[i : i + 1], *packed) for i in range(9)])
+    assert alone.shape == (9, 256) and torch.equal(alone[:, 200:], torch.zeros(9, 56))
+    torch.testing.assert_close(alone[:, :200].double(), exact, rtol=1e-5, atol=1e-4)
+    assert (alone[:, :200].double() - x.double() @ w.t()).abs().max() > 1e-3  # the activations really are rounded
+    for R in range(1, 10):
+        assert torch.equal(kernels.w4a8_mm(x[:R], *packed), alone[:R])
+
+
+@needs_kernels
+def test_w8a8_multiplies_q8_0_blocks_by_int8_rounded_activations_and_looks_rows_up_exactly():
+    g = torch.Generator().manual_seed(10)
+    q = torch.randint(-127, 128, (100, 576), generator=g, dtype=torch.int8)
+    d = (torch.rand(100, 18, generator=g) * 0.02).half().float()
+    packed = kernels.pack_w8a8(q, d)
+    w = q.double() * d.double().repeat_interleave(32, 1)
+    ids = torch.tensor([[0, 99, 17], [64, 63, 5]])
+    assert torch.equal(kernels.w8a8_rows(*packed, ids).double(), w[ids])  # q · d, the table's own values
+    x = torch.randn(9, 576, generator=g)
+    xq, dx, _ = kernels.quantized_rows(x)
+    exact = (xq.double().view(9, 18, 32) * dx.double()[..., None]).view(9, 576) @ w.t()
+    alone = torch.cat([kernels.w8a8_mm(x[i : i + 1], *packed) for i in range(9)])
+    torch.testing.assert_close(alone[:, :100].double(), exact, rtol=1e-5, atol=1e-4)
+    for R in range(1, 10):
+        assert torch.equal(kernels.w8a8_mm(x[:R], *packed), alone[:R])
+    with pytest.raises(ValueError, match="-127"):
+        kernels.pack_w8a8(torch.full((64, 32), -128, dtype=torch.int8), torch.ones(64, 1))
