@@ -14,6 +14,7 @@ COPY pyproject.toml README.md ./
 COPY drafter drafter
 COPY trainer trainer
 COPY services services
+COPY specloop specloop
 # the project (pins torch==2.13.0, already satisfied), Ray and the serving stack
 RUN pip install . && specloop --help >/dev/null
 

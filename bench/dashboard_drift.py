@@ -78,7 +78,7 @@ def load_prompts(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def request_body(serve: Serve, prompt: dict, max_tokens: int) -> tuple[str, dict]:
+def request_body(serve: ServeProcess, prompt: dict, max_tokens: int) -> tuple[str, dict]:
     """(endpoint, body): chat messages → /v1/chat/completions, a plain prompt → /v1/completions."""
     common = {"model": serve.model, "max_tokens": max_tokens, "temperature": 0.0, "seed": 0}
     if "messages" in prompt:
@@ -86,7 +86,7 @@ def request_body(serve: Serve, prompt: dict, max_tokens: int) -> tuple[str, dict
     return "/v1/completions", {**common, "prompt": prompt["prompt"]}
 
 
-def run_phase(serve: Serve, phase: str, prompts: list[dict], n: int, clients: int, max_tokens: int) -> list[dict]:
+def run_phase(serve: ServeProcess, phase: str, prompts: list[dict], n: int, clients: int, max_tokens: int) -> list[dict]:
     """n successful requests from `prompts` (in order) sent by `clients` concurrent clients. A prompt the
     API refuses with a 400 (too long for the context) is skipped and recorded; the next one is taken."""
     todo: queue.Queue = queue.Queue()

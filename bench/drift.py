@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,29 +88,31 @@ def run_one(args, kind: str, learner: str, temperature: float, drafter: Path | N
     replay = Replay(cfg)
     rows = []
     for r in replay.run(progress=not args.quiet):
-        rows.append({key: r[key] for key in ("index", "drafter_version", "drafted", "accepted", "block_efficiency",
-                                              "blocks", "seconds")} | {"tokens": len(r["token_ids"])})
+        row = asdict(r)
+        rows.append({key: row[key] for key in ("index", "drafter_version", "drafted", "accepted", "block_efficiency",
+                                                "blocks", "seconds")} | {"tokens": len(r.token_ids)})
     summary = replay.finish()
     label = f"{learner} ({settings})" if settings else learner  # the learner's objective and its settings
     return {"kind": kind, "learner": label, "temperature": temperature, "drafter": str(drafter),
             "wall_s": round(time.perf_counter() - t0, 1), "requests": rows, "summary": _slim(summary)}
 
 
-def _slim(summary: dict) -> dict:
-    w = summary["worker"]
-    out = {"swap_stall_ms": w["swap_stall_ms"], "swaps": len(w["swaps"]), "rollbacks": w["rollbacks"],
-           "stale_blocks": w["stale_blocks"], "records": w["records"]}
-    if "learner" in summary:
-        lrn = summary["learner"]
-        out["learner"] = {"updates": lrn["learner"]["updates"], "records_seen": lrn["learner"]["records_seen"],
-                          "stale_skipped": lrn["learner"]["stale_skipped"], "published": len(lrn["published"]),
-                          "promoted": sum(p["promoted"] for p in lrn["published"]),
-                          "refused": [p["reason"] for p in lrn["published"] if not p["promoted"]][-5:],
-                          "canaries": len(lrn.get("canaries", [])),
-                          "canary_rollbacks": [c for c in lrn.get("canaries", []) if c["rolled_back"]],
-                          "error": lrn["error"]}
-    if "buffer" in summary:
-        out["buffer"] = summary["buffer"]
+def _slim(summary) -> dict:
+    """The JSON part of a run's `specloop.services.cli.replay_traffic.ReplaySummary`."""
+    w = summary.worker
+    out = {"swap_stall_ms": w.swap_stall_ms, "swaps": len(w.swaps), "rollbacks": w.rollbacks,
+           "stale_blocks": asdict(w.stale_blocks), "records": None if w.records is None else asdict(w.records)}
+    if summary.learner is not None:
+        lrn = summary.learner
+        out["learner"] = {"updates": lrn.learner.updates, "records_seen": lrn.learner.records_seen,
+                          "stale_skipped": lrn.learner.stale_skipped, "published": len(lrn.published),
+                          "promoted": sum(p.promoted for p in lrn.published),
+                          "refused": [p.reason for p in lrn.published if not p.promoted][-5:],
+                          "canaries": len(lrn.canaries),
+                          "canary_rollbacks": [asdict(c) for c in lrn.canaries if c.rolled_back],
+                          "error": lrn.error}
+    if summary.buffer is not None:
+        out["buffer"] = asdict(summary.buffer)
     return out
 
 

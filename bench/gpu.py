@@ -459,7 +459,7 @@ class StepBench:
             if reset_dynamo:
                 torch._dynamo.reset()
             graph, cache = self.graph_decoder(1, self.plan.width)
-            out[key] = self.first_calls(lambda: graph.forward(cache, self.tokens(1, 1)), self._at_context(cache, 1))
+            out[key] = self.first_calls(lambda: graph.forward(cache, self.tokens(1, 1)), self._at_context(cache, 1))  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
             del graph, cache
         self.budget.say(f"{self.name} compile: cold {_s(self.compile_s)}, new decoder "
                         f"{_s(out['same_process_new_decoder']['first_call_s'])}, warm after reset "
@@ -652,7 +652,7 @@ def pair_section(plan: Plan, args, report: Report, budget: Budget, clock: Clock)
     params, rule = SamplingParams(max_tokens=plan.max_tokens), StopRule(verifier.eos_ids)
     for batch in plan.pair_batches:
         attempt(out, f"batch_{batch}", budget, 10.0,
-                lambda: pair_batch(verifier, prompts, batch, params, rule, plan, args, budget, clock), report)
+                lambda: pair_batch(verifier, prompts, batch, params, rule, plan, args, budget, clock), report)  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
     out["compile_state_after"] = compile_state()
     del verifier
     torch._dynamo.reset()
@@ -776,7 +776,7 @@ def hf_anchor(name: str, shape: Shape, plan: Plan, report: Report, budget: Budge
               use_cache=True, **where(0, plan.context))
 
     def decode_one(token, position_ids, **placed):
-        logits = model(input_ids=token, position_ids=position_ids, past_key_values=cache, use_cache=True,
+        logits = model(input_ids=token, position_ids=position_ids, past_key_values=cache, use_cache=True,  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
                        return_dict=False, **placed)[0]
         return torch.argmax(logits[:, -1], dim=-1)
 
@@ -786,8 +786,8 @@ def hf_anchor(name: str, shape: Shape, plan: Plan, report: Report, budget: Budge
 
     def call():
         with torch.inference_mode():
-            _rewind(cache, plan.context)  # every call writes position `context` again, as the graph steps do
-            step(token, at, **placed)
+            _rewind(cache, plan.context)  # every call writes position `context` again, as the graph steps do  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
+            step(token, at, **placed)  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
 
     first, second = clock.seconds(call), clock.seconds(call)
     weights = 2 * sum(p.numel() for p in model.parameters())

@@ -38,6 +38,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,9 +115,9 @@ def serve_traffic(args, traffic: Path, registry: Path) -> dict:
                        seed=args.seed, worker_overrides={"speculators": ("suffix",)})
     t0 = time.perf_counter()
     replay = Replay(cfg)
-    rows = [{key: r[key] for key in ("index", "drafter_version", "drafted", "accepted", "block_efficiency",
-                                     "blocks", "seconds")} | {"tokens": len(r["token_ids"])}
-            for r in replay.run(progress=not args.quiet)]
+    keys = ("index", "drafter_version", "drafted", "accepted", "block_efficiency", "blocks", "seconds")
+    rows = [{key: row[key] for key in keys} | {"tokens": len(row["token_ids"])}
+            for row in map(asdict, replay.run(progress=not args.quiet))]
     summary = replay.finish()
     from drift import _slim
 

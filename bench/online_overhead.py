@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import uuid
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,11 +64,11 @@ def main() -> None:
             outs = {}
             for mode in (list(workers) if (rnd + i) % 2 == 0 else list(reversed(workers))):
                 r = workers[mode].serve(CompletionRequest(str(i), ids, max_tokens=args.max_tokens, stream_index=i))
-                per_block[mode].append(r["seconds"] / r["blocks"])
-                outs[mode] = r["token_ids"]
+                per_block[mode].append(r.seconds / r.blocks)
+                outs[mode] = r.token_ids
             if len({tuple(t) for t in outs.values()}) != 1:
                 raise SystemExit("outputs differ between modes: logging changed decoding")
-            blocks += r["blocks"]
+            blocks += r.blocks
     for w in workers.values():
         w.drain()
     redis_buffer.flush()
@@ -78,7 +79,7 @@ def main() -> None:
     result = {"machine": machine_info(), "kind": args.kind, "prompts": len(prompts), "rounds": args.rounds,
               "blocks_per_mode": blocks, "median_ms_per_block": {m: 1e3 * statistics.median(v) for m, v in per_block.items()},
               "median_ratio_vs_no_logging": ratios,
-              "records": {m: w.stats()["records"] for m, w in workers.items()},
+              "records": {m: None if (rec := w.stats().records) is None else asdict(rec) for m, w in workers.items()},
               "redis_stream_entries": stream_len, "redis_memory_bytes": mem,
               "redis_bytes_per_1000_blocks": None if not mem or not stream_len else 1000 * mem / stream_len}
     OUT.mkdir(parents=True, exist_ok=True)

@@ -83,29 +83,31 @@ def main() -> None:
     tokens = {m: 0 for m in modes}
     seconds = {m: 0.0 for m in modes}
     for i, ids_ in enumerate(prompts):
-        want = reference.serve(CompletionRequest(str(i), ids_, max_tokens=args.max_tokens, k=0, stream_index=i))["token_ids"]
+        want = reference.serve(CompletionRequest(str(i), ids_, max_tokens=args.max_tokens, k=0,
+                                                 stream_index=i)).token_ids
         for mode in (modes if i % 2 == 0 else modes[::-1]):
             r = workers[mode].serve(CompletionRequest(str(i), ids_, max_tokens=args.max_tokens, stream_index=i))
-            if r["token_ids"] != want:
+            if r.token_ids != want:
                 raise SystemExit(f"{mode}: output differs from the frozen drafter's (lossless broken)")
-            tokens[mode] += len(r["token_ids"])
-            seconds[mode] += r["seconds"]
+            tokens[mode] += len(r.token_ids)
+            seconds[mode] += r.seconds
     stop.set()
     thread.join()
     result = {"machine": machine_info(), "kind": args.kind, "prompts": len(prompts), "every_s": args.every,
               "promotions": promotions[0], "modes": {}}
     for mode, w in workers.items():
         s = w.stats()
-        versions = s["acceptance_by_version"]
-        drafted = sum(v["drafted"] for v in versions.values())
-        accepted = sum(v["accepted"] for v in versions.values())
-        stale = s["stale_blocks"]
+        versions = s.acceptance_by_version
+        drafted = sum(v.drafted for v in versions.values())
+        accepted = sum(v.accepted for v in versions.values())
+        stale = s.stale_blocks
         result["modes"][mode] = {
-            "swaps_in_flight": s["swap_stall_ms"].get("n", 0), "stall_ms": s["swap_stall_ms"],
+            "swaps_in_flight": s.swap_stall_ms.get("n", 0), "stall_ms": s.swap_stall_ms,
             "alpha_all": accepted / drafted if drafted else None,
-            "alpha_stale_blocks": stale["accepted"] / stale["drafted"] if stale["drafted"] else None,
-            "alpha_fresh_blocks": (accepted - stale["accepted"]) / (drafted - stale["drafted"]) if drafted > stale["drafted"] else None,
-            "stale_share_of_blocks": stale["drafted"] / drafted if drafted else None,
+            "alpha_stale_blocks": stale.accepted / stale.drafted if stale.drafted else None,
+            "alpha_fresh_blocks": ((accepted - stale.accepted) / (drafted - stale.drafted)
+                                   if drafted > stale.drafted else None),
+            "stale_share_of_blocks": stale.drafted / drafted if drafted else None,
             "tokens_per_s": tokens[mode] / seconds[mode],
         }
     OUT.mkdir(parents=True, exist_ok=True)

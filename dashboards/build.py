@@ -102,7 +102,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Acceptance rate α by drafter version",
               "Accepted / drafted tokens. A healthy drafter accepts ≥ 0.55 per token (dashed line). "
               "'all versions' reads through hot swaps, when each version's line lives only seconds.",
-              [(ACCEPTANCE_RATE, "{{drafter_version}}"), (ACCEPTANCE_ALL, "all versions")], unit="percentunit", min=0, max=1,
+              [(ACCEPTANCE_RATE, "{{drafter_version}}"), (ACCEPTANCE_ALL, "all versions")], unit="percentunit",
+              min=0, max=1,
               threshold=HEALTHY_ACCEPTANCE),
         Panel("Mean acceptance length τ by drafter version",
               "1 + accepted / drafts: tokens per verifier pass. Near 1.0 while traffic flows is the silent "
@@ -210,7 +211,8 @@ def timeseries(p: Panel) -> ts_b.Panel:
                      .placement(common.LegendPlacement.BOTTOM).show_legend(True))
              .thresholds(thresholds(p.threshold)))
     if p.threshold is not None:
-        panel = panel.thresholds_style(common_b.GraphThresholdsStyleConfig().mode(common.GraphTresholdsStyleMode.DASHED))
+        dashed = common_b.GraphThresholdsStyleConfig().mode(common.GraphTresholdsStyleMode.DASHED)
+        panel = panel.thresholds_style(dashed)
     if p.stacked:
         panel = panel.stacking(common_b.StackingConfig().mode(common.StackingMode.NORMAL))
     return bounded(panel, p)

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/lint.sh  # ruff on the repository, mypy on the specloop package
 bash scripts/redis.sh
 bash scripts/system-deps.sh  # nginx, prometheus, docker-compose for the deploy tests
 # Two pytest workers (pytest-xdist), one per core: every test runs its models on one thread

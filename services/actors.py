@@ -1,7 +1,8 @@
 """Ray actors around the worker, the learner and the embedded replay buffer.
 
-What crosses an actor boundary is JSON-shaped (config dicts, result dicts) or bytes (encoded
-replay records); the classes behind the actors are plain Python, tested without Ray. Each actor
+What crosses an actor boundary is JSON-shaped (config dicts, the serving protocol's dicts), bytes
+(encoded replay records) or the services' own frozen dataclasses (a served request, worker and learner
+statistics); the classes behind the actors are plain Python, tested without Ray. Each actor
 asks for a fraction of a CPU (Ray sees 2 on this machine) and sets its own torch thread count.
 """
 from __future__ import annotations
@@ -9,12 +10,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from specloop.services.buffer.connect import open_buffer
 from specloop.services.buffer.memory import MemoryBuffer
 from specloop.services.buffer.types import BufferEntry, BufferStats, ReplayBuffer
+
+if TYPE_CHECKING:  # the actors import these modules in the processes that run them
+    from specloop.services.learner.learner import LearnerServiceStats
+    from specloop.services.worker.worker import ServeResult, WorkerStats
 
 ACTOR_CPUS = 0.5  # the worker and the learner fit beside the driver on 2 CPUs
 ACTOR_RESTARTS = 8  # Ray restarts a dead worker or learner this many times (each restart reloads it)
@@ -33,7 +40,7 @@ def init_ray(address: str | None = None, namespace: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    extra = {} if address else {"include_dashboard": False}
+    extra: dict[str, Any] = {} if address else {"include_dashboard": False}
     ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=True,
              namespace=namespace, **extra)
     return True
@@ -147,21 +154,21 @@ class WorkerActor:
         self.buffer = make_buffer(buffer_spec, host, prefix)
         self.worker = VerifierWorker(WorkerConfig(**cfg), self.buffer)
 
-    def serve(self, request: dict) -> dict:
+    def serve(self, request: dict) -> ServeResult:
         from specloop.services.protocol import CompletionRequest
 
         return self.worker.serve(CompletionRequest.from_dict(request))
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         return self.worker.stats()
 
-    def drain(self) -> dict:
+    def drain(self) -> WorkerStats:
         self.worker.drain()
         if self.buffer is not None:
             self.buffer.flush()
         return self.worker.stats()
 
-    def close(self) -> dict:
+    def close(self) -> WorkerStats:
         self.worker.close()
         if self.buffer is not None:
             self.buffer.close()
@@ -213,10 +220,10 @@ class ServingActor:
 
         return None if self.buffer is None else asdict(self.buffer.cached_stats())
 
-    async def stats(self) -> dict:
-        return self.loop.worker.stats() | {"steps": self.loop.steps}
+    async def stats(self) -> WorkerStats:
+        return replace(self.loop.worker.stats(), steps=self.loop.steps)
 
-    async def close(self) -> dict:
+    async def close(self) -> WorkerStats:
         self.loop.stop()
         self.loop.worker.drain()
         self.loop.worker.close()
@@ -225,7 +232,8 @@ class ServingActor:
         return self.loop.worker.stats()
 
 
-@ray.remote(num_cpus=ACTOR_CPUS, max_concurrency=4, max_restarts=ACTOR_RESTARTS)
+# ray's stubs leave the actor-only max_concurrency out of remote()'s keyword overload
+@ray.remote(num_cpus=ACTOR_CPUS, max_concurrency=4, max_restarts=ACTOR_RESTARTS)  # type: ignore[call-overload]
 class LearnerActor:
     """The learner trains on its own thread; stats/stop calls run beside it (max_concurrency)."""
 
@@ -234,6 +242,7 @@ class LearnerActor:
         from specloop.trainer.online import LearnerConfig
 
         self.buffer = make_buffer(buffer_spec, host, prefix)
+        assert self.buffer is not None  # buffer_spec is a spec, not None: make_buffer opened one
         cfg = cfg | {"learner": LearnerConfig.from_dict(cfg["learner"])}
         self.service = LearnerService(LearnerServiceConfig(**cfg), self.buffer)
         if ray.get_runtime_context().was_current_actor_reconstructed:
@@ -248,8 +257,8 @@ class LearnerActor:
     def metrics_url(self) -> str:
         return self.service.serve_metrics(host=ray.util.get_node_ip_address())
 
-    def stats(self) -> dict:
-        return self.service.stats() | {"pid": os.getpid()}
+    def stats(self) -> LearnerServiceStats:
+        return self.service.stats()
 
-    def stop(self) -> dict:
+    def stop(self) -> LearnerServiceStats:
         return self.service.stop()

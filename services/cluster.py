@@ -61,11 +61,11 @@ class RayBackend:
     (only the first caller waits for it). Routing asks each worker's load per request, waiting at most
     PICK_WAIT_S for the slow ones."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._handles: dict[str, object] = {}
         self._view: tuple[list[WorkerInfo], bool] | None = None  # (infos of live workers, any ready)
         self._viewed = 0.0
-        self._refresh: asyncio.Task | None = None
+        self._refresh: asyncio.Task[tuple[list[WorkerInfo], bool]] | None = None
 
     async def _workers(self) -> dict[str, object]:
         self._handles = await asyncio.to_thread(named_workers, dict(self._handles))
@@ -93,6 +93,7 @@ class RayBackend:
                 self._refresh = asyncio.ensure_future(self._read_view())
                 self._refresh.add_done_callback(_logged)
         if self._view is None:
+            assert self._refresh is not None  # started above, or still running, while there is no view
             return await asyncio.shield(self._refresh)
         return self._view
 
@@ -113,7 +114,8 @@ class RayBackend:
     async def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
         handle = await self._pick()
         if handle is None:
-            yield Chunk(request.id, error=ErrorInfo("no verifier worker is alive", "server_error", 503, code="no_worker"))
+            yield Chunk(request.id, error=ErrorInfo("no verifier worker is alive", "server_error", 503,
+                                                    code="no_worker"))
             return
         gen = handle.stream.options(num_returns="streaming").remote(request.to_dict())
         done = False
@@ -125,8 +127,8 @@ class RayBackend:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             log.warning("worker lost mid-request %s: %s", request.id, exc)
             done = True
-            yield Chunk(request.id, error=ErrorInfo("the verifier worker serving this request died", "server_error", 503,
-                                                    code="worker_lost"))
+            yield Chunk(request.id, error=ErrorInfo("the verifier worker serving this request died", "server_error",
+                                                    503, code="worker_lost"))
         finally:
             if not done:
                 ray.cancel(gen)

@@ -44,7 +44,8 @@ class CompletionRequest:
     stop: list[str] = field(default_factory=list)
     k: int | None = None  # draft length; None = auto (the worker's controller, step by step); 0 = speculation off
     drafter_version: str | None = None  # None = the serving champion
-    logprobs: int | None = None  # None: no log-probabilities; n (0..20): each token's, with its n most likely alternatives
+    # None: no log-probabilities; n (0..20): each token's, with its n most likely alternatives
+    logprobs: int | None = None
     ignore_eos: bool = False  # EOS does not end the request (vLLM's; benchmarks use it for fixed lengths)
 
     def sampling(self) -> SamplingParams:
@@ -148,7 +149,8 @@ class WorkerInfo:
     model: str  # the model id clients name
     drafter_kind: str
     drafter_version: str
-    max_context: int  # positions per slot: prompt + max_tokens + 2 k + 2 must fit (k drafts + bonus, twice for rollback room)
+    # positions per slot: prompt + max_tokens + 2 k + 2 must fit (k drafts + bonus, twice for rollback room)
+    max_context: int
     slots: int
     max_queue: int
     registry: str | None = None  # registry folder (operator endpoints)
@@ -156,7 +158,9 @@ class WorkerInfo:
     prefix: str = "specloop"
     buffer: str | None = None  # buffer spec ("memory" or a redis URL), None = no logging
     metrics_url: str | None = None  # host:port of its Prometheus endpoint
-    weights: str = "fp32"  # the verifier as served (specloop.drafter.model.weights.quant.describe_mode): "fp32", "w4a8 (int4 weights, int8 activations, specloop kernels)"
+    # the verifier as served (specloop.drafter.model.weights.quant.describe_mode): "fp32",
+    # "w4a8 (int4 weights, int8 activations, specloop kernels)"
+    weights: str = "fp32"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -127,7 +127,8 @@ def train_tokenizer(texts: list, vocab_size: int):
 
 def _tokenize_until(tokenizer, texts: list, target: int, deadline: float, bar) -> tuple[torch.Tensor, int]:
     """Tokenizes texts in batches until `target` tokens or `deadline`; returns (stream, texts used)."""
-    ids, used = [], 0
+    ids: list[int] = []
+    used = 0
     while used < len(texts) and len(ids) < target and (used == 0 or time.monotonic() < deadline):
         batch = texts[used:used + 32]
         for row in tokenizer(batch, add_special_tokens=False)["input_ids"]:

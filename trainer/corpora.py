@@ -122,7 +122,8 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def iter_stdlib_code_files(include_tests: bool = False, root: str | os.PathLike | None = None) -> Iterator[tuple[str, str]]:
+def iter_stdlib_code_files(include_tests: bool = False,
+                           root: str | os.PathLike | None = None) -> Iterator[tuple[str, str]]:
     """(relative_path, source) of the standard library's .py files, sorted by path.
 
     Skips site-packages and, unless `include_tests`, anything under a test directory.

@@ -165,6 +165,7 @@ def default_out(cache: Path, name: str) -> Path:
 def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     """Verifier and default drafter under cfg.out (each step cached); returns what was done."""
     model = known_model(cfg.name)
+    assert cfg.out is not None  # its callers fill in the default (default_out)
     out = Path(cfg.out)
     done_file = out / (DONE_FILE if cfg.method == DEFAULT_METHOD else f"fetched-{cfg.method}.json")
     summary = json.loads(done_file.read_text()) if done_file.is_file() else None
@@ -177,7 +178,8 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     gguf = locate_gguf(model)
     say(f"[2/4] converting {gguf.name} into {out / 'verifier'}")
     verifier = convert_gguf(gguf, out / "verifier")
-    say(f"[3/4] building the {cfg.method} drafter into {drafter_dir(cfg, out)} (~{drafter_minutes(cfg):g} min of offline training)")
+    say(f"[3/4] building the {cfg.method} drafter into {drafter_dir(cfg, out)} "
+        f"(~{drafter_minutes(cfg):g} min of offline training)")
     drafter, training = build_default_drafter(verifier, out, cfg, progress)
     summary = {"name": cfg.name, "package": f"{model.package}=={model.version}", "gguf": model.gguf,
                "verifier": str(verifier), "drafter": str(drafter), "drafter_training": training}
@@ -248,7 +250,9 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> d
     from specloop.drafter.model.loading import load_model
 
     v = load_model(verifier_dir, weights="auto")  # as served by default
-    d = build_drafter(resolve_kind(None, drafter_dir), v, drafter_dir, weights="auto")
+    kind = resolve_kind(None, drafter_dir)
+    assert kind is not None  # a drafter directory always resolves to a kind ("pretrained" at least)
+    d = build_drafter(kind, v, drafter_dir, weights="auto")
     prompt = v.tokenizer.apply_chat_template([{"role": "user", "content": "What is a list in Python?"}],
                                              add_generation_prompt=True)
     prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)

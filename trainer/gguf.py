@@ -1,6 +1,6 @@
 """A GGUF checkpoint as specloop serves it: dequantized into a plain Hugging Face directory
 (`convert_gguf`), with the GGUF's own Q4_1 groups and Q8_0 blocks kept beside it in Hugging Face
-names and row order (`write_source_groups`, specloop.drafter.model.weights.quant.INT4_GROUPS_FILE) and a manifest.json that
+names and row order (`write_source_groups`, drafter.model.weights.quant.INT4_GROUPS_FILE) and a manifest.json that
 has "auto" serve the model as published (`served_mode`). Used by `specloop models fetch`
 (specloop.trainer.fetch)."""
 from __future__ import annotations
@@ -36,9 +36,10 @@ def _dequantize_gguf(gguf: Path, out: Path) -> Path:
     except Exception as exc:  # transformers raises many kinds for a bad file
         raise FetchError(f"cannot convert {gguf}: {exc}") from exc
     model.config.quantization_config = None  # dequantized: a plain checkpoint from here on
+    # torch's stub types every attribute a Module lacks as Tensor | Module (transformers' flags are plain values)
     if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
-    model.is_quantized = False
+        model.hf_quantizer = None  # type: ignore[assignment]
+    model.is_quantized = False  # type: ignore[assignment]
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
@@ -71,7 +72,8 @@ def decode_q4_1(raw, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     [0, 15], d and m [n, k / 32] fp16, with w = q · d + m."""
     if k % Q4_1_BLOCK:
         raise ValueError(f"Q4_1 rows hold whole blocks of {Q4_1_BLOCK}, got k={k}")
-    raw = raw if isinstance(raw, torch.Tensor) else torch.tensor(raw, dtype=torch.uint8)  # a copy: memmaps are read-only
+    # a copy: memmaps are read-only
+    raw = raw if isinstance(raw, torch.Tensor) else torch.tensor(raw, dtype=torch.uint8)
     blocks = raw.reshape(n, k // Q4_1_BLOCK, Q4_1_BYTES)
     if sys.byteorder != "little":
         raise FetchError("reading GGUF fp16 scales needs a little-endian host")
@@ -144,7 +146,7 @@ def served_mode(gguf_type: str | None) -> str | None:
     return next((mode for prefix, mode in _SERVED_MODE.items() if gguf_type and gguf_type.startswith(prefix)), None)
 
 
-def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict]:
+def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]], dict]:
     """The GGUF's Q4_1 linear weights as Hugging Face-named (q, d, m) groups in the Hugging Face row
     order, its Q8_0 ones (the tied embedding / LM head) as (q, d, None), and what the file holds:
     {"architecture", "types": {GGUF name: type name}}."""
@@ -154,7 +156,8 @@ def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tenso
     arch = _field(reader, "general.architecture", "")
     heads = _field(reader, f"{arch}.attention.head_count")
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
-    groups, types = {}, {}
+    groups: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+    types: dict[str, str] = {}
     for t in reader.tensors:
         types[t.name] = t.tensor_type.name
         name = hf_name(t.name)
@@ -175,11 +178,11 @@ def source_groups(gguf: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tenso
 
 
 def write_source_groups(gguf: Path, verifier: Path) -> dict:
-    """Beside the converted fp32 weights: the GGUF's Q4_1 groups (`specloop.drafter.model.weights.quant.INT4_GROUPS_FILE`:
+    """Beside the converted fp32 weights: the GGUF's Q4_1 groups (`drafter.model.weights.quant.INT4_GROUPS_FILE`:
     NAME.q / .d / .m) for every linear stored as Q4_1 whose q · d + m in fp32 equals the converted
     weight exactly, and `manifest.json` naming the served mode ("w4a8" for a 4-bit GGUF: served as
-    published, as llama.cpp computes it) and the source. Tensors in other types (the embedding as Q8_0 ...) are not there:
-    the int4 mode requantizes them; Q8_0 ones (the tied embedding / head) are kept as int8 blocks
+    published, as llama.cpp computes it) and the source. Tensors in other types (the embedding as Q8_0 ...) are not
+    there: the int4 mode requantizes them; Q8_0 ones (the tied embedding / head) are kept as int8 blocks
     (NAME.q int8, NAME.d) for w4a8. Returns the manifest."""
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -204,14 +207,14 @@ def write_source_groups(gguf: Path, verifier: Path) -> dict:
                 kept[name] = (q, d, m)
             else:
                 mismatched.append(name)
-    linear_types = {}
+    linear_types: dict[str, int] = {}
     for gname, tname in info["types"].items():
-        name = hf_name(gname)
-        if name is not None and name != "model.embed_tokens.weight":
+        hf = hf_name(gname)
+        if hf is not None and hf != "model.embed_tokens.weight":
             linear_types[tname] = linear_types.get(tname, 0) + 1
-    main_type = max(linear_types, key=linear_types.get) if linear_types else None
+    main_type = max(linear_types, key=lambda t: linear_types[t]) if linear_types else None
     served = served_mode(main_type)
-    counts = {}
+    counts: dict[str, int] = {}
     for tname in info["types"].values():
         counts[tname] = counts.get(tname, 0) + 1
     manifest = {"source": gguf.name, "source_quant": main_type, "architecture": info["architecture"],

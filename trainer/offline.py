@@ -8,8 +8,9 @@ packed into windows of `seq_len` tokens). Targets are computed on the fly by the
 (fp32), which also supplies SD²/DVI features.
 
 Out dir: manifest.json, drafter/ (HF format; distill and sd2), steering.safetensors (sd2),
-dvi_head.safetensors (dvi), eagle_head.safetensors (eagle) — all loadable with `specloop.drafter.kinds.table.build_drafter(kind, verifier, out)` —
-plus train_log.jsonl (one line per step) and checkpoint/ (safetensors + JSON, for --resume).
+dvi_head.safetensors (dvi), eagle_head.safetensors (eagle) — all loadable with
+`specloop.drafter.kinds.table.build_drafter(kind, verifier, out)` — plus train_log.jsonl (one line per step) and
+checkpoint/ (safetensors + JSON, for --resume).
 The config and its command line: specloop.trainer.offline_config (its names are importable from here too).
 """
 from __future__ import annotations
@@ -192,7 +193,11 @@ class OfflineTrainer:
         start, start_step, start_tokens, data_seconds = time.monotonic(), self.step_count, self.tokens_seen, 0.0
         base_elapsed, losses, accs = self.elapsed, [], []
         mode = "a" if self.step_count else "w"  # a resumed (or paused) run appends
-        total = cfg.max_steps if cfg.max_steps is not None else round(budget)
+        if cfg.max_steps is not None:
+            total = cfg.max_steps
+        else:
+            assert budget is not None  # OfflineConfig.validate: minutes where there is no max_steps
+            total = round(budget)
         unit = "step" if cfg.max_steps is not None else "s"
         bar = tqdm(total=total, initial=self.step_count if unit == "step" else round(self.elapsed), unit=unit,
                    desc=f"{cfg.method}/{cfg.data}", disable=not self.progress, file=sys.stderr)
@@ -355,6 +360,7 @@ def self_distilled(cfg: OfflineConfig, progress: bool) -> dict:
     from specloop.trainer.selfdistill import DistillConfig, distill_eagle
 
     lr = cfg.lr if cfg.lr != OfflineConfig.lr else DistillConfig.lr  # the head's own default unless --lr was given
+    assert cfg.minutes is not None  # OfflineConfig.validate: self-distilled data needs --minutes
     distill = DistillConfig(collect_minutes=cfg.minutes * 4 / 9, train_minutes=cfg.minutes * 5 / 9, depth=cfg.k,
                             lr=lr, seed=cfg.seed, threads=cfg.threads, weight_decay=cfg.weight_decay)
     return {"method": cfg.method, "data": "self-distilled", "out_dir": cfg.out_dir} | distill_eagle(

@@ -73,7 +73,8 @@ class OfflineConfig:
         need(self.checkpoint_every >= 1, "--checkpoint-every must be >= 1")
         need(self.gen_batch >= 1 and self.gen_k >= 0, "--gen-batch must be >= 1 and --gen-k >= 0")
         need(self.teacher_dtype in ("fp32", "bf16", "auto"), "--teacher-dtype must be fp32, bf16 or auto")
-        need(self.draft_vocab is None or Path(self.draft_vocab).is_file(), f"--draft-vocab {self.draft_vocab}: no such file")
+        need(self.draft_vocab is None or Path(self.draft_vocab).is_file(),
+             f"--draft-vocab {self.draft_vocab}: no such file")
         need(self.steer_layers is None or len(set(self.steer_layers)) == 3,
              "--steer-layers needs three distinct layers")
 

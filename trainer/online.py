@@ -18,17 +18,18 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from specloop.drafter.kinds.dvi import DraftHead
-from specloop.drafter.kinds.eagle import FeatureHead, new_head
-from specloop.drafter.kinds.eagle3 import Eagle3Head, new_head3
-from specloop.drafter.kinds.sd2 import Steering
+from specloop.drafter.kinds.eagle import FeatureHead
+from specloop.drafter.kinds.eagle3 import Eagle3Head
+from specloop.drafter.kinds.table import KINDS, TRAINABLE_KINDS, KindSpec, drafter_lm_dir, read_checkpoint_kind
 from specloop.drafter.model.loading import LoadedModel
 from specloop.trainer.objectives import Objective, ObjectiveConfig, PositionBatch, position_acceptance
 from specloop.trainer.records import ReplayRecord
@@ -42,19 +43,12 @@ from specloop.trainer.students import (
     build_student,
 )
 
-TRAINABLE_KINDS = ("pretrained", "sd2", "dvi", "eagle", "eagle3")
-# (lr, batch_records) of the kinds whose whole drafter arrives trained offline and is fine-tuned: the eagle heads.
-# At 1e-3 and 16 records (~32 positions) per update the fetched head drifted on the real pair (klrl: code 0.97x,
-# back on chat 0.91x the frozen head); at 2e-4 and 64 it holds chat (0.98x) and gains on code (bench/README.md 17).
-# Steering, LoRA heads and small drafters keep (1e-3, 16).
-KIND_DEFAULTS = {kind: (1e-3, 16) for kind in TRAINABLE_KINDS} | {"eagle": (2e-4, 64), "eagle3": (2e-4, 64)}
-
 
 @dataclass
 class LearnerConfig:
-    kind: str  # serving drafter kind: pretrained | sd2 | dvi | eagle | eagle3
+    kind: str  # serving drafter kind: one of TRAINABLE_KINDS (specloop.drafter.kinds.table)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
-    lr: float | None = None  # steering / LoRA / head parameters (None: the kind's default, KIND_DEFAULTS)
+    lr: float | None = None  # steering / LoRA / head parameters (None: the kind's default, its KINDS row)
     lm_lr: float = 1e-4  # drafter LM parameters (pretrained, sd2)
     batch_records: int | None = None  # records (blocks) per update (None: the kind's default)
     window: int = 2048  # recent records kept to sample minibatches from
@@ -72,9 +66,9 @@ class LearnerConfig:
     def __post_init__(self):
         if self.kind not in TRAINABLE_KINDS:
             raise ValueError(f"the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not {self.kind!r}")
-        lr, batch = KIND_DEFAULTS[self.kind]
-        self.lr = lr if self.lr is None else self.lr
-        self.batch_records = batch if self.batch_records is None else self.batch_records
+        spec = KINDS[self.kind]
+        self.lr = spec.lr if self.lr is None else self.lr
+        self.batch_records = spec.batch if self.batch_records is None else self.batch_records
         if self.batch_records < 1 or self.window < self.batch_records or self.publish_every < 1:
             raise ValueError("need batch_records >= 1, window >= batch_records and publish_every >= 1")
         if not 0.0 <= self.anchor_fraction < 1.0 or self.holdout_every < 2:
@@ -89,29 +83,41 @@ class LearnerConfig:
 
 
 def serving_student(kind: str, verifier: LoadedModel, drafter_dir: str | Path | None, train_lm: bool = True) -> Student:
-    """The trainable counterpart of a serving drafter (plain directory or trained checkpoint)."""
-    from specloop.drafter.kinds.table import drafter_lm_dir, read_checkpoint_kind
-
+    """The trainable counterpart of a serving drafter (plain directory or trained checkpoint): the student of
+    its kind's training method, with the checkpoint's part (steering or head) where it holds this kind."""
+    spec = KINDS[kind]
+    if not spec.trainable:
+        raise ValueError(f"the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not {kind!r}")
+    assert spec.method is not None  # trainable
     found = None if drafter_dir is None else read_checkpoint_kind(Path(drafter_dir))
-    device = verifier.lean.device
-    if kind == "dvi":
-        head = DraftHead.load(Path(drafter_dir), verifier.hf) if found == "dvi" else None
-        if head is None:
-            return build_student("dvi", verifier, None, k=1, dvi_layers=2, steer_layers=None,
-                                 generator=torch.Generator(), device=device)
-        return DVIStudent(head.to(device))
-    if kind == "eagle":
-        head = FeatureHead.load(Path(drafter_dir)) if found == "eagle" else new_head(verifier.lean)
-        return EagleStudent(head.to(device), verifier.lean, depth=1, generator=torch.Generator())
-    if kind == "eagle3":
-        head = Eagle3Head.load(Path(drafter_dir)) if found == "eagle3" else new_head3(verifier.lean)
-        return Eagle3Student(head.to(device), verifier.lean, depth=1, generator=torch.Generator())
+    return TRAINING[spec.method].student(spec, verifier, drafter_dir, found == kind, train_lm)
+
+
+FROZEN_LM = {"sd2": "sd2-frozen"}  # method -> the one that keeps the drafter LM frozen (LearnerConfig.train_lm)
+
+
+def lm_student(spec: KindSpec, verifier: LoadedModel, drafter_dir: str | Path | None, trained: bool,
+               train_lm: bool) -> Student:
+    """A drafter LM's student (steered where its kind has steering, the checkpoint's when `trained`)."""
     lm_dir = drafter_lm_dir(Path(drafter_dir)) if drafter_dir else None
-    method = "distill" if kind == "pretrained" else ("sd2" if train_lm else "sd2-frozen")
+    assert spec.method is not None  # a trainable kind (TRAINING is keyed by its method)
+    method = spec.method if train_lm else FROZEN_LM.get(spec.method, spec.method)
     student = build_student(method, verifier, lm_dir, k=1, dvi_layers=2, steer_layers=None,
-                            generator=torch.Generator(), device=device)
-    if kind == "sd2" and found == "sd2":
-        student.steering.load_state_dict(Steering.load(Path(drafter_dir)).state_dict())
+                            generator=torch.Generator(), device=verifier.lean.device)
+    if trained and spec.part == "steering":
+        # a steering kind trains a SteeredStudent (sd2 / sd2-frozen), and a part comes with its loader
+        assert isinstance(student, SteeredStudent) and spec.load_part is not None
+        student.steering.load_state_dict(spec.load_part(verifier, None, drafter_dir, True).state_dict())
+    return student
+
+
+def head_student(wrap: Callable[[torch.nn.Module, LoadedModel], Student]):
+    """A student builder around its kind's head on the verifier (the checkpoint's when `trained`, else a
+    fresh one, as the serving drafter's builder makes it), `wrap`ped in the method's student."""
+    def student(spec: KindSpec, verifier: LoadedModel, drafter_dir: str | Path | None, trained: bool,
+                train_lm: bool) -> Student:
+        assert spec.load_part is not None  # a head kind: its part comes with a loader
+        return wrap(spec.load_part(verifier, None, drafter_dir, trained).to(verifier.lean.device), verifier)
     return student
 
 
@@ -139,7 +145,8 @@ def lm_inputs(records: list[ReplayRecord]) -> tuple[torch.Tensor, torch.Tensor, 
     if any(len(r.context) == 0 for r in records):
         raise ValueError("pretrained / sd2 records need a context window")
     ids = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    rows, pos = [], []
+    rows: list[int] = []
+    pos: list[int] = []
     for i, (seq, r) in enumerate(zip(seqs, records)):
         ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         rows += [i] * r.positions
@@ -148,26 +155,45 @@ def lm_inputs(records: list[ReplayRecord]) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def record_logits(student: Student, records: list[ReplayRecord]) -> torch.Tensor:
-    """The drafter's logits [N, V] at every logged position, with the student's current weights.
-    Right padding needs no mask: causal attention keeps real positions from seeing it."""
-    if isinstance(student, DVIStudent):
-        hidden = torch.from_numpy(np.concatenate([r.hidden for r in records]))  # [N, d]
-        return student.head(hidden.to(student.head.norm.device))
-    if isinstance(student, Eagle3Student):  # before its base class
-        return eagle3_record_logits(student, records)
-    if isinstance(student, EagleStudent):
-        return eagle_record_logits(student, records)
-    if not isinstance(student, (SteeredStudent, DistillStudent)):
+    """The drafter's logits [N, V] at every logged position, with the student's current weights: the forward
+    of the training method of the student's kind (its KINDS row)."""
+    spec = KINDS.get(getattr(student, "kind", ""))  # "": no kind, no spec
+    if spec is None or not spec.trainable:
         raise ValueError(f"no record forward for {type(student).__name__}")
+    assert spec.method is not None  # trainable
+    return TRAINING[spec.method].record_logits(student, records)
+
+
+def dvi_record_logits(student: DVIStudent, records: list[ReplayRecord]) -> torch.Tensor:
+    """[N, V]: the head on the verifier's logged residual streams (`hidden`)."""
+    hidden = torch.from_numpy(np.concatenate([r.hidden for r in records]))  # [N, d]
+    return student.head(hidden.to(student.head.norm.device))
+
+
+def lm_record_logits(student: DistillStudent | SteeredStudent, records: list[ReplayRecord],
+                     steered: bool = False) -> torch.Tensor:
+    """[N, V]: the drafter LM run again on each record's context + d_1..d_{m-1} (steered by the record's
+    `steer` when `steered`). Right padding needs no mask: causal attention keeps real positions from seeing it."""
     device = student.lm.hf.device
     ids, rows, pos = (t.to(device) for t in lm_inputs(records))
-    steering = nullcontext()
-    if isinstance(student, SteeredStudent):
+    steering: AbstractContextManager[Any] = nullcontext()
+    if steered:
+        assert isinstance(student, SteeredStudent)  # only sd2 records are steered
         steer = torch.stack([torch.from_numpy(r.steer) for r in records]).to(device)  # [R, 3, d_v]
         steering = student.steered(steer[:, None].expand(-1, ids.shape[1], -1, -1))  # one g per block, every position
     with steering:
         hidden = student.lm.hf.model(input_ids=ids, use_cache=False).last_hidden_state  # [R, T, d]
     return student.lm.hf.lm_head(hidden[rows, pos])  # [N, V]: the LM head only where positions were logged
+
+
+def steered_record_logits(student: SteeredStudent, records: list[ReplayRecord]) -> torch.Tensor:
+    return lm_record_logits(student, records, steered=True)
+
+
+def _steer(r: ReplayRecord) -> np.ndarray:
+    """A record's `steer`, which the caller checked is there."""
+    assert r.steer is not None
+    return r.steer
 
 
 def eagle_record_logits(student: EagleStudent, records: list[ReplayRecord]) -> torch.Tensor:
@@ -181,7 +207,7 @@ def eagle_record_logits(student: EagleStudent, records: list[ReplayRecord]) -> t
     for i, r in enumerate(records):
         inputs = [int(r.context[-1])] + [int(t) for t in r.tokens[: r.positions - 1]]
         tokens[i, : len(inputs)] = torch.tensor(inputs)
-    start = torch.stack([torch.from_numpy(r.steer[0]) for r in records])  # [R, d]
+    start = torch.stack([torch.from_numpy(_steer(r)[0]) for r in records])  # [R, d]
     logits = student.chain_logits(start.to(device), tokens.to(device))  # [R, m, V]
     return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
 
@@ -193,18 +219,81 @@ def eagle3_record_logits(student: Eagle3Student, records: list[ReplayRecord]) ->
         raise ValueError("eagle3 records need the block's window: features (steer) and tokens (context), row for row")
     device = student.head.fc.weight.device
     R, W, m = len(records), max(len(r.context) for r in records), max(r.positions for r in records)
-    raw = torch.zeros(R, W, records[0].steer.shape[1])
+    raw = torch.zeros(R, W, _steer(records[0]).shape[1])
     tokens, valid = torch.zeros(R, W, dtype=torch.long), torch.zeros(R, W, dtype=torch.bool)
     drafted = torch.zeros(R, m - 1, dtype=torch.long)
     for i, r in enumerate(records):
         n = len(r.context)
-        raw[i, W - n :], tokens[i, W - n :], valid[i, W - n :] = torch.from_numpy(r.steer), torch.from_numpy(r.context), True
+        raw[i, W - n :], tokens[i, W - n :], valid[i, W - n :] = (
+            torch.from_numpy(_steer(r)), torch.from_numpy(r.context), True)
         drafted[i, : r.positions - 1] = torch.from_numpy(r.tokens[: r.positions - 1])
     logits = student.window_logits(raw.to(device), tokens.to(device), valid.to(device), drafted.to(device))
     return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
 
 
+@dataclass(frozen=True)
+class Training:
+    """The learner's code for a training method (KindSpec.method): its student built from the serving
+    drafter's directory, and its forward at a record's logged positions."""
+
+    student: Callable[[KindSpec, LoadedModel, str | Path | None, bool, bool], Student]
+    record_logits: Callable[[Any, list[ReplayRecord]], torch.Tensor]  # takes its method's Student subclass
+
+
+def _dvi(head: torch.nn.Module, verifier: LoadedModel) -> Student:
+    assert isinstance(head, DraftHead)  # the dvi kind's load_part
+    return DVIStudent(head)
+
+
+def _eagle(head: torch.nn.Module, verifier: LoadedModel) -> Student:
+    assert isinstance(head, FeatureHead)  # the eagle kind's load_part
+    return EagleStudent(head, verifier.lean, depth=1, generator=torch.Generator())
+
+
+def _eagle3(head: torch.nn.Module, verifier: LoadedModel) -> Student:
+    assert isinstance(head, Eagle3Head)  # the eagle3 kind's load_part
+    return Eagle3Student(head, verifier.lean, depth=1, generator=torch.Generator())
+
+
+TRAINING = {  # KindSpec.method -> its code here
+    "distill": Training(lm_student, lm_record_logits),
+    "sd2": Training(lm_student, steered_record_logits),
+    "dvi": Training(head_student(_dvi), dvi_record_logits),
+    "eagle": Training(head_student(_eagle), eagle_record_logits),
+    "eagle3": Training(head_student(_eagle3), eagle3_record_logits),
+}
+
+
 # ----------------------------------------------------------------------------- the learner
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one `OnlineLearner.update()` did: the objective's loss and terms on a minibatch of `positions`
+    positions; `step` (the learner's update count after it) when the optimizer stepped, `skipped` (why
+    not: "non-finite loss") when it did not (nothing changed then)."""
+
+    loss: float
+    terms: dict[str, float]  # the objective's info (`Objective.__call__`): sim_acceptance, reward, λs, loss, ...
+    positions: int
+    step: int | None = None
+    skipped: str | None = None
+
+    @property
+    def stepped(self) -> bool:
+        return self.skipped is None
+
+
+@dataclass(frozen=True)
+class LearnerStats:
+    updates: int
+    records_seen: int
+    window: int  # records in the recent window
+    holdout: int  # held-out records kept
+    anchor: int  # records in the anchor reservoir
+    stale_skipped: int  # records used for KL only (a newer version had been published)
+    last: Update | None  # the last update (None before the first)
+    objective: dict  # `Objective.state()`
 
 
 class OnlineLearner:
@@ -213,10 +302,10 @@ class OnlineLearner:
         self.objective = Objective(cfg.objective)
         self.params = student.trainable()
         self.device = self.params[0][1].device
-        self.optimizer = torch.optim.AdamW(
-            [{"params": [p for _, p, g in self.params if g == "adapter"], "lr": cfg.lr},
-             {"params": [p for _, p, g in self.params if g != "adapter"], "lr": cfg.lm_lr}],
-            betas=(0.9, 0.95), weight_decay=0.0)
+        groups: list[dict[str, Any]] = [
+            {"params": [p for _, p, g in self.params if g == "adapter"], "lr": cfg.lr},
+            {"params": [p for _, p, g in self.params if g != "adapter"], "lr": cfg.lm_lr}]
+        self.optimizer = torch.optim.AdamW(groups, betas=(0.9, 0.95), weight_decay=0.0)
         self.rng = random.Random(cfg.seed)
         self.window: deque[ReplayRecord] = deque(maxlen=cfg.window)
         self.holdout: deque[ReplayRecord] = deque(maxlen=cfg.holdout_size)
@@ -226,7 +315,7 @@ class OnlineLearner:
         self.stale_skipped = 0  # records used for KL only because a newer version had been published
         self.trained: set[str] = set()  # buffer entries of the records successful updates used (the service clears it)
         self.versions: deque[str] = deque(maxlen=cfg.max_policy_lag + 1)
-        self.last_info: dict = {}
+        self.last: Update | None = None
 
     # -- data
 
@@ -247,10 +336,12 @@ class OnlineLearner:
     def ready(self) -> bool:
         """Enough records for a minibatch, and each record used about `replay_ratio` times at most."""
         budget = self.cfg.replay_ratio * self.seen
+        assert self.cfg.batch_records is not None  # set by LearnerConfig.__post_init__
         return len(self.window) >= self.cfg.batch_records and (self.updates + 1) * self.cfg.batch_records <= budget
 
     def sample(self) -> list[ReplayRecord]:
         n = self.cfg.batch_records
+        assert n is not None  # set by LearnerConfig.__post_init__
         n_anchor = min(len(self.anchor), int(round(n * self.cfg.anchor_fraction)))
         recent = list(self.window)[-self.cfg.window:]
         return self.rng.sample(recent, min(n - n_anchor, len(recent))) + self.rng.sample(self.anchor, n_anchor)
@@ -266,8 +357,9 @@ class OnlineLearner:
 
     # -- training
 
-    def update(self) -> dict | None:
-        """One optimizer step on a sampled minibatch; None until enough records arrived."""
+    def update(self) -> Update | None:
+        """One optimizer step on a sampled minibatch (none on a non-finite loss: `Update.skipped`); None
+        until enough records arrived."""
         if not self.ready():
             return None
         records = self.sample()
@@ -277,15 +369,15 @@ class OnlineLearner:
             p.grad = None
         loss, info = self.objective(batch, record_logits(self.student, records))
         if not torch.isfinite(loss):
-            self.last_info = info | {"skipped": "non-finite loss"}
-            return self.last_info
+            self.last = Update(info["loss"], info, len(batch.tokens), skipped="non-finite loss")
+            return self.last
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for _, p, _ in self.params], self.cfg.grad_clip)
         self.optimizer.step()
         self.updates += 1
         self.trained.update(r.entry for r in records if r.entry is not None)
-        self.last_info = info | {"update": self.updates, "positions": len(batch.tokens)}
-        return self.last_info
+        self.last = Update(info["loss"], info, len(batch.tokens), step=self.updates)
+        return self.last
 
     def in_pools(self) -> set[str]:
         """Buffer entries of the records an update may still sample."""
@@ -330,10 +422,10 @@ class OnlineLearner:
             if n in weights:
                 p.copy_(weights[n].to(p.device, p.dtype))
 
-    def stats(self) -> dict:
-        return {"updates": self.updates, "records_seen": self.seen, "window": len(self.window),
-                "holdout": len(self.holdout), "anchor": len(self.anchor), "stale_skipped": self.stale_skipped,
-                "last": self.last_info, "objective": self.objective.state()}
+    def stats(self) -> LearnerStats:
+        return LearnerStats(updates=self.updates, records_seen=self.seen, window=len(self.window),
+                            holdout=len(self.holdout), anchor=len(self.anchor), stale_skipped=self.stale_skipped,
+                            last=self.last, objective=self.objective.state())
 
 
 def is_finite(weights: dict[str, torch.Tensor]) -> bool:

@@ -15,6 +15,8 @@ recompute its forward on the learner:
 - dvi: `hidden` [m, d], the verifier's residual stream after layer s at the positions that
   predict d_1..d_m (the draft head's input).
 
+(Per kind: `record_context` and `steer_rows` of its row in specloop.drafter.kinds.table.KINDS.)
+
 Wire format (`encode` / `decode`): the magic b"SLRC", then a safetensors blob (numpy arrays;
 scalar fields in its string metadata, with the schema version). Decoding validates the magic,
 the schema, every array's dtype and shape, and the reward pattern; anything else raises
@@ -24,12 +26,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
+
+from specloop.drafter.kinds.table import KINDS, RecordContext
 
 MAGIC = b"SLRC"
 SCHEMA = 1
@@ -123,7 +128,7 @@ def _scalars(meta: dict) -> dict:
 
 
 def _arrays(arrays: dict) -> dict:
-    out = {}
+    out: dict[str, np.ndarray | None] = {}
     for name, (dtype, rank) in ARRAYS.items():
         value = arrays.get(name)
         if value is None:
@@ -132,13 +137,16 @@ def _arrays(arrays: dict) -> dict:
             out[name] = None
             continue
         if value.dtype != dtype or value.ndim != rank:
-            raise RecordError(f"replay record field {name!r} is {value.dtype}[{value.ndim}-d], expected {np.dtype(dtype)}[{rank}-d]")
+            raise RecordError(f"replay record field {name!r} is {value.dtype}[{value.ndim}-d], "
+                              f"expected {np.dtype(dtype)}[{rank}-d]")
         out[name] = value
     return out
 
 
-STEER_ROWS = {"sd2": 3, "eagle": 1, "eagle3": None}  # the verifier features a block of these kinds was drafted
-#                                                      from (None: one row per context token, its window)
+def steer_rows(kind: str) -> int | None:
+    """The verifier feature rows a block of `kind` was drafted from (None: one per context token kept, its
+    window; 0: none, also for a kind the table lacks, so that a stray record's `steer` is refused)."""
+    return KINDS[kind].steer_rows if kind in KINDS else 0
 
 
 def validate(r: ReplayRecord) -> None:
@@ -157,7 +165,7 @@ def validate(r: ReplayRecord) -> None:
         raise RecordError("replay record hidden states do not match its positions")
     if r.steer is None:
         return
-    rows = STEER_ROWS.get(r.kind, 0)
+    rows = steer_rows(r.kind)
     rows = len(r.context) if rows is None else rows
     if not rows or r.steer.ndim != 2 or r.steer.shape[0] != rows:
         raise RecordError(f"replay record steering inputs of a {r.kind!r} drafter must be "
@@ -219,20 +227,27 @@ class RowTag:
     temperature: float
 
 
+# KindSpec.record_context -> (context, window) -> what a record keeps: all of it (the drafter LMs run it again),
+# the block's first token (the eagle head), the tokens of the eagle3 head's window of `window` positions (one per
+# committed token but the first), or nothing
+CONTEXT_RULES: dict[RecordContext, Callable[[list[int], int], list[int]]] = {
+    "all": lambda context, window: context,
+    "last": lambda context, window: context[-1:],
+    "window": lambda context, window: context[-max(1, min(window, len(context) - 1)):],
+    "none": lambda context, window: [],
+}
+
+
 def record_context(kind: str, context: list[int], window: int = 1) -> list[int]:
-    """What of a row's context window a record of `kind` keeps: all of it for the drafter LMs, the
-    block's first token for the eagle head, the tokens of the eagle3 head's window of `window`
-    positions (one per committed token but the first), nothing for the others."""
-    if kind in ("pretrained", "sd2"):
-        return context
-    if kind == "eagle3":
-        return context[-max(1, min(window, len(context) - 1)):]
-    return context[-1:] if kind == "eagle" else []
+    """What of a row's context window a record of `kind` keeps (its `record_context` rule; nothing for a
+    kind the table lacks)."""
+    return CONTEXT_RULES[KINDS[kind].record_context if kind in KINDS else "none"](context, window)
 
 
 def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) -> list[ReplayRecord]:
     """One record per row: positions 1..min(n + 1, k)."""
-    out, steer_rows = [], 1 if snap.steer is None else snap.steer.shape[1]
+    out, rows = [], 1 if snap.steer is None else snap.steer.shape[1]
+    by_context = steer_rows(kind) is None  # its steering rows follow the context kept: trimmed with it
     for j, (n, tag) in enumerate(zip(snap.num_accepted, tags)):
         m = min(n + 1, snap.k)
         rewards = np.ones(m, dtype=np.uint8)
@@ -243,8 +258,8 @@ def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) ->
             k=snap.k, temperature=tag.temperature, tokens=snap.tokens[j, :m].astype(np.int64), rewards=rewards,
             draft_logprobs=snap.draft_logprobs[j, :m], top_ids=snap.top_ids[j, :m].astype(np.int64),
             top_logprobs=snap.top_logprobs[j, :m], rest_mass=snap.rest_mass[j, :m],
-            context=np.asarray(ctx := record_context(kind, tag.context, steer_rows), dtype=np.int64),
-            steer=None if snap.steer is None else snap.steer[j][-len(ctx) if kind == "eagle3" else 0:],
+            context=np.asarray(ctx := record_context(kind, tag.context, rows), dtype=np.int64),
+            steer=None if snap.steer is None else snap.steer[j][-len(ctx) if by_context else 0:],
             hidden=None if snap.hidden is None else snap.hidden[j, :m],
         ))
     return out

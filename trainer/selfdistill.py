@@ -1,4 +1,4 @@
-"""Self-distillation of the eagle heads (specloop.drafter.kinds.eagle, specloop.drafter.kinds.eagle3): the verifier's own answers, with the features
+"""Self-distillation of the eagle heads (kinds.eagle, kinds.eagle3): the verifier's own answers, with the features
 and distributions it computed while decoding them, are the training data (the setting of the EAGLE
 and DVI papers: a drafter is judged on the verifier's outputs, so it learns from them).
 
@@ -123,27 +123,30 @@ def decode_batch(verifier: LoadedModel, prompts: list[list[int]], max_new: int, 
         alive &= ~ended
         if not alive.any():
             break
-    F, X, I, L = (torch.stack(t, dim=1) for t in (feats, toks, ids, logps))
-    return [Sequence(X[b, : n + 1], F[b, : n + 1], I[b, :n], L[b, :n]) for b, n in enumerate(lengths.tolist()) if n > 1]
+    F, X, Ids, L = (torch.stack(t, dim=1) for t in (feats, toks, ids, logps))
+    return [Sequence(X[b, : n + 1], F[b, : n + 1], Ids[b, :n], L[b, :n])
+            for b, n in enumerate(lengths.tolist()) if n > 1]
 
 
 def training_documents(tokenizer, max_tokens: int) -> Iterator[list[int]]:
     """Whole ShareGPT conversations (training part) and standard-library files, alternately, cut to
     `max_tokens`: text the verifier reads teacher-forced."""
-    chat = (ids for _, conv in ConversationSource().iter_from(0) if len(ids := conversation_ids(tokenizer, conv, max_tokens)) > 8)
+    chat = (ids for _, conv in ConversationSource().iter_from(0)
+            if len(ids := conversation_ids(tokenizer, conv, max_tokens)) > 8)
     code = (ids for ids in code_documents(tokenizer, 0, max_tokens) if len(ids) > 8)
     for pair in zip(chat, code):
         yield from pair
 
 
 @torch.inference_mode()
-def forced_sequence(verifier: LoadedModel, doc: list[int], layers: tuple[int, ...], vocab_index: torch.Tensor) -> Sequence:
+def forced_sequence(verifier: LoadedModel, doc: list[int], layers: tuple[int, ...],
+                    vocab_index: torch.Tensor) -> Sequence:
     """`doc` read in one pass: the same fields as a decoded answer, at every position but the first."""
     lean = verifier.lean
     out = lean.forward(lean.new_cache(1, len(doc)), torch.tensor([doc]), capture=layers)
     top = torch.log_softmax(out.logits[0, 1:-1].float(), dim=-1).topk(TOP_K, dim=-1)
-    return Sequence(torch.tensor(doc[1:]), joined({i: h[0, :-1] for i, h in out.hidden.items()}, layers), vocab_index[top.indices.cpu()],
-                    top.values.cpu())
+    return Sequence(torch.tensor(doc[1:]), joined({i: h[0, :-1] for i, h in out.hidden.items()}, layers),
+                    vocab_index[top.indices.cpu()], top.values.cpu())
 
 
 def joined(hidden: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
@@ -222,7 +225,8 @@ def soft_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, target_lo
     return -(p * logq).sum(-1)[keep].mean()
 
 
-def train_head(student: EagleStudent | Eagle3Student, seqs: list[Sequence], cfg: DistillConfig, progress: bool = True) -> dict:
+def train_head(student: EagleStudent | Eagle3Student, seqs: list[Sequence], cfg: DistillConfig,
+               progress: bool = True) -> dict:
     """Train the head on `seqs` for cfg.train_minutes (AdamW, warm-up then cosine); returns a summary."""
     params = [p for _, p, _ in student.trainable()]
     matrices = [p for p in params if p.dim() == 2]
@@ -270,6 +274,7 @@ def distill_eagle(verifier_dir: str | Path, out: str | Path, vocab_file: str | P
     collected = time.monotonic() - t0
     if not seqs:
         raise ValueError("no training sequences could be decoded")
+    assert isinstance(student, EagleStudent)  # method is eagle or eagle3 (an Eagle3Student is an EagleStudent)
     summary = train_head(student, seqs, cfg, progress)
     summary |= {"sequences": len(seqs), "positions": sum(len(s.target_ids) for s in seqs),
                 "collect_seconds": round(collected, 1)}

@@ -34,13 +34,22 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from specloop.drafter.kinds.dvi import DraftHead, DVIConfig
 from specloop.drafter.kinds.eagle import FeatureHead, feature_layer, new_head
-from specloop.drafter.kinds.eagle3 import Window, chain, check_layers, new_head3, ttt_logits, window_entries
+from specloop.drafter.kinds.eagle3 import (
+    Eagle3Head,
+    Window,
+    chain,
+    check_layers,
+    new_head3,
+    ttt_logits,
+    window_entries,
+)
 from specloop.drafter.kinds.sd2 import MANIFEST, default_steer_layers, steering_for
 from specloop.drafter.model.loading import LoadedModel, check_same_vocabulary, load_model
 
@@ -243,7 +252,9 @@ class EagleStudent(Student):
 
     kind = "eagle"
 
-    def __init__(self, head: FeatureHead, verifier_lean, depth: int, generator: torch.Generator):
+    head: Any  # a FeatureHead here, an Eagle3Head in Eagle3Student (which reuses the rest of this class)
+
+    def __init__(self, head: FeatureHead | Eagle3Head, verifier_lean, depth: int, generator: torch.Generator):
         """`verifier_lean`: the verifier's decoder in any weight mode (its embedding and LM head are
         read as floats: a float model's own tensors, a quantized one's dequantized values)."""
         self.head = head.train()
@@ -275,7 +286,8 @@ class EagleStudent(Student):
         feature at t − 1), δ_t ~ U{1..depth} (at most t + 1), stepping through the tokens up to t."""
         prev = prev.to(self.head.fc.weight.dtype)
         embedded = nn.functional.embedding(input_ids, self.embed).to(prev.dtype)
-        depth = self.depths(*input_ids.shape, prev.device)
+        B, T = input_ids.shape
+        depth = self.depths(B, T, prev.device)
         z = picked = self.head.step(prev, embedded)  # depth 1
         for j in range(2, self.depth + 1):  # z at t: j steps from the true feature at t − j
             z = self.head.step(_shift_right(z), embedded)
@@ -313,7 +325,8 @@ class Eagle3Student(EagleStudent):
         w = self.head.weights()
         prev = prev.to(w.fc.dtype)
         embedded = nn.functional.embedding(input_ids, self.embed).to(prev.dtype)
-        return ttt_logits(w, prev, embedded, self.depths(*input_ids.shape, prev.device), self.rows(), self.depth)
+        B, T = input_ids.shape
+        return ttt_logits(w, prev, embedded, self.depths(B, T, prev.device), self.rows(), self.depth)
 
     def window_logits(self, raw: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
                       drafted: torch.Tensor) -> torch.Tensor:
@@ -324,7 +337,8 @@ class Eagle3Student(EagleStudent):
         embed = lambda t: nn.functional.embedding(t, self.embed).to(w.fc.dtype)  # noqa: E731
         u, k, v = window_entries(w, raw.to(w.fc.dtype), embed(tokens))
         win = Window(raw, tokens, valid, k, v, u[:, -1])
-        out = chain(w, win, embed, self.lm_head, drafted.shape[1] + 1, lambda i, _: drafted[:, i] if i < drafted.shape[1] else None)
+        out = chain(w, win, embed, self.lm_head, drafted.shape[1] + 1,
+                    lambda i, _: drafted[:, i] if i < drafted.shape[1] else None)
         return torch.stack(out, dim=1)
 
 
@@ -353,8 +367,9 @@ def _build_student(method: str, verifier: LoadedModel, drafter_dir: str | Path |
     """The student of `method` (distill, sd2, sd2-frozen, dvi or eagle) against `verifier`.
 
     distill / sd2 / sd2-frozen start from the drafter LM in `drafter_dir`; dvi ignores it and puts
-    a fresh head on `dvi_layers` verifier layers, eagle a fresh feature head unrolled up to k drafts. SD² steers from `steer_layers` (three 0-based
-    verifier layers; None: `default_steer_layers`) and draws its offsets δ ~ U{1..k} from `generator`.
+    a fresh head on `dvi_layers` verifier layers, eagle a fresh feature head unrolled up to k drafts. SD² steers
+    from `steer_layers` (three 0-based verifier layers; None: `default_steer_layers`) and draws its offsets
+    δ ~ U{1..k} from `generator`.
     """
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")

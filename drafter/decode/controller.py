@@ -206,14 +206,15 @@ class Costs:
         self.steps += 1
         b, T = bucket(step.rows), step.k + 1
         recent = self.plain.get(b)
-        side_by_side = recent is not None and self.steps - recent[0] <= self.cfg.side_by_side
+        # the seconds of a plain pass at this bucket side by side with this step, else None
+        beside = recent[1] if recent is not None and self.steps - recent[0] <= self.cfg.side_by_side else None
         if T == 1:
-            seconds = step.verify_s if not side_by_side else recent[1] + 0.5 * (step.verify_s - recent[1])
+            seconds = step.verify_s if beside is None else beside + 0.5 * (step.verify_s - beside)
             self.plain[b] = (self.steps, seconds)
             unit = step.verify_s
-        elif side_by_side and recent[1] > 0:
-            self.add(self.ratio, (T, b), step.verify_s / recent[1])
-            unit = recent[1]
+        elif beside is not None and beside > 0:
+            self.add(self.ratio, (T, b), step.verify_s / beside)
+            unit = beside
         else:  # drafting steps only: this pass in plain-pass units, by the ratio learned before
             unit = step.verify_s / self.ratio_of(T, b)
         if unit <= 0:
@@ -356,7 +357,7 @@ class StepSample:
     asked: int | None = None  # the k the drafter was asked for (None: k); a self-limiting drafter
     #                           (suffix) may draft less, and the verify pass covers only what it drafted
     confident: tuple[Confident, ...] = ()  # every row whose draft carried confidence (plain tuples are read as one)
-    lookup: bool = False  # the drafts were free ones on a step left plain (specloop.drafter.decode.engine `lookup`): no drafting cost
+    lookup: bool = False  # the drafts were free ones on a step left plain (decode.engine `lookup`): no drafting cost
 
     @property
     def drafting(self) -> int:
@@ -480,7 +481,8 @@ class Controller:
     def depth(self, source: str | None = None) -> Acceptance:
         """Per-position acceptance of one speculator's confident drafts (what a draft as deep as i earned)."""
         if source not in self.depths:
-            self.depths[source] = Acceptance(ControllerConfig(k_max=MAX_DEPTH, prior_acceptance=0.9, depth_discount=1.0))
+            self.depths[source] = Acceptance(ControllerConfig(k_max=MAX_DEPTH, prior_acceptance=0.9,
+                                                              depth_discount=1.0))
         return self.depths[source]
 
     def confidence_scale(self, source: str | None = None) -> float:

@@ -26,26 +26,38 @@ Pure torch, no processes: `generate()` and the serving worker both drive an `Eng
 - `offer_swap()` (between steps, and before every drafting step) lets the hooks hand over a new
   drafter version: the one place `drafter` is written after construction.
 
-Uniform layout per step (kmax = max k of the live rows), row b with its own k_b drawing 2 k_b + 1
-uniforms from its stream, as `generate` alone would: columns [0, k_b) drive drafting, [kmax,
-kmax + k_b) the accept tests, column 2 kmax the emitted token; the other columns are unused filler.
+A step is planned (`StepPlan`, drafter/decode/plan.py: the rows, each row's k, the sampling params, the
+uniforms), run (`speculative_step`) and committed (row updates, the controller's observation, timing).
+Uniforms per step (kmax = max k of the live rows): row b with its own k_b draws 2 k_b + 1 from its stream,
+as `generate` alone would: `u_draft[b, :k_b]` drive drafting, `u_accept[b, :k_b]` the accept tests,
+`u_accept[b, kmax]` the emitted token; the other columns are unused filler.
 """
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Protocol, cast
 
 import torch
 
 from specloop.drafter.decode.capacity import draft_reserve, positions_needed
 from specloop.drafter.decode.controller import Batch, Choice, Confident, Controller, StepSample
-from specloop.drafter.decode.logprobs import Scoring, scoring_for
+from specloop.drafter.decode.logprobs import Scoring, TokenScore, scoring_for
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import Drafter, VerifierView, emitted_tokens
-from specloop.drafter.decode.rejection import rejection_sample
+from specloop.drafter.decode.rejection import BlockOutcome, rejection_sample
 from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate, StopRule
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, make_generators
-from specloop.drafter.decode.speculative import Sampler, StepClock, StepHooks, follows_plain, speculative_step
+from specloop.drafter.decode.speculative import (
+    Gate,
+    Sampler,
+    StepClock,
+    StepHooks,
+    StepOptions,
+    follows_plain,
+    speculative_step,
+)
 from specloop.drafter.decode.stats import AcceptanceStats
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import GraphDecoder, graph_ready, on_backend, resolve_backend
@@ -64,6 +76,15 @@ class LiveRequest:
     @property
     def history(self) -> list[int]:
         return self.request.prompt + self.gen.token_ids
+
+
+class OwnLM(Protocol):
+    """A drafter with an LM of its own (drafter/kinds/pretrained.py), which the Drafter protocol does not
+    name: the engine reads these where the drafter has a `graph_width`."""
+
+    graph_width: int  # its widest decode pass: specloop.drafter.model.graph runs its LM at this width
+    lean: LeanDecoder | GraphDecoder
+    cache: KVCache
 
 
 @dataclass
@@ -89,14 +110,16 @@ class Engine:
     hooks: StepHooks | None = None
     controller: Controller = field(default_factory=Controller)  # chooses k for the auto rows
     timing: StepTiming = field(default_factory=StepTiming)  # of the last step
-    backend: str | None = None  # specloop.drafter.model.graph: "eager", "graph", or auto (None: graph on CUDA, eager on the CPU)
-    # graph backend: compile the static step (SPECLOOP_COMPILE=0: run the same function eagerly, for tests and debugging)
+    # specloop.drafter.model.graph: "eager", "graph", or auto (None: graph on CUDA, eager on the CPU)
+    backend: str | None = None
+    # graph backend: compile the static step (SPECLOOP_COMPILE=0: run the same function eagerly, for tests and
+    # debugging)
     compile_graphs: bool = field(default_factory=lambda: os.environ.get("SPECLOOP_COMPILE", "1") != "0")
     # steps the controller leaves plain still verify the drafter's free drafts (`Drafter.lookup`: suffix decoding
     # over the request's prompt and turns) where their confidence pays for them; False: plain means plain
     lookups: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.backend = self._graph_backend(self.backend)
         self.cache = self.verifier.new_cache(self.slots, self.capacity)
         self.rows: list[LiveRequest | None] = [None] * self.slots
@@ -104,7 +127,7 @@ class Engine:
         self.last = torch.zeros(self.slots, dtype=torch.long)
         self.behind: set[int] = set()  # slots whose drafter state missed plain steps
         if self.drafter is not None:
-            self._start_drafter()
+            self._start_drafter(self.drafter)
         self.warm_s = self._warm()  # graph backend: seconds spent compiling / capturing the steps at start-up
 
     def _graph_backend(self, wanted: str | None) -> str:
@@ -127,8 +150,9 @@ class Engine:
         static step on the graph backend (its LM as this engine's slots need it), through its own
         LeanDecoder on the eager one."""
         width = getattr(drafter, "graph_width", 0)
-        if width and graph_ready(drafter.lean) is None:
-            drafter.lean = on_backend(drafter.lean, backend, self.slots, width, self.compile_graphs)
+        own = cast(OwnLM, drafter)  # read only where it has a graph_width
+        if width and graph_ready(own.lean) is None:
+            own.lean = on_backend(own.lean, backend, self.slots, width, self.compile_graphs)
 
     def _warm(self) -> float:
         """Graph backend: build the verifier's step for the capture sets its steps use (none; the drafter's
@@ -136,17 +160,18 @@ class Engine:
         if self.backend != "graph":
             return 0.0
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
+        assert isinstance(self.verifier, GraphDecoder)  # _graph_backend wrapped it (on_backend, graph)
         seconds = self.verifier.warm(self.cache, {(), layers})
         lm = getattr(self.drafter, "lean", None)
-        if isinstance(lm, GraphDecoder) and lm is not self.verifier:
-            seconds += lm.warm(self.drafter.cache, {()}, last_only=True)
+        if isinstance(lm, GraphDecoder) and lm is not self.verifier:  # a drafter with an LM of its own
+            seconds += lm.warm(cast(OwnLM, self.drafter).cache, {()}, last_only=True)
         return seconds
 
-    def _start_drafter(self) -> None:
+    def _start_drafter(self, drafter: Drafter) -> None:
         empty = [[0]] * self.slots
-        zeros = {i: torch.zeros(self.slots, self.verifier.hidden_size, device=self.verifier.device, dtype=self.verifier.dtype)
-                 for i in self.drafter.verifier_layers}
-        self.drafter.start(empty, self.capacity, VerifierView(self.cache, zeros))
+        zeros = {i: torch.zeros(self.slots, self.verifier.hidden_size, device=self.verifier.device,
+                                dtype=self.verifier.dtype) for i in drafter.verifier_layers}
+        drafter.start(empty, self.capacity, VerifierView(self.cache, zeros))
 
     # -- admission
 
@@ -193,7 +218,7 @@ class Engine:
         for s, r in zip(slots, requests):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k
-            scores = None if r.logprobs is None else []
+            scores: list[TokenScore] | None = None if r.logprobs is None else []
             self.rows[s] = LiveRequest(r, s, Generation([], None, AcceptanceStats(positions), scores), gen)
             self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
@@ -228,7 +253,7 @@ class Engine:
         return True
 
     def _leave(self, slot: int) -> None:
-        del self._slot_of[self.rows[slot].request.id]
+        del self._slot_of[self._row(slot).request.id]
         self.rows[slot] = None
         self.behind.discard(slot)
 
@@ -239,6 +264,7 @@ class Engine:
             return
         new = self.hooks.swap(self.drafter, self._histories())
         if new is not self.drafter:
+            assert self.backend is not None  # resolved in __post_init__
             self._graph_drafter(new, self.backend)
             self.drafter = new
             self.controller.drafter_swapped()
@@ -246,45 +272,78 @@ class Engine:
     def _histories(self) -> list[list[int]]:
         return [r.history if r is not None else [0] for r in self.rows]
 
+    def _row(self, slot: int) -> LiveRequest:
+        """The request running in `slot`, a slot the caller knows is occupied (a live row of the step)."""
+        row = self.rows[slot]
+        assert row is not None, f"slot {slot} holds no request"
+        return row
+
     # -- one step
 
     def step(self) -> list[RowUpdate]:
-        """One speculative step over every running request, on the pool's occupied prefix: rows [0, m)
-        with m = 1 + the highest occupied slot (admission fills the lowest free slots first), so a
-        half-empty pool costs what its running requests cost."""
+        """One speculative step over every running request, on the pool's occupied prefix: rows [0, m) with
+        m = 1 + the highest occupied slot (admission fills the lowest free slots first), so a half-empty pool
+        costs what its running requests cost. Plan (`_plan`: k per row, sampling, uniforms) → run
+        (`speculative_step`) → commit (`_commit`: row updates, timing, the controller's observation)."""
         t0 = time.perf_counter()
-        live = [s for s, r in enumerate(self.rows) if r is not None]
-        if not live:
+        plan = self._plan()
+        if plan is None:
             return []
-        m = live[-1] + 1
-        rows = self.rows[:m]
-        choice = self._choose(rows, live, m)
-        width = self._lookup(choice, rows, live)
-        lookup = width > 0
-        auto_k = width if lookup else 0 if choice is None else choice.k
-        ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
-        kmax = max(ks[s] for s in live)
-        active = torch.tensor([r is not None for r in rows])
-        drafter, on_trace = self._hooked(kmax)
-        resync_s = self._resync([s for s in live if ks[s] and s in self.behind]) if kmax else 0.0
-        follow = bool(kmax) or follows_plain(drafter)
-        if not kmax and self.drafter is not None and not follow:
-            self.behind.update(live)
-        params, limit = self._params(rows, live, ks, kmax)
-        uniforms = None if params.greedy else self._uniforms(rows, ks, kmax)
-        cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values], self.cache.lens[:m].clone())
+        m = plan.m
+        drafter, on_trace = self._hooked(plan.k)
+        resync_s = self._resync([s for s in plan.live if plan.row_k[s] and s in self.behind]) if plan.k else 0.0
+        follow = bool(plan.k) or follows_plain(drafter)
+        if not plan.k and self.drafter is not None and not follow:
+            self.behind.update(plan.live)
+        cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values],
+                        self.cache.lens[:m].clone())
         narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
         clock = StepClock()
-        scoring = scoring_for({s: rows[s].request.logprobs for s in live if rows[s].request.logprobs is not None})
+        scoring = scoring_for({s: top for s in plan.live if (top := self._row(s).request.logprobs) is not None})
+        options = StepOptions(self.sampler, on_trace, clock, scoring, self._gate(plan))
         t1 = time.perf_counter()
-        gate = None if choice is None or any(rows[s].request.k is not None for s in live) else (
-            lambda confidence, sources: self.controller.cut(confidence, m, sources))  # every row auto: confidence may cut
-        outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, kmax, params, uniforms,
-                                   active, self.sampler, on_trace, limit, clock, scoring, gate, lookup)
+        outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, plan, options=options)
         t2 = time.perf_counter()
         if narrowed is not drafter:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
+        timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s, verify_s=clock.verify_s, resync_s=resync_s,
+                            choice=plan.choice)
+        return self._commit(plan, outcome, scoring, timing, t0)
+
+    def _plan(self) -> StepPlan | None:
+        """What this step runs (None: no request is running): the occupied prefix, the controller's k for the
+        auto rows (or a lookup where it left the step plain), each row's k, the sampling params and the rows'
+        uniforms, drawn from their streams."""
+        live = [s for s, r in enumerate(self.rows) if r is not None]
+        if not live:
+            return None
+        m = live[-1] + 1
+        rows = self.rows[:m]
+        choice = self._choose(rows, live, m)
+        width = self._lookup(choice, rows, live)
+        auto_k = width if width > 0 else 0 if choice is None else choice.k
+        ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
+        kmax = max(ks[s] for s in live)
+        params, limit = self._params(rows, live, ks, kmax)
+        u_draft, u_accept = (None, None) if params.greedy else self._uniforms(rows, ks, kmax)
+        # confidence may cut (the rows are those of `live`, and the empty slots between them)
+        every_auto = choice is not None and all(r.request.k is None for r in rows if r is not None)
+        return StepPlan(torch.tensor([r is not None for r in rows]), kmax, params, u_draft, u_accept, limit,
+                        lookup=width > 0, confidence_cut=every_auto, m=m, live=tuple(live), row_k=tuple(ks),
+                        choice=choice)
+
+    def _gate(self, plan: StepPlan) -> Gate | None:
+        """Each row's draft length from its confidence (the controller's `cut`), where the plan lets it cut."""
+        if not plan.confidence_cut:
+            return None
+        return lambda confidence, sources: self.controller.cut(confidence, plan.m, sources)
+
+    def _commit(self, plan: StepPlan, outcome: BlockOutcome, scoring: Scoring | None, timing: StepTiming,
+                t0: float) -> list[RowUpdate]:
+        """The step's outcome committed: each live row's update (finished requests leave), the next step's
+        `last`, the step's timing and what the controller learns from it."""
+        ks, live = list(plan.row_k), plan.live
         if outcome.drafted is not None:
             drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
         else:  # every row drafted its k, or none did (a pass of `last` alone: a lookup that found nothing)
@@ -292,19 +351,18 @@ class Engine:
         # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
         # they teach the calibration alone)
         free = getattr(self.drafter, "free_sources", ())
-        blocks = () if lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
+        blocks = () if plan.lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in free))
         confident = () if outcome.predicted is None else tuple(
             Confident(float(outcome.predicted[s]), int(outcome.num_accepted[s]),
                       None if outcome.sources is None else outcome.sources[s], drafted[s]) for s in live if drafted[s])
-        updates = [self._commit(s, outcome, drafted[s], scoring) for s in live]
-        self.last[:m] = outcome.last_tokens
-        total = time.perf_counter() - t0
-        self.timing = StepTiming(forward_s=t2 - t1, total_s=total, draft_s=clock.draft_s, verify_s=clock.verify_s,
-                                 resync_s=resync_s, choice=choice)
-        self.controller.observe(StepSample(m, outcome.tokens.shape[1] - 1, clock.draft_s, clock.verify_s,
-                                           total - clock.draft_s - clock.verify_s - resync_s, blocks, resync_s, kmax,
-                                           confident, lookup))
+        updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
+        self.last[:plan.m] = outcome.last_tokens
+        self.timing = replace(timing, total_s=time.perf_counter() - t0)
+        draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
+        self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s,
+                                           self.timing.total_s - draft_s - verify_s - resync_s, blocks, resync_s,
+                                           plan.k, confident, plan.lookup))
         return updates
 
     def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> int:
@@ -343,10 +401,11 @@ class Engine:
         returns the seconds it took (0 when no row needed it)."""
         if not slots:
             return 0.0
+        assert self.drafter is not None  # rows fall behind, and resync, only on a drafting engine
         t0 = time.perf_counter()
         features = {i: torch.zeros(len(slots), self.verifier.hidden_size, device=self.verifier.device,
                                    dtype=self.verifier.dtype) for i in self.drafter.verifier_layers}
-        self.drafter.join(slots, [self.rows[s].history for s in slots], VerifierView(self.cache, features))
+        self.drafter.join(slots, [self._row(s).history for s in slots], VerifierView(self.cache, features))
         self.behind.difference_update(slots)
         return time.perf_counter() - t0
 
@@ -369,27 +428,31 @@ class Engine:
         return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, rows)])
 
     @staticmethod
-    def _uniforms(rows: list, ks: list[int], kmax: int) -> torch.Tensor:
-        u = torch.full((len(rows), 2 * kmax + 1), 0.5)
+    def _uniforms(rows: list, ks: list[int], kmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(u_draft [m, kmax], u_accept [m, kmax + 1]) in `StepPlan`'s layout: row b's 2 k_b + 1 draws from its
+        own stream, as it draws them decoded alone; 0.5 fills the rest (greedy rows, empty slots)."""
+        u_draft, u_accept = torch.full((len(rows), kmax), 0.5), torch.full((len(rows), kmax + 1), 0.5)
         for s, row in enumerate(rows):
             if row is None or row.generator is None:
                 continue
             k = ks[s]
             drawn = torch.rand(2 * k + 1, generator=row.generator)
-            u[s, :k] = drawn[:k]
-            u[s, kmax : kmax + k] = drawn[k : 2 * k]
-            u[s, 2 * kmax] = drawn[2 * k]
-        return u
+            u_draft[s, :k] = drawn[:k]
+            u_accept[s, :k] = drawn[k : 2 * k]
+            u_accept[s, kmax] = drawn[2 * k]
+        return u_draft, u_accept
 
-    def _commit(self, s: int, outcome, k: int, scoring: Scoring | None) -> RowUpdate:
-        row = self.rows[s]
+    def _commit_row(self, s: int, outcome: BlockOutcome, k: int, scoring: Scoring | None) -> RowUpdate:
+        row = self._row(s)
         n = int(outcome.num_accepted[s])
         before = len(row.gen.token_ids)
         row.gen.stats.observe(k, n)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
         new = row.gen.token_ids[before:]  # cut as the stop rule cut them: their scores are cut the same way
-        scores = None if row.gen.logprobs is None else scoring.scores(s, new, row.request.logprobs)
-        if scores is not None:
+        scores: list[TokenScore] | None = None
+        if row.gen.logprobs is not None:  # the request asked for them (admit): this step scored its row
+            assert scoring is not None and row.request.logprobs is not None
+            scores = scoring.scores(s, new, row.request.logprobs)
             row.gen.logprobs.extend(scores)
         done = row.gen.finish_reason is not None
         speculator = outcome.sources[s] if outcome.sources is not None and k else None
@@ -426,7 +489,7 @@ def generate(
     engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
                     controller=controller, backend=backend)
     engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
-    finished = {}
+    finished: dict[str, Generation] = {}
     while engine.running:
         finished.update((u.id, u.generation) for u in engine.step() if u.generation is not None)
     return [finished[str(i)] for i in range(len(prompts))]

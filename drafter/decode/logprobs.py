@@ -47,9 +47,13 @@ class Scoring:
     def scores(self, row: int, tokens: list[int], top: int) -> list[TokenScore]:
         """The first len(tokens) emitted tokens of batch row `row`, with `top` alternatives each."""
         i = self.rows.index(row)
+        assert self.logprob is not None  # fill() ran before any row is scored
         out = []
         for j, t in enumerate(tokens):
-            alts = [] if not top else list(zip(self.top_ids[i, j, :top].tolist(), self.top_logprobs[i, j, :top].tolist()))
+            alts: list[tuple[int, float]] = []
+            if top:  # a row that asked for alternatives: fill() kept the step's (self.top >= top)
+                assert self.top_ids is not None and self.top_logprobs is not None
+                alts = list(zip(self.top_ids[i, j, :top].tolist(), self.top_logprobs[i, j, :top].tolist()))
             out.append(TokenScore(t, float(self.logprob[i, j]), alts))
         return out
 

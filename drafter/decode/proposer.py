@@ -9,9 +9,12 @@ takes over a running one's rows on a hot swap (`adopt`, `refill`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11: annotations only (the package runs on 3.10)
 
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, sample, warp
@@ -25,7 +28,8 @@ class Proposal:
     logits: list[torch.Tensor] | None = None  # k × [B, V] raw drafter logits (kept, not copied, for logging)
     steer: torch.Tensor | None = None  # [B, 3, d_verifier] SD² steering inputs this block was drafted with
     lengths: torch.Tensor | None = None  # [B] int64: row b drafted only its first lengths[b] tokens (None: all k);
-    #                                      the rest are filler, never accepted, and the verify pass is cut to the longest
+    #                                      the rest are filler, never accepted, and the verify pass is cut to the
+    #                                      longest
     confidence: torch.Tensor | None = None  # [B, k] the drafter's own estimate that the path up to i is accepted
     sources: list[str] | None = None  # [B] which speculator drafted each row (a mix of speculators; None: one)
     one_hot: bool = False  # deterministic drafts (a lookup): q is one-hot on each token, made only where sampling
@@ -74,18 +78,18 @@ class Drafter(Protocol):
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         """Take the verifier's verdict; rows where active [B] is False are finished."""
 
-    def narrow(self, m: int) -> "Drafter":
+    def narrow(self, m: int) -> Self:
         """A shallow copy that sees only rows [0, m) of the per-row state: a step over the occupied prefix
         of a slot pool costs what m rows cost. KV caches and tensors are views (in-place writes reach
         this drafter); `widen` takes back what the step rebound. Built with `first_rows`."""
 
-    def widen(self, view: "Drafter", m: int) -> None:
+    def widen(self, view: Self, m: int) -> None:
         """After a step on `view` (= self.narrow(m)): its rows [0, m) become these rows [0, m) (`with_rows`)."""
 
-    def adopt(self, old: "Drafter") -> None:
+    def adopt(self, old: Self) -> None:
         """A hot swap: continue `old`'s rows (same kind, other weights) with its per-row state as it is."""
 
-    def refill(self, old: "Drafter", histories: list[list[int]]) -> None:
+    def refill(self, old: Self, histories: list[list[int]]) -> None:
         """A hot swap: continue `old`'s rows with per-row state these weights recompute from each row's
         committed tokens (histories[b], ending with the token the next step starts from)."""
 
@@ -116,9 +120,16 @@ def with_rows(pool, view, m: int):
 
 def stack_proposal(steps: list["Choice"], params: SamplingParams) -> Proposal:
     """k per-step choices ([B] tokens, [B, V] distributions, [B, V] logits) → one Proposal."""
+    probs = None
+    if not params.greedy:
+        drawn = []
+        for c in steps:
+            assert c.probs is not None  # `choose` keeps the distribution of every non-greedy draw
+            drawn.append(c.probs)
+        probs = torch.stack(drawn, dim=1)
     return Proposal(
         tokens=torch.stack([c.token for c in steps], dim=1),
-        probs=None if params.greedy else torch.stack([c.probs for c in steps], dim=1),
+        probs=probs,
         logits=[c.logits for c in steps],
     )
 
@@ -137,6 +148,7 @@ def choose(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Te
     (per row with RowParams: greedy rows take the argmax)."""
     if params.greedy:
         return Choice(logits.argmax(dim=-1), None, logits)
+    assert u is not None  # uniforms are drawn for every non-greedy step
     q = warp(logits, params)
     token = sample(q, u)
     if isinstance(params, RowParams):

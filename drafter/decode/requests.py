@@ -61,6 +61,7 @@ class StopRule:
         before the newest token holds that many characters and a margin (a character cut at the
         tail's start, a decoder's leading-space rule), or covers every token: exact, and linear in the
         output where decoding the whole text at every token was quadratic."""
+        assert self.decode is not None  # set wherever requests carry stop strings
         need = max(map(len, stop)) + STOP_MARGIN
         n = min(len(tokens), need + 1)
         while True:
@@ -85,4 +86,4 @@ class RowUpdate:
     finish_reason: str | None  # set on the request's last step
     logprobs: list[TokenScore] | None = None  # one per new token, when the request asked for them
     generation: Generation | None = None  # the whole generation, on the request's last update
-    speculator: str | None = None  # who drafted this block, in a mix of speculators (specloop.drafter.kinds.mix); else None
+    speculator: str | None = None  # who drafted this block, in a mix of speculators (kinds.mix); else None

@@ -106,7 +106,8 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [N, V] (need not sum to 1), u: [N] in [0, 1) → [N] int64."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
-    target = torch.minimum(u[:, None].to(cdf.device, cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
+    target = torch.minimum(u[:, None].to(cdf.device, cdf.dtype) * total,
+                           torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 

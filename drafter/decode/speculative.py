@@ -1,4 +1,4 @@
-"""Speculative decoding: one `speculative_step` (draft → verify → accept) and its verdict.
+"""Speculative decoding: one `speculative_step` (propose → verify → verdict → roll back → observe) and its verdict.
 
 With k = 0 and no drafter the same step is plain verifier decoding (one token per pass), which is
 how `--no-speculation`, the reference, runs. The loop around it (requests, stopping, `generate`)
@@ -7,12 +7,13 @@ is drafter/decode/engine.py's; this module knows nothing of requests.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, replace
+from typing import Callable, Protocol, cast
 
 import torch
 
 from specloop.drafter.decode.logprobs import Scoring
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome, greedy_accept, rejection_sample
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
@@ -20,6 +21,7 @@ from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import KVCache
 
 Sampler = Callable[..., BlockOutcome]
+Gate = Callable[[list[list[float]], list[str] | None], list[int]]  # rows' confidences, speculators -> draft lengths
 
 
 @dataclass
@@ -60,76 +62,109 @@ class StepClock:
             self.draft_s, self.verify_s = start.elapsed_time(drafted) / 1e3, drafted.elapsed_time(verified) / 1e3
 
 
-def speculative_step(
-    verifier: LeanDecoder,
-    cache: KVCache,
-    last: torch.Tensor,  # [B] the newest committed token per row (not yet in the verifier's cache)
-    drafter: Drafter | None,
-    k: int,
-    params: SamplingParams | RowParams,
-    uniforms: torch.Tensor | None,  # [B, 2k+1]: k for drafting, k+1 for acceptance; None if greedy
-    active: torch.Tensor,  # [B] bool
-    sampler: Sampler = rejection_sample,
-    on_trace: Callable[[StepTrace], None] | None = None,  # replay logging; None costs nothing
-    limit: torch.Tensor | None = None,  # [B] int64: row b accepts at most limit[b] <= k drafts
-    clock: StepClock | None = None,  # timing of the draft and verify passes; None costs nothing
-    scoring: Scoring | None = None,  # rows whose emitted tokens get log-probabilities; None costs nothing
-    gate: Callable[[list[list[float]], list[str] | None], list[int]] | None = None,  # draft lengths from confidence
-    lookup: bool = False,  # only drafts that cost no model pass (`Drafter.lookup`): a step the controller left plain
-) -> BlockOutcome:
-    dev = verifier.device
-    t_start = None if clock is None else clock.mark(dev)
-    u_draft, u_accept = (None, None) if uniforms is None else (uniforms[:, :k], uniforms[:, k:].to(dev))
-    proposal = drafter.lookup(k, params) if k and lookup else None
-    if lookup and proposal is None:  # no free draft anywhere: a plain step
-        k, u_accept = 0, None if uniforms is None else uniforms[:, 2 * k:].to(dev)
-    if k:
-        proposal = proposal or drafter.propose(k, params, u_draft)
-        proposal.tokens = proposal.tokens.to(dev)  # host-side drafters (n-gram) draft on the CPU
-    else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
-        proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
-                            torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
-    follow = bool(k) or follows_plain(drafter)  # a drafter asked to propose observes the verdict
-    if k and gate is not None and proposal.confidence is not None:
-        gated(proposal, gate, k)
-    if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
-        k, limit, u_accept = cut_to_lengths(proposal, active, k, limit, uniforms)
-    if proposal.one_hot and not params.greedy:  # deterministic drafts: q is one-hot, made for the cut draft only
-        proposal.probs = torch.nn.functional.one_hot(proposal.tokens, verifier.vocab_size).float()
-    if proposal.probs is not None:
-        proposal.probs = proposal.probs.to(dev)
-    t_drafted = None if clock is None else clock.mark(dev)
+@dataclass(frozen=True)
+class StepOptions:
+    """The optional parts of a step, each costing nothing when None."""
+
+    sampler: Sampler = rejection_sample  # the lossless verdict on sampled rows
+    on_trace: Callable[[StepTrace], None] | None = None  # replay logging: the step's `StepTrace`
+    clock: StepClock | None = None  # filled in with the seconds of the draft and verify passes
+    scoring: Scoring | None = None  # rows whose emitted tokens get log-probabilities (filled in)
+    gate: Gate | None = None  # each row's draft length from its confidence (the controller's `cut`)
+
+
+def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, drafter: Drafter | None,
+                     plan: StepPlan, *, options: StepOptions = StepOptions()) -> BlockOutcome:
+    """One block over rows [0, B): propose → verify → verdict → roll back → observe. `last` [B]: the newest
+    committed token per row (not yet in the verifier's cache); `plan`: what the caller decided (drafts per
+    row, sampling, uniforms: drafter/decode/plan.py); `options`: the optional hooks. Each active row's cache
+    length advances by its n + 1; a drafter asked to propose (or following plain steps) observes the verdict."""
+    o, dev = options, verifier.device
+    t_start = None if o.clock is None else o.clock.mark(dev)
+    block = propose(verifier, last, drafter, plan, o.gate)
+    t_drafted = None if o.clock is None else o.clock.mark(dev)
+    # the drafter asked to propose (or following plain steps) observes the verdict; None: nothing observes it
+    follower = drafter if block.asked or follows_plain(drafter) else None
+    record = tuple(follower.record_layers) if follower is not None and block.k and o.on_trace else ()
+    capture = tuple(follower.verifier_layers) + record if follower is not None else ()
     start = cache.lens
-    record = tuple(drafter.record_layers) if k and on_trace else ()
-    capture = tuple(drafter.verifier_layers) + record if follow else ()
-    out = verifier.forward(cache, torch.cat([last[:, None].to(dev), proposal.tokens], dim=1), capture=capture)
-    logits = out.logits  # [B, k+1, V]
-    verdict = accept(proposal, logits, params, u_accept, sampler, limit)
-    t_verified = None if clock is None else clock.mark(dev)
-    drafted = None if proposal.lengths is None else limit.cpu()
-    tokens, n = _to_host(verdict)
-    outcome = BlockOutcome(tokens, n, drafted, proposal.sources, predicted(proposal, drafted))
-    if clock is not None:
-        clock.read(t_start, t_drafted, t_verified)
-    if scoring is not None:  # after the clock: the controller's costs are those of the step itself
-        scoring.fill(logits, verdict.tokens)
+    out = verifier.forward(cache, torch.cat([last[:, None].to(dev), block.proposal.tokens], dim=1), capture=capture)
+    verdict = accept(block.proposal, out.logits, plan.params, block.u_accept, o.sampler, block.limit)
+    t_verified = None if o.clock is None else o.clock.mark(dev)
+    outcome = _on_host(verdict, block)
+    if o.clock is not None:
+        o.clock.read(t_start, t_drafted, t_verified)
+    if o.scoring is not None:  # after the clock: the controller's costs are those of the step itself
+        o.scoring.fill(out.logits, verdict.tokens)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
-    cache.lens = torch.where(active, start + outcome.num_accepted + 1, start)
-    if follow:
-        view = VerifierView(cache, at_emitting_position(out.hidden, outcome.num_accepted), out.hidden, outcome.num_accepted + 1)
-        drafter.observe(outcome, active, view)
-    if k and on_trace is not None:
-        on_trace(StepTrace(proposal, logits, {i: out.hidden[i] for i in record}, outcome, active, limit))
+    cache.lens = torch.where(plan.active, start + outcome.num_accepted + 1, start)
+    if follower is not None:
+        n = outcome.num_accepted
+        view = VerifierView(cache, at_emitting_position(out.hidden, n), out.hidden, n + 1)
+        follower.observe(outcome, plan.active, view)
+    if block.k and o.on_trace is not None:  # the proposal as verified, the logits it was verified against
+        hidden = {i: out.hidden[i] for i in record}
+        o.on_trace(StepTrace(block.proposal, out.logits, hidden, outcome, plan.active, block.limit))
     return outcome
 
 
-def _to_host(verdict: BlockOutcome) -> tuple[torch.Tensor, torch.Tensor]:
-    """The verdict's tokens and counts on the host (what commits, rolls back, streams and feeds the
-    controller): one transfer on a device, nothing on the CPU."""
+@dataclass(frozen=True)
+class Block:
+    """The draft a step verifies, as `propose` left it."""
+
+    proposal: Proposal  # as verified: tokens [B, k] on the device, cut to the longest row's draft, q where sampled
+    asked: int  # drafts per row the drafter was asked for (0: none, a plain step)
+    k: int  # drafts per row verified: `asked`, or fewer after a cut to the rows' lengths
+    limit: torch.Tensor | None  # [B] int64: row b accepts at most limit[b] <= k drafts (None: every row k)
+    u_accept: torch.Tensor | None  # [B, k + 1] on the device: the accept tests, then the emitted token's
+
+
+def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, plan: StepPlan,
+            gate: Gate | None) -> Block:
+    """The block to verify: a lookup step's free drafts (none anywhere: a plain step), a drafting step's
+    proposal, or an empty draft (the verifier alone); gated by confidence, cut to the rows' lengths and given
+    its q. Each stage derives a new `Proposal`: the one the drafter returned is never written."""
+    dev, k, u_accept = verifier.device, plan.k, plan.u_accept
+    # the engine plans a lookup only for a drafter that has one (`hasattr(drafter, "lookup")`)
+    proposal = cast(LooksUp, drafter).lookup(k, plan.params) if k and plan.lookup else None
+    if plan.lookup and proposal is None:  # no free draft anywhere: a plain step
+        k, u_accept = 0, plan.accept_uniforms(0)
+    if k:
+        assert drafter is not None, "the engine plans drafts (k > 0) only with a drafter"
+        # RowParams too: drafters sample through proposer.choose, which takes either (Drafter.propose says less)
+        proposal = proposal or drafter.propose(k, plan.params, plan.u_draft)  # type: ignore[arg-type]
+        proposal = replace(proposal, tokens=proposal.tokens.to(dev))  # host-side drafters (n-gram) draft on the CPU
+    else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
+        proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
+                            torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
+    asked, limit = k, plan.limit
+    if k and gate is not None and proposal.confidence is not None:
+        proposal = gated(proposal, gate, k)
+    if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
+        proposal, limit = cut_to_lengths(proposal, plan.active, k, limit)
+        k = proposal.tokens.shape[1]
+        u_accept = plan.accept_uniforms(k)
+    if proposal.one_hot and not plan.params.greedy:  # deterministic drafts: q is one-hot, made for the cut draft only
+        proposal = replace(proposal, probs=torch.nn.functional.one_hot(proposal.tokens, verifier.vocab_size).float())
+    if proposal.probs is not None:
+        proposal = replace(proposal, probs=proposal.probs.to(dev))
+    return Block(proposal, asked, k, limit, None if u_accept is None else u_accept.to(dev))
+
+
+def _on_host(verdict: BlockOutcome, block: Block) -> BlockOutcome:
+    """The verdict as the step returns it: tokens and counts on the host (what commits, rolls back, streams
+    and feeds the controller; one transfer on a device, nothing on the CPU), with what each row drafted
+    (after a cut: its own length) and what its drafter predicted."""
+    drafted: torch.Tensor | None = None
+    if block.proposal.lengths is not None:
+        assert block.limit is not None, "a cut proposal carries its rows' limits (cut_to_lengths)"
+        drafted = block.limit.cpu()
     if verdict.tokens.device.type == "cpu":
-        return verdict.tokens, verdict.num_accepted
-    host = torch.cat([verdict.tokens, verdict.num_accepted[:, None].to(verdict.tokens.dtype)], dim=1).cpu()
-    return host[:, :-1].contiguous(), host[:, -1].contiguous()
+        tokens, n = verdict.tokens, verdict.num_accepted
+    else:
+        host = torch.cat([verdict.tokens, verdict.num_accepted[:, None].to(verdict.tokens.dtype)], dim=1).cpu()
+        tokens, n = host[:, :-1].contiguous(), host[:, -1].contiguous()
+    return BlockOutcome(tokens, n, drafted, block.proposal.sources, predicted(block.proposal, drafted))
 
 
 def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | RowParams,
@@ -138,44 +173,42 @@ def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | Ro
     cap = {} if limit is None else {"limit": limit}
     greedy = greedy_accept(proposal.tokens, logits, **cap) if params.greedy or isinstance(params, RowParams) else None
     if params.greedy:
+        assert greedy is not None  # computed for every greedy step
         return greedy
     sampled = sampler(proposal.tokens, proposal.probs, warp(logits, params), u_accept, **cap)
     if greedy is None:
         return sampled
+    assert isinstance(params, RowParams)  # a sampled step with greedy rows: only per-row params mix them
     rows = params.greedy_rows.to(sampled.tokens.device)
     return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, sampled.tokens),
                         num_accepted=torch.where(rows, greedy.num_accepted, sampled.num_accepted))
 
 
-def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int, limit: torch.Tensor | None,
-                   uniforms: torch.Tensor | None) -> tuple[int, torch.Tensor, torch.Tensor | None]:
-    """A proposal whose rows drafted lengths[b] <= k tokens (a self-limiting drafter: suffix) is cut
-    to the longest active row's draft, so the verify pass costs what was drafted. Returns the new k,
-    each row's limit (its own k and its draft length, the smaller) and the accept uniforms in the
-    engine's layout (tests at columns k.., the emitted token's at 2k). Lossless: a row accepts at
-    most its own draft, and the position after it is its bonus, drawn from p alone."""
+def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int,
+                   limit: torch.Tensor | None) -> tuple[Proposal, torch.Tensor]:
+    """A proposal whose rows drafted lengths[b] <= k tokens (a self-limiting drafter: suffix), cut to the
+    longest active row's draft, so the verify pass costs what was drafted; with each row's limit (its own k
+    and its draft length, the smaller). Its accept uniforms are `StepPlan.accept_uniforms(cut)`. Lossless:
+    a row accepts at most its own draft, and the position after it is its bonus, drawn from p alone."""
+    assert proposal.lengths is not None  # called only for a proposal whose rows drafted their own lengths
     lengths = torch.where(active, proposal.lengths.clamp(max=k), 0)
     cut = int(lengths.max()) if len(lengths) else 0
-    proposal.tokens = proposal.tokens[:, :cut]
-    if proposal.probs is not None:
-        proposal.probs = proposal.probs[:, :cut]
-    if proposal.logits:
-        proposal.logits = proposal.logits[:cut]
-    if proposal.confidence is not None:
-        proposal.confidence = proposal.confidence[:, :cut]
-    proposal.lengths = lengths
-    limit = lengths if limit is None else torch.minimum(limit.to(lengths.device), lengths)
-    u_accept = None if uniforms is None else torch.cat([uniforms[:, k:k + cut], uniforms[:, 2 * k:2 * k + 1]], dim=1)
-    return cut, limit, u_accept if u_accept is None else u_accept.to(proposal.tokens.device)
+    first = lambda t: None if t is None else t[:, :cut]  # noqa: E731
+    cut_proposal = replace(proposal, tokens=proposal.tokens[:, :cut], probs=first(proposal.probs),
+                           logits=proposal.logits[:cut] if proposal.logits else proposal.logits,
+                           confidence=first(proposal.confidence), lengths=lengths)
+    return cut_proposal, lengths if limit is None else torch.minimum(limit.to(lengths.device), lengths)
 
 
-def gated(proposal: Proposal, gate: Callable[[list[list[float]], list[str] | None], list[int]], k: int) -> None:
-    """Each row keeps the prefix of its draft the gate chooses from its confidence and the speculator that
-    drafted it (specloop.drafter.decode.controller `cut`)."""
+def gated(proposal: Proposal, gate: Gate, k: int) -> Proposal:
+    """The proposal with each row keeping the prefix of its draft the gate chooses from its confidence and
+    the speculator that drafted it (specloop.drafter.decode.controller `cut`)."""
     lengths = proposal.lengths if proposal.lengths is not None else torch.full((len(proposal.tokens),), k)
+    assert proposal.confidence is not None  # gated only where the drafter gave its confidence
     conf = proposal.confidence.float().cpu()
     rows = [conf[b, : int(n)].tolist() for b, n in enumerate(lengths.tolist())]
-    proposal.lengths = torch.minimum(lengths.cpu(), torch.tensor(gate(rows, proposal.sources), dtype=torch.long))
+    keep = torch.tensor(gate(rows, proposal.sources), dtype=torch.long)
+    return replace(proposal, lengths=torch.minimum(lengths.cpu(), keep))
 
 
 def predicted(proposal: Proposal, drafted: torch.Tensor | None) -> torch.Tensor | None:
@@ -198,6 +231,14 @@ def follows_plain(drafter: Drafter | None) -> bool:
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
     """layer -> [B, hidden] at block index n: the position whose output is the emitted token."""
     return {i: h[torch.arange(len(n), device=h.device), n.to(h.device)] for i, h in hidden.items()}
+
+
+class LooksUp(Protocol):
+    """A drafter with free drafts (`lookup`: suffix decoding, or a mix of speculators holding it), which the
+    Drafter protocol does not name: the engine checks for it."""
+
+    def lookup(self, k: int, params: SamplingParams | RowParams) -> Proposal | None:
+        """Up to k drafts per row that cost no model pass (None: none anywhere)."""
 
 
 class StepHooks(Protocol):

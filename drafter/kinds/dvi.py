@@ -16,6 +16,7 @@ import copy
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -53,7 +54,8 @@ class DraftHead(nn.Module):
         self.eps = float(verifier_hf.config.rms_norm_eps)
         base_head = verifier_hf.lm_head.weight.detach()
         self.norm = nn.Parameter(verifier_hf.model.norm.weight.detach().clone())
-        self.head = nn.Linear(base_head.shape[1], base_head.shape[0], bias=False)
+        # an nn.Linear until inject_adapter_in_model wraps it in peft's LoRA layer (base_layer, get_delta_weight)
+        self.head: Any = nn.Linear(base_head.shape[1], base_head.shape[0], bias=False)
         with torch.no_grad():
             self.head.weight.copy_(base_head)
         lora = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, target_modules=["head"], lora_dropout=0.0)
@@ -107,12 +109,13 @@ class DVIDrafter:
     def __init__(self, verifier: LeanDecoder, head: DraftHead, vocab: torch.Tensor | None = None):
         self.lean = verifier
         self.layers = range(head.cfg.layers)
-        self.record_layers = (head.cfg.layers - 1,)  # the head's input: the residual stream after layer s
+        # the head's input: the residual stream after layer s
+        self.record_layers: tuple[int, ...] = (head.cfg.layers - 1,)
         norm, weight = head.merged()
-        self.vocab = None if vocab is None else vocab.to(verifier.device)  # FR-Spec subset (specloop.drafter.model.vocab)
+        self.vocab = None if vocab is None else vocab.to(verifier.device)  # FR-Spec subset (model.vocab)
         self.norm = norm.to(verifier.device, verifier.dtype)
         weight = weight if vocab is None else weight[vocab.to(weight.device)]
-        self.head = quantize_like(verifier, weight)  # the verifier's weight format (specloop.drafter.model.weights.quant)
+        self.head = quantize_like(verifier, weight)  # the verifier's weight format (model.weights.quant)
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         self.cache = view.cache

@@ -157,7 +157,7 @@ class EagleDrafter:
         if head.cfg.hidden != verifier.hidden_size:
             raise ValueError(f"eagle head width {head.cfg.hidden} does not fit a {verifier.hidden_size}-wide verifier")
         self.lean, self.head_module = verifier, head.eval()
-        self.verifier_layers = (feature_layer(head.cfg, verifier.num_layers),)
+        self.verifier_layers: tuple[int, ...] = (feature_layer(head.cfg, verifier.num_layers),)
         self.vocab = None if vocab is None else vocab.to(verifier.device)
         self._linears(head)
 
@@ -193,11 +193,14 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
-        z, tokens, steps, confidence, run = self.feature, self.last, [], [], 1.0
+        z, tokens, steps = self.feature, self.last, []
+        confidence: list[torch.Tensor] = []
+        run: float | torch.Tensor = 1.0
         for i in range(k):
             z = self.step(z, tokens)
             logits = linear(self._rms(z, self.norm_out), self.head)
-            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, None if uniforms is None else uniforms[:, i])
+            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params,
+                             None if uniforms is None else uniforms[:, i])
             steps.append(choice)
             tokens, run = choice.token, run * p
             confidence.append(run)  # the head's own probability that its drafts so far are all taken

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn import functional as F
 
-from specloop.drafter.decode.proposer import Proposal, VerifierView, first_rows, stack_proposal, with_rows
+from specloop.drafter.decode.proposer import Choice, Proposal, VerifierView, first_rows, stack_proposal, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.kinds.eagle import head_rows, pick
@@ -71,7 +71,7 @@ def default_layers(num_layers: int) -> list[int]:
 @dataclass
 class Weights:
     """The head's tensors as one forward reads them: matrices as raw tensors (training, autograd) or
-    as the verifier's own prepared linears (serving, specloop.drafter.model.weights.quant); norms and the bias as tensors."""
+    as the verifier's own prepared linears (serving, model.weights.quant); norms and the bias as tensors."""
 
     fuse: Any
     fc: Any
@@ -113,7 +113,8 @@ def entry(w: Weights, g: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
 def qkv(w: Weights, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """u [..., d] → q, k, v [..., heads, head_dim]."""
     shape = (*u.shape[:-1], w.cfg.heads, w.cfg.head_dim)
-    return tuple(t.reshape(shape) for t in w.lin(w.rms(u, w.norm_attn), w.qkv).chunk(3, dim=-1))
+    q, k, v = (t.reshape(shape) for t in w.lin(w.rms(u, w.norm_attn), w.qkv).chunk(3, dim=-1))
+    return q, k, v
 
 
 def finish(w: Weights, u: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
@@ -164,8 +165,8 @@ class Eagle3Head(nn.Module):
 
     def weights(self) -> Weights:
         """The module's own tensors (autograd-tracked), for `ttt_logits` and `chain`."""
-        names = ("fuse", "fc", "qkv", "o", "gate_up", "down")
-        return Weights(*(getattr(self, n).weight for n in names), self.norm_layers, self.norm_feature,
+        return Weights(self.fuse.weight, self.fc.weight, self.qkv.weight, self.o.weight, self.gate_up.weight,
+                       self.down.weight, self.norm_layers, self.norm_feature,
                        self.norm_token, self.norm_attn, self.norm_mlp, self.norm_out, self.bias, self.cfg, exact=False)
 
     def save(self, out: Path, extra: dict) -> None:
@@ -223,7 +224,7 @@ def ttt_logits(w: Weights, prev: torch.Tensor, embedded: torch.Tensor, depth: to
     chain_k, chain_v, picked = [], [], None
     for j in range(1, max_depth + 1):
         if j > 1:
-            u = entry(w, _shift(z, 1), embedded)
+            u = entry(w, _shift(z, 1), embedded)  # noqa: F821 - z: the previous draft's, set at the end of its iteration
             q, kj, vj = (t.transpose(1, 2) for t in qkv(w, u))
             chain_k.append(kj)
             chain_v.append(vj)
@@ -235,8 +236,9 @@ def ttt_logits(w: Weights, prev: torch.Tensor, embedded: torch.Tensor, depth: to
             own_s.append((q * _shift(ki, j - i, dim=2)).sum(-1, keepdim=True) * scale + bias)
             own_v.append(_shift(vi, j - i, dim=2))
         attended = softmax_mix(scores, v1, own_s, own_v).transpose(1, 2)  # [B, T, H, hd]
-        z = finish(w, u, attended)
+        z: torch.Tensor = finish(w, u, attended)  # read by the next depth
         picked = z if picked is None else torch.where((depth == j)[..., None], z, picked)
+    assert picked is not None  # max_depth >= 1: the loop ran
     return w.lin(w.rms(picked, w.norm_out), head)
 
 
@@ -280,7 +282,7 @@ def chain(w: Weights, win: Window, embed: Callable, head, m: int, next_tokens: C
     q = qkv(w, u)[0]
     for i in range(m):  # draft i + 1, at i positions past the newest
         if i:
-            u = entry(w, z, embed(tokens))
+            u = entry(w, z, embed(tokens))  # noqa: F821 - the previous draft's z and tokens
             q, kk, vv = qkv(w, u)
             chain_k.append(kk)
             chain_v.append(vv)
@@ -288,12 +290,13 @@ def chain(w: Weights, win: Window, embed: Callable, head, m: int, next_tokens: C
         s = (qq @ win.keys.permute(0, 2, 3, 1)) * scale + distance_bias(w, base + i)[:, None]  # [B, H, 1, W]
         s = s.masked_fill(~win.valid[:, None, None], float("-inf"))
         own_s = [(qq * kc[:, :, None]).sum(-1, keepdim=True) * scale
-                 + distance_bias(w, torch.tensor([i - c], device=device))[:, :, None] for c, kc in enumerate(chain_k, 1)]
+                 + distance_bias(w, torch.tensor([i - c], device=device))[:, :, None]
+                 for c, kc in enumerate(chain_k, 1)]
         own_v = [vc[:, :, None] for vc in chain_v]
         attended = softmax_mix(s, win.values.transpose(1, 2), own_s, own_v)[:, :, 0]  # [B, H, hd]
-        z = finish(w, u, attended)
+        z: torch.Tensor = finish(w, u, attended)  # z and tokens: read by the next draft
         out.append(w.lin(w.rms(z, w.norm_out), head))
-        tokens = next_tokens(i, out[-1])
+        tokens: torch.Tensor = next_tokens(i, out[-1])  # noqa: F841 - read by the next draft
     return out
 
 
@@ -320,16 +323,18 @@ class Eagle3Drafter:
             raise ValueError(f"eagle3 head width {head.cfg.hidden} does not fit a {verifier.hidden_size}-wide verifier")
         self.lean, self.head_module = verifier, head.eval()
         self.verifier_layers = check_layers(head.cfg, verifier.num_layers)
-        self.feature_window = head.cfg.window  # the verifier passes each committed position's features (VerifierView.recent)
+        # the verifier passes each committed position's features (VerifierView.recent)
+        self.feature_window = head.cfg.window
         self.vocab = None if vocab is None else vocab.to(verifier.device)
         self.w = self._prepared(head)
         self.head = quantize_like(verifier, head_rows(verifier, self.vocab))
         self.win: Window | None = None
 
     def _prepared(self, head: Eagle3Head) -> Weights:
-        """The head's matrices as the verifier's own linears are (specloop.drafter.model.weights.quant); the rest in its dtype."""
+        """The head's matrices as the verifier's own linears are (model.weights.quant); the rest in its dtype."""
         w, dt = head.weights(), self.lean.dtype
-        mats = {n: quantize_like(self.lean, getattr(w, n).detach().float()) for n in ("fuse", "fc", "qkv", "o", "gate_up", "down")}
+        mats = {n: quantize_like(self.lean, getattr(w, n).detach().float())
+                for n in ("fuse", "fc", "qkv", "o", "gate_up", "down")}
         vecs = {n: getattr(w, n).detach().to(self.lean.device, dt)
                 for n in ("norm_layers", "norm_feature", "norm_token", "norm_attn", "norm_mlp", "norm_out", "bias")}
         return Weights(**mats, **vecs, cfg=head.cfg, exact=True)
@@ -344,7 +349,8 @@ class Eagle3Drafter:
         """`win` after each row's first count[b] new positions (raw [B, N, 3d], tokens [B, N])."""
         u, k, v = window_entries(self.w, raw, self._embed(tokens))
         last = (count - 1).clamp(min=0).to(u.device)
-        newest = torch.where((count > 0).to(u.device)[:, None], u[torch.arange(len(u), device=u.device), last], win.newest)
+        newest = torch.where((count > 0).to(u.device)[:, None], u[torch.arange(len(u), device=u.device), last],
+                             win.newest)
         return Window(shifted_in(win.raw, raw, count), shifted_in(win.tokens, tokens, count),
                       shifted_in(win.valid, torch.ones_like(tokens, dtype=torch.bool), count),
                       shifted_in(win.keys, k, count), shifted_in(win.values, v, count), newest)
@@ -354,18 +360,25 @@ class Eagle3Drafter:
         W, H, hd = cfg.window, cfg.heads, cfg.head_dim
         kv = torch.zeros(rows, W, H, hd, device=dev, dtype=dt)
         return Window(torch.zeros(rows, W, len(cfg.layers) * cfg.hidden, device=dev, dtype=dt),
-                      torch.zeros(rows, W, dtype=torch.long, device=dev), torch.zeros(rows, W, dtype=torch.bool, device=dev),
+                      torch.zeros(rows, W, dtype=torch.long, device=dev),
+                      torch.zeros(rows, W, dtype=torch.bool, device=dev),
                       kv, kv.clone(), torch.zeros(rows, cfg.hidden, device=dev, dtype=dt))
 
     def _fresh(self, prompts: list[list[int]], view: VerifierView) -> Window:
         """Windows for new rows: the prompt's positions the prefill captured, else its last token alone
         (a zero feature, as the verifier has none for a prompt's first token)."""
         S, dev = len(prompts), self.lean.device
-        got = torch.zeros(S, dtype=torch.long) if view.recent is None else view.recent_lens.cpu()
+        if view.recent is None:
+            got = torch.zeros(S, dtype=torch.long)
+        else:
+            assert view.recent_lens is not None  # set together with recent
+            got = view.recent_lens.cpu()
         width = max(1, int(got.max()))
         if int(got.max()) == 0:
-            raw = torch.zeros(S, 1, len(self.verifier_layers) * self.lean.hidden_size, device=dev, dtype=self.lean.dtype)
+            raw = torch.zeros(S, 1, len(self.verifier_layers) * self.lean.hidden_size, device=dev,
+                              dtype=self.lean.dtype)
         else:
+            assert view.recent is not None  # got > 0 only where the view has recent features
             raw = self._raw(view.recent)[:, :width].clone()
             raw[(got == 0).to(dev)] = 0
         tokens = torch.zeros(S, width, dtype=torch.long)
@@ -388,13 +401,18 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
-        steps, confidence, run = [], [], [1.0]
+        assert self.win is not None  # start() ran
+        steps: list[Choice] = []
+        confidence: list[torch.Tensor] = []
+        run: list[float | torch.Tensor] = [1.0]
 
         def drafted(i: int, logits: torch.Tensor) -> torch.Tensor:
-            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, None if uniforms is None else uniforms[:, i])
+            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params,
+                             None if uniforms is None else uniforms[:, i])
             steps.append(choice)
-            run[0] = run[0] * p
-            confidence.append(run[0])  # the head's own probability that its drafts so far are all taken
+            so_far = run[0] * p
+            run[0] = so_far
+            confidence.append(so_far)  # the head's own probability that its drafts so far are all taken
             return choice.token.to(self.lean.device)
 
         chain(self.w, self.win, self._embed, self.head, k, drafted)
@@ -407,11 +425,13 @@ class Eagle3Drafter:
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         dev = self.lean.device
         if view.recent is None:  # only the newest position's features: the window gains that position alone
-            raw, tokens, count = self._raw({i: f[:, None] for i, f in view.features.items()}), outcome.last_tokens[:, None], active.long()
+            raw, tokens, count = (self._raw({i: f[:, None] for i, f in view.features.items()}),
+                                  outcome.last_tokens[:, None], active.long())
         else:
             width = min(outcome.tokens.shape[1], view.recent[self.verifier_layers[0]].shape[1])
             raw, tokens = self._raw(view.recent)[:, :width], outcome.tokens[:, :width]
             count = torch.where(active, outcome.num_accepted + 1, 0).clamp(max=width)
+        assert self.win is not None  # start() ran
         self.win = self._appended(self.win, raw, tokens.to(dev), count.to(dev))
 
     def narrow(self, m: int) -> "Eagle3Drafter":
@@ -427,6 +447,7 @@ class Eagle3Drafter:
         """Continue `old`'s rows: the raw window is the verifier's, valid for any head; keys, values
         and the newest input are recomputed under these weights."""
         win = old.win
+        assert win is not None  # `old` was started
         u, k, v = window_entries(self.w, win.raw, self._embed(win.tokens))
         self.win = Window(win.raw, win.tokens, win.valid, k, v, u[:, -1])
 

@@ -27,6 +27,7 @@ model member's drafts are records; the learner's policy terms use the adaptive m
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 
@@ -34,7 +35,7 @@ from specloop.drafter.decode.controller import Acceptance, Calibration, Controll
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import SamplingParams
-from specloop.drafter.kinds.suffix import proposal_of
+from specloop.drafter.kinds.suffix import SuffixDrafter, proposal_of
 
 SPECULATORS = ("static", "suffix")  # what may join the served ("adaptive") drafter
 MODELS = ("adaptive", "static")
@@ -56,7 +57,7 @@ class SpeculatorMix:
         self.verifier_layers = tuple(sorted({i for d in members.values() for i in d.verifier_layers}))
         self.record_layers = tuple(members["adaptive"].record_layers)
         self.follows_plain = True
-        self.free_sources = FREE  # specloop.drafter.decode.engine: their rows do not teach the controller what asking k earns
+        self.free_sources = FREE  # decode.engine: their rows do not teach the controller what asking k earns
         self.feature_window = max(getattr(d, "feature_window", 0) for d in members.values())
         self.explore = explore
         cfg = ControllerConfig(k_max=8)
@@ -79,7 +80,7 @@ class SpeculatorMix:
 
     def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
         model = self.pick_model(k)
-        suffix = self.members.get("suffix")
+        suffix = self._suffix()
         if suffix is None:
             return self._model_proposal(model, k, params, uniforms)
         drafts = suffix.drafts(k)
@@ -103,7 +104,7 @@ class SpeculatorMix:
         least as well with its suffix draft of up to `width` tokens (the widest a pass may verify) as with
         the model's: specloop.drafter.decode.engine then runs the step as a lookup (no model pass, the suffix drafts not
         capped at k)."""
-        suffix = self.members.get("suffix")
+        suffix = self._suffix()
         if suffix is None:
             return False
         bar = self.expected(self.pick_model(k), k)
@@ -114,12 +115,17 @@ class SpeculatorMix:
         """The suffix member's drafts alone, no model member run: what specloop.drafter.decode.engine verifies on a step
         the controller left plain, each row cut to what its confidence pays for. None without a suffix
         member, or where no row has a draft."""
-        suffix = self.members.get("suffix")
+        suffix = self._suffix()
         mine = suffix.lookup(k, params) if suffix is not None else None
         if mine is not None:
+            assert mine.confidence is not None  # proposal_of sets it
             mine.sources = ["suffix"] * len(mine.tokens)
             self._last = (mine.sources, mine.confidence.tolist())  # the model members sat out no drafting step
         return mine
+
+    def _suffix(self) -> SuffixDrafter | None:
+        """The "suffix" member (specloop.drafter.kinds.table builds it as a SuffixDrafter), or None."""
+        return cast("SuffixDrafter | None", self.members.get("suffix"))
 
     def _model_proposal(self, model: str, k: int, params: SamplingParams, uniforms) -> Proposal:
         proposal = self.members[model].propose(k, params, uniforms)
@@ -204,6 +210,7 @@ def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:
         one_hot = torch.nn.functional.one_hot(suffix.tokens, model.probs.shape[-1]).to(model.probs)
         probs = torch.where(pick[:, None, None], one_hot.to(dev), model.probs)
     k = tokens.shape[1]
+    assert suffix.lengths is not None and suffix.confidence is not None  # proposal_of sets both
     lengths = torch.where(rows, suffix.lengths, torch.full_like(suffix.lengths, k))
     theirs = model.confidence.float().cpu() if model.confidence is not None else torch.ones(len(rows), k)
     confidence = torch.where(rows[:, None], suffix.confidence, theirs)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import pad_right, prefill, prefill_rows
+
+if TYPE_CHECKING:
+    from typing import Self  # Python 3.11: annotations only (the package runs on 3.10)
 
 
 class PretrainedDrafter:
@@ -23,7 +27,7 @@ class PretrainedDrafter:
     verifier_layers: tuple[int, ...] = ()
     record_layers: tuple[int, ...] = ()
     follows_plain = False  # its cache misses the tokens of plain steps
-    graph_width = 2  # its widest decode pass (the pending tokens): specloop.drafter.model.graph runs its LM at this width
+    graph_width = 2  # its widest decode pass (the pending tokens): model.graph runs its LM at this width
 
     def __init__(self, lean: LeanDecoder):
         self.lean = lean
@@ -62,20 +66,20 @@ class PretrainedDrafter:
         """[B, 3, d_verifier] steering inputs of this block (steered kinds); None for a plain LM."""
         return None
 
-    def narrow(self, m: int) -> "PretrainedDrafter":
+    def narrow(self, m: int) -> Self:
         view = copy.copy(self)
         view.cache, view.pending = first_rows(self.cache, m), first_rows(self.pending, m)
         return view
 
-    def widen(self, view: "PretrainedDrafter", m: int) -> None:
+    def widen(self, view: Self, m: int) -> None:
         self.cache, self.pending = with_rows(self.cache, view.cache, m), with_rows(self.pending, view.pending, m)
 
-    def adopt(self, old: "PretrainedDrafter") -> None:
+    def adopt(self, old: Self) -> None:
         """Continue `old`'s rows with these weights, keeping its KV cache (computed with the old
         weights: stale until those positions are rewritten, which costs acceptance, never output)."""
         self.cache, self.pending = old.cache, old.pending
 
-    def refill(self, old: "PretrainedDrafter", histories: list[list[int]]) -> None:
+    def refill(self, old: Self, histories: list[list[int]]) -> None:
         """Continue `old`'s rows with a KV cache recomputed by these weights from each row's
         committed tokens (one prefill: exact, at the cost of a stall)."""
         PretrainedDrafter.start(self, histories, old.cache.capacity)

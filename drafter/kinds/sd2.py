@@ -59,7 +59,7 @@ class SteeringConfig:
     drafter_hidden: int
     intermediate: int
     num_layers: int  # drafter layers
-    layers: tuple[int, int, int]  # verifier capture indices
+    layers: tuple[int, ...]  # verifier capture indices (three: default_steer_layers)
 
 
 class Steering(nn.Module):
@@ -125,22 +125,26 @@ class SteeredDrafter(PretrainedDrafter):
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView | None = None) -> None:
         super().start(prompts, capacity, view)
+        assert view is not None  # steering reads the verifier's features: the engine always passes them
         self._features = view.features
 
     def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView | None = None) -> None:
         super().join(slots, prompts, view)
+        assert view is not None  # steering reads the verifier's features: the engine always passes them
         idx = torch.tensor(slots, dtype=torch.long, device=self.lean.device)
         for i in self.verifier_layers:
             self._features[i][idx] = view.features[i].to(self._features[i].dtype)
 
     def observe(self, outcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         super().observe(outcome, active, view)
+        assert view is not None  # steering reads the verifier's features: the engine always passes them
         keep = active[:, None].to(self.lean.device)
         self._features = {i: torch.where(keep, view.features[i], self._features[i]) for i in self.verifier_layers}
 
     @torch.inference_mode()
-    def block_bias(self, steer: torch.Tensor) -> list[torch.Tensor]:
+    def block_bias(self, steer: torch.Tensor | None) -> list[torch.Tensor]:
         """W_s g per drafter layer, [B, intermediate] each: once per block, reused for all k drafts."""
+        assert steer is not None  # this class's block_inputs() always returns the features
         return list(self.steering.up_bias(self.steering.vector(steer.to(self.lean.dtype))))
 
     def block_inputs(self) -> torch.Tensor:

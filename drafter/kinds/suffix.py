@@ -86,7 +86,8 @@ def follow(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float) -> li
     """The most frequent continuation path after the occurrences ending at `ends`: (token, p_i) pairs,
     at most `limit`, while p_i ≥ min_prob. An occurrence whose text ends (separator or end of `seq`)
     counts as a continuation that no token takes."""
-    path, p, at = [], 1.0, ends + 1
+    path: list[tuple[int, float]] = []
+    p, at = 1.0, ends + 1
     while len(path) < limit and at.size:
         total = at.size
         at = at[at < len(seq)]
@@ -189,7 +190,7 @@ class SuffixDrafter:
     def __init__(self, vocab_size: int, cfg: SuffixConfig | None = None, store: OutputStore | None = None):
         self.vocab_size, self.cfg = vocab_size, cfg or SuffixConfig()
         self.store = store if store is not None else OutputStore(self.cfg.global_tokens)
-        self.rows: list[History | None] = []
+        self.rows: list[History] = []
 
     def _retire(self, row: History | None) -> None:
         """A row's request ended (its slot is taken, or the batch restarts): its output joins the store."""
@@ -225,7 +226,7 @@ class SuffixDrafter:
         return proposal_of(self.drafts(k), k, [row.tokens[-1] for row in self.rows])
 
     def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
-        """Drafts that cost no model pass (specloop.drafter.decode.engine asks for them on steps the controller left plain):
+        """Drafts that cost no model pass (decode.engine asks for them on steps the controller left plain):
         this drafter's own, or None where no row has one."""
         drafts = self.drafts(k)
         return proposal_of(drafts, k, [row.tokens[-1] for row in self.rows]) if any(d.tokens for d in drafts) else None
@@ -260,5 +261,6 @@ def proposal_of(drafts: list[Draft], k: int, filler: list[int]) -> Proposal:
     tokens = torch.tensor([d.tokens + [int(f)] * (k - len(d.tokens)) for d, f in zip(drafts, filler)],
                           dtype=torch.long).reshape(len(drafts), k)
     lengths = torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long)
-    confidence = torch.tensor([d.probs + [0.0] * (k - len(d.probs)) for d in drafts], dtype=torch.float32).reshape(len(drafts), k)
+    confidence = torch.tensor([d.probs + [0.0] * (k - len(d.probs)) for d in drafts],
+                              dtype=torch.float32).reshape(len(drafts), k)
     return Proposal(tokens=tokens, probs=None, lengths=lengths, confidence=confidence, one_hot=True)

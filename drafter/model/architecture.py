@@ -4,7 +4,8 @@ layer's fused inference weights (`fuse_layer`) and its rotary embedding without 
 (`StaticRope`). specloop.drafter.model.decoder re-exports every name."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -18,7 +19,7 @@ class UnsupportedModel(ValueError):
 @dataclass
 class _Layer:
     in_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden] (the linears: raw tensors, or specloop.drafter.model.weights.quant weight objects)
+    qkv: torch.Tensor  # [(H + 2 H_kv) D, hidden] (the linears: raw tensors, or weights.quant weight objects)
     qkv_bias: torch.Tensor | None
     q_norm: torch.Tensor | None  # Qwen3-style per-head RMSNorm weights [D]
     k_norm: torch.Tensor | None
@@ -26,6 +27,9 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 I, hidden]
     down: torch.Tensor
+    # (ids of the four linears, specloop.drafter.model.kernels.layer's arguments or None): LeanDecoder._layer_args
+    _fused_args: tuple[tuple[int, ...], tuple | None] | None = field(default=None, init=False, repr=False,
+                                                                      compare=False)
 
 
 def _tensor(module, name: str) -> torch.Tensor | None:
@@ -81,7 +85,7 @@ def _check_structure(hf_model) -> None:
 class Architecture:
     """What a decoder needs to know of its model besides the weights."""
 
-    config: object  # the transformers config
+    config: Any  # the transformers config
     head_dim: int
     scaling: float  # the attention's score scale
     vocab_size: int  # rows of the LM head

@@ -63,7 +63,7 @@ class LeanDecoder:
         would own them: specloop.drafter.model.loading streams a checkpoint into it tensor by tensor.
 
         `embed`, `final_norm`, `lm_head` as `__init__` takes them from a module (`lm_head` may already
-        be a specloop.drafter.model.weights.quant weight object); `layers`: `fuse_layer` results (an empty list may be filled
+        be a weights.quant weight object); `layers`: `fuse_layer` results (an empty list may be filled
         afterwards, e.g. by `quantize_decoder(..., layers=...)`); `rotary`: the model's rotary embedding
         (its module, or a `StaticRope`), called as `rotary(x, position_ids)`. Activations, cache and
         RoPE tables take `embed`'s dtype, as in `__init__`."""
@@ -89,7 +89,7 @@ class LeanDecoder:
 
     def _finish(self, rotary, max_positions: int | None) -> None:
         self.device = self.embed.device
-        self.dtype = self.embed.dtype  # activations, KV cache, RoPE tables (specloop.drafter.model.weights.quant may change it)
+        self.dtype = self.embed.dtype  # activations, KV cache, RoPE tables (weights.quant may change it)
         self.quant = None  # specloop.drafter.model.weights.quant.QuantSpec once quantize_decoder prepared the linears
         self.vocab_ids: torch.Tensor | None = None  # FR-Spec draft vocabulary: the LM head holds these rows only
         n = max_positions or int(getattr(self.config, "max_position_embeddings", 4096))
@@ -161,7 +161,7 @@ class LeanDecoder:
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         if isinstance(self.embed, torch.Tensor):
             return F.embedding(tokens.to(self.device), self.embed)  # [B, T, hidden]
-        return self.embed.rows(tokens.to(self.device))  # a quantized table (specloop.drafter.model.weights.quant.OwnW8A8Weight)
+        return self.embed.rows(tokens.to(self.device))  # a quantized table (weights.quant.OwnW8A8Weight)
 
     def run_layers(
         self,
@@ -178,6 +178,7 @@ class LeanDecoder:
             up_bias = None if mlp_up_bias is None else mlp_up_bias[i]
             x = self._layer(self.layers[i], x, cache.keys[i], cache.values[i], at, up_bias)
             if i in capture:
+                assert hidden is not None  # a caller that captures layers passes the dict to fill
                 hidden[i] = x
         return x
 
@@ -215,16 +216,18 @@ class LeanDecoder:
         if self.fused and up_bias is None and x.dtype == torch.float32:
             args = self._layer_args(w)
             if args is not None:  # the whole layer in one compiled call: the same functions, the same bits
+                assert self._rope32 is not None  # set whenever self.fused
                 return kernels.layer(x, w.in_norm, w.post_norm, self.eps, *args, kc, vc, *self._rope32, at.lens,
                                      self.n_heads, self.scaling)
         B, T, _ = x.shape
-        H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
+        H = self.n_heads
         h = self._norm(x, w.in_norm)
-        exact = T <= QUERY_CHUNK  # decode-shaped: rows independent of each other (specloop.drafter.model.weights.quant.row_blocked)
+        exact = T <= QUERY_CHUNK  # decode-shaped: rows independent of each other (weights.quant.row_blocked)
         qkv = linear(h, w.qkv, w.qkv_bias, exact)
         if w.q_norm is not None:
             qkv = self._qk_norm(w, qkv)
         if self.fused:
+            assert self._rope32 is not None  # set whenever self.fused
             att = kernels.attend(qkv, kc, vc, *self._rope32, at.lens, H, self.scaling).to(x.dtype)
         else:
             att = self._attention_reference(qkv, kc, vc, at)
@@ -273,6 +276,8 @@ class LeanDecoder:
         B, T, _ = qkv.shape
         H, Hkv, D = self.n_heads, self.n_kv, self.head_dim
         qk, v = qkv.split(((H + Hkv) * D, Hkv * D), dim=-1)
+        # positions() fills the eager fields wherever the fused kernels do not run
+        assert at.cos is not None and at.sin is not None and at.mask is not None
         q, k = _rope(qk.view(B, T, H + Hkv, D), at.cos, at.sin).split((H, Hkv), dim=2)  # one pass for both
         kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
         vc[at.rows, :, at.pos] = v.view(B, T, Hkv, D).to(KV_DTYPE)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,7 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
 
 
 def _float_weight(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, bias) of a plain float linear (a raw tensor or a specloop.drafter.model.weights.linears.Dense), else None."""
+    """(weight, bias) of a plain float linear (a raw tensor or a weights.linears.Dense), else None."""
     if isinstance(w, torch.Tensor):
         return w, None
     if isinstance(w, Dense):
@@ -61,7 +62,7 @@ def _float_weight(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
 
 
 def graph_ready(lean) -> str | None:
-    """None when the compiled step can run `lean`, else why not (quantized weights run specloop.drafter.model.kernels)."""
+    """None when the compiled step can run `lean`, else why not (quantized weights run model.kernels)."""
     if lean.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"activations in {lean.dtype}"
     linears = [lean.lm_head] + [getattr(w, n) for w in lean.layers for n in ("qkv", "o", "gate_up", "down")]
@@ -73,6 +74,15 @@ def graph_ready(lean) -> str | None:
 class StaticModel(torch.nn.Module):
     """A LeanDecoder's weights as module buffers (the same storage, no copy), so that a compiled step
     sees them at static addresses (CUDA graphs replay on them)."""
+
+    # the buffers `_put` registers beside the per-layer ones (`w`)
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    lm_head_bias: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    vocab_ids: torch.Tensor | None
 
     def __init__(self, lean):
         super().__init__()
@@ -104,6 +114,12 @@ class StaticModel(torch.nn.Module):
             value = value.detach()
             torch._dynamo.mark_static_address(value)
         self.register_buffer(name, value, persistent=False)
+
+    @overload
+    def w(self, i: int, name: Literal["in_norm", "post_norm", "qkv", "o", "gate_up", "down"]) -> torch.Tensor: ...
+
+    @overload
+    def w(self, i: int, name: str) -> torch.Tensor | None: ...
 
     def w(self, i: int, name: str) -> torch.Tensor | None:
         return getattr(self, f"l{i}_{name}")
@@ -241,14 +257,15 @@ class GraphDecoder:
         if batch != self.slots:
             return self.lean.new_cache(batch, capacity)
         shape = pool_shape(batch, capacity, self.lean)
-        keys, values = [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
         for _ in range(self.lean.num_layers):
             for store in (keys, values):
                 t = torch.zeros(shape, device=self.lean.device, dtype=KV_DTYPE)
                 # static for CUDA graphs, no identity guard: another engine's pool of this shape reuses the
                 # compiled step (a CUDA graph is re-recorded at the new addresses, nothing recompiles)
                 torch._dynamo.mark_static_address(t, guard=False)
-                t._specloop_pool = True
+                t._specloop_pool = True  # type: ignore[attr-defined]  # a marker on the tensor object (read by _pool)
                 store.append(t)
         return KVCache(keys, values, torch.zeros(batch, dtype=torch.long))
 

@@ -47,10 +47,11 @@ def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple
     """`prefill`, also returning each captured layer's residual streams at the positions that
     produced the prompt's last `tail` tokens: (cache, features, recent {layer: [B, tail, hidden]},
     recent_lens [B]); row b's first recent_lens[b] = min(tail, len(prompt) − 1) are real, oldest first."""
-    cache = lean.new_cache(len(prompts), capacity)  # a graph pool where `lean` is a specloop.drafter.model.graph.GraphDecoder
+    cache = lean.new_cache(len(prompts), capacity)  # a graph pool where `lean` is a model.graph.GraphDecoder
     lean = getattr(lean, "eager", lean)  # prefills run the LeanDecoder's own passes
     features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
-    recent = {i: torch.zeros(len(prompts), tail, lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
+    recent = {i: torch.zeros(len(prompts), tail, lean.hidden_size, device=lean.device, dtype=lean.dtype)
+              for i in capture}
     lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
     first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
     for b, prompt in enumerate(prompts):

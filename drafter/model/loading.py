@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -31,14 +33,14 @@ class ModelError(ValueError):
 class LoadedModel:
     path: Path
     lean: LeanDecoder  # the inference decoder: what serving and generating run
-    tokenizer: object
-    config: object  # the transformers config
-    generation_config: object  # the transformers generation config (end-of-sequence ids)
+    tokenizer: Any  # the transformers tokenizer
+    config: Any  # the transformers config
+    generation_config: Any  # the transformers generation config (end-of-sequence ids)
     dtype: torch.dtype  # the dtype the checkpoint was loaded in (before `weights` converted the decoder)
     module: torch.nn.Module | None = None  # the transformers module, where load_model kept it (keep_module)
 
     @property
-    def hf(self) -> torch.nn.Module:
+    def hf(self) -> Any:  # a transformers PreTrainedModel: its submodules and config are read by name
         """The transformers module (training, DVI heads, saving). Where `load_model` did not keep it, it
         is loaded now from the checkpoint (in `dtype`, on the decoder's device) and held from then on:
         a copy of its own, which `lean` does not view (a serving process that builds a DVI head or a
@@ -118,7 +120,7 @@ def _tokenizer(path: Path):
 def load_model(path: str | Path, device: torch.device | None = None, dtype: torch.dtype | None = None,
                weights: str | None = None, keep_module: bool = False) -> LoadedModel:
     """A checkpoint's lean inference decoder (read in `dtype`), converted to the weight mode `weights`
-    (specloop.drafter.model.weights.quant: fp32, bf16, int8, int4 or auto = as the checkpoint is stored or its manifest names;
+    (weights.quant: fp32, bf16, int8, int4 or auto = as the checkpoint is stored or its manifest names;
     None leaves it in `dtype`), with its tokenizer and configs.
 
     keep_module=False (serving, generating): the decoder is streamed from the safetensors files, layer
@@ -139,19 +141,22 @@ def load_model(path: str | Path, device: torch.device | None = None, dtype: torc
         from specloop.drafter.model.weights.modes import resolve_mode
 
         mode = resolve_mode(weights, device, path=path)
+    config: Any  # the transformers config and generation config
+    generation_config: Any
     if keep_module:
         hf = _load_module(path, device, dtype)
         lean = _converted(LeanDecoder(hf), mode, path)
         config, generation_config = hf.config, hf.generation_config
     else:
         hf = None
-        lean = _stream_decoder(path, _load_config(path), device, dtype, mode)
-        if lean is None:
+        streamed = _stream_decoder(path, _load_config(path), device, dtype, mode)
+        if streamed is None:
             module = _load_module(path, device, dtype)
             lean = _converted(LeanDecoder(module), mode, path)
             generation_config = module.generation_config
             del module
         else:
+            lean = streamed
             generation_config = _generation_config(path)
         config = lean.config
     tokenizer = _tokenizer(path)  # after the weights: its load's temporaries are not on their peak
@@ -176,7 +181,8 @@ def _load_module(path: Path, device: torch.device, dtype: torch.dtype) -> torch.
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
-    return hf.to(device).eval()
+    # transformers wraps `to` with functools.wraps, whose stub types the bound call as if `device` were `self`
+    return hf.to(device).eval()  # type: ignore[arg-type]
 
 
 def _load_config(path: Path):
@@ -245,7 +251,9 @@ def _stream_decoder(path: Path, config, device: torch.device, dtype: torch.dtype
     config.dtype = dtype  # as from_pretrained(dtype=...) leaves the module's config
     per_layer = _layer_names(config)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    rotary = None if per_layer is None else StaticRope.of_config(config, head_dim)
+    if per_layer is None:
+        return None
+    rotary = StaticRope.of_config(config, head_dim)
     if rotary is None:
         return None
     tied = bool(getattr(config, "tie_word_embeddings", True))
@@ -295,7 +303,7 @@ def _release_freed_memory() -> None:
         _malloc_trim(0)
 
 
-_malloc_trim = None
+_malloc_trim: Callable[[int], int] | Literal[False] | None = None  # None: not looked up yet; False: none here
 
 
 def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:

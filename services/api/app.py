@@ -18,6 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypedDict
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -149,7 +150,8 @@ class Completions:
             record(self.metrics, request.url.path, err.status)
             closing = {"Connection": "close"} if err.code == SHUTTING_DOWN else None
             return error_response(err, self.cfg.retry_after_s, closing)
-        call = Call(request.url.path, plan, Fanout(self.backend, plan.requests), Progress.start(arrival, len(plan.requests)))
+        call = Call(request.url.path, plan, Fanout(self.backend, plan.requests),
+                    Progress.start(arrival, len(plan.requests)))
         call.drain_token = self.drain.enter(lambda: call.fanout.abort(Chunk(plan.id, error=SHUTDOWN)))
         response = None
         try:
@@ -197,6 +199,7 @@ class Completions:
             return
         call.closed = True
         call.fanout.close()
+        assert call.drain_token is not None  # set in __call__ as soon as the Call is made
         self.drain.leave(call.drain_token)
         try:
             record(self.metrics, call.endpoint, call.progress.status, call)
@@ -205,6 +208,14 @@ class Completions:
 
 
 # ---------------------------------------------------------------------------------------------- the app
+
+
+class DocsUrls(TypedDict, total=False):
+    """FastAPI's documentation routes, passed as None to serve none of them."""
+
+    docs_url: str | None
+    redoc_url: str | None
+    openapi_url: str | None
 
 
 def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, admin_router: APIRouter | None = None,
@@ -216,13 +227,14 @@ def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, adm
     serve /docs, /redoc and /openapi.json (off: 404)."""
     cfg = ApiConfig(model_id, max_context, default_max_tokens,
                     max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context))
-    hidden = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    hidden: DocsUrls = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding", version=VERSION, **hidden)
     app.state.api, app.state.drain = cfg, Drain()
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     add_error_handlers(app, cfg)
-    completions = Completions(backend, tokenizer, cfg, metrics if metrics is not None else NullMetrics(), app.state.drain)
+    completions = Completions(backend, tokenizer, cfg, metrics if metrics is not None else NullMetrics(),
+                              app.state.drain)
     add_completion_routes(app, completions)
     add_token_routes(app, completions)
     add_status_routes(app, backend, cfg, app.state.drain)
@@ -355,8 +367,9 @@ def api_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
     anywhere, `.should_exit` stops it without one."""
     import uvicorn
 
+    # uvicorn types timeout_graceful_shutdown int | None, but uses it as asyncio.wait_for's timeout (a float works)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=drain_timeout)
+                            timeout_graceful_shutdown=drain_timeout)  # type: ignore[arg-type]
     return DrainingServer(config, app.state.drain, drain_timeout)
 
 

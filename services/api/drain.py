@@ -30,7 +30,7 @@ CUT_GRACE_S = 2.0  # after the deadline: time for cut requests to send their err
 class Drain:
     """Whether this replica is draining, and the requests in flight (each with how to cut it short)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.started_at: float | None = None
         self.timeout_s = DRAIN_TIMEOUT_S
         self.cut = False
@@ -87,6 +87,8 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and self.drain.tick():
-            self.config.timeout_graceful_shutdown = CUT_GRACE_S  # what is still open: last bytes only
+            # what is still open: last bytes only. uvicorn types it int | None, but uses it as
+            # asyncio.wait_for's timeout (a float works)
+            self.config.timeout_graceful_shutdown = CUT_GRACE_S  # type: ignore[assignment]
             self.should_exit = True
         return await super().on_tick(counter)

@@ -55,7 +55,7 @@ class TokenTexts:
     """Each token's string and bytes, decoded once and cached. It decodes with a copy of the
     tokenizer of its own: it runs on the event loop, while the planner thread uses the original."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer) -> None:
         try:
             self.tokenizer = copy.deepcopy(tokenizer)
         except Exception:  # a tokenizer that cannot be copied: decoding alone shares no state
@@ -103,7 +103,7 @@ def completion_logprobs(entries: Iterable[TokenLogprob], texts: TokenTexts, top:
     out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for e in entries:
         text = texts.text(e.token_id)
-        alternatives = {}
+        alternatives: dict[str, float] = {}
         for t, lp in e.top[:top]:
             alternatives.setdefault(texts.text(t), finite(lp))
         alternatives.setdefault(text, finite(e.logprob))

@@ -217,11 +217,15 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     req = validated(body, chat, cfg)
     logprobs = logprobs_asked(req)
     sampling = sampling_fields(req)  # cheap checks (stop strings) before templating and tokenizing
-    prompts = [chat_prompt(tokenizer, req.messages, cfg)] if chat else completion_prompts(tokenizer, req.prompt, cfg)
+    if isinstance(req, ChatBody):  # what `validated` makes of a chat request (else a CompletionBody)
+        prompts = [chat_prompt(tokenizer, req.messages, cfg)]
+        requested = req.max_completion_tokens or req.max_tokens
+    else:
+        prompts = completion_prompts(tokenizer, req.prompt, cfg)
+        requested = req.max_tokens
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n × prompts is at most {MAX_CHOICES}, got {n} × {len(prompts)}", "n")
-    requested = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     spec = req.speculative or Speculative()
     k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
@@ -286,6 +290,7 @@ def tokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
     if body.messages is not None:
         ids = chat_prompt(tokenizer, body.messages, cfg, body.add_generation_prompt)
     else:
+        assert body.prompt is not None  # exactly one of prompt, messages (checked above)
         check_prompt_bytes([body.prompt], cfg, "prompt")
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     return {"tokens": ids, "count": len(ids), "max_model_len": cfg.max_context}

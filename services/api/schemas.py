@@ -8,7 +8,8 @@ parameters this server does not implement are refused unless they carry their ne
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valida
 
 from specloop.services.protocol import MAX_TOP_LOGPROBS, ErrorInfo
 
-DEFAULT_K = "auto"  # draft length when `speculative.k` is not given: chosen per step by the worker
+DEFAULT_K: Literal["auto"] = "auto"  # draft length when `speculative.k` is not given: chosen per step by the worker
 MAX_K = 16
 MAX_CHOICES = 16  # n × prompts of one request: each choice holds a worker slot
 RETRY_AFTER_S = 1  # what a 503 tells the client to wait
@@ -56,7 +57,8 @@ def not_found(model: str, served: str | None = None) -> ApiError:
     return ApiError(404, f"The model `{model}` does not exist{tail}.", "not_found_error", "model", "model_not_found")
 
 
-def error_response(err: ApiError, retry_after_s: int = RETRY_AFTER_S, headers: dict | None = None) -> JSONResponse:
+def error_response(err: ApiError, retry_after_s: int = RETRY_AFTER_S,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
     """The error as its HTTP answer; a 503 says when to retry."""
     headers = dict(headers or {})
     if err.status == 503:
@@ -285,7 +287,10 @@ def count_messages(raw: bytes, max_messages: int) -> None:
                       "messages")
 
 
-def parse_body(raw: bytes, model: type[BaseModel], max_messages: int = MAX_MESSAGES) -> BaseModel:
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_body(raw: bytes, model: type[Body], max_messages: int = MAX_MESSAGES) -> Body:
     """A raw body as `model`, or the 400 that says what is wrong with it."""
     count_messages(raw, max_messages)
     body = parse_json(raw)

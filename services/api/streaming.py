@@ -142,6 +142,7 @@ class Progress:
             if c.first_token_s is None:
                 c.first_token_s = now
             else:
+                assert c.last_token_s is not None  # set along with first_token_s
                 c.gaps_s.append(now - c.last_token_s)
             c.last_token_s = now
         c.tokens += len(chunk.token_ids)
@@ -212,7 +213,8 @@ class Shapes:
         for i, c in enumerate(progress.choices):
             text = "".join(c.texts)
             body = {"message": {"role": "assistant", "content": text}} if self.plan.chat else {"text": text}
-            choices.append({"index": i, **body, "logprobs": self.logprobs(c.logprobs), "finish_reason": c.finish_reason})
+            choices.append({"index": i, **body, "logprobs": self.logprobs(c.logprobs),
+                            "finish_reason": c.finish_reason})
         return self.head() | {"choices": choices, "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
 
     def chunk(self, index: int, text: str | None = None, role: bool = False, finish_reason: str | None = None,
@@ -266,7 +268,8 @@ def sse(obj: dict | str) -> bytes:
 async def open_choices(fanout: Fanout, progress: Progress) -> list[tuple[int, Chunk]]:
     """Chunks until every choice has sent its first one (or one failed): before any byte is sent, so an
     early error (overloaded, unknown drafter version …) becomes the HTTP status."""
-    events, started = [], set()
+    events: list[tuple[int, Chunk]] = []
+    started: set[int] = set()
     while len(started) < len(progress.choices) and progress.error is None:
         index, chunk = await fanout.next()
         progress.observe(index, chunk)

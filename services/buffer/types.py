@@ -1,5 +1,5 @@
 """The replay buffer's interface (`ReplayBuffer`) and records (`BufferEntry`, `BufferStats`), shared
-by `specloop.services.buffer.memory` and `specloop.services.buffer.redis_stream` (semantics in `specloop.services.buffer.connect`)."""
+by `buffer.memory` and `buffer.redis_stream` (semantics in `buffer.connect`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass

@@ -61,7 +61,8 @@ def summary(replies: list[dict], seconds: float, k: int | None) -> str:
             f"drafter version(s) {', '.join(versions)}")
 
 
-def timed_round(url: str, model: str, records: list, cfg: DemoConfig, speculate: bool) -> tuple[list[dict], float, list[float]]:
+def timed_round(url: str, model: str, records: list, cfg: DemoConfig,
+                speculate: bool) -> tuple[list[dict], float, list[float]]:
     """Every record's reply, the round's seconds, and each request's own seconds (whole requests)."""
     def one(record) -> tuple[dict, float]:
         t = time.perf_counter()
@@ -100,26 +101,30 @@ def run_demo(cfg: DemoConfig) -> int:
 
     records = load_prompts(cfg.prompts)
     kind = resolve_kind(None, cfg.drafter)
+    assert kind is not None  # a drafter is given: its kind is known
     server = ServeProcess(["--verifier", cfg.verifier, "--drafter", cfg.drafter], threads=cfg.threads,
                           registry=default_registry(cfg.registry, cfg.verifier, cfg.drafter, kind))
     url = server.url
-    print(f"starting specloop serve on {url} (Redis: {redacted(os.environ.get('SPECLOOP_REDIS_URL', 'auto'))}) ...", file=sys.stderr)
+    print(f"starting specloop serve on {url} (Redis: {redacted(os.environ.get('SPECLOOP_REDIS_URL', 'auto'))}) ...",
+          file=sys.stderr)
     try:
         model = server.start(READY_TIMEOUT_S).model
+        assert model is not None  # start() read it from /v1/models
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         print(f"serving {model} as {card.get('weights')}", file=sys.stderr)
         # speculation first: suffix decoding's store of earlier outputs must not hold these very answers
         # from the round alone (a request that warms the server up comes before both)
         chat(url, model, [{"role": "user", "content": "Hello!"}], cfg, False)
         replies, seconds, each = timed_round(url, model, records, cfg, speculate=True)
-        plain, plain_s, plain_each = timed_round(url, model, records, cfg, speculate=False) if cfg.compare else (
+        baseline = timed_round(url, model, records, cfg, speculate=False) if cfg.compare else None
+        plain, plain_s, plain_each = baseline if baseline is not None else (
             [None] * len(records), None, [None] * len(records))
         for record, reply, s, alone, alone_s in zip(records, replies, each, plain, plain_each):
             print(request_line(record.id, reply, s, alone, alone_s))
             print(reply["choices"][0]["message"]["content"])
         print(summary(replies, seconds, cfg.k), file=sys.stderr)
-        if cfg.compare:
-            print(comparison(plain, plain_s, replies, seconds), file=sys.stderr)
+        if baseline is not None:  # cfg.compare
+            print(comparison(baseline[0], baseline[1], replies, seconds), file=sys.stderr)
     finally:
         code = server.stop(timeout=60)
         print(f"specloop serve stopped (exit code {code})", file=sys.stderr)

@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specloop.services.registry.meta import redis_namespace
 
@@ -53,7 +54,7 @@ class ServeConfig:
     learner_threads: int = 1
     worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
     model_id: str | None = None  # --served-model-name; default: the verifier folder's name
-    weights: str = "auto"  # the verifier's weight mode (specloop.drafter.model.weights.quant; auto = as stored / its manifest)
+    weights: str = "auto"  # the verifier's weight mode (drafter.model.weights.quant; auto = as stored / its manifest)
     drafter_weights: str = "auto"
 
 
@@ -103,12 +104,16 @@ class Deployment:
         threading.Thread(target=self._renew, name="specloop-lease", daemon=True).start()
         redis_url = cfg.redis_url if cfg.redis_url is not None else detect_redis()
         if redis_url is None:
-            log.warning("no Redis answers (SPECLOOP_REDIS_URL unset, nothing on 127.0.0.1:6379): using the embedded buffer")
+            log.warning("no Redis answers (SPECLOOP_REDIS_URL unset, nothing on 127.0.0.1:6379): "
+                        "using the embedded buffer")
         self.registry = Path(cfg.registry or default_registry(Path(cfg.cache) / "registry",
                                                               cfg.verifier, cfg.drafter, cfg.kind)).resolve()
         self.registry.mkdir(parents=True, exist_ok=True)
         running = named_actors(WORKER_PREFIX)
-        self.workers, self.learner, self.host = [], None, None
+        # Ray actor handles, typed Any: ray types an ActorHandle's methods Never
+        self.workers: list[Any] = []
+        self.learner: Any = None
+        self.host: Any = None
         try:
             if running:
                 self._adopt(ray, running)
@@ -171,7 +176,8 @@ class Deployment:
         prefix = redis_namespace(self.registry)
         spec = (redis_url or "memory") if learning else None
         detached = {"lifetime": "detached"}
-        self.host = (BufferHost.options(name=BUFFER_NAME, **detached).remote(100_000)
+        # the actor classes are @ray.remote ActorClasses, but mypy ignores class decorators (hence the ignores)
+        self.host = (BufferHost.options(name=BUFFER_NAME, **detached).remote(100_000)  # type: ignore[attr-defined]
                      if learning and redis_url is None else None)
         self.learner = None
         if learning:
@@ -179,7 +185,7 @@ class Deployment:
             from specloop.trainer.online import LearnerConfig
 
             lcfg = LearnerConfig(kind=cfg.kind, objective=ObjectiveConfig(name=cfg.learner))
-            self.learner = LearnerActor.options(name=LEARNER_NAME, **detached).remote(
+            self.learner = LearnerActor.options(name=LEARNER_NAME, **detached).remote(  # type: ignore[attr-defined]
                 {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": str(self.registry),
                  "learner": lcfg.to_dict(), "threads": cfg.learner_threads, "prefix": prefix, "redis_url": redis_url},
                 spec, self.host, prefix)
@@ -193,7 +199,7 @@ class Deployment:
                     "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
                     "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
                     "speculators": list(cfg.speculators)}
-            actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,
+            actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,  # type: ignore[attr-defined]
                                          resources=cfg.worker_resources or None, **detached)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
 
@@ -249,7 +255,8 @@ def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = 
         raise RuntimeError("no specloop worker in this Ray cluster: start one with `specloop serve`")
     info = workers[0]
     tokenizer = load_tokenizer(info.verifier)
-    log.warning("model %s, weights %s, drafter %s %s", info.model, info.weights, info.drafter_kind, info.drafter_version)
+    log.warning("model %s, weights %s, drafter %s %s", info.model, info.weights, info.drafter_kind,
+                info.drafter_version)
     return create_app(backend, tokenizer, info.model, info.max_context, make_admin_router(backend, admin_token),
                       ApiMetrics(model_name=info.model), api_key=api_key, docs=docs)
 
@@ -260,7 +267,8 @@ def run_serve(cfg: ServeConfig) -> int:
         deployment.wait_ready()
         app = build_app(cfg.admin_token, cfg.api_key, cfg.docs)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
-                    cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner, deployment.registry)
+                    cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner,
+                    deployment.registry)
         serve_until_stopped(app, cfg.host, cfg.port, cfg.drain_timeout)
     finally:
         deployment.stop()

@@ -25,7 +25,7 @@ class GenerateConfig:
     prompts: Path
     drafter: Path | None = None
     drafter_kind: str = "pretrained"
-    k: int | None = None  # draft length per block; None = auto (specloop.drafter.decode.controller chooses it step by step)
+    k: int | None = None  # draft length per block; None = auto (drafter.decode.controller chooses it step by step)
     max_tokens: int = 64
     temperature: float = 0.0
     top_k: int = 0
@@ -35,7 +35,7 @@ class GenerateConfig:
     stop: tuple[str, ...] = ()
     no_speculation: bool = False
     limit: int | None = None
-    weights: str = "auto"  # the verifier's weight mode (specloop.drafter.model.weights.quant; auto = as stored / its manifest)
+    weights: str = "auto"  # the verifier's weight mode (drafter.model.weights.quant; auto = as stored / its manifest)
     drafter_weights: str = "fp32"
     speculators: tuple[str, ...] = ()  # beside the drafter, chosen per step and row (specloop.drafter.kinds.mix)
 
@@ -72,10 +72,12 @@ class RunSummary:
     def add(self, gen: Generation) -> None:
         self.requests += 1
         self.tokens += len(gen.token_ids)
+        assert self.totals is not None  # set in __post_init__
         self.totals.merge(gen.stats)
 
     def to_dict(self) -> dict:
         t = self.totals
+        assert t is not None  # set in __post_init__
         return {
             "requests": self.requests,
             "tokens": self.tokens,
@@ -100,8 +102,8 @@ def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary
     """Yield one result dict per prompt, in file order (the `--json` contract of docs/usage.md)."""
     verifier = load_model(cfg.verifier, weights=cfg.weights)
     print(f"verifier {cfg.verifier} served as {verifier.served}", file=sys.stderr, flush=True)
-    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter, cfg.drafter_weights,
-                                                                 cfg.speculators)
+    drafter = None if cfg.no_speculation else build_drafter(cfg.drafter_kind, verifier, cfg.drafter,
+                                                            cfg.drafter_weights, cfg.speculators)
     records = load_prompts(cfg.prompts, cfg.limit)
     encoded = [encode(verifier.tokenizer, r) for r in records]
     tok = verifier.tokenizer

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
@@ -21,8 +22,8 @@ def free_port() -> int:
 
 
 class ServeProcess:
-    def __init__(self, flags: list[str], threads: int = 2, registry: Path | None = None, log: Path | None = None,
-                 cwd: Path | None = None, api_key: str | None = None):
+    def __init__(self, flags: Sequence[str | Path], threads: int = 2, registry: Path | None = None,
+                 log: Path | None = None, cwd: Path | None = None, api_key: str | None = None):
         """flags: `serve`'s own (models, learner, ...); `--port` and `--registry` are added here.
         log: where its output goes (None: this process's stdout/stderr). api_key: the key `/v1` asks for
         (None: SPECLOOP_API_KEY, which the child reads as well; `--api-key` in flags needs it here too)."""
@@ -44,8 +45,8 @@ class ServeProcess:
 
         self.redis_url = detect_redis()  # what serve picks by the same rule (for forget_redis_keys)
         out = None if self.log_path is None else open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                     cwd=self.cwd, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.DEVNULL, stdout=out,
+                                     stderr=subprocess.STDOUT if out else None, cwd=self.cwd, start_new_session=True)
         deadline = time.monotonic() + timeout
         while not self.ready():
             if time.monotonic() > deadline:
@@ -56,6 +57,7 @@ class ServeProcess:
         return self
 
     def ready(self) -> bool:
+        assert self.proc is not None, "start() first"
         if self.proc.poll() is not None:
             raise RuntimeError(f"specloop serve exited with code {self.proc.returncode}{self._tail()}")
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -82,8 +83,9 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
     cfg = GenerateConfig(verifier=pair.require_verifier(), prompts=prompts, drafter=pair.drafter,
                          drafter_kind=kind or "pretrained", k=k, max_tokens=sampling.max_tokens,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                         seed=sampling.seed, batch_size=batch_size, stop=tuple(stop or ()), no_speculation=no_speculation,
-                         limit=limit, weights=weights.weights, drafter_weights=weights.drafter_weights,
+                         seed=sampling.seed, batch_size=batch_size, stop=tuple(stop or ()),
+                         no_speculation=no_speculation, limit=limit, weights=weights.weights,
+                         drafter_weights=weights.drafter_weights,
                          speculators=_speculators(speculators, kind or "pretrained"))
     summary = RunSummary(cfg.draft_len)
     for result in run_generate(cfg, progress=not as_json, summary=summary):
@@ -110,7 +112,8 @@ def _print_summary(summary, k: int | None) -> None:
 
 def _speculators(option: str | None, kind: str) -> tuple[str, ...]:
     """--speculators static,suffix → ("static", "suffix"), checked against the drafter kind; none → ();
-    not given → the kind's default (suffix decoding beside an eagle head: specloop.drafter.kinds.table.default_speculators)."""
+    not given → the kind's default (suffix decoding beside an eagle head:
+    specloop.drafter.kinds.table.default_speculators)."""
     from specloop.drafter.kinds.table import check_speculators, default_speculators
 
     if option is None:
@@ -142,9 +145,11 @@ def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
            drafter_kind: DrafterKind = None, k: DraftLenAuto = 4, learner: Learner = "klrl",
            speculators: Speculators = None,
            buffer: Annotated[str, typer.Option(help="memory | redis://HOST:PORT[/DB]")] = "memory",
-           registry: Annotated[Optional[Path], typer.Option(help="registry folder (default: a new temporary one)")] = None,
+           registry: Annotated[Optional[Path], typer.Option(
+               help="registry folder (default: a new temporary one)")] = None,
            ray_address: RayAddress = None,
-           publish_every: Annotated[Optional[int], typer.Option(help="learner updates between published versions")] = None,
+           publish_every: Annotated[Optional[int], typer.Option(
+               help="learner updates between published versions")] = None,
            swap_cache: Annotated[Literal["keep", "recompute"], typer.Option(
                help="a hot swap keeps in-flight rows' drafter KV cache, or recomputes it")] = "keep",
            as_json: Json = False) -> int:
@@ -173,18 +178,21 @@ def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
     return 0
 
 
-def _print_replayed(result: dict, as_json: bool) -> None:
+def _print_replayed(result, as_json: bool) -> None:
+    """One `specloop.services.worker.worker.ServeResult`, as a JSON line or for people."""
     if as_json:
         keys = ("index", "id", "drafter_version", "drafted", "accepted", "block_efficiency", "token_ids", "text")
-        print(json.dumps({key: result[key] for key in keys}), flush=True)
+        row = asdict(result)
+        print(json.dumps({key: row[key] for key in keys}), flush=True)
     else:
-        print(f"── {result['index']} {result['id']} [{result['drafter_version']}] τ={result['block_efficiency']:.2f}")
-        print(result["text"])
+        print(f"── {result.index} {result.id} [{result.drafter_version}] τ={result.block_efficiency:.2f}")
+        print(result.text)
 
 
 # ---------------------------------------------------------------- serve, api, demo
 
-def _default_pair(pair: Models, cache: Path, threads: int, minutes: float = 4.0, seed: int = 0) -> tuple[Path, Path | None]:
+def _default_pair(pair: Models, cache: Path, threads: int, minutes: float = 4.0,
+                  seed: int = 0) -> tuple[Path, Path | None]:
     """MODEL and --drafter, or, with neither, the fetched default pair (specloop.trainer.fetch.default_pair)."""
     verifier = pair.verifier_dir()
     if verifier is not None:
@@ -258,6 +266,7 @@ def demo(pair: Models, glob: Globals, prompts: Annotated[Path, typer.Option(help
         raise UsageError("MODEL without --drafter: give both, or neither for the default (fetched) pair")
     use_threads(glob.threads)
     verifier, drafter = _default_pair(pair, cache, glob.threads, minutes, seed)
+    assert drafter is not None  # MODEL without --drafter was refused above; the fetched pair has one
     from specloop.services.cli.demo import DemoConfig, run_demo
 
     return run_demo(DemoConfig(verifier=verifier, drafter=drafter, prompts=prompts, registry=cache / "registry",
@@ -272,6 +281,3 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     return run(app, argv, greedy=(Greedy(("replay",), "--prompts"),))
 
-
-if __name__ == "__main__":
-    sys.exit(main())

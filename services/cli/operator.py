@@ -168,7 +168,8 @@ def show(target: Target, body: dict, fmt: Callable[[dict], str]) -> None:
 Url = Annotated[str, typer.Option("--url", envvar="SPECLOOP_URL", help="base URL of the specloop API")]
 Token = Annotated[str | None, typer.Option("--token", envvar="SPECLOOP_ADMIN_TOKEN", show_default=False,
                                            help="admin token (the server's SPECLOOP_ADMIN_TOKEN)")]
-AsJson = Annotated[bool, typer.Option("--json", envvar="SPECLOOP_JSON", help="print the server's JSON instead of a table")]
+AsJson = Annotated[bool, typer.Option("--json", envvar="SPECLOOP_JSON",
+                                      help="print the server's JSON instead of a table")]
 
 # sub-apps of specloop.services.cli.main's app (`specloop drafter ...`, `specloop buffer ...`)
 drafter = typer.Typer(help="Operator: a running service's drafter registry.",

@@ -37,7 +37,8 @@ def draft_len(value) -> int | None:
 
 # ---------------------------------------------------------------- single options
 
-WeightMode = Literal["auto", "fp32", "bf16", "int8", "int4", "w4a8"]  # specloop.drafter.model.weights.quant.DTYPE_MODES (no torch here)
+# specloop.drafter.model.weights.quant.DTYPE_MODES (no torch here)
+WeightMode = Literal["auto", "fp32", "bf16", "int8", "int4", "w4a8"]
 Verifier = Annotated[Path, typer.Option(help="the verifier's model directory")]
 Drafter = Annotated[Optional[Path], typer.Option(help="the drafter: a checkpoint or drafter LM directory")]
 DrafterKind = Annotated[Optional[str], typer.Option(

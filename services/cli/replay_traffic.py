@@ -3,7 +3,7 @@ alongside (asynchronous: a request never waits for the learner), on a local Ray 
 
 Actors: the verifier worker (decodes, logs replay records, hot-swaps champions between steps),
 the learner (unless --learner off), and for `--buffer memory` a host for the embedded buffer.
-Results come back in request order as the replay contract's JSON objects.
+Results come back in request order as the replay contract's objects (`ServeResult`; printed as JSON).
 """
 from __future__ import annotations
 
@@ -14,17 +14,23 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from tqdm import tqdm
 
 from specloop.drafter.decode.capacity import fits
+from specloop.drafter.kinds.table import TRAINABLE_KINDS
 from specloop.drafter.model.loading import load_tokenizer
 from specloop.services.buffer.connect import check_spec
+from specloop.services.buffer.types import BufferStats
 from specloop.services.prompts import encode, load_prompts
 from specloop.services.registry.meta import forget_namespace, redis_namespace
 from specloop.trainer.objectives import ObjectiveConfig
-from specloop.trainer.online import TRAINABLE_KINDS, LearnerConfig
+from specloop.trainer.online import LearnerConfig
+
+if TYPE_CHECKING:  # imported where the actors' results are unpickled, when a run starts
+    from specloop.services.learner.learner import LearnerServiceStats
+    from specloop.services.worker.worker import ServeResult, WorkerStats
 
 log = logging.getLogger("specloop.replay")
 
@@ -72,6 +78,16 @@ class ReplayConfig:
         return LearnerConfig(kind=self.kind, objective=objective, seed=self.seed, **self.learner_overrides)
 
 
+@dataclass(frozen=True)
+class ReplaySummary:
+    """What `Replay.finish()` collects."""
+
+    registry: str  # the registry folder
+    worker: WorkerStats
+    learner: LearnerServiceStats | None = None  # None: --learner off
+    buffer: BufferStats | None = None  # the embedded buffer's (--buffer memory, learner on)
+
+
 @dataclass
 class ReplayRequest:
     index: int
@@ -87,7 +103,8 @@ def load_traffic(cfg: ReplayConfig) -> list[ReplayRequest]:
 
     tok = load_tokenizer(cfg.verifier)
     capacity = cfg.worker_overrides.get("max_context", WorkerConfig.max_context)
-    out, skipped = [], []
+    out: list[ReplayRequest] = []
+    skipped: list[str] = []
     for path in cfg.prompts:
         for rec in load_prompts(path):
             ids = encode(tok, rec)
@@ -112,7 +129,8 @@ class Replay:
         self.started_ray = init_ray(cfg.ray_address)
         self.registry = str(cfg.registry or tempfile.mkdtemp(prefix="specloop-registry-"))
         learning = cfg.learner != "off"
-        self.host = BufferHost.remote(100_000) if learning and cfg.buffer == "memory" else None
+        # the actor classes are @ray.remote ActorClasses, but mypy ignores class decorators (hence the ignores)
+        self.host = BufferHost.remote(100_000) if learning and cfg.buffer == "memory" else None  # type: ignore[attr-defined]
         spec = cfg.buffer if learning else None
         redis_url = cfg.buffer if cfg.buffer.startswith("redis://") else None  # registry metadata beside the buffer
         # one namespace per registry folder: its versions, its replay stream (a reused --registry resumes both)
@@ -120,48 +138,49 @@ class Replay:
         self.learner = None
         if learning:
             lcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": self.registry,
-                    "learner": cfg.learner_config().to_dict(), "threads": cfg.learner_threads, "prefix": registry_prefix,
-                    "redis_url": redis_url}
-            self.learner = LearnerActor.remote(lcfg, spec, self.host, registry_prefix)
+                    "learner": cfg.learner_config().to_dict(), "threads": cfg.learner_threads,
+                    "prefix": registry_prefix, "redis_url": redis_url}
+            self.learner = LearnerActor.remote(lcfg, spec, self.host, registry_prefix)  # type: ignore[attr-defined]
             import ray
 
             ray.get(self.learner.start.remote())  # seeds the registry with the base version first
         wcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
                 "registry": self.registry if learning else None, "threads": cfg.worker_threads,
                 "prefix": registry_prefix, "log_records": learning, "redis_url": redis_url} | cfg.worker_overrides
-        self.worker = WorkerActor.remote(wcfg, spec, self.host, registry_prefix)
+        self.worker = WorkerActor.remote(wcfg, spec, self.host, registry_prefix)  # type: ignore[attr-defined]
 
     def requests(self) -> Iterator[dict]:
         c = self.cfg
         for r in self.traffic:
-            yield {"stream_index": r.index, "id": r.id, "prompt_ids": r.prompt_ids, "max_tokens": c.max_tokens, "k": c.k,
-                   "temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p, "seed": c.seed}
+            yield {"stream_index": r.index, "id": r.id, "prompt_ids": r.prompt_ids, "max_tokens": c.max_tokens,
+                   "k": c.k, "temperature": c.temperature, "top_k": c.top_k, "top_p": c.top_p, "seed": c.seed}
 
-    def run(self, progress: bool = True) -> Iterator[dict]:
+    def run(self, progress: bool = True) -> Iterator[ServeResult]:
         import ray
 
         recent: deque = deque(maxlen=self.cfg.window)
         bar = tqdm(total=len(self.traffic), desc="replay", unit="req", disable=not progress, file=sys.stderr)
         for request in self.requests():
             result = ray.get(self.worker.serve.remote(request))
-            recent.append((result["blocks"], result["accepted"]))
+            recent.append((result.blocks, result.accepted))
             blocks = sum(b for b, _ in recent)
             tau = (blocks + sum(a for _, a in recent)) / blocks if blocks else 0.0
-            bar.set_postfix(tau=f"{tau:.2f}", version=result["drafter_version"], refresh=False)
+            bar.set_postfix(tau=f"{tau:.2f}", version=result.drafter_version, refresh=False)
             bar.update(1)
             yield result
         bar.close()
 
-    def finish(self) -> dict:
+    def finish(self) -> ReplaySummary:
         """Drain the logger, stop the learner, collect statistics, stop Ray if this run started it."""
         import ray
 
-        summary = {"registry": self.registry, "worker": ray.get(self.worker.drain.remote())}
+        worker = ray.get(self.worker.drain.remote())
+        learner = None
         if self.learner is not None:
             time.sleep(0.2)
-            summary["learner"] = ray.get(self.learner.stop.remote())
-        if self.host is not None:
-            summary["buffer"] = ray.get(self.host.stats.remote())
+            learner = ray.get(self.learner.stop.remote())
+        buffer = None if self.host is None else BufferStats(**ray.get(self.host.stats.remote()))
+        summary = ReplaySummary(self.registry, worker, learner, buffer)
         ray.get(self.worker.close.remote())
         for actor in (self.worker, self.learner, self.host):
             if actor is not None:
@@ -169,7 +188,8 @@ class Replay:
         if self.started_ray:
             ray.shutdown()
         if self.cfg.registry is None and self.cfg.buffer.startswith("redis://"):
-            forget_namespace(self.cfg.buffer, self.namespace)  # a throwaway run: its temporary registry goes, so do its stream and metadata
+            # a throwaway run: its temporary registry goes, so do its stream and metadata
+            forget_namespace(self.cfg.buffer, self.namespace)
         return summary
 
 
@@ -177,19 +197,19 @@ def _opt(path) -> str | None:
     return None if path is None else str(path)
 
 
-def summary_line(summary: dict) -> str:
-    w = summary["worker"]
-    versions = w["acceptance_by_version"]
-    drafted = sum(v["drafted"] for v in versions.values())
-    accepted = sum(v["accepted"] for v in versions.values())
-    line = f"served by {len(versions)} version(s), α={accepted / drafted if drafted else 0:.3f}, swaps={len(w['swaps'])}"
-    if "learner" in summary:
-        lrn = summary["learner"]
-        promoted = sum(1 for p in lrn["published"] if p["promoted"])
-        rolled = sum(c["rolled_back"] for c in lrn.get("canaries", []))
-        line += (f", learner updates={lrn['learner']['updates']} published={len(lrn['published'])}"
-                 f" promoted={promoted} canaries={len(lrn.get('canaries', []))} rolled back={rolled}"
-                 f" champion={lrn['champion']}")
-    if w["records"]:
-        line += f", records logged={w['records']['logged']} dropped={w['records']['dropped']}"
-    return line + f"; registry {summary['registry']}"
+def summary_line(summary: ReplaySummary) -> str:
+    w = summary.worker
+    versions = w.acceptance_by_version
+    drafted = sum(v.drafted for v in versions.values())
+    accepted = sum(v.accepted for v in versions.values())
+    line = f"served by {len(versions)} version(s), α={accepted / drafted if drafted else 0:.3f}, swaps={len(w.swaps)}"
+    if summary.learner is not None:
+        lrn = summary.learner
+        promoted = sum(1 for p in lrn.published if p.promoted)
+        rolled = sum(c.rolled_back for c in lrn.canaries)
+        line += (f", learner updates={lrn.learner.updates} published={len(lrn.published)}"
+                 f" promoted={promoted} canaries={len(lrn.canaries)} rolled back={rolled}"
+                 f" champion={lrn.champion}")
+    if w.records is not None:
+        line += f", records logged={w.records.logged} dropped={w.records.dropped}"
+    return line + f"; registry {summary.registry}"

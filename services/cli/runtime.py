@@ -29,10 +29,11 @@ ENV_PREFIX = "SPECLOOP"
 try:  # typer >= 0.2x vendors click
     from typer._click import exceptions as click_errors
 except ImportError:  # older typer runs on click
-    from click import exceptions as click_errors
+    # the same module, unvendored: mypy only allows one import per name (python/mypy#1153)
+    from click import exceptions as click_errors  # type: ignore[no-redef]
 
 
-def is_group(cmd) -> bool:
+def is_group(cmd) -> typing.TypeGuard[typer.core.TyperGroup]:
     """A command with subcommands (typer's group class is no click.Group since typer vendors click)."""
     return isinstance(getattr(cmd, "commands", None), dict)
 
@@ -112,7 +113,8 @@ def settle_globals(ctx: typer.Context, own: Globals) -> Globals:
     Stored as ctx.obj for the commands below; applies --log-level."""
     before = ctx.obj if isinstance(ctx.obj, Globals) else None
     if before is not None:
-        own = dataclasses.replace(before, **{f: getattr(own, f) for f in own.sources if own.sources[f] == "COMMANDLINE"})
+        own = dataclasses.replace(before, **{f: getattr(own, f) for f in own.sources
+                                             if own.sources[f] == "COMMANDLINE"})
     ctx.obj = own
     if own.log_level is not None:  # only when asked: tests and embedders keep their logging set-up
         logging.getLogger("specloop").setLevel(own.log_level.upper())
@@ -129,6 +131,7 @@ def prepare(app: typer.Typer, root: bool = True) -> None:
         info.callback = expand(info.callback)
         info.context_settings = {**(info.context_settings or {}), "auto_envvar_prefix": ENV_PREFIX}
     for group in app.registered_groups:
+        assert group.typer_instance is not None  # add_typer always gives one
         prepare(group.typer_instance, root=False)
 
 
@@ -138,6 +141,7 @@ def command(app: typer.Typer):
     prepare(app)
     app.info.context_settings = {**(app.info.context_settings or {}), "auto_envvar_prefix": ENV_PREFIX}
     root = typer.main.get_command(app)
+    assert is_group(root)  # an app with a callback and subcommands is a group
     groups = [f"specloop {name} {'|'.join(sub.commands)}" for name, sub in root.commands.items() if is_group(sub)]
     root.epilog = f"Commands with subcommands (each with --help): {', '.join(groups)}."
     return root
@@ -160,7 +164,9 @@ def version() -> str:
         import re
 
         text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
-        return re.search(r'^version\s*=\s*"([^"]+)"', text, re.M).group(1)
+        found = re.search(r'^version\s*=\s*"([^"]+)"', text, re.M)
+        assert found is not None  # pyproject.toml names the version
+        return found.group(1)
 
 
 def show_version(value: bool) -> None:
@@ -228,7 +234,7 @@ def config_path(argv: list[str]) -> Path | None:
 
 def option_keys(cmd) -> dict[str, str]:
     """Config keys a command accepts (option long names without dashes; argument names) → parameter names."""
-    keys = {}
+    keys: dict[str, str] = {}
     for param in cmd.params:
         opts = [o[2:] for o in getattr(param, "opts", []) if o.startswith("--")] if param.param_type_name == "option" \
             else [param.name]
@@ -305,12 +311,13 @@ def run(app: typer.Typer, argv: list[str], greedy: tuple[Greedy, ...] = ()) -> i
         if type(exc).__name__ == "NoArgsIsHelpError":
             exc.show()
             return EXIT_USAGE
-        hint = f" (see '{exc.ctx.command_path} --help')" if getattr(exc, "ctx", None) is not None else ""
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
         return fail(exc.format_message() + hint)
     except typer.Abort:
         return fail("interrupted", 130)
     except typer.Exit as exc:
         return exc.exit_code
-    except ValueError as exc:  # UsageError, specloop.drafter.model.loading.ModelError, specloop.services.prompts.PromptError, a bad value
+    except ValueError as exc:  # UsageError, drafter.model.loading.ModelError, services.prompts.PromptError, a bad value
         return fail(str(exc))
     return result if isinstance(result, int) else 0

@@ -28,7 +28,7 @@ def bootstrap(out: Out, glob: Globals, minutes: Minutes = 4.0, seed: Seed = 0) -
     from specloop.trainer.bootstrap import BootstrapConfig, bootstrap_models
 
     use_threads(glob.threads)
-    summary = bootstrap_models(BootstrapConfig(out_dir=out, minutes=minutes, seed=seed, threads=glob.threads))
+    summary = bootstrap_models(BootstrapConfig(out_dir=str(out), minutes=minutes, seed=seed, threads=glob.threads))
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -36,13 +36,16 @@ def bootstrap(out: Out, glob: Globals, minutes: Minutes = 4.0, seed: Seed = 0) -
 @models.command()
 def fetch(glob: Globals,
           name: Annotated[str, typer.Argument(metavar="NAME", help="model name")] = "smollm2-135m-instruct",
-          out: Annotated[Optional[Path], typer.Option(help="output directory (default: the cache's models/NAME)")] = None,
+          out: Annotated[Optional[Path], typer.Option(
+              help="output directory (default: the cache's models/NAME)")] = None,
           drafter_method: Annotated[Literal["eagle", "eagle3", "sd2", "distill"], typer.Option(
               help="the drafter to build: eagle (a feature head self-distilled from the verifier's own answers; "
-                   "OUT/drafter), eagle3 (the EAGLE-3-style head, the same way; OUT/drafter-eagle3), sd2 (a two-layer copy of the verifier, SD²-steered and aligned; OUT/drafter-sd2), "
+                   "OUT/drafter), eagle3 (the EAGLE-3-style head, the same way; OUT/drafter-eagle3), "
+                   "sd2 (a two-layer copy of the verifier, SD²-steered and aligned; OUT/drafter-sd2), "
                    "distill (the same copy, plain; OUT/drafter-distill)")] = "eagle",
           drafter_minutes: Annotated[Optional[float], typer.Option(
-              help="offline training budget of the drafter (default: 3 for sd2 and distill, 4.5 for the heads)")] = None,
+              help="offline training budget of the drafter "
+                   "(default: 3 for sd2 and distill, 4.5 for the heads)")] = None,
           cache: Cache = DEFAULT_CACHE) -> int:
     """A real pretrained verifier and a drafter built for it."""
     from specloop.trainer.fetch import FetchConfig, default_out, fetch_models

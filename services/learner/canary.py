@@ -26,6 +26,21 @@ class CanaryConfig:
     z: float = 3.0  # standard errors the paired per-record difference must clear
 
 
+@dataclass(frozen=True)
+class CanaryVerdict:
+    """A judged canary (`LearnerService.judge_canary`): both versions' simulated acceptance on the live
+    records the watched one drafted, and whether it was rolled back (`reason`: why it should be; None: kept)."""
+
+    version: str
+    predecessor: str
+    sim_acceptance: float
+    predecessor_sim_acceptance: float
+    records: int
+    rolled_back: bool
+    reason: str | None
+    time: float
+
+
 @dataclass
 class Canary:
     """One promoted version under watch, with the live records it drafted since."""

@@ -23,6 +23,7 @@ entries (read at most every `BUFFER_STATS_EVERY_S`); publishes, promotions and r
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -33,12 +34,12 @@ import torch
 from specloop.drafter.model.loading import load_model
 from specloop.services.buffer.types import ReplayBuffer
 from specloop.services.event_log import EventLog
-from specloop.services.learner.canary import Canary, CanaryConfig
+from specloop.services.learner.canary import Canary, CanaryConfig, CanaryVerdict
 from specloop.services.metrics.export import serve_metrics
 from specloop.services.metrics.learner import LearnerMetrics
 from specloop.services.registry.registry import Registry
-from specloop.services.registry.types import RegistryError
-from specloop.trainer.online import LearnerConfig, OnlineLearner, is_finite, serving_student
+from specloop.services.registry.types import AliasState, RegistryError
+from specloop.trainer.online import LearnerConfig, LearnerStats, OnlineLearner, Update, is_finite, serving_student
 from specloop.trainer.records import RecordError, decode
 
 log = logging.getLogger("specloop.learner")
@@ -84,6 +85,32 @@ class LearnerServiceConfig:
     extra: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class PublishEvent:
+    """A candidate published (`LearnerService.publish`) and whether the registry's gate promoted it."""
+
+    version: str
+    promoted: bool
+    reason: str | None  # the gate's reason (a refusal's)
+    sim_acceptance: float | None  # the candidate's, on the held-out records
+    baseline: float | None  # the champion's, on the same records
+    update: int  # the learner's update count at publish
+    time: float
+
+
+@dataclass(frozen=True)
+class LearnerServiceStats:
+    learner: LearnerStats
+    published: list[PublishEvent]  # the last ones
+    unacked: int  # buffer entries read and not acknowledged yet
+    canaries: list[CanaryVerdict]  # the canaries judged (the last ones)
+    bad_records: int  # malformed payloads dropped
+    champion: str | None
+    error: str | None  # the last step's failure
+    metrics_url: str | None
+    pid: int  # the learner's process
+
+
 class LearnerService:
     def __init__(self, cfg: LearnerServiceConfig, buffer: ReplayBuffer, metrics: LearnerMetrics | None = None):
         torch.set_num_threads(cfg.threads)
@@ -96,10 +123,10 @@ class LearnerService:
         self.learner = OnlineLearner(cfg.learner, student)
         self.unacked: list[str] = []
         self.bad_records = 0
-        self.published: EventLog[dict] = EventLog(1024)
+        self.published: EventLog[PublishEvent] = EventLog(1024)
         self.canary: Canary | None = None  # the newly promoted version under watch (specloop.services.learner.canary)
-        self.verdicts: EventLog[dict] = EventLog(1024)  # the canaries judged (the last ones)
-        self._alias = None  # the registry alias last read (`_watch_champion`)
+        self.verdicts: EventLog[CanaryVerdict] = EventLog(1024)  # the canaries judged (the last ones)
+        self._alias: AliasState | None = None  # the registry alias last read (`_watch_champion`)
         self._alias_read = float("-inf")
         self.losses: deque[float] = deque(maxlen=max(1, self.cfg.learner.publish_every))
         self._champion: tuple[str, dict] | None = None
@@ -153,8 +180,8 @@ class LearnerService:
 
     # -- the loop
 
-    def step(self) -> dict | None:
-        """Read what arrived, take up to `updates_per_read` updates, publish when due."""
+    def step(self) -> Update | None:
+        """Read what arrived, take up to `updates_per_read` updates, publish when due; the last update."""
         if time.monotonic() - self._claimed_at >= self.cfg.claim_every_s:
             self._claim()
         block = 0 if self.learner.ready() else self.cfg.read_block_ms
@@ -164,11 +191,11 @@ class LearnerService:
             info = self.learner.update()
             if info is None:
                 break
-            if "update" not in info:  # a non-finite loss: nothing changed, nothing to publish
+            if not info.stepped:  # a non-finite loss: nothing changed, nothing to publish
                 self.metrics.skipped_update()
                 continue
-            self.losses.append(info["loss"])
-            self._observe_update(info["loss"])
+            self.losses.append(info.loss)
+            self._observe_update(info.loss)
             if self.learner.should_publish():
                 self.publish()
         self._watch_champion()
@@ -193,7 +220,7 @@ class LearnerService:
                 self.canary.offer(records[-1])
         self.learner.ingest(records)
 
-    def publish(self) -> dict | None:
+    def publish(self) -> PublishEvent | None:
         weights = self.learner.weights()
         champion = self.registry.champion()
         if not is_finite(weights):
@@ -218,9 +245,9 @@ class LearnerService:
         self._ack_used()
         self._prune()
 
-        event = {"version": info.id, "promoted": result.promoted, "reason": result.reason,
-                 "sim_acceptance": candidate, "baseline": baseline, "update": self.learner.updates,
-                 "time": time.time()}
+        event = PublishEvent(version=info.id, promoted=result.promoted, reason=result.reason,
+                             sim_acceptance=candidate, baseline=baseline, update=self.learner.updates,
+                             time=time.time())
         self.published.append(event)
         return event
 
@@ -270,31 +297,33 @@ class LearnerService:
         elif rolled_back:
             self.canary = None
 
-    def judge_canary(self) -> dict:
+    def judge_canary(self) -> CanaryVerdict:
         """Score the watched version and its predecessor on the live records it drafted; roll back from
         it when it fell too far (the learner then restarts from the champion rolled back to)."""
         canary, self.canary = self.canary, None
+        assert canary is not None  # judged only while one is watched (and ready)
         new = self.learner.acceptance_by_record(canary.records, self.registry.load_weights(canary.version))
         old = self.learner.acceptance_by_record(canary.records, self._champion_weights(canary.predecessor))
         reason = canary.verdict(new, old)
-        mean = lambda per_record: sum(map(sum, per_record)) / max(1, sum(map(len, per_record)))  # noqa: E731
-        verdict = {"version": canary.version, "predecessor": canary.predecessor, "sim_acceptance": mean(new),
-                   "predecessor_sim_acceptance": mean(old), "records": len(canary.records), "rolled_back": False,
-                   "reason": reason, "time": time.time()}
+        judged, rolled_back = time.time(), False
         if reason is not None:
             try:
                 back = self.registry.rollback(reason, expected=canary.version)
             except RegistryError as exc:  # pinned, or the champion moved on meanwhile
                 log.warning("canary rollback refused: %s", exc)
             else:
-                verdict["rolled_back"] = True
+                rolled_back = True
                 self.metrics.canary_rollback()
                 self.learner.load_weights(self._champion_weights(back))
                 self._now_serving(back)
                 log.warning("rolled back to %s: %s", back, reason)
+        mean = lambda per_record: sum(map(sum, per_record)) / max(1, sum(map(len, per_record)))  # noqa: E731
+        verdict = CanaryVerdict(version=canary.version, predecessor=canary.predecessor, sim_acceptance=mean(new),
+                                predecessor_sim_acceptance=mean(old), records=len(canary.records),
+                                rolled_back=rolled_back, reason=reason, time=judged)
         self.verdicts.append(verdict)
         self.registry.note("canary", canary.version, reason or "kept: acceptance held against the predecessor",
-                           predecessor=canary.predecessor, rolled_back=verdict["rolled_back"])
+                           predecessor=canary.predecessor, rolled_back=rolled_back)
         return verdict
 
     def _prune(self) -> None:
@@ -318,7 +347,8 @@ class LearnerService:
         """Loss, lag and record age of one update, and the records it skipped as stale."""
         version, appended = self._newest or (None, time.time())
         newest = len(self._served) - 1
-        lag = newest - self._served.get(version, -1)  # a version never promoted here counts as older than all
+        # a version never promoted here (or none yet) counts as older than all
+        lag = newest - (-1 if version is None else self._served.get(version, -1))
         self.metrics.update(loss, lag, max(0.0, time.time() - appended))
         self.metrics.stale(self.learner.stale_skipped - self._stale_seen)
         self._stale_seen = self.learner.stale_skipped
@@ -363,17 +393,17 @@ class LearnerService:
                 log.exception("learner step failed")
                 time.sleep(0.5)
 
-    def stop(self) -> dict:
+    def stop(self) -> LearnerServiceStats:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         return self.stats()
 
-    def stats(self) -> dict:
-        return {"learner": self.learner.stats(), "published": list(self.published), "unacked": len(self.unacked),
-                "canaries": list(self.verdicts),
-                "bad_records": self.bad_records, "champion": self.registry.champion(), "error": self.error,
-                "metrics_url": self.metrics_url}
+    def stats(self) -> LearnerServiceStats:
+        return LearnerServiceStats(learner=self.learner.stats(), published=list(self.published),
+                                   unacked=len(self.unacked), canaries=list(self.verdicts),
+                                   bad_records=self.bad_records, champion=self.registry.champion(), error=self.error,
+                                   metrics_url=self.metrics_url, pid=os.getpid())
 
 
 def _appended_at(entry_id: str) -> float:

@@ -63,7 +63,8 @@ instance=~"$instance"}` to every selector):
       / sum by (drafter_version) (rate(specloop:spec_decode_chosen_k_count[$__rate_interval]))
 
     # share of a worker step spent in forward passes (the rest is Python scheduling)
-    sum(rate(specloop:step_forward_seconds_sum[$__rate_interval])) / sum(rate(specloop:step_seconds_sum[$__rate_interval]))
+    sum(rate(specloop:step_forward_seconds_sum[$__rate_interval]))
+      / sum(rate(specloop:step_seconds_sum[$__rate_interval]))
 
     # latency quantiles, e.g. TTFT p99
     histogram_quantile(0.99, sum by (le) (rate(specloop:time_to_first_token_seconds_bucket[$__rate_interval])))
@@ -106,8 +107,8 @@ Each worker and learner process serves its registry with `serve_metrics` on its 
 lists those addresses at `GET /sd/targets` for Prometheus's HTTP service discovery.
 
 Modules: `specloop.services.metrics.export` (the `Exporter` base, buckets, `serve_metrics` / `stop_metrics`),
-`specloop.services.metrics.worker`, `specloop.services.metrics.learner` and `specloop.services.metrics.api` (one exporter each).
-Every name is importable from here.
+`specloop.services.metrics.worker`, `specloop.services.metrics.learner` and `specloop.services.metrics.api`
+(one exporter each). Every name is importable from here.
 """
 from __future__ import annotations
 

@@ -77,7 +77,8 @@ class WorkerMetrics(Exporter):
         s = v + ("speculator",)
         self.spec_blocks = self._counter("spec_decode_speculator_drafts", "Verified blocks that drafted, by the "
                                          "speculator of a mix that drafted them (adaptive, static, suffix).", s)
-        self.spec_draft_tokens = self._counter("spec_decode_speculator_draft_tokens", "Drafted tokens, by speculator.", s)
+        self.spec_draft_tokens = self._counter("spec_decode_speculator_draft_tokens",
+                                               "Drafted tokens, by speculator.", s)
         self.spec_accepted_tokens = self._counter("spec_decode_speculator_accepted_tokens",
                                                   "Accepted drafted tokens, by speculator.", s)
         self.chosen = self._histogram("spec_decode_chosen_k", "Draft length the controller chose for auto "

@@ -17,7 +17,7 @@ import logging
 import os
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, cast
 
 from specloop.services.registry.types import (
     INFO,
@@ -155,6 +155,7 @@ class RedisMeta:
         # restarts empty gets it back (the champion and the pin survive, the gate keeps comparing)
         self._watch_error = redis.WatchError
         # Timeouts on every call: a Redis that hangs fails a registry call in seconds, never holds it.
+        # decode_responses=True: every reply is str, though redis-py types them bytes | str (hence the casts)
         self.r = redis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=self.CONNECT_TIMEOUT_S,
                                       socket_timeout=self.TIMEOUT_S)
         key = f"{prefix}:registry"
@@ -175,14 +176,15 @@ class RedisMeta:
         return VersionInfo.from_dict(json.loads(raw)) if raw else None
 
     def indexed(self) -> list[str]:
-        return list(self.r.hkeys(self.k_info))
+        return list(cast("list[str]", self.r.hkeys(self.k_info)))
 
     def read_state(self) -> AliasState:
-        raw = self.r.get(self.k_state)
-        if raw is None and self._mirrored() is not None:
-            self.r.set(self.k_state, self._mirrored().to_json(), nx=True)
+        raw = cast("str | None", self.r.get(self.k_state))
+        mirrored = self._mirrored() if raw is None else None
+        if mirrored is not None:
+            self.r.set(self.k_state, mirrored.to_json(), nx=True)
             log.warning("registry alias restored from %s (Redis had lost it)", self.mirror)
-            raw = self.r.get(self.k_state)
+            raw = cast("str | None", self.r.get(self.k_state))
         return AliasState.from_json(raw)
 
     def _mirrored(self) -> AliasState | None:
@@ -201,7 +203,7 @@ class RedisMeta:
             while True:
                 try:
                     pipe.watch(self.k_state)
-                    raw = pipe.get(self.k_state)
+                    raw = cast("str | None", pipe.get(self.k_state))  # watched: immediate mode, the value
                     state = AliasState.from_json(raw) if raw is not None else (self._mirrored() or AliasState())
                     new, event = decide(state)
                     pipe.multi()
@@ -224,7 +226,7 @@ class RedisMeta:
             pipe.execute()
 
     def read_events(self, limit: int | None) -> list[dict]:
-        return parsed_events(self.r.lrange(self.k_events, -limit if limit else 0, -1))
+        return parsed_events(cast("list[str]", self.r.lrange(self.k_events, -limit if limit else 0, -1)))
 
 
 def redis_namespace(folder: str | Path, base: str = "specloop") -> str:

@@ -141,6 +141,7 @@ class Registry(VersionStore):
             )
 
         state, event = self._update(decide)
+        assert event is not None  # decide always gives a promotion or a refusal
         return PromotionResult(event["event"] == "promote", version_id, event["reason"], state.champion)
 
     def pin(self, version_id: str | None = None) -> str:
@@ -166,7 +167,9 @@ class Registry(VersionStore):
                 "pin", target, "operator pin", previous=state.champion
             )
 
-        return self._update(decide)[0].pinned
+        pinned = self._update(decide)[0].pinned
+        assert pinned is not None  # decide pinned the target, or found it pinned already
+        return pinned
 
     def unpin(self) -> None:
         def decide(state: AliasState):
@@ -196,8 +199,10 @@ class Registry(VersionStore):
             )
 
         state, event = self._update(decide)
+        assert event is not None  # decide always gives a rollback or a refusal
         if event["event"] != "rollback":
             raise RegistryError(event["reason"])
+        assert state.champion is not None  # a previous champion, from the history
         return state.champion
 
     # ---- internals

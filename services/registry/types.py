@@ -115,8 +115,9 @@ Decision = Callable[[AliasState], "tuple[AliasState | None, dict | None]"]
 # ---------------------------------------------------------------- helpers
 
 
-def atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    """Write through a temporary file in the same folder, fsync, then os.replace."""
+def atomic_write(path: Path, write: Callable[[str], object]) -> None:
+    """Write through a temporary file in the same folder, fsync, then os.replace. `write(tmp)`'s
+    result is ignored."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:

@@ -5,6 +5,7 @@ written atomically, ids unique and increasing, weights checked finite on every l
 pin, rollback), the promotion gate and pruning."""
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 import shutil
@@ -193,7 +194,8 @@ class VersionStore:
         level = logging.WARNING if event["event"] in ("refuse", "rollback") else logging.INFO
         log.log(level, "%s %s: %s", event["event"], event["version"], event["reason"])
 
-    def _nonfinite_tensors(self, version_id: str, weights: dict | None = None) -> list[str]:
+    # builtins.list: `list` is the method above in this class's scope
+    def _nonfinite_tensors(self, version_id: str, weights: dict | None = None) -> builtins.list[str]:
         if version_id not in self._finite:  # weights are immutable: checked once per version
             self._finite[version_id] = _nonfinite(self._read_weights(version_id) if weights is None else weights)
         return self._finite[version_id]

@@ -42,7 +42,8 @@ MAX_PENDING = 32  # tokens held for an incomplete character before they are rele
 try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream
 except ImportError:  # pragma: no cover - an older tokenizers
-    DecodeStream = None
+    # mypy cannot type an optional import's fallback (python/mypy#1153); callers check for None
+    DecodeStream = None  # type: ignore[misc,assignment]
 
 
 # ----------------------------------------------------------------------------- decoding backends
@@ -113,7 +114,7 @@ class StreamDecoder:
 
     def __init__(self, backend, skip_special_tokens: bool = True):
         self.backend = backend
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stream: DecodeStream | None = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.window = WindowDecoder(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens))
         self.step_calls = 0
 

@@ -121,7 +121,8 @@ class ServingLoop:
         return self.worker.engine.running + self.pinned.running
 
     def load(self) -> WorkerLoad:
-        return WorkerLoad(len(self.waiting), self.running, self.worker.engine.slots, self.cfg.max_queue, self.worker.version)
+        return WorkerLoad(len(self.waiting), self.running, self.worker.engine.slots, self.cfg.max_queue,
+                          self.worker.version)
 
     def info(self, metrics_url: str | None = None, buffer: str | None = None) -> WorkerInfo:
         w = self.worker.cfg
@@ -131,8 +132,13 @@ class ServingLoop:
 
     async def stream(self, request: CompletionRequest) -> AsyncIterator[Chunk]:
         """Chunks for one request, on the caller's event loop; closing the iteration cancels it."""
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        self.submit(request, lambda chunk: loop.call_soon_threadsafe(queue.put_nowait, chunk))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Chunk] = asyncio.Queue()
+
+        def sink(chunk: Chunk) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, chunk)
+
+        self.submit(request, sink)
         done = False
         try:
             while not done:
@@ -160,8 +166,9 @@ class ServingLoop:
             return invalid(r.id, f"logprobs = {r.logprobs}: between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
         engine = self.worker.engine  # its capacity rule (specloop.drafter.decode.capacity) with its controller's k_max
         if not r.prompt_ids or not engine.fits(len(r.prompt_ids), r.max_tokens, r.k):
-            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} (+ {engine.reserve(r.k)} "
-                                 f"for drafting) exceeds the context of {self.worker.max_context} positions", "max_tokens")
+            return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} "
+                                 f"(+ {engine.reserve(r.k)} for drafting) exceeds the context of "
+                                 f"{self.worker.max_context} positions", "max_tokens")
         try:
             r.sampling()
         except ValueError as exc:
@@ -220,7 +227,7 @@ class ServingLoop:
             pending = list(self.waiting)
         chosen: dict[str | None, list] = {}  # engine (None: the serving version's) -> requests
         refused = []
-        self.pinned.poll({self._engine_key(item) for item in pending} - {None})
+        self.pinned.poll({key for item in pending if (key := self._engine_key(item)) is not None})
         for item in pending:
             key = self._engine_key(item)
             reserved = frozenset(k for k, batch in chosen.items() if k is not None and batch)
@@ -235,7 +242,9 @@ class ServingLoop:
         with self.lock:
             self.waiting = deque(item for item in self.waiting if item.request.id not in taken)
         for item in refused:
-            item.sink(Chunk(item.request.id, error=self.pinned.failure(item.request.drafter_version)))
+            version = item.request.drafter_version
+            assert version is not None  # refused by its version's engine (None: the serving version's)
+            item.sink(Chunk(item.request.id, error=self.pinned.failure(version)))
         for key, batch in chosen.items():
             self._start(key, batch)
 
@@ -270,7 +279,7 @@ class ServingLoop:
         final = u.generation is not None
         chunk = Chunk(u.id, list(u.new_tokens), live.text.push(u.new_tokens, final), u.finish_reason,
                       logprobs=token_logprobs(u.logprobs))
-        if final:
+        if u.generation is not None:  # final
             self.pinned.forget(u.id)
             del self.live[u.id]
             chunk.usage = usage(live.request, u.generation, live.queued_s)

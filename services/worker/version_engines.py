@@ -3,6 +3,8 @@
 (`version_refusal`). Used by `specloop.services.worker.serving_loop.ServingLoop`."""
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 from specloop.drafter.decode.engine import Engine
 from specloop.drafter.decode.requests import EngineRequest, RowUpdate
 from specloop.services.protocol import ErrorInfo
@@ -31,7 +33,7 @@ class VersionEngines:
     def __init__(self, worker: VerifierWorker, slots: int, keep: int):
         self.worker, self.slots, self.keep = worker, slots, keep
         self.engines: dict[str, Engine] = {}
-        self.loading: dict[str, object] = {}  # version -> Future of an Engine
+        self.loading: dict[str, Future[Engine]] = {}  # version -> its Engine, loading
         self.failures: dict[str, ErrorInfo] = {}
         self.requests: dict[str, str] = {}  # running request id -> version
         self.peak = 0  # the most engines + loads held at once (never above keep)
@@ -82,6 +84,7 @@ class VersionEngines:
 
     def _build(self, version: str) -> Engine:
         w = self.worker
+        assert w.registry is not None  # without one, ServingLoop._validate refuses requests naming another version
         weights = w.registry.load_weights(version)
         return Engine(w.verifier.lean, w.builder.build(weights), self.slots, w.max_context, w.stop_rule)
 
@@ -99,7 +102,9 @@ class VersionEngines:
         engine = self.engines[version]
         engine.admit(requests)
         for r in requests:
-            engine.get(r.id).gen.drafter_versions.append(version)
+            live = engine.get(r.id)
+            assert live is not None  # admitted just above
+            live.gen.drafter_versions.append(version)
         self.requests.update((r.id, version) for r in requests)
 
     def step(self) -> list[RowUpdate]:

@@ -2,11 +2,12 @@
 drafter versions between two steps (run as a Ray actor by `specloop replay` and `serve`).
 
 Per step (`specloop.drafter.decode.speculative.StepHooks`):
-- `swap`: a registry watcher thread (specloop.services.worker.watcher) reads the alias every `poll_interval_s` (an idle
-  worker asks for a fresh read before a request, waiting `FRESH_WAIT_S` at most, not at all while
+- `swap`: a registry watcher thread (specloop.services.worker.watcher) reads the alias every `poll_interval_s` (an
+  idle worker asks for a fresh read before a request, waiting `FRESH_WAIT_S` at most, not at all while
   the registry is down); when the champion changed, it loads its weights while serving goes on, and
   the serving thread, which never reads the registry itself, lets the new drafter take over the old
-  one's rows between two steps. The swap stall (the adopt itself, on the serving thread) is timed. Output stays lossless whatever the drafter: the verifier decides.
+  one's rows between two steps. The swap stall (the adopt itself, on the serving thread) is timed. Output stays
+  lossless whatever the drafter: the verifier decides.
 - KV cache of in-flight rows on a swap (`swap_cache`): "keep" (default) — a pretrained / SD²
   drafter's cache was computed with the old weights; positions written after the swap use the new
   ones, so the rows in flight draft from a mixed cache until they finish (a transient acceptance
@@ -33,7 +34,8 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -77,8 +79,10 @@ class WorkerConfig:
     poll_interval_s: float = 0.05  # registry reads between steps at most this often (each request starts with one)
     swap_cache: str = "keep"  # in-flight rows on a swap: keep the drafter KV cache, or "recompute" it
     slots: int = 1  # cache slots of the continuous batch (requests decoded together)
-    max_context: int = 1024  # positions per slot: specloop.drafter.decode.capacity.positions_needed must fit (capped by the model)
-    weights: str = "auto"  # the verifier's weight mode (specloop.drafter.model.weights.quant: auto = as stored / its manifest; fp32, bf16, int8, int4, w4a8)
+    max_context: int = 1024  # positions per slot: specloop.drafter.decode.capacity.positions_needed must fit
+    #                          (capped by the model)
+    weights: str = "auto"  # the verifier's weight mode (specloop.drafter.model.weights.quant: auto = as stored /
+    #                        its manifest; fp32, bf16, int8, int4, w4a8)
     drafter_weights: str = "fp32"  # a drafter LM's own weight mode (pretrained / sd2)
     speculators: tuple[str, ...] = ()  # beside the served drafter, chosen per step and row (specloop.drafter.kinds.mix)
 
@@ -88,7 +92,7 @@ class WorkerConfig:
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class SwapEvent:
     time: float
     old: str
@@ -96,6 +100,54 @@ class SwapEvent:
     stall_ms: float  # serving-thread time of the switch
     load_ms: float  # background load time
     in_flight: bool  # a request was mid-decode
+
+
+@dataclass(frozen=True)
+class ServeResult:
+    """One request decoded to completion (`VerifierWorker.serve`): the replay contract's object."""
+
+    index: int  # the request's stream index (its place in the traffic)
+    id: str
+    drafter_version: str  # serving when it finished
+    drafter_versions: list[str]  # every version that drafted for it, in order
+    drafted: int
+    accepted: int
+    block_efficiency: float  # τ
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    blocks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BlockCounts:
+    drafted: int  # draft tokens proposed
+    accepted: int  # of them, accepted
+
+
+@dataclass(frozen=True)
+class RecordStats:
+    """Replay records of a `RecordLogger`: logged = appended − dropped by the buffer; dropped = those + blocks
+    dropped from the logger's full queue."""
+
+    logged: int
+    dropped: int
+    bytes: int  # encoded payload bytes
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    version: str  # the drafter version serving
+    swaps: list[SwapEvent]  # the last ones
+    rollbacks: list[str]  # reasons of the automatic rollbacks (the last ones)
+    load_failures: list[str]  # "version: error" of versions not served (the last ones)
+    registry_errors: int  # registry reads that failed
+    stale_blocks: BlockCounts  # blocks decoded on a stale drafter cache (swap_cache="keep")
+    acceptance_by_version: dict[str, BlockCounts]
+    records: RecordStats | None  # None: no record logging
+    swap_stall_ms: dict[str, float]  # quantiles of the in-flight swaps' stalls: {"n"} or {"n", "p50", "p99", "max"}
+    steps: int | None = None  # serving-loop steps (a `ServingActor`'s stats)
 
 
 class AcceptanceMonitor:
@@ -179,9 +231,9 @@ class RecordLogger:
         while self.queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.005)
 
-    def stats(self) -> dict:
+    def stats(self) -> RecordStats:
         lost = self.buffer.cached_stats().dropped  # counters only: no I/O on the serving thread
-        return {"logged": self.appended - lost, "dropped": self.dropped + lost, "bytes": self.bytes}
+        return RecordStats(logged=self.appended - lost, dropped=self.dropped + lost, bytes=self.bytes)
 
     def close(self) -> None:
         if self.thread is not None:
@@ -201,7 +253,8 @@ class VerifierWorker:
         self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights, tuple(cfg.speculators))
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
         self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
-        self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule, hooks=self)
+        self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule,
+                             hooks=self)
         if self.engine.backend == "graph":
             log.info("graph backend: decode steps compiled for %d slots in %.1f s", cfg.slots, self.engine.warm_s)
         self.version = BASE_VERSION
@@ -213,7 +266,8 @@ class VerifierWorker:
         self.load_failures: EventLog[str] = EventLog()
         self.monitor = AcceptanceMonitor(cfg.rollback_window, cfg.rollback_margin)
         self.stale = AcceptanceStats()  # blocks decoded on a stale drafter cache
-        self.logger = RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread) if buffer and cfg.log_records else None
+        self.logger = (RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread)
+                       if buffer and cfg.log_records else None)
         self.stale_rows: set[str] = set()  # running requests whose drafter cache predates the serving version
         self.on_step: list = []  # callables(updates, engine, version) after every step (metrics)
         if self.watcher is not None:
@@ -223,6 +277,7 @@ class VerifierWorker:
 
     @property
     def drafter(self) -> Drafter:
+        assert self.engine.drafter is not None  # built with one; a swap only ever replaces it with another
         return self.engine.drafter
 
     # -- serving
@@ -234,7 +289,9 @@ class VerifierWorker:
             self.engine.offer_swap()
         self.engine.admit(requests)
         for r in requests:
-            self.engine.get(r.id).gen.drafter_versions.append(self.version)
+            live = self.engine.get(r.id)
+            assert live is not None  # admitted just now
+            live.gen.drafter_versions.append(self.version)
 
     def step(self) -> list[RowUpdate]:
         """One speculative step over the running requests (a finished one's update carries its generation)."""
@@ -250,21 +307,23 @@ class VerifierWorker:
         self.stale_rows.discard(request_id)
         return self.engine.abort(request_id)
 
-    def serve(self, request: CompletionRequest) -> dict:
-        """Decode one request to completion (replay: one at a time); the replay contract's JSON object,
-        whose "index" is the request's stream index (its place in the traffic)."""
+    def serve(self, request: CompletionRequest) -> ServeResult:
+        """Decode one request to completion (replay: one at a time); the replay contract's object, whose
+        `index` is the request's stream index (its place in the traffic)."""
         t0 = time.perf_counter()
         self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.stream_index,
                                   request.logprobs)])
         gen = None
         while gen is None:
             gen = next((u.generation for u in self.step() if u.id == request.id and u.generation is not None), None)
-        return {"index": request.stream_index, "id": request.id, "drafter_version": self.version,
-                "drafter_versions": gen.drafter_versions, "drafted": gen.stats.drafted, "accepted": gen.stats.accepted,
-                "block_efficiency": gen.stats.block_efficiency, "token_ids": gen.token_ids,
-                "text": self.verifier.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
-                "finish_reason": gen.finish_reason, "blocks": gen.stats.blocks,
-                "seconds": time.perf_counter() - t0}
+        assert gen.finish_reason is not None  # the engine hands a generation over once it finished
+        return ServeResult(index=request.stream_index, id=request.id, drafter_version=self.version,
+                           drafter_versions=gen.drafter_versions, drafted=gen.stats.drafted,
+                           accepted=gen.stats.accepted, block_efficiency=gen.stats.block_efficiency,
+                           token_ids=gen.token_ids,
+                           text=self.verifier.tokenizer.decode(gen.token_ids, skip_special_tokens=True),
+                           finish_reason=gen.finish_reason, blocks=gen.stats.blocks,
+                           seconds=time.perf_counter() - t0)
 
     # -- StepHooks
 
@@ -301,9 +360,11 @@ class VerifierWorker:
                 self.logger.submit(trace, group, [self._tag(ids[b], histories[b], version) for b in group], k)
         self._check_rollback()
 
-    def _tag(self, request_id: str, history: list[int], version: str) -> RowTag:
+    def _tag(self, request_id: str | None, history: list[int], version: str) -> RowTag:
         """The record tag of a request's block being verified (the index of its drafting blocks)."""
+        assert request_id is not None  # an active slot holds a request
         live = self.engine.get(request_id)
+        assert live is not None  # a running request
         return RowTag(request_id, version, live.gen.stats.drafts, history[-self.cfg.context:],
                       live.request.params.temperature)
 
@@ -311,6 +372,7 @@ class VerifierWorker:
 
     def _load(self, version: str) -> Drafter:
         """A registry version's drafter (the registry refuses unreadable and non-finite weights)."""
+        assert self.registry is not None  # called by the watcher, which exists only with a registry
         return self.builder.build(self.registry.load_weights(version))
 
     def _take(self, in_flight: bool, histories: list[list[int]] | None = None) -> Drafter | None:
@@ -323,12 +385,17 @@ class VerifierWorker:
         if ready.error is not None:
             self._load_failed(ready.version, ready.error)
             return None
-        new, old, t0 = ready.drafter, self.engine.drafter, time.perf_counter()
+        # what `_load` built (the watcher holds it as an object): there is one, as its load raised no error
+        new, old, t0 = cast(Drafter, ready.drafter), self.drafter, time.perf_counter()
         recompute = in_flight and self.cfg.swap_cache == "recompute"
-        new.refill(old, histories) if recompute else new.adopt(old)
+        if recompute:
+            assert histories is not None  # a mid-request swap (`swap`) passes the rows' histories
+            new.refill(old, histories)
+        else:
+            new.adopt(old)
         self._switched(ready.version, t0, ready.started, in_flight)
         running = {live.request.id for live in self.engine.live()}
-        stale = not recompute and self.cfg.kind in ("pretrained", "sd2")  # their cache holds the old weights' KV
+        stale = not recompute and self.builder.spec.stale_on_swap  # its cache holds the old weights' KV
         self.stale_rows = self.stale_rows | running if stale else self.stale_rows - running
         for live in self.engine.live():
             live.gen.drafter_versions.append(ready.version)
@@ -336,6 +403,7 @@ class VerifierWorker:
 
     def _switched(self, version: str, t0: float, t_load: float, in_flight: bool) -> None:
         old, self.version = self.version, version
+        assert self.watcher is not None  # a swap takes what the watcher loaded
         self.watcher.serving = version
         stall = (time.perf_counter() - t0) * 1e3
         self.swaps.append(SwapEvent(time.time(), old, version, stall, (t0 - t_load) * 1e3, in_flight))
@@ -359,16 +427,16 @@ class VerifierWorker:
         if self.logger is not None:
             self.logger.drain()
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         stalls = sorted(s.stall_ms for s in self.swaps if s.in_flight)
-        return {
-            "version": self.version, "swaps": [asdict(s) for s in self.swaps], "rollbacks": list(self.rollbacks),
-            "load_failures": list(self.load_failures), "registry_errors": self.registry_errors,
-            "stale_blocks": {"drafted": self.stale.drafted, "accepted": self.stale.accepted},
-            "acceptance_by_version": {v: {"drafted": t.drafted, "accepted": t.accepted} for v, t in self.monitor.totals.items()},
-            "records": None if self.logger is None else self.logger.stats(),
-            "swap_stall_ms": _quantiles(stalls),
-        }
+        return WorkerStats(
+            version=self.version, swaps=list(self.swaps), rollbacks=list(self.rollbacks),
+            load_failures=list(self.load_failures), registry_errors=self.registry_errors,
+            stale_blocks=BlockCounts(self.stale.drafted, self.stale.accepted),
+            acceptance_by_version={v: BlockCounts(t.drafted, t.accepted) for v, t in self.monitor.totals.items()},
+            records=None if self.logger is None else self.logger.stats(),
+            swap_stall_ms=_quantiles(stalls),
+        )
 
     def close(self) -> None:
         if self.logger is not None:

@@ -40,12 +40,12 @@ def test_a_learner_whose_process_dies_is_restarted_and_trains_on(local_ray, tiny
            "learner": learner_cfg.to_dict(), "read_count": 8, "claim_idle_ms": 200}
     learner = LearnerActor.remote(cfg, "memory", host)
     ray.get(learner.start.remote())
-    before = wait_for(lambda: (s := ray.get(learner.stats.remote(), timeout=10))["learner"]["updates"] >= 3 and s)
+    before = wait_for(lambda: (s := ray.get(learner.stats.remote(), timeout=10)).learner.updates >= 3 and s)
 
     ray.kill(learner, no_restart=False)  # the process dies; Ray may bring it back
     ray.get([host.append.remote(p) for p in payloads])
-    stats = wait_for(lambda: (s := ray.get(learner.stats.remote(), timeout=10))["learner"]["updates"] >= 3 and s)
-    assert stats["pid"] != before["pid"] and stats["error"] is None and stats["champion"] is not None
+    stats = wait_for(lambda: (s := ray.get(learner.stats.remote(), timeout=10)).learner.updates >= 3 and s)
+    assert stats.pid != before.pid and stats.error is None and stats.champion is not None
 
 
 @ray.remote(num_cpus=0)

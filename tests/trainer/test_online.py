@@ -128,7 +128,7 @@ def test_the_window_and_holdout_are_bounded_and_the_anchor_reservoir_never_excee
     assert len(learner.anchor) == 6 and len(set(r.request_id for r in learner.anchor)) == 6
     window = {r.request_id for r in learner.window}
     assert {r.request_id for r in learner.anchor} - window, "the reservoir keeps older traffic than the window"
-    assert learner.stats()["anchor"] == 6 and learner.stats()["records_seen"] == 300
+    assert learner.stats().anchor == 6 and learner.stats().records_seen == 300
 
 
 def test_ready_waits_for_a_full_minibatch_and_respects_the_replay_ratio(verifier):
@@ -171,13 +171,13 @@ def test_policy_terms_use_records_of_the_last_published_versions_and_stale_ones_
     assert learner.on_policy() is None  # nothing published yet: every record counts as on-policy
     learner.published("v1")
     info = learner.update()
-    assert info["on_policy"] == 5 and learner.stale_skipped == 3
+    assert info.terms["on_policy"] == 5 and learner.stale_skipped == 3
     lagged = dvi_learner(verifier, objective=objective, batch_records=8, window=8, holdout_every=1000,
                          anchor_fraction=0.0, replay_ratio=100.0, max_policy_lag=1)
     lagged.ingest(records)
     lagged.published("v0")
     lagged.published("v1")
-    assert lagged.update()["on_policy"] == 8 and lagged.stale_skipped == 0
+    assert lagged.update().terms["on_policy"] == 8 and lagged.stale_skipped == 0
     lagged.published("v2")  # v0 falls out of the lag window
     assert lagged.on_policy() == {"v1", "v2"}
 
@@ -276,7 +276,7 @@ def test_thirty_kl_updates_raise_simulated_acceptance_on_the_held_out_records(ve
     before = learner.evaluate()
     for _ in range(30):
         info = learner.update()
-        assert info is not None and "skipped" not in info
+        assert info is not None and info.skipped is None
     assert learner.updates == 30
     after = learner.evaluate()
     assert after > before + 1e-3, (before, after)
@@ -336,18 +336,18 @@ def test_a_nan_loss_skips_the_step_and_changes_nothing(verifier, name):
     learner = dvi_learner(verifier, objective=ObjectiveConfig(name=name, warmup_updates=0), batch_records=4,
                           window=4, holdout_every=1000, anchor_fraction=0.0, replay_ratio=100.0)
     learner.ingest([synthetic(verifier, i) for i in range(4)])
-    assert "skipped" not in learner.update()
+    assert learner.update().skipped is None
     weights, objective = learner.weights(), learner.objective.state()
     learner.ingest([poisoned(synthetic(verifier, 10 + i)) for i in range(4)])  # the window now holds only these
     info = learner.update()
-    assert info["skipped"] == "non-finite loss" and not math.isfinite(info["loss"])
+    assert info.skipped == "non-finite loss" and not math.isfinite(info.loss)
     assert learner.updates == 1
     assert all(torch.equal(learner.weights()[n], weights[n]) for n in weights)
     assert learner.objective.state() == objective  # no step, no schedule tick, no NaN in the EMAs
     assert all(p.grad is None for _, p, _ in learner.params)  # nothing was back-propagated
     learner.ingest([synthetic(verifier, 20 + i) for i in range(4)])
     info = learner.update()
-    assert "skipped" not in info and learner.updates == 2 and math.isfinite(info["loss"])
+    assert info.skipped is None and learner.updates == 2 and math.isfinite(info.loss)
     after = learner.weights()
     assert any(not torch.equal(after[n], weights[n]) for n in weights)
     assert all(torch.isfinite(t).all() for t in after.values())
@@ -367,8 +367,8 @@ def test_learner_config_round_trips_through_a_dict_and_refuses_bad_values():
 
 
 def test_the_eagle_heads_are_fine_tuned_gently_unless_told_otherwise():
-    """The heads arrive trained offline: larger minibatches at a lower rate by default (KIND_DEFAULTS);
-    the other kinds keep theirs, and a value given explicitly always wins."""
+    """The heads arrive trained offline: larger minibatches at a lower rate by default (the lr and batch of
+    their rows in the table of kinds); the other kinds keep theirs, and a value given explicitly always wins."""
     for kind in ("eagle", "eagle3"):
         cfg = LearnerConfig(kind=kind)
         assert (cfg.lr, cfg.batch_records) == (2e-4, 64)

@@ -11,7 +11,8 @@ import torch
 
 from specloop.drafter.model.weights.modes import VERIFIER_MANIFEST, _read_json
 
-INT4_GROUPS_FILE = "q4_1.safetensors"  # a fetched verifier's GGUF Q4_1 groups: NAME.q [N, K] uint8, NAME.d / .m [N, K/32]
+# a fetched verifier's GGUF Q4_1 groups: NAME.q [N, K] uint8, NAME.d / .m [N, K/32]
+INT4_GROUPS_FILE = "q4_1.safetensors"
 
 
 def int4_groups(path: str | Path) -> "GroupsFile | None":

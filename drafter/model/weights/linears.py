@@ -192,7 +192,8 @@ class Int4Weight:
             q = torch.cat([q, q.new_full((pad, K), 8)])
             scales = torch.cat([scales, scales.new_zeros(pad, scales.shape[1])])
             zeros = torch.cat([zeros, zeros.new_zeros(pad, zeros.shape[1])])
-        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(rows.to(torch.int32).contiguous(), 1)
+        self.packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                                     rows.to(torch.int32).contiguous(), 1)
                                  for rows in q.split(_INT4_BLOCK_ROWS)])
         sz = torch.stack([scales, zeros], dim=2)  # [N, K/g, 2]
         self.scales_zeros = sz.transpose(0, 1).contiguous().to(act_dtype)  # [K/g, N, 2]

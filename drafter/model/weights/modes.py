@@ -1,6 +1,6 @@
 """Which weight mode a decoder is served in, chosen at run time, and how it is named.
 
-`DTYPE_MODES`: "fp32", "bf16", "int8", "int4", "w4a8" (specloop.drafter.model.weights.quant describes each). `resolve_mode`
+`DTYPE_MODES`: "fp32", "bf16", "int8", "int4", "w4a8" (weights.quant describes each). `resolve_mode`
 says what "auto" means for a verifier (as its checkpoint is stored, or the mode its own manifest.json
 names) or a drafter (`default_mode`); `activation_dtype` the activation dtype of a mode on this CPU;
 `describe_mode` the string printed wherever the model is named. `_kernels_for` says whether

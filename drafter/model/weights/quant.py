@@ -1,7 +1,7 @@
 """Weight-only quantization of a LeanDecoder for CPU decoding, chosen at run time.
 
 A linear "weight" is either a raw tensor (`F.linear`, the unquantized path) or one of the weight
-objects of specloop.drafter.model.weights.linears and specloop.drafter.model.weights.own_linears; `linear(x, w, bias)` calls either. Every object
+objects of weights.linears and weights.own_linears; `linear(x, w, bias)` calls either. Every object
 maps `x [..., K]` to `[..., N]` in the activation dtype and holds its own bias:
 
 - `Dense`: a float weight (fp32 or bf16), `F.linear`.
@@ -32,9 +32,9 @@ the verify pass (T = k+1) to score a token bit for bit as a one-token step does:
 compute every row on its own; float GEMMs go through `row_blocked` in decode-shaped passes (one
 call shape for every row); attention is specloop.drafter.model.decoder.exact_attention.
 
-Where each part lives (every name is importable from here): specloop.drafter.model.weights.modes (the modes, their
-resolution and description), specloop.drafter.model.weights.linears (torch's kernels, `row_blocked`, the quantizers),
-specloop.drafter.model.weights.own_linears (specloop's kernels), specloop.drafter.model.weights.groups (a checkpoint's own groups); this
+Where each part lives (every name is importable from here): weights.modes (the modes, their
+resolution and description), weights.linears (torch's kernels, `row_blocked`, the quantizers),
+weights.own_linears (specloop's kernels), weights.groups (a checkpoint's own groups); this
 module prepares a whole decoder (`quantize_decoder`).
 """
 from __future__ import annotations
@@ -42,6 +42,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -66,7 +67,7 @@ class QuantSpec:
     act_dtype: torch.dtype
     group_size: int = DEFAULT_GROUP_SIZE
     from_groups: int = 0  # checkpoint weights packed from their own 4-bit groups (`int4_groups`), not requantized
-    kernels: str = "stock"  # "own": specloop.drafter.model.kernels multiply int4 / int8 weights (fp32 products); "stock": torch's
+    kernels: str = "stock"  # "own": model.kernels multiply int4 / int8 weights (fp32 products); "stock": torch's
 
 
 def quantize_weight(weight: torch.Tensor, spec: QuantSpec, bias: torch.Tensor | None = None):
@@ -132,38 +133,41 @@ def quantize_decoder(lean, mode: str, group_size: int = DEFAULT_GROUP_SIZE, act_
         raise ValueError(W4A8_NEEDS + "; they are not built here: use int4")
     act = spec.act_dtype
     source = groups if isinstance(groups, (str, Path)) else None
+    table: Mapping[str, Any]  # parameter name -> its 4-bit groups (q, scale, minimum)
     if mode not in ("int4", "w4a8") or groups is None:
-        groups = {}
+        table = {}
     elif not isinstance(groups, Mapping):
-        groups = int4_groups(groups) or {}
+        table = int4_groups(groups) or {}
+    else:
+        table = groups
     used = []
     tied = getattr(lean.config, "tie_word_embeddings", False)
     head = ["model.embed_tokens.weight" if tied else "lm_head.weight"]
     # A published 4-bit model whose head is stored at higher precision (SmolLM2's GGUF: Q8_0, tied to
     # the embedding) keeps an 8-bit head: int4 there flipped 8 of 8 greedy answers against the GGUF's.
-    head_spec = replace(spec, mode="int8") if groups and not any(n in groups for n in head) else spec
+    head_spec = replace(spec, mode="int8") if table and not any(n in table for n in head) else spec
     blocks = _head_blocks(lean, head[0], source, mode)
     if blocks is not None:  # the published int8 head (Q8_0) as it is, and the tied embedding read from it
         lean.lm_head = blocks
         lean.embed = blocks if tied else lean.embed.to(act)
         used.append(head[0])
     else:
-        lean.lm_head = _grouped(lean.lm_head, head if lean.vocab_ids is None else [], groups, head_spec, used)
+        lean.lm_head = _grouped(lean.lm_head, head if lean.vocab_ids is None else [], table, head_spec, used)
         lean.embed = lean.embed.to(act)
     lean.final_norm = lean.final_norm.to(act)
     lean.cos, lean.sin = lean.cos.to(act), lean.sin.to(act)
     for i, layer in enumerate(lean.layers if layers is None else layers):
         pre = f"model.layers.{i}."
         attn = [f"{pre}self_attn.{n}_proj.weight" for n in "qkv"]
-        layer.qkv = _grouped(layer.qkv, attn, groups, spec, used, layer.qkv_bias)
+        layer.qkv = _grouped(layer.qkv, attn, table, spec, used, layer.qkv_bias)
         if mode == "fp32":
             layer.qkv_bias = None if layer.qkv_bias is None else layer.qkv_bias.to(act)
         else:
             layer.qkv_bias = None  # held by the weight object
-        layer.o = _grouped(layer.o, [f"{pre}self_attn.o_proj.weight"], groups, spec, used)
-        layer.gate_up = _grouped(layer.gate_up, [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"], groups,
+        layer.o = _grouped(layer.o, [f"{pre}self_attn.o_proj.weight"], table, spec, used)
+        layer.gate_up = _grouped(layer.gate_up, [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"], table,
                                  spec, used)
-        layer.down = _grouped(layer.down, [f"{pre}mlp.down_proj.weight"], groups, spec, used)
+        layer.down = _grouped(layer.down, [f"{pre}mlp.down_proj.weight"], table, spec, used)
         layer.in_norm, layer.post_norm = layer.in_norm.to(act), layer.post_norm.to(act)
         layer.q_norm = None if layer.q_norm is None else layer.q_norm.to(act)
         layer.k_norm = None if layer.k_norm is None else layer.k_norm.to(act)
@@ -191,13 +195,14 @@ def _head_blocks(lean, name: str, source, mode: str) -> "OwnW8A8Weight | None":
     return OwnW8A8Weight(q, d)
 
 
-def _grouped(weight: torch.Tensor, names: list[str], groups: dict, spec: QuantSpec, used: list,
+def _grouped(weight: torch.Tensor, names: list[str], groups: Mapping[str, Any], spec: QuantSpec, used: list[str],
              bias: torch.Tensor | None = None):
     """`quantize_weight`, or an `Int4Weight.from_groups` when `groups` holds every part of this (fused)
     weight, concatenated along N as the decoder concatenates the weights, at the spec's group size,
     and q · scale + minimum equals the weight exactly (a stale groups file is never served)."""
-    parts = [groups.get(n) for n in names]
-    if not parts or any(p is None for p in parts):
+    found = [groups.get(n) for n in names]
+    parts = [p for p in found if p is not None]
+    if not found or len(parts) < len(found):
         return quantize_weight(weight, spec, bias)
     q, d, m = (torch.cat([p[j] for p in parts]) for j in range(3))
     K = weight.shape[1]

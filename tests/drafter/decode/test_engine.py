@@ -7,6 +7,7 @@ import torch
 from specloop.drafter.decode.capacity import positions_needed
 from specloop.drafter.decode.controller import Controller, ControllerConfig
 from specloop.drafter.decode.engine import Engine, generate
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView, emitted_tokens
 from specloop.drafter.decode.requests import EngineRequest, Generation, StopRule
 from specloop.drafter.decode.sampling import SamplingParams, draw_uniforms, make_generators
@@ -58,7 +59,8 @@ def _alone(verifier, drafter, req: EngineRequest, rule):
     generators = make_generators(params.seed, 1, start=req.stream)
     while gen.finish_reason is None:
         uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
-        outcome = speculative_step(lean, cache, last, drafter if k else None, k, params, uniforms, torch.ones(1, dtype=torch.bool))
+        plan = StepPlan.from_uniforms(torch.ones(1, dtype=torch.bool), k, params, uniforms)
+        outcome = speculative_step(lean, cache, last, drafter if k else None, plan)
         rule.extend(gen, emitted_tokens(outcome, 0), params)
         last = outcome.last_tokens
     return gen.token_ids

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
@@ -76,7 +77,7 @@ def test_a_plain_step_hands_the_head_the_verifiers_feature_and_token(verifier):
     d.start(PROMPTS, 32, VerifierView(cache, feats))
     last = torch.tensor([p[-1] for p in PROMPTS])
     before = cache.lens.clone()
-    outcome = speculative_step(lean, cache, last, d, 0, SamplingParams(), None, torch.ones(3, dtype=torch.bool))
+    outcome = speculative_step(lean, cache, last, d, StepPlan(torch.ones(3, dtype=torch.bool), 0, SamplingParams()))
     assert torch.equal(d.last, outcome.last_tokens)
     again, _ = prefill(lean, PROMPTS, 32)  # the same step by hand: the feature at each prompt's last token
     again.lens = before.clone()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
@@ -104,7 +105,7 @@ def test_the_window_holds_the_prompts_last_positions_and_follows_plain_steps(ver
     torch.testing.assert_close(d.win.raw[2].float(), want)
     assert not d.win.raw[3].any()  # a one-token prompt: its token with a zero feature
     last = torch.tensor([p[-1] for p in PROMPTS])
-    outcome = speculative_step(lean, cache, last, d, 0, SamplingParams(), None, torch.ones(4, dtype=torch.bool))
+    outcome = speculative_step(lean, cache, last, d, StepPlan(torch.ones(4, dtype=torch.bool), 0, SamplingParams()))
     assert d.win.tokens[:, -1].tolist() == outcome.last_tokens.tolist()
     grown = [p + [int(t)] for p, t in zip(PROMPTS, outcome.last_tokens)]
     again = Eagle3Drafter(lean, d.head_module)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from specloop.drafter.decode.engine import Engine, generate
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
-from specloop.drafter.decode.speculative import speculative_step
+from specloop.drafter.decode.speculative import StepOptions, speculative_step
 from specloop.drafter.kinds.suffix import (
     SEPARATOR,
     OutputStore,
@@ -150,8 +151,9 @@ def test_a_sampled_step_verifies_one_hot_drafts_cut_to_their_length():
     cache, _ = prefill(verifier, [prompt], 64)
     drafter.start([prompt], 64)
     seen = []
-    outcome = speculative_step(verifier, cache, torch.tensor([prompt[-1]]), drafter, 4, SamplingParams(temperature=1.0),
-                               torch.full((1, 9), 0.5), torch.tensor([True]), on_trace=seen.append)
+    plan = StepPlan.from_uniforms(torch.tensor([True]), 4, SamplingParams(temperature=1.0), torch.full((1, 9), 0.5))
+    outcome = speculative_step(verifier, cache, torch.tensor([prompt[-1]]), drafter, plan,
+                               options=StepOptions(on_trace=seen.append))
     q = seen[0].proposal.probs  # the match "5 6 7" (3 tokens) drafts [8, 5, 6]: k = 4 is cut to 3
     assert q.shape == (1, 3, verifier.vocab_size) and q.sum() == 3.0
     assert q[0].argmax(-1).tolist() == [8, 5, 6] and outcome.drafted.tolist() == [3]

@@ -19,7 +19,8 @@ from specloop.drafter.decode.engine import generate
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.model.loading import load_model
-from specloop.services.cli.replay_traffic import Replay, ReplayConfig
+from specloop.services.cli.replay_traffic import Replay, ReplayConfig, ReplaySummary
+from specloop.services.worker.worker import ServeResult
 from tests.redis_helpers import REDIS_URL, needs_redis, needs_redis_server, redis_up
 from tests.tiny import TEXT, make_pair
 
@@ -82,12 +83,12 @@ def paced(replay: Replay, results):
             continue
         deadline = time.monotonic() + PACE_TIMEOUT_S
         while time.monotonic() < deadline:
-            if ray.get(replay.learner.stats.remote())["learner"]["updates"] >= UPDATES_PER_REQUEST * (i + 1):
+            if ray.get(replay.learner.stats.remote()).learner.updates >= UPDATES_PER_REQUEST * (i + 1):
                 break
             time.sleep(0.02)
 
 
-def run_replay(cfg: ReplayConfig) -> tuple[list[dict], dict, list[list[int]]]:
+def run_replay(cfg: ReplayConfig) -> tuple[list[ServeResult], ReplaySummary, list[list[int]]]:
     """(results in request order, finish() summary, prompt ids per request)."""
     replay = Replay(cfg)
     try:
@@ -97,10 +98,10 @@ def run_replay(cfg: ReplayConfig) -> tuple[list[dict], dict, list[list[int]]]:
     return results, summary, [r.prompt_ids for r in replay.traffic]
 
 
-def thirds(results: list[dict]) -> tuple[float, float]:
+def thirds(results: list[ServeResult]) -> tuple[float, float]:
     """Mean τ (block efficiency) over the first and the last third of the requests."""
     n = len(results) // 3
-    mean = lambda rs: sum(r["block_efficiency"] for r in rs) / len(rs)  # noqa: E731
+    mean = lambda rs: sum(r.block_efficiency for r in rs) / len(rs)  # noqa: E731
     return mean(results[:n]), mean(results[-n:])
 
 
@@ -135,17 +136,17 @@ def runs(sharp_pair, prompt_file, tmp_path_factory):
 def test_acceptance_on_a_repeated_stream_rises_with_the_learner_on(runs, buffer):
     results, summary, _ = runs("kl", buffer)
     first, last = thirds(results)
-    learner = summary["learner"]
-    promoted = [p["version"] for p in learner["published"] if p["promoted"]]
-    print(f"{buffer}: τ first third {first:.2f} -> last third {last:.2f}; updates {learner['learner']['updates']}, "
-          f"published {len(learner['published'])}, promoted {len(promoted)}, swaps {len(summary['worker']['swaps'])}")
+    learner = summary.learner
+    promoted = [p.version for p in learner.published if p.promoted]
+    print(f"{buffer}: τ first third {first:.2f} -> last third {last:.2f}; updates {learner.learner.updates}, "
+          f"published {len(learner.published)}, promoted {len(promoted)}, swaps {len(summary.worker.swaps)}")
     assert len(results) == PROMPTS * CYCLES
     assert last > first + 0.2
     assert promoted and promoted[-1] != "v0001"
-    assert summary["worker"]["swaps"]  # the worker served the new champions
-    assert {r["drafter_version"] for r in results[-PROMPTS:]} != {"v0001"}
-    records = summary["worker"]["records"]
-    assert records["dropped"] == 0 and records["logged"] >= learner["learner"]["records_seen"] > 0
+    assert summary.worker.swaps  # the worker served the new champions
+    assert {r.drafter_version for r in results[-PROMPTS:]} != {"v0001"}
+    records = summary.worker.records
+    assert records.dropped == 0 and records.logged >= learner.learner.records_seen > 0
 
 
 def test_acceptance_on_a_repeated_stream_stays_put_with_the_learner_off(runs):
@@ -154,16 +155,16 @@ def test_acceptance_on_a_repeated_stream_stays_put_with_the_learner_off(runs):
     first, last = thirds(results)
     print(f"off: τ first third {first:.2f} -> last third {last:.2f}")
     assert abs(last - first) < 0.05
-    assert {r["drafter_version"] for r in results} == {"base"}
-    assert "learner" not in summary and summary["worker"]["records"] is None
+    assert {r.drafter_version for r in results} == {"base"}
+    assert summary.learner is None and summary.worker.records is None
 
 
 @pytest.mark.parametrize("buffer", ["memory", pytest.param("redis", marks=needs_redis)])
 def test_greedy_outputs_while_versions_swap_equal_the_verifier_alone(runs, reference, buffer):
     results, summary, prompt_ids = runs("kl", buffer)
-    assert len({tuple(r["drafter_versions"]) for r in results}) > 1  # several drafter versions served
+    assert len({tuple(r.drafter_versions) for r in results}) > 1  # several drafter versions served
     for result, ids in zip(results, prompt_ids):
-        assert result["token_ids"] == reference(ids), result["id"]
+        assert result.token_ids == reference(ids), result.id
 
 
 # ---------------------------------------------------------------- Redis going away mid-run
@@ -181,16 +182,16 @@ def test_redis_stopped_mid_run_fails_no_request_and_logging_resumes_when_it_retu
         stream = replay.run(progress=False)
         total = len(replay.traffic)
         results += [next(stream) for _ in range(total // 2)]
-        before = ray.get(replay.worker.drain.remote())["records"]
-        assert before["logged"] > 0 and before["dropped"] == 0
+        before = ray.get(replay.worker.drain.remote()).records
+        assert before.logged > 0 and before.dropped == 0
 
         redis_server.stop()
         results += [next(stream) for _ in range(5)]  # served while Redis is down
-        down = ray.get(replay.worker.drain.remote())["records"]
-        assert down["dropped"] > 0  # the records of those requests were dropped, not waited on
+        down = ray.get(replay.worker.drain.remote()).records
+        assert down.dropped > 0  # the records of those requests were dropped, not waited on
 
         redis_server.start()
-        seen_at_restart = ray.get(replay.learner.stats.remote())["learner"]["records_seen"]
+        seen_at_restart = ray.get(replay.learner.stats.remote()).learner.records_seen
         results += list(paced(replay, stream))
         ray.get(replay.worker.drain.remote())
         client = redis.Redis(port=redis_server.port)
@@ -199,17 +200,17 @@ def test_redis_stopped_mid_run_fails_no_request_and_logging_resumes_when_it_retu
         client.close()
     finally:
         summary = replay.finish()
-    after = summary["worker"]["records"]
+    after = summary.worker.records
     assert len(results) == total == PROMPTS * CYCLES
-    assert [r["index"] for r in results] == list(range(total))
+    assert [r.index for r in results] == list(range(total))
     for result, request in zip(results, replay.traffic):
-        assert result["token_ids"] == reference(request.prompt_ids), result["id"]
-    assert after["logged"] > down["logged"]  # logging resumed by itself
-    assert after["dropped"] >= down["dropped"] > 0
+        assert result.token_ids == reference(request.prompt_ids), result.id
+    assert after.logged > down.logged  # logging resumed by itself
+    assert after.dropped >= down.dropped > 0
     assert stream_len > 0  # the records logged since the restart are in the stream
-    assert summary["learner"]["learner"]["records_seen"] > seen_at_restart  # and the learner read them
-    print(f"redis outage: logged {before['logged']} -> {down['logged']} -> {after['logged']}, "
-          f"dropped {after['dropped']}, stream after restart {stream_len}")
+    assert summary.learner.learner.records_seen > seen_at_restart  # and the learner read them
+    print(f"redis outage: logged {before.logged} -> {down.logged} -> {after.logged}, "
+          f"dropped {after.dropped}, stream after restart {stream_len}")
 
 
 def test_a_prompt_that_does_not_fit_the_context_is_skipped_not_fatal(tiny_pair, tmp_path, caplog):

@@ -17,7 +17,7 @@ from specloop.services.buffer.redis_stream import RedisStreamBuffer
 from specloop.services.learner.learner import LearnerService, LearnerServiceConfig
 from specloop.services.protocol import CompletionRequest
 from specloop.services.registry.registry import Registry
-from specloop.services.worker.worker import VerifierWorker, WorkerConfig
+from specloop.services.worker.worker import ServeResult, VerifierWorker, WorkerConfig
 from specloop.trainer.objectives import ObjectiveConfig
 from specloop.trainer.online import LearnerConfig
 from specloop.trainer.records import decode
@@ -127,12 +127,12 @@ def test_training_publishes_every_publish_every_updates_and_acks_entries_only_af
     versions = registry.list()
     assert [v.learner_step for v in versions] == [0, 5, 10, 15]
     assert all(v.objective == "kl" and v.sim_acceptance is not None for v in versions[1:])
-    promoted = [e["version"] for e in service.published if e["promoted"]]
+    promoted = [e.version for e in service.published if e.promoted]
     assert promoted, service.published  # the kl objective on repeated greedy traffic beats the base drafter
     assert registry.champion() == promoted[-1]
     for event, info in zip(service.published, versions[1:]):
         assert info.extra["baseline"]["version"] == info.parent  # the candidate was compared with the champion
-        assert event["promoted"] == (event["sim_acceptance"] >= event["baseline"])
+        assert event.promoted == (event.sim_acceptance >= event.baseline)
 
     # the entries read after the last publish are the only pending ones
     service.step()
@@ -150,9 +150,9 @@ def test_a_killed_learners_pending_records_go_to_the_next_learner_which_resumes_
 
     a_buffer = redis_buffers()
     a = make_service(tiny_pair, tmp_path / "registry", a_buffer, consumer="learner-a")
-    step_until(a, lambda: len(a.published) == 1)
+    step_until(a, lambda: len(a.published) == 1)  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
     acked_by_a = a.learner.seen - len(a.unacked)  # what the published version used or let go of
-    step_until(a, lambda: a.learner.updates >= PUBLISH_EVERY + 3)  # more reads and updates, no second publish
+    step_until(a, lambda: a.learner.updates >= PUBLISH_EVERY + 3)  # more reads and updates, no second publish  # noqa: F821 - deleted after the last use (ruff reads the del as unbinding it)
     assert len(a.published) == 1 and a.unacked
     read_by_a = a.learner.seen
     assert writer.stats().pending == len(a.unacked) == read_by_a - acked_by_a
@@ -184,14 +184,14 @@ def test_pinning_stops_promotion_while_the_learner_keeps_training(tiny_pair, tmp
 
     step_until(service, lambda: len(service.published) >= published + 3)
     refused = service.published[published:]
-    assert all(not e["promoted"] and "pinned" in e["reason"] for e in refused), refused
+    assert all(not e.promoted and "pinned" in e.reason for e in refused), refused
     assert registry.champion() == registry.pinned() == champion
     assert service.learner.updates >= updates + 3 * PUBLISH_EVERY
     assert len(registry.list()) == 1 + len(service.published)  # refused versions are still published
 
     registry.unpin()
     published = len(service.published)
-    step_until(service, lambda: any(e["promoted"] for e in service.published[published:]))
+    step_until(service, lambda: any(e.promoted for e in service.published[published:]))
     assert registry.champion() != champion
 
 
@@ -211,10 +211,10 @@ def test_a_malformed_payload_is_counted_and_acknowledged_and_never_stops_the_lea
             time.sleep(0.05)
     finally:
         stats = service.stop()
-    assert stats["error"] is None
-    assert stats["bad_records"] == 2
+    assert stats.error is None
+    assert stats.bad_records == 2
     assert service.learner.seen == len(payloads)  # every valid record was read
-    assert len(stats["published"]) >= 2 and service.learner.updates >= 2 * PUBLISH_EVERY
+    assert len(stats.published) >= 2 and service.learner.updates >= 2 * PUBLISH_EVERY
     service.publish()  # acks what the thread's updates used after its last publish
     left = buffer.claim_stale("another-learner", 0)  # what is left to retry: records waiting for an update
     assert len(left) == len(service.unacked) == buffer.stats().pending
@@ -231,7 +231,7 @@ def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_
     step_until(service, lambda: len(service.published) == 1)
     address = service.serve_metrics()
     try:
-        assert service.serve_metrics() == address == service.stats()["metrics_url"]
+        assert service.serve_metrics() == address == service.stats().metrics_url
         text = httpx.get(f"http://{address}/metrics", timeout=5).text
     finally:
         stop_metrics(address)
@@ -244,7 +244,7 @@ def test_the_learner_exports_updates_loss_lag_buffer_and_the_gate_as_prometheus_
     assert values["specloop:buffer_depth"] == len(payloads)
     assert values["specloop:learner_versions_published_total"] == 1
     assert values["specloop:promotions_total"] + values["specloop:promotion_refusals_total"] == 1
-    assert values["specloop:promotions_total"] == service.published[0]["promoted"]
+    assert values["specloop:promotions_total"] == service.published[0].promoted
 
 
 def test_a_new_learner_resumes_from_the_champion_not_a_rolled_back_or_unreadable_version(tiny_pair, tmp_path, payloads):
@@ -307,7 +307,7 @@ def test_the_learner_keeps_the_registry_bounded(tiny_pair, tmp_path, payloads):
     assert "v0001" not in kept and len(list((tmp_path / "registry" / "versions").iterdir())) == len(kept)
 
 
-def _serve_with(registry_dir, tiny_pair, buffer, n: int, start: int = 0) -> list[dict]:
+def _serve_with(registry_dir, tiny_pair, buffer, n: int, start: int = 0) -> list[ServeResult]:
     """A worker on the registry serving n greedy requests (its records go to `buffer`)."""
     worker = VerifierWorker(WorkerConfig(str(tiny_pair[0]), str(tiny_pair[1]), "pretrained", registry=str(registry_dir),
                                          poll_interval_s=0.0), buffer)
@@ -344,10 +344,10 @@ def test_a_promoted_version_is_judged_against_its_predecessor_on_the_same_live_r
     verdict = service.verdicts[0]
     print(f"scale {scale}: {verdict}")
     # decided on the first 64 blocks the new version drafted (the target: within 256)
-    assert verdict["version"] == v2 and verdict["rolled_back"] == rolled_back and verdict["records"] <= 256
+    assert verdict.version == v2 and verdict.rolled_back == rolled_back and verdict.records <= 256
     assert registry.champion() == (v1 if rolled_back else v2)
     if rolled_back:
-        assert verdict["sim_acceptance"] < verdict["predecessor_sim_acceptance"] - 0.05
+        assert verdict.sim_acceptance < verdict.predecessor_sim_acceptance - 0.05
         assert [e["event"] for e in registry.events()].count("rollback") == 1
         assert same_weights(service.learner.weights(), registry.load_weights(v1))  # restarts from the champion
 
@@ -394,7 +394,7 @@ def test_a_learner_restarted_after_a_promotion_still_judges_it(tiny_pair, tmp_pa
     assert second.canary is not None and (second.canary.version, second.canary.predecessor) == (v2, v1)
     _serve_with(tmp_path / "registry", tiny_pair, buffer, 24)
     step_until(second, lambda: second.verdicts)
-    assert second.verdicts[0]["rolled_back"] and registry.champion() == v1
+    assert second.verdicts[0].rolled_back and registry.champion() == v1
     third = make_service(tiny_pair, tmp_path / "registry", buffer, updates_per_read=0)
     third.step()
     assert third.canary is None

@@ -18,7 +18,7 @@ from specloop.services.buffer.memory import MemoryBuffer
 from specloop.services.buffer.redis_stream import RedisStreamBuffer
 from specloop.services.protocol import CompletionRequest
 from specloop.services.registry.registry import Registry
-from specloop.services.worker.worker import AcceptanceMonitor, VerifierWorker, WorkerConfig
+from specloop.services.worker.worker import AcceptanceMonitor, ServeResult, VerifierWorker, WorkerConfig
 from specloop.trainer.records import decode
 from tests.redis_helpers import needs_redis_server
 from tests.stats import chi2_pvalue, exact_marginals
@@ -193,7 +193,7 @@ def verifier_alone(worker: VerifierWorker, reqs: list[CompletionRequest]) -> lis
             for r in reqs]
 
 
-def serve_all(worker: VerifierWorker, reqs: list[CompletionRequest]) -> list[dict]:
+def serve_all(worker: VerifierWorker, reqs: list[CompletionRequest]) -> list[ServeResult]:
     return [worker.serve(r) for r in reqs]
 
 
@@ -202,15 +202,15 @@ def settle(worker: VerifierWorker, version: str, timeout: float = 30.0) -> int:
     warm = requests(worker.verifier, start=1000)[0]
     deadline = time.monotonic() + timeout
     for n in range(1, 10_000):
-        if worker.serve(warm)["drafter_versions"] == [version]:
+        if worker.serve(warm).drafter_versions == [version]:
             return n
         assert time.monotonic() < deadline, f"worker never served {version}: {worker.stats()}"
         time.sleep(0.01)
     raise AssertionError("unreachable")
 
 
-def per_request(results: list[dict]) -> list[tuple]:
-    return [(r["token_ids"], r["drafted"], r["accepted"]) for r in results]
+def per_request(results: list[ServeResult]) -> list[tuple]:
+    return [(r.token_ids, r.drafted, r.accepted) for r in results]
 
 
 @pytest.fixture
@@ -237,8 +237,8 @@ def test_the_worker_serves_the_champion_and_picks_up_a_newly_promoted_version(ti
     reqs = requests(worker.verifier)
     reference = verifier_alone(worker, reqs)
     first = serve_all(worker, reqs)
-    assert {r["drafter_version"] for r in first} == {"v0001"}
-    assert [r["token_ids"] for r in first] == reference
+    assert {r.drafter_version for r in first} == {"v0001"}
+    assert [r.token_ids for r in first] == reference
 
     v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
     assert reg.promote(v2).promoted
@@ -246,23 +246,23 @@ def test_the_worker_serves_the_champion_and_picks_up_a_newly_promoted_version(ti
     for i in range(10_000):
         r = reqs[i % len(reqs)]
         results.append((r, worker.serve(r)))
-        if results[-1][1]["drafter_version"] == "v0002":
+        if results[-1][1].drafter_version == "v0002":
             break
         assert time.monotonic() < deadline, "the worker never picked up v0002"
         time.sleep(0.01)
-    print(f"v0002 served after {len(results)} request(s); versions {[x['drafter_versions'] for _, x in results]}")
+    print(f"v0002 served after {len(results)} request(s); versions {[x.drafter_versions for _, x in results]}")
     results += [(r, worker.serve(r)) for r in reqs]
-    assert results[-1][1]["drafter_versions"] == ["v0002"]
-    assert [x["token_ids"] for _, x in results] == verifier_alone(worker, [r for r, _ in results])
+    assert results[-1][1].drafter_versions == ["v0002"]
+    assert [x.token_ids for _, x in results] == verifier_alone(worker, [r for r, _ in results])
 
     stats = worker.stats()
-    assert stats["version"] == "v0002"
-    swap = [s for s in stats["swaps"] if s["new"] == "v0002"]
-    assert len(swap) == 1 and swap[0]["old"] == "v0001"
-    assert swap[0]["stall_ms"] >= 0 and swap[0]["load_ms"] >= 0
-    assert stats["swap_stall_ms"]["n"] == sum(s["in_flight"] for s in stats["swaps"])
-    assert set(stats["acceptance_by_version"]) >= {"v0001", "v0002"}
-    assert stats["load_failures"] == [] and stats["rollbacks"] == []
+    assert stats.version == "v0002"
+    swap = [s for s in stats.swaps if s.new == "v0002"]
+    assert len(swap) == 1 and swap[0].old == "v0001"
+    assert swap[0].stall_ms >= 0 and swap[0].load_ms >= 0
+    assert stats.swap_stall_ms["n"] == sum(s.in_flight for s in stats.swaps)
+    assert set(stats.acceptance_by_version) >= {"v0001", "v0002"}
+    assert stats.load_failures == [] and stats.rollbacks == []
 
 
 def test_rollback_restores_the_previous_champions_outputs_and_statistics_exactly(tiny_pair, champion_worker):
@@ -274,14 +274,14 @@ def test_rollback_restores_the_previous_champions_outputs_and_statistics_exactly
     assert reg.promote(v2).promoted
     settle(worker, "v0002")
     s2 = serve_all(worker, reqs)
-    assert {r["drafter_version"] for r in s2} == {"v0002"}
+    assert {r.drafter_version for r in s2} == {"v0002"}
     assert [(d, a) for _, d, a in per_request(s2)] != [(d, a) for _, d, a in s1]
     assert [t for t, _, _ in per_request(s2)] == [t for t, _, _ in s1]  # lossless either way
 
     assert reg.rollback("test") == "v0001"
     settle(worker, "v0001")
     s3 = serve_all(worker, reqs)
-    assert {r["drafter_version"] for r in s3} == {"v0001"}
+    assert {r.drafter_version for r in s3} == {"v0001"}
     assert per_request(s3) == s1
 
 
@@ -304,8 +304,8 @@ def test_a_rollback_while_the_new_version_is_still_loading_keeps_the_champion_se
     gate.set()
     assert worker.watcher.fresh(30)  # v0002's load finished, and the watcher read the alias after it
     results = serve_all(worker, requests(worker.verifier)[:3])
-    assert [r["drafter_versions"] for r in results] == [["v0001"]] * 3
-    assert worker.stats()["version"] == reg.champion() == "v0001"
+    assert [r.drafter_versions for r in results] == [["v0001"]] * 3
+    assert worker.stats().version == reg.champion() == "v0001"
 
 
 @needs_redis_server
@@ -333,8 +333,9 @@ def test_a_worker_whose_redis_hangs_keeps_serving_and_follows_the_registry_again
             os.kill(redis_server.proc.pid, signal.SIGCONT)
         gap = max(b - a for a, b in zip(steps, steps[1:]))
         assert gap < 1.0, f"a step waited {gap:.2f} s on the paused Redis"
-        assert worker.registry_errors >= 1 and {r["drafter_version"] for r in served} == {v1}
-        assert [r["token_ids"] for r in served] == verifier_alone(worker, [reqs[i % len(reqs)] for i in range(len(served))])
+        assert worker.registry_errors >= 1 and {r.drafter_version for r in served} == {v1}
+        served_reqs = [reqs[i % len(reqs)] for i in range(len(served))]
+        assert [r.token_ids for r in served] == verifier_alone(worker, served_reqs)
         v2 = publish(reg, noisy(base_weights(tiny_pair[1]), 0.1, seed=1), v1, 0.6)
         assert reg.promote(v2).promoted
         settle(worker, v2)
@@ -361,11 +362,11 @@ def test_a_version_with_nan_weights_is_refused_and_the_champion_keeps_serving(ti
     assert [e["event"] for e in reg.events() if e["version"] == v2] == ["publish", "refuse", "refuse"]
 
     after = serve_all(worker, reqs)
-    assert {r["drafter_version"] for r in after} == {"v0001"}
+    assert {r.drafter_version for r in after} == {"v0001"}
     assert per_request(after) == before
     stats = worker.stats()
-    assert [s["new"] for s in stats["swaps"]] == ["v0001"]  # only the start-up load
-    assert stats["load_failures"] == []
+    assert [s.new for s in stats.swaps] == ["v0001"]  # only the start-up load
+    assert stats.load_failures == []
 
 
 def test_a_dvi_worker_given_a_plain_drafter_directory_serves_registry_heads_losslessly(tiny_pair, tmp_path):
@@ -375,17 +376,17 @@ def test_a_dvi_worker_given_a_plain_drafter_directory_serves_registry_heads_loss
     worker = VerifierWorker(config)  # a plain LM directory is no DVI checkpoint: an untrained head, like the learner's
     try:
         reqs = requests(worker.verifier)[:4]
-        assert {r["drafter_version"] for r in serve_all(worker, reqs)} == {"base"}
+        assert {r.drafter_version for r in serve_all(worker, reqs)} == {"base"}
         head = perturbed_weights(worker.builder, "dvi", torch.Generator().manual_seed(0), 0.1)
         vid = reg.publish(head, parent=None, learner_step=1, objective="kl", loss=None, sim_acceptance=0.5,
                           kind="dvi").id
         assert reg.promote(vid).promoted
         settle(worker, vid)
         results = serve_all(worker, reqs)
-        assert {r["drafter_version"] for r in results} == {vid}
+        assert {r.drafter_version for r in results} == {vid}
         # the new head is not the early exit (which accepts every draft of the tiny pair)
-        assert sum(r["accepted"] for r in results) < sum(r["drafted"] for r in results)
-        assert [r["token_ids"] for r in results] == verifier_alone(worker, reqs)
+        assert sum(r.accepted for r in results) < sum(r.drafted for r in results)
+        assert [r.token_ids for r in results] == verifier_alone(worker, reqs)
     finally:
         worker.close()
 
@@ -449,32 +450,32 @@ def test_the_worker_rolls_back_a_promoted_version_whose_live_acceptance_collapse
     reg, v1, worker = champion_worker(good, rollback_window=8, rollback_margin=0.05)
     reqs = requests(worker.verifier)
     under_v1 = serve_all(worker, reqs[:4])  # ≥ 8 blocks: v0001 has a full window
-    assert sum(r["drafted"] for r in under_v1) // K >= 8
-    rate_v1 = sum(r["accepted"] for r in under_v1) / sum(r["drafted"] for r in under_v1)
+    assert sum(r.drafted for r in under_v1) // K >= 8
+    rate_v1 = sum(r.accepted for r in under_v1) / sum(r.drafted for r in under_v1)
 
     v2 = publish(reg, {n: t * 0 for n, t in good.items()}, v1, 0.9)  # a drafter that lost its weights
     assert reg.promote(v2).promoted
     served, deadline = [], time.monotonic() + 60
-    while not worker.stats()["rollbacks"]:
+    while not worker.stats().rollbacks:
         served.append(worker.serve(reqs[len(served) % len(reqs)]))
         assert time.monotonic() < deadline, f"no automatic rollback: {worker.stats()}"
     assert reg.champion() == "v0001"
-    reason = worker.stats()["rollbacks"][0]
+    reason = worker.stats().rollbacks[0]
     assert "v0002" in reason and "v0001" in reason
     rollback = [e for e in reg.events() if e["event"] == "rollback"]
     assert len(rollback) == 1 and rollback[0]["version"] == "v0001" and rollback[0]["previous"] == "v0002"
     assert rollback[0]["reason"] == reason
-    by_version = worker.stats()["acceptance_by_version"]
-    rate_v2 = by_version["v0002"]["accepted"] / by_version["v0002"]["drafted"]
+    by_version = worker.stats().acceptance_by_version
+    rate_v2 = by_version["v0002"].accepted / by_version["v0002"].drafted
     print(f"rolled back: α v0001 {rate_v1:.3f}, v0002 {rate_v2:.3f}: {reason}")
     assert rate_v2 < rate_v1 - 0.05
 
     settle(worker, "v0001")  # the worker follows the registry back
     again = serve_all(worker, reqs[:4])
     assert per_request(again) == per_request(under_v1)
-    assert len(worker.stats()["rollbacks"]) == 1
+    assert len(worker.stats().rollbacks) == 1
     served_reqs = [reqs[i % len(reqs)] for i in range(len(served))]
-    assert [x["token_ids"] for x in served] == verifier_alone(worker, served_reqs)
+    assert [x.token_ids for x in served] == verifier_alone(worker, served_reqs)
 
 
 # ---------------------------------------------------------------- replay records
@@ -487,18 +488,18 @@ def test_the_worker_logs_one_record_per_served_block_tagged_with_the_serving_ver
     _, _, worker = champion_worker(noisy(base_weights(tiny_pair[1]), 0.1, seed=3), buffer=buffer, log_thread=log_thread)
     results = serve_all(worker, requests(worker.verifier))
     worker.drain()
-    blocks = sum(r["drafted"] for r in results) // K
+    blocks = sum(r.drafted for r in results) // K
     entries = buffer.read("test", count=10 * blocks)
     assert len(entries) == blocks == buffer.stats().depth
     records = [decode(e.payload) for e in entries]
     assert {r.drafter_version for r in records} == {"v0001"}
     assert {r.kind for r in records} == {"pretrained"} and {r.k for r in records} == {K}
     for res in results:
-        mine = [r for r in records if r.request_id == res["id"]]
-        assert [r.block for r in mine] == list(range(res["drafted"] // K))
-        assert sum(r.accepted for r in mine) == res["accepted"]
-    stats = worker.stats()["records"]
-    assert stats["logged"] == blocks and stats["dropped"] == 0
+        mine = [r for r in records if r.request_id == res.id]
+        assert [r.block for r in mine] == list(range(res.drafted // K))
+        assert sum(r.accepted for r in mine) == res.accepted
+    stats = worker.stats().records
+    assert stats.logged == blocks and stats.dropped == 0
 
 
 def test_a_mix_of_speculators_logs_the_models_blocks_only_and_serves_the_verifiers_tokens(tiny_pair):
@@ -510,7 +511,7 @@ def test_a_mix_of_speculators_logs_the_models_blocks_only_and_serves_the_verifie
         reqs = requests(worker.verifier) + requests(worker.verifier, start=100)  # the same texts twice
         results = serve_all(worker, reqs)
         worker.drain()
-        assert [r["token_ids"] for r in results] == verifier_alone(worker, reqs)
+        assert [r.token_ids for r in results] == verifier_alone(worker, reqs)
         served = worker.drafter.served
         assert served["suffix"] > 0 and served["adaptive"] + served["static"] > 0, served
         records = [decode(e.payload) for e in buffer.read("test", count=100_000)]

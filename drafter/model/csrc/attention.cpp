@@ -1,0 +1,173 @@
+// `attend`: RoPE, the KV-cache write and causal attention of T new tokens per row, each query computed
+// alone over its keys (exact across T, batch and threads by construction).
+#include "kernels.h"
+
+// v[0..15] -> lane j = the sum of v[j]'s 16 lanes, all in one fixed tree of shuffles and adds
+// (halves, quarters, pairs, lanes).
+static inline vf fold(vf a, vf b, vi lo, vi hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+static inline vf sum16(const vf* v) {
+  const vi h_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi h_hi = h_lo + 8;
+  const vi q_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi q_hi = q_lo + 4;
+  const vi p_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi p_hi = p_lo + 2;
+  const vi e_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi e_hi = e_lo + 1;
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold(v[2 * i], v[2 * i + 1], h_lo, h_hi);
+  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], q_lo, q_hi);
+  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], p_lo, p_hi);
+  return fold(c[0], c[1], e_lo, e_hi);
+}
+
+// Rotate-half RoPE of one head (D floats) at one position into dst.
+static inline void rope_head(const float* x, const float* c, const float* s, float* dst, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] - x[i + half] * s[i];
+  for (int64_t i = half; i < D; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+// Query heads that share one KV head (a row's head group, over one or more new tokens), query i over keys
+// [0, Ls[i]): scores, softmax, values. Each query's result depends on (the query, its Ls[i] keys and values)
+// alone, never on which other queries share the call, T, the batch or the thread: every query goes
+// through the same operations in the same order as it would alone; the group only shares the loads
+// (a chunk of keys is scored for every query while it is in L1, a value row feeds every query's
+// accumulators, which also keeps the FMA units busy: one query alone is a chain of dependent adds).
+template <int C16>  // D / 16, a compile-time constant
+static void attend_group(const float* const* qs, float* const* outs, const int64_t* Ls, int n,
+                         const float* K, const float* V, int64_t D, float scale, std::vector<float>& s) {
+  constexpr int TQ = C16 >= 16 ? 1 : 24 / C16;  // queries whose accumulators stay in registers together
+  int64_t Lmax = 0;
+  for (int i = 0; i < n; ++i) Lmax = std::max(Lmax, Ls[i]);
+  const int64_t Lp = (Lmax + 15) / 16 * 16;
+  s.resize(n * Lp);
+  for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
+    const float* kr[16];                      // in one fixed tree (`sum16`: lane jj is key jj's alone)
+    for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, Lmax - 1) * D;  // tail: dropped
+    for (int i = 0; i < n; ++i) {
+      if (j0 >= Ls[i]) continue;
+      vf qv[C16];
+      for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(qs[i] + 16 * c);
+      vf part[16];
+      for (int64_t jj = 0; jj < 16; ++jj) {
+        vf a = qv[0] * load_vf(kr[jj]);
+        for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(kr[jj] + 16 * c);
+        part[jj] = a;
+      }
+      const vf sc = sum16(part) * scale;
+      std::memcpy(s.data() + i * Lp + j0, &sc, 64);
+    }
+  }
+  float inv[64];
+  for (int i = 0; i < n; ++i) {  // softmax numerators, each query over its own keys
+    float* si = s.data() + i * Lp;
+    const int64_t L = Ls[i], Li = (L + 15) / 16 * 16;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) m = std::max(m, si[j]);  // a max is exact in any order
+    for (int64_t j = L; j < Li; ++j) si[j] = -INFINITY;      // exp gives exactly 0 there
+    vf total = vf{};
+    for (int64_t j = 0; j < Li; j += 16) {
+      const vf p = exp_neg(load_vf(si + j) - m);
+      std::memcpy(si + j, &p, 64);
+      total = total + p;
+    }
+    inv[i] = 1.0f / hsum(total);
+  }
+  for (int i0 = 0; i0 < n; i0 += TQ) {  // values: one chain per lane and query over the keys in order
+    const int m = std::min(TQ, n - i0);
+    int64_t lo = Lmax;
+    for (int i = 0; i < m; ++i) lo = std::min(lo, Ls[i0 + i]);
+    vf o[TQ][C16];
+    for (int i = 0; i < m; ++i)
+      for (int64_t c = 0; c < C16; ++c) o[i][c] = vf{};
+    for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
+      const float* v = V + j * D;
+      vf vv[C16];
+      for (int64_t c = 0; c < C16; ++c) vv[c] = load_vf(v + 16 * c);
+      for (int i = 0; i < m; ++i) {
+        const float pj = s[(i0 + i) * Lp + j];
+        for (int64_t c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * vv[c];
+      }
+    }
+    for (int i = 0; i < m; ++i) {  // each query's own last keys (the causal tail), then its output
+      for (int64_t j = lo; j < Ls[i0 + i]; ++j) {
+        const float pj = s[(i0 + i) * Lp + j];
+        const float* v = V + j * D;
+        for (int64_t c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * load_vf(v + 16 * c);
+      }
+      for (int64_t c = 0; c < C16; ++c) {
+        const vf y = o[i][c] * inv[i0 + i];
+        std::memcpy(outs[i0 + i] + 16 * c, &y, 64);
+      }
+    }
+  }
+}
+
+// Causal attention of T new tokens per row over a KV cache, exact per query by construction.
+// qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
+// and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] fp32 there; every query
+// attends keys 0 .. its own position. Returns [B, T, H D] fp32.
+torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
+                     torch::Tensor lens_in, int64_t H, double scale_d) {
+  const torch::Tensor qkv = qkv_in.to(torch::kFloat32).contiguous();
+  const torch::Tensor lens = lens_in.to(torch::kInt64).contiguous();
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
+              vc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(), "KV cache: contiguous fp32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+              cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
+  TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D &&
+              lens.size(0) == B,
+              "attend: shapes");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] + T <= std::min(C, cos.size(0)), "KV cache full");
+  const int64_t rep = H / Hkv, W = qkv.size(2);
+  auto q = torch::empty({B, T, H, D}, qkv.options());
+  auto out = torch::empty({B, T, H * D}, qkv.options());
+  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, B * T, 8, [&](int64_t a, int64_t e) {
+    for (int64_t i = a; i < e; ++i) {
+      const int64_t b = i / T, pos = lp[b] + i % T;
+      const float* x = xp + i * W;
+      for (int64_t h = 0; h < H; ++h) rope_head(x + h * D, cp + pos * D, sp + pos * D, qp + (i * H + h) * D, D);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t at_ = ((b * Hkv + g) * C + pos) * D;
+        rope_head(x + (H + g) * D, cp + pos * D, sp + pos * D, kp + at_, D);
+        std::memcpy(vp + at_, x + (H + Hkv + g) * D, D * sizeof(float));
+      }
+    }
+  });
+  const float scale = (float)scale_d;
+  // Units of work: (row, KV head, a tile of its rep · T queries, token-major), each thread getting about
+  // four units where the call has that many queries, at most 48 queries a unit (a query's result does
+  // not depend on its tile).
+  const int64_t nq = rep * T, threads = at::get_num_threads();
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * threads - 1) / (4 * threads)));
+  const int64_t tiles = (nq + per - 1) / per;
+  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t a, int64_t e) {
+    std::vector<float> s;
+    const float* qs[48];
+    float* outs[48];
+    int64_t Ls[48];
+    for (int64_t u = a; u < e; ++u) {
+      const int64_t tile = u % tiles, bg = u / tiles, b = bg / Hkv, g = bg % Hkv, base = (b * Hkv + g) * C * D;
+      const int n = (int)std::min(per, nq - tile * per);
+      for (int i = 0; i < n; ++i) {
+        const int64_t qi = tile * per + i, t = qi / rep, h = g * rep + qi % rep, row = (b * T + t) * H + h;
+        qs[i] = qp + row * D;
+        outs[i] = op + row * D;
+        Ls[i] = lp[b] + t + 1;
+      }
+      switch (D) {
+        case 32: attend_group<2>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+        case 64: attend_group<4>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+        case 128: attend_group<8>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+        default: attend_group<16>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
+      }
+    }
+  });
+  return out;
+}

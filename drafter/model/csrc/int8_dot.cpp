@@ -1,0 +1,286 @@
+// int8 activations (rounded per row and group of 32) times int4 (`w4a8_mm`) or int8 (`w8a8_mm`) weight
+// blocks, by integer dot products: AVX-512 VNNI, else AVX-512BW / AVX2 (AVX-VNNI where present), else
+// lane by lane.
+#include "kernels.h"
+
+// ---------------------------------------------------------------------------- w4a8
+// int4 weights (groups of 32, w = q * d + m) times int8 activations (per row and group of 32:
+// x ~ xq * dx, xq = round(x / dx) in [-127, 127], dx = max|x| / 127; sx = dx * sum(xq)), as
+// llama.cpp multiplies Q4_1 by Q8_1: y[n] = sum_g (d dx) * sum_i q xq + m sx. The integer dot
+// products are exact; per row the float operations are the same whatever the number of rows.
+// Weights: [N/16, G, 4 chunks of 64 bytes]; in chunk j, lane l's 4 bytes b hold
+// q[4j + b] | q[16 + 4j + b] << 4 of output l (the group's inputs 4j..4j+3 and 16+4j..16+4j+3).
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+typedef __m512i ivec;
+static inline ivec iv_load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+static inline ivec iv_lo(ivec b) { return _mm512_and_si512(b, _mm512_set1_epi8(15)); }
+static inline ivec iv_hi(ivec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15)); }
+static inline ivec iv_zero() { return _mm512_setzero_si512(); }
+static inline ivec iv_bcast(int32_t v) { return _mm512_set1_epi32(v); }
+#if defined(__AVX512VNNI__)
+static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }
+#else
+static inline ivec iv_dot(ivec acc, ivec w, ivec x) {
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+#endif
+static inline vf iv_float(ivec a) { const __m512 f = _mm512_cvtepi32_ps(a); vf v; std::memcpy(&v, &f, 64); return v; }
+#define SPECLOOP_W4A8 1
+#elif defined(__AVX2__)
+struct ivec { __m256i a, b; };
+static inline ivec iv_load(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+static inline ivec iv_lo(ivec v) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(v.a, m), _mm256_and_si256(v.b, m)};
+}
+static inline ivec iv_hi(ivec v) {
+  const __m256i m = _mm256_set1_epi8(15);
+  return {_mm256_and_si256(_mm256_srli_epi16(v.a, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.b, 4), m)};
+}
+static inline ivec iv_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+static inline ivec iv_bcast(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+static inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return {dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)}; }
+static inline vf iv_float(ivec v) {
+  const __m256 a = _mm256_cvtepi32_ps(v.a), b = _mm256_cvtepi32_ps(v.b);
+  vf o; std::memcpy(&o, &a, 32); std::memcpy(reinterpret_cast<char*>(&o) + 32, &b, 32); return o;
+}
+#define SPECLOOP_W4A8 1
+#endif
+
+#if defined(SPECLOOP_W4A8)
+template <int M, int TB>
+static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
+                      const float* sx, float* y, int64_t G, int64_t ldy) {
+  vf out[M][TB];
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    ivec wq[TB][8];
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+        const ivec b = iv_load(w + (t * G + g) * 256 + 64 * j);
+        wq[t][j] = iv_lo(b);
+        wq[t][j + 4] = iv_hi(b);
+      }
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+      int32_t quads[8];
+      std::memcpy(quads, xq + (r * G + g) * 32, 32);
+      ivec acc[TB];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_zero();
+      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+        const ivec xb = iv_bcast(quads[j]);
+        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_dot(acc[t], wq[t][j], xb);
+      }
+      const float dxr = dx[r * G + g], sxr = sx[r * G + g];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+        const vf dg = load_h16(d + (t * G + g) * 16) * dxr, mg = load_h16(mn + (t * G + g) * 16);
+        out[r][t] = out[r][t] + dg * iv_float(acc[t]);
+        out[r][t] = out[r][t] + mg * sxr;
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) std::memcpy(y + r * ldy + t * 16, &out[r][t], 64);
+}
+#else
+// CPUs without AVX2: the same arithmetic, lane by lane (`portable_tile`).
+template <typename W>  // weight(l, k): output l's integer weight at the group's input k
+static inline vf lane_dots(const int8_t* xr, W&& weight) {
+  vf acc;
+  for (int l = 0; l < 16; ++l) {
+    int32_t s = 0;  // exact in any order
+    for (int k = 0; k < 32; ++k) s += weight(l, k) * xr[k];
+    acc[l] = (float)s;
+  }
+  return acc;
+}
+
+// out[r][t] = step(out, group g's lane dot products, r, t, g) over the groups in order, then stored.
+template <int M, int TB, typename Dot, typename Step>
+static void portable_tile(int64_t G, float* y, int64_t ldy, Dot&& dot, Step&& step) {
+  for (int r = 0; r < M; ++r)
+    for (int t = 0; t < TB; ++t) {
+      vf out = vf{};
+      for (int64_t g = 0; g < G; ++g) out = step(out, dot(r, t, g), r, t, g);
+      std::memcpy(y + r * ldy + t * 16, &out, 64);
+    }
+}
+
+template <int M, int TB>
+static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
+                      const float* sx, float* y, int64_t G, int64_t ldy) {
+  portable_tile<M, TB>(G, y, ldy,
+    [&](int r, int t, int64_t g) {
+      const uint8_t* p = w + (t * G + g) * 256;
+      return lane_dots(xq + (r * G + g) * 32, [&](int l, int k) {
+        const uint8_t v = p[64 * ((k % 16) / 4) + 4 * l + k % 4];
+        return k < 16 ? v & 15 : v >> 4;
+      });
+    },
+    [&](vf out, vf acc, int r, int t, int64_t g) {
+      const vf dg = load_h16(d + (t * G + g) * 16) * dx[r * G + g], mg = load_h16(mn + (t * G + g) * 16);
+      out = out + dg * acc;
+      return out + mg * sx[r * G + g];
+    });
+}
+#endif
+
+// Rows [R, K] fp32 -> int8 per group of 32 (round half to even), with dx and sx per (row, group).
+static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, float* dx, float* sx,
+                             int32_t* isum = nullptr) {
+  const int64_t G = K / 32;
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const float* v = x + r * K + g * 32;
+      float amax = 0.f;
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int i = 0; i < 32; ++i) {
+        const int32_t q = (int32_t)std::nearbyint(v[i] * id);
+        xq[r * K + g * 32 + i] = (int8_t)q;
+        sum += q;
+      }
+      dx[r * G + g] = dd;
+      sx[r * G + g] = dd * (float)sum;
+      if (isum) isum[r * G + g] = sum;
+    }
+}
+
+torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn) {
+  // x [R, K]; w [N/16, K/32 * 256] uint8; d, mn [N/16, K/32, 16] fp16 -> [R, N] fp32
+  const torch::Tensor x = rows_of(x_in);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kUInt8);
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == G * 256 && d.size(1) == G && NB % TILE == 0);
+  auto xq = torch::empty({R, K}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({R, G}, x.options()), sx = torch::empty({R, G}, x.options());
+  quantize_rows_q8(x.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>());
+  auto y = torch::empty({R, NB * 16}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  TORCH_CHECK(d.scalar_type() == torch::kHalf && mn.scalar_type() == torch::kHalf, "int4 scales: fp16");
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+  const float *dxp = dx.data_ptr<float>(), *sxp = sx.data_ptr<float>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = NB * 16;
+  over_tiles(NB, R, 1, [&](int64_t nb, int64_t r0, auto m) {
+    w4a8_tile<decltype(m)::value, TILE>(wp + nb * G * 256, dp + nb * G * 16, mp + nb * G * 16, qp + r0 * K,
+                                        dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy);
+  });
+  return y;
+}
+
+torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t n) {
+  return shaped(w4a8_mm(x, w, d, mn), x, n);
+}
+
+// ---------------------------------------------------------------------------- w8a8
+// int8 weights in blocks of 32 with an fp16 scale each (GGUF Q8_0: w = q * d) times int8 activations
+// as in w4a8: y[n] = sum_g (d dx) * sum_i q xq (llama.cpp's Q8_0 x Q8_0). Weights: [N/16, G, 8 chunks
+// of 64 bytes]; in chunk j, lane l's 4 bytes b hold q[4j + b] of output l (q in [-127, 127]).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr int32_t W8_OFFSET = 128;  // dpbusd multiplies unsigned by signed: (q + 128) * xq
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
+  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), x);
+}
+#elif defined(__AVX512F__) && defined(__AVX512BW__)
+static constexpr int32_t W8_OFFSET = 0;  // |x| times q with x's sign: no saturation for q, x in [-127, 127]
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
+  const __m512i sw = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), _mm512_setzero_si512(), w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(x), sw), _mm512_set1_epi16(1)));
+}
+#elif defined(__AVX2__)
+static constexpr int32_t W8_OFFSET = 0;
+static inline __m256i dot8_s8(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)),
+                                                 _mm256_set1_epi16(1)));
+}
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) { return {dot8_s8(acc.a, w.a, x.a), dot8_s8(acc.b, w.b, x.b)}; }
+#endif
+
+#if defined(SPECLOOP_W4A8)
+template <int M, int TB>
+static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
+                      float* y, int64_t G, int64_t ldy) {
+  vf out[M][TB];
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
+  for (int64_t g = 0; g < G; ++g) {
+    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+      int32_t quads[8];
+      std::memcpy(quads, xq + (r * G + g) * 32, 32);
+      ivec acc[TB];
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_zero();
+      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
+        const ivec xb = iv_bcast(quads[j]);
+        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)
+          acc[t] = iv_dot_s8(acc[t], iv_load(reinterpret_cast<const uint8_t*>(w) + (t * G + g) * 512 + 64 * j), xb);
+      }
+      const float dxr = dx[r * G + g];
+      const vf corr = vf{} + (float)(W8_OFFSET * isum[r * G + g]);  // exact: |value| < 2^24
+      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+        const vf dg = load_h16(d + (t * G + g) * 16) * dxr;
+        out[r][t] = out[r][t] + dg * (iv_float(acc[t]) - corr);
+      }
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) std::memcpy(y + r * ldy + t * 16, &out[r][t], 64);
+}
+#else
+template <int M, int TB>
+static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
+                      float* y, int64_t G, int64_t ldy) {
+  portable_tile<M, TB>(G, y, ldy,
+    [&](int r, int t, int64_t g) {
+      const int8_t* p = w + (t * G + g) * 512;
+      return lane_dots(xq + (r * G + g) * 32, [&](int l, int k) { return (int32_t)p[64 * (k / 4) + 4 * l + k % 4]; });
+    },
+    [&](vf out, vf acc, int r, int t, int64_t g) {
+      return out + (load_h16(d + (t * G + g) * 16) * dx[r * G + g]) * acc;
+    });
+}
+#endif
+
+torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d) {
+  // x [R, K]; w [N/16, K/32 * 512] int8; d [N/16, K/32, 16] fp16 -> [R, N] fp32
+  const torch::Tensor x = rows_of(x_in);
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && d.scalar_type() == torch::kHalf);
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
+  TORCH_CHECK(K % 32 == 0 && w.size(1) == G * 512 && d.size(1) == G && NB % TILE == 0);
+  auto xq = torch::empty({R, K}, x.options().dtype(torch::kInt8));
+  auto dx = torch::empty({R, G}, x.options()), sx = torch::empty({R, G}, x.options());
+  auto isum = torch::empty({R, G}, x.options().dtype(torch::kInt32));
+  quantize_rows_q8(x.data_ptr<float>(), R, K, xq.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(),
+                   isum.data_ptr<int32_t>());
+  auto y = torch::empty({R, NB * 16}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const float* dxp = dx.data_ptr<float>();
+  const int32_t* ip = isum.data_ptr<int32_t>();
+  const int8_t* qp = xq.data_ptr<int8_t>();
+  float* yp = y.data_ptr<float>();
+  const int64_t ldy = NB * 16;
+  over_tiles(NB, R, 4, [&](int64_t nb, int64_t r0, auto m) {
+    w8a8_tile<decltype(m)::value, TILE>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G, ip + r0 * G,
+                                        yp + r0 * ldy + nb * 16, G, ldy);
+  });
+  return y;
+}
+
+torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, int64_t n) {
+  return shaped(w8a8_mm(x, w, d), x, n);
+}

@@ -1,0 +1,101 @@
+// The element-wise steps of a layer (`rms_norm`, `silu_mul`), a whole decoder layer in one call
+// (`layer`), and the Python module's bindings (the functions kernels.h declares).
+#include <torch/extension.h>
+
+#include "kernels.h"
+
+// ---------------------------------------------------------------------------- element-wise
+
+// RMSNorm of every row of x [..., n] (any float dtype; n % 16 == 0) times w [n] -> fp32 [..., n]:
+// the squares summed in one vector chain in order, lanes in a fixed tree; y = w * (x * r).
+torch::Tensor rms_norm(torch::Tensor x_in, torch::Tensor w_in, double eps) {
+  const torch::Tensor x = rows_of(x_in), w = w_in.to(torch::kFloat32).contiguous();
+  const int64_t R = x.size(0), n = x.size(1);
+  TORCH_CHECK(n % 16 == 0 && w.numel() == n, "rms_norm: width");
+  auto y = torch::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r) {
+      const float* xr = xp + r * n;
+      vf acc = vf{};
+      for (int64_t i = 0; i < n; i += 16) { const vf v = load_vf(xr + i); acc = acc + v * v; }
+      const float inv = 1.0f / std::sqrt(hsum(acc) / (float)n + (float)eps);
+      for (int64_t i = 0; i < n; i += 16) {
+        const vf o = load_vf(wp + i) * (load_vf(xr + i) * inv);
+        std::memcpy(yp + r * n + i, &o, 64);
+      }
+    }
+  });
+  return y.reshape(x_in.sizes()).to(x_in.scalar_type());
+}
+
+// SwiGLU's middle: gate_up [..., 2 I] (gate then up) -> silu(gate) * up [..., I] (I % 16 == 0).
+torch::Tensor silu_mul(torch::Tensor x_in) {
+  const torch::Tensor x = rows_of(x_in);
+  const int64_t R = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(I % 16 == 0 && x.size(1) == 2 * I, "silu_mul: width");
+  auto y = torch::empty({R, I}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, R, 4, [&](int64_t a, int64_t e) {
+    for (int64_t r = a; r < e; ++r)
+      for (int64_t i = 0; i < I; i += 16) {
+        const vf g = load_vf(xp + r * 2 * I + i), u = load_vf(xp + r * 2 * I + I + i);
+        const vf neg = g < 0.0f ? g : -g;  // -|g|
+        const vf e = exp_neg(neg);         // exp(-|g|)
+        const vf s = (g < 0.0f ? e : vf{} + 1.0f) / (e + 1.0f);  // sigmoid(g)
+        const vf o = g * s * u;
+        std::memcpy(yp + r * I + i, &o, 64);
+      }
+  });
+  auto sizes = x_in.sizes().vec();
+  sizes.back() = I;
+  return y.reshape(sizes).to(x_in.scalar_type());
+}
+
+// ---------------------------------------------------------------------------- a whole layer
+
+// One linear of a layer: kind 0 int4 (q4), 1 int8 (q8), 2 w4a8; a, b, c its packed tensors (c unused
+// by int8); n its output width.
+static torch::Tensor linear_of(const torch::Tensor& x, int64_t kind, const torch::Tensor& a, const torch::Tensor& b,
+                               const torch::Tensor& c, int64_t n) {
+  switch (kind) {
+    case 0: return q4_linear(x, a, b, c, n);
+    case 1: return q8_linear(x, a, b, n);
+    default: return w4a8_linear(x, a, b, c, n);
+  }
+}
+
+// A SwiGLU decoder layer in one call, by the same functions the step otherwise calls one by one
+// (so the same bits): RMSNorm, q|k|v, attend (RoPE, KV write, attention), o + residual, RMSNorm,
+// gate|up, SwiGLU, down + residual. x [B, T, hidden] fp32. kinds/dims: 4 linears (qkv, o, gate_up,
+// down); parts: 3 tensors per linear.
+torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                    std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
+                    torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
+                    int64_t H, double scale) {
+  TORCH_CHECK(kinds.size() == 4 && dims.size() == 4 && parts.size() == 12, "layer: 4 linears");
+  auto lin = [&](const torch::Tensor& v, int i) {
+    return linear_of(v, kinds[i], parts[3 * i], parts[3 * i + 1], parts[3 * i + 2], dims[i]);
+  };
+  const torch::Tensor qkv = lin(rms_norm(x, in_norm, eps), 0);
+  const torch::Tensor h = x + lin(attend(qkv, kc, vc, cos, sin, lens, H, scale), 1);
+  return h + lin(silu_mul(lin(rms_norm(h, post_norm, eps), 2)), 3);
+}
+
+// ---------------------------------------------------------------------------- the Python module
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_mm", torch::wrap_pybind_function(q4_mm), "q4_mm");
+  m.def("q8_mm", torch::wrap_pybind_function(q8_mm), "q8_mm");
+  m.def("q4_linear", torch::wrap_pybind_function(q4_linear), "q4_linear");
+  m.def("q8_linear", torch::wrap_pybind_function(q8_linear), "q8_linear");
+  m.def("attend", torch::wrap_pybind_function(attend), "attend");
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("silu_mul", torch::wrap_pybind_function(silu_mul), "silu_mul");
+  m.def("w4a8_mm", torch::wrap_pybind_function(w4a8_mm), "w4a8_mm");
+  m.def("w4a8_linear", torch::wrap_pybind_function(w4a8_linear), "w4a8_linear");
+  m.def("w8a8_mm", torch::wrap_pybind_function(w8a8_mm), "w8a8_mm");
+  m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
+  m.def("layer", torch::wrap_pybind_function(layer), "layer");
+}
