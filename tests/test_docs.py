@@ -116,3 +116,14 @@ def test_each_documented_endpoint_is_a_route(tiny_pair):
     missing = sorted(e for e in documented if e not in routes and not e[1].startswith("/admin/...")
                      and not e[1].endswith("/..."))
     assert not missing, f"documented but not served: {missing}"
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("doc", [*DOCS, ROOT / "bench" / "README.md"], ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_relative_link_points_at_a_file_that_exists(doc):
+    """A link in the docs to a file of the repository ([engine](../drafter/decode/engine.py)) finds it."""
+    targets = [t for t in LINK.findall(doc.read_text()) if "://" not in t and not t.startswith("mailto:")]
+    missing = [t for t in targets if not (doc.parent / t).exists()]
+    assert not missing, missing
