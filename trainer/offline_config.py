@@ -1,19 +1,20 @@
 """What `specloop train offline` is asked to do: `OfflineConfig` (every option, checked by
 `validate`), the data modes and methods it accepts, and `config_from_options` (the command line's
-options as a config). The training itself: specloop.trainer.offline, which re-exports these names."""
+options as a config). The training itself: specloop.trainer.offline."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from specloop.drafter.kinds.table import KINDS
 from specloop.trainer.losses import LOSSES
 from specloop.trainer.students import METHODS
 
 DATA_MODES = ("teacher-forced", "generated", "code", "self-distilled")  # code: the standard library's non-test
 # source, raw; self-distilled (eagle only): specloop.trainer.selfdistill, the verifier's answers with its features
-KIND_OF_METHOD = {"distill": "pretrained", "sd2": "sd2", "sd2-frozen": "sd2", "dvi": "dvi", "eagle": "eagle",
-                  "eagle3": "eagle3"}
-NEEDS_DRAFTER = {"distill", "sd2", "sd2-frozen"}
+# the kind each method trains, from the table of kinds (sd2-frozen: SD² with its drafter LM left frozen)
+KIND_OF_METHOD = {spec.method: name for name, spec in KINDS.items() if spec.method} | {"sd2-frozen": "sd2"}
+NEEDS_DRAFTER = {method for method, kind in KIND_OF_METHOD.items() if KINDS[kind].needs_dir}
 
 
 @dataclass
