@@ -72,7 +72,7 @@ class Drafter(Protocol):
     def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView) -> None:
         """Rows `slots` restart with new prompts (continuous batching); view.features are the new rows' only."""
 
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         """Draft k tokens per row; uniforms [B, k] drive sampling at temperature > 0."""
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
@@ -118,7 +118,7 @@ def with_rows(pool, view, m: int):
     return torch.cat([view, pool[m:]])
 
 
-def stack_proposal(steps: list["Choice"], params: SamplingParams) -> Proposal:
+def stack_proposal(steps: list["Choice"], params: SamplingParams | RowParams) -> Proposal:
     """k per-step choices ([B] tokens, [B, V] distributions, [B, V] logits) → one Proposal."""
     probs = None
     if not params.greedy:

@@ -131,8 +131,7 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
         k, u_accept = 0, plan.accept_uniforms(0)
     if k:
         assert drafter is not None, "the engine plans drafts (k > 0) only with a drafter"
-        # RowParams too: drafters sample through proposer.choose, which takes either (Drafter.propose says less)
-        proposal = proposal or drafter.propose(k, plan.params, plan.u_draft)  # type: ignore[arg-type]
+        proposal = proposal or drafter.propose(k, plan.params, plan.u_draft)
         proposal = replace(proposal, tokens=proposal.tokens.to(dev))  # host-side drafters (n-gram) draft on the CPU
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
         proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),

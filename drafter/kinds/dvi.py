@@ -24,7 +24,7 @@ from torch import nn
 
 from specloop.drafter.decode.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.sd2 import MANIFEST
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.vocab import expand
@@ -126,7 +126,7 @@ class DVIDrafter:
         self.last[torch.tensor(slots, dtype=torch.long)] = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
 
     @torch.inference_mode()
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         base = self.cache.lens
         tokens, steps = self.last[:, None], []
         for i in range(k):

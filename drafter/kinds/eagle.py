@@ -40,7 +40,7 @@ from specloop.drafter.decode.proposer import (
     with_rows,
 )
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.sd2 import MANIFEST
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.vocab import expand
@@ -126,7 +126,7 @@ def head_rows(lean: LeanDecoder, vocab: torch.Tensor | None) -> torch.Tensor:
     return weight if vocab is None else weight[vocab.to(weight.device)]
 
 
-def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, params: SamplingParams,
+def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, params: SamplingParams | RowParams,
          u: torch.Tensor | None) -> tuple[Choice, torch.Tensor]:
     """A draft from a head's logits over the draft vocabulary: the choice (its logits expanded to the
     full vocabulary) and the head's own probability of the token chosen [B]."""
@@ -192,7 +192,7 @@ class EagleDrafter:
         self.last[idx] = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
 
     @torch.inference_mode()
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         z, tokens, steps = self.feature, self.last, []
         confidence: list[torch.Tensor] = []
         run: float | torch.Tensor = 1.0

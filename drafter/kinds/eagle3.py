@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from specloop.drafter.decode.proposer import Choice, Proposal, VerifierView, first_rows, stack_proposal, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.eagle import head_rows, pick
 from specloop.drafter.kinds.sd2 import MANIFEST
 from specloop.drafter.model.decoder import LeanDecoder
@@ -400,7 +400,7 @@ class Eagle3Drafter:
         self.win = Window(*parts)
 
     @torch.inference_mode()
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         assert self.win is not None  # start() ran
         steps: list[Choice] = []
         confidence: list[torch.Tensor] = []

@@ -34,7 +34,7 @@ import torch
 from specloop.drafter.decode.controller import Acceptance, Calibration, ControllerConfig, expected_tokens
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.suffix import SuffixDrafter, proposal_of
 
 SPECULATORS = ("static", "suffix")  # what may join the served ("adaptive") drafter
@@ -78,7 +78,7 @@ class SpeculatorMix:
         starved = [n for n in models if self.idle[n] >= self.explore]
         return starved[0] if starved else max(models, key=lambda n: (self.expected(n, k), n == "adaptive"))
 
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         model = self.pick_model(k)
         suffix = self._suffix()
         if suffix is None:
@@ -127,7 +127,7 @@ class SpeculatorMix:
         """The "suffix" member (specloop.drafter.kinds.table builds it as a SuffixDrafter), or None."""
         return cast("SuffixDrafter | None", self.members.get("suffix"))
 
-    def _model_proposal(self, model: str, k: int, params: SamplingParams, uniforms) -> Proposal:
+    def _model_proposal(self, model: str, k: int, params: SamplingParams | RowParams, uniforms) -> Proposal:
         proposal = self.members[model].propose(k, params, uniforms)
         proposal.sources = [model] * len(proposal.tokens)
         self._remember(proposal.sources, None, model)

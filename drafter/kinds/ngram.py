@@ -8,7 +8,7 @@ import torch
 
 from specloop.drafter.decode.proposer import Proposal, VerifierView, emitted_tokens, first_rows, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 
 
 def lookup(history: np.ndarray, k: int, max_n: int = 3, min_n: int = 1) -> list[int]:
@@ -49,7 +49,7 @@ class NgramDrafter:
         for s, p in zip(slots, prompts):
             self.history[s] = list(p)
 
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         rows = [draft_row(h, k, self.max_n, self.min_n) for h in self.history]
         tokens = torch.tensor(rows, dtype=torch.long)
         probs = None if params.greedy else torch.nn.functional.one_hot(tokens, self.vocab_size).float()

@@ -8,7 +8,7 @@ import torch
 
 from specloop.drafter.decode.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import pad_right, prefill, prefill_rows
 
@@ -42,7 +42,7 @@ class PretrainedDrafter:
         for s, p in zip(slots, prompts):
             self.pending[s] = [p[-1]]
 
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         self._base = self.cache.lens  # forward() rebinds lens, never writes it in place
         tokens, self._n_pending = pad_right(self.pending)
         steer = self.block_inputs()

@@ -33,7 +33,7 @@ import torch
 
 from specloop.drafter.decode.proposer import Proposal, VerifierView, emitted_tokens, first_rows, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.sampling import RowParams, SamplingParams
 
 SEPARATOR = -1  # between two outputs in the global store: never a token, never continued past
 MAX_HITS = 4096  # the most recent occurrences a match keeps (bounds the work of a very common suffix)
@@ -222,7 +222,7 @@ class SuffixDrafter:
             row.drafted = (key, own if own.score >= other.score else other)
         return row.drafted[1]
 
-    def propose(self, k: int, params: SamplingParams, uniforms: torch.Tensor | None) -> Proposal:
+    def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         return proposal_of(self.drafts(k), k, [row.tokens[-1] for row in self.rows])
 
     def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
