@@ -47,6 +47,17 @@ class CompletionRequest:
     # None: no log-probabilities; n (0..20): each token's, with its n most likely alternatives
     logprobs: int | None = None
     ignore_eos: bool = False  # EOS does not end the request (vLLM's; benchmarks use it for fixed lengths)
+    # the usual sampling controls (vLLM's semantics; specloop.drafter.decode.shaping applies them losslessly)
+    presence_penalty: float = 0.0  # subtracted once from each token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt and output tokens
+    min_p: float = 0.0  # drop tokens whose probability is below min_p × the top token's
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens are out
+    stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the request like EOS (not emitted)
+    # structured output: {"kind": "json_schema" | "json_object" | "regex" | "choice" | "lark", "spec": str}
+    # (json_schema: the schema as JSON text; choice: a JSON list of strings; lark: llguidance's Lark grammar)
+    guided: dict | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, tuple(self.stop), self.seed,
@@ -59,6 +70,8 @@ class CompletionRequest:
     def from_dict(cls, data: dict) -> "CompletionRequest":
         req = _from_dict(cls, data)
         req.stop = list(req.stop)
+        req.logit_bias = [(int(t), float(b)) for t, b in req.logit_bias]
+        req.stop_token_ids = list(req.stop_token_ids)
         return req
 
 

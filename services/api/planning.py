@@ -55,6 +55,7 @@ class ApiConfig:
     retry_after_s: int = RETRY_AFTER_S
     max_prompt_bytes: int | None = None  # prompt text beyond this cannot fit the context (`prompt_bytes_limit`)
     max_body_bytes: int = MAX_BODY_BYTES
+    chat_template: str | None = None  # --chat-template: a Jinja template used instead of the tokenizer's own
 
     @property
     def max_messages(self) -> int:
