@@ -11,10 +11,10 @@ flight are cut (the client closes the stream; the worker frees the slot), and th
 are counted by re-tokenizing the text received.
 
 Servers (learner off unless said):
-  batch8   --slots 8  (continuous batching; speculation on, and off per request for `-nospec`)
-  serial1  --slots 1  (one request at a time: the baseline)
-  batch16  --slots 16 (32 clients only)
-  klrl8    --slots 8 --learner klrl (phase 2, once serial1 and batch16 are stopped)
+  batch8   --max-num-seqs 8  (continuous batching; speculation on, and off per request for `-nospec`)
+  serial1  --max-num-seqs 1  (one request at a time: the baseline)
+  batch16  --max-num-seqs 16 (32 clients only)
+  klrl8    --max-num-seqs 8 --learner klrl (phase 2, once serial1 and batch16 are stopped)
 
 Phase 1: batch8, serial1 and batch16 run side by side (idle servers cost ~nothing); the batch8 /
 serial1 ratio at 8 clients is also measured in `--rounds` short alternating rounds (median
@@ -143,7 +143,7 @@ class Server:
         a = self.args
         flags = ["--threads", str(a.threads), "serve", "--verifier", str(a.verifier), "--drafter", str(a.drafter),
                  "--port", str(port), "--registry", str(self.folder / "registry"), "--learner", self.learner,
-                 "--slots", str(self.slots)]
+                 "--max-num-seqs", str(self.slots)]
         return [sys.executable, "-c", SERVE_AUTO if a.redis == "auto" else SERVE_EMBEDDED, *flags]
 
     def launch(self) -> None:
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="replay buffer of the learner: embedded, or serve's own detection (a local Redis if one answers)")
     p.add_argument("--head-files", nargs="*", default=[],
                    help="files the servers take from git HEAD instead of the working tree (an edit in progress)")
-    p.add_argument("--no-slots16", action="store_true", help="skip the --slots 16 server")
+    p.add_argument("--no-slots16", action="store_true", help="skip the --max-num-seqs 16 server")
     p.add_argument("--phases", type=lambda v: {int(x) for x in v.split(",")}, default={1, 2},
                    help="1: batching, one-at-a-time, speculation off, rounds; 2: learner klrl vs off (default 1,2)")
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "load.json")

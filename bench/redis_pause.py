@@ -108,7 +108,7 @@ class Serve(ServeProcess):
 
 def run(args, paused: bool, folder: Path) -> dict:
     flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", args.learner,
-             "--slots", str(args.slots), "--max-queue", str(args.streams)]
+             "--max-num-seqs", str(args.slots), "--max-queue", str(args.streams)]
     with Serve(folder, "paused" if paused else "steady", flags) as serve:
         model = serve.model
         prompts = chat_prompts(Path(args.prompts), args.streams)

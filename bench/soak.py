@@ -162,7 +162,7 @@ def main() -> int:
 
     folder = Path(tempfile.mkdtemp(prefix="soak-"))
     folder.chmod(0o711)
-    flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", "klrl", "--slots", str(args.slots),
+    flags = ["--verifier", args.verifier, "--drafter", args.drafter, "--learner", "klrl", "--max-num-seqs", str(args.slots),
              "--max-queue", str(2 * max(args.clients + [args.soak_clients]))]
     rss: dict[str, list[tuple[float, int]]] = {}
     redis_memory: list[tuple[float, int]] = []

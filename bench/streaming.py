@@ -54,8 +54,8 @@ def window_medians(gaps: list[float], early: tuple[int, int] = (50, 100), late: 
 
 
 def end_to_end(args) -> dict:
-    flags = [args.verifier, "--drafter", args.drafter, "--learner", "off", "--slots", "1",
-             "--max-context", str(args.max_context)]
+    flags = [args.verifier, "--drafter", args.drafter, "--learner", "off", "--max-num-seqs", "1",
+             "--max-model-len", str(args.max_context)]
     out = {}
     with tempfile.TemporaryDirectory() as tmp, ServeProcess(flags, threads=args.threads, registry=Path(tmp) / "reg",
                                                             log=Path(tmp) / "serve.log") as server:

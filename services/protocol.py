@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from specloop.drafter.decode.grammar import GrammarSpec
+from specloop.drafter.decode.requests import EngineRequest
 from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.shaping import Controls
 
 
 class ProtocolError(ValueError):
@@ -61,7 +64,16 @@ class CompletionRequest:
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_k, self.top_p, self.max_tokens, tuple(self.stop), self.seed,
-                              self.ignore_eos)
+                              self.ignore_eos, self.min_p, tuple(self.stop_token_ids))
+
+    def controls(self) -> Controls:
+        return Controls(self.presence_penalty, self.frequency_penalty, self.repetition_penalty,
+                        tuple((int(t), float(b)) for t, b in self.logit_bias), self.min_tokens)
+
+    def engine_request(self) -> EngineRequest:
+        """The request as the engine takes it (drafter/decode/requests.py)."""
+        return EngineRequest(self.id, list(self.prompt_ids), self.sampling(), self.k, self.stream_index, self.logprobs,
+                             self.controls(), GrammarSpec.from_dict(self.guided))
 
     def to_dict(self) -> dict:
         return asdict(self)

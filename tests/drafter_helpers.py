@@ -8,6 +8,7 @@ from specloop.drafter.decode.engine import generate
 from specloop.drafter.decode.rejection import rejection_sample
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.shaping import Controls
 from specloop.drafter.kinds.dvi import DraftHead, DVIConfig, DVIDrafter
 from specloop.drafter.kinds.eagle import FeatureHead, new_head
 from specloop.drafter.kinds.eagle3 import Eagle3Head, new_head3
@@ -86,7 +87,8 @@ N_SAMPLES = 10_000  # the wrong sampler below still fails at this size (suite ti
 POSITIONS = 3
 
 
-def sampled_counts(tiny, params, kind, k, sampler=rejection_sample, controller=None) -> torch.Tensor:
+def sampled_counts(tiny, params, kind, k, sampler=rejection_sample, controller=None,
+                   controls: Controls = Controls()) -> torch.Tensor:
     verifier = LeanDecoder(tiny[0])
     counts = torch.zeros(POSITIONS, VOCAB)
     rule = StopRule()
@@ -94,7 +96,7 @@ def sampled_counts(tiny, params, kind, k, sampler=rejection_sample, controller=N
     for lo in range(0, N_SAMPLES, chunk):
         drafter = tiny_drafter(tiny, kind)
         gens = generate(verifier, drafter, [PROMPT] * chunk, params, k, rule, sampler, first_request=lo,
-                        controller=controller)
+                        controller=controller, controls=controls)
         toks = torch.tensor([g.token_ids for g in gens])
         for t in range(POSITIONS):
             counts[t] += torch.bincount(toks[:, t], minlength=VOCAB)

@@ -339,6 +339,10 @@ def test_every_panel_query_returns_data_from_a_real_specloop_serve_under_traffic
         for metric in ("specloop:spec_decode_num_drafts_total", "specloop:http_requests_total",
                        "specloop:learner_updates_total", "specloop:spec_decode_speculator_drafts_total"):
             prom.wait_for_samples(metric, 4, timeout=90)
+        # Job "static" scrapes the API port alone: its /metrics carries the workers' series too, labelled `worker`.
+        for metric in ("specloop:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total"):
+            found = prom.query(f'{metric}{{job="static"}}')
+            assert found and all(r["metric"].get("worker") for r in found), f"{metric} at the API port: {found}"
         board = dashboard()
         empty = [f"{title}: {expr}" for title, expr in panel_queries(board) if not prom.query(expr)]
         assert not empty, "panels without data:\n" + "\n".join(empty) + f"\nserve log: {serve.logs()}"

@@ -43,12 +43,15 @@ import torch
 
 from specloop.drafter.decode.capacity import draft_reserve, positions_needed
 from specloop.drafter.decode.controller import Batch, Choice, Confident, Controller, StepSample
+from specloop.drafter.decode.grammar import GrammarCompiler, GrammarSpec
 from specloop.drafter.decode.logprobs import Scoring, TokenScore, scoring_for
 from specloop.drafter.decode.plan import StepPlan
+from specloop.drafter.decode.prefix_cache import PrefixCache, cache_output, prefill_cached
 from specloop.drafter.decode.proposer import Drafter, VerifierView, emitted_tokens
 from specloop.drafter.decode.rejection import BlockOutcome, rejection_sample
 from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate, StopRule
-from specloop.drafter.decode.sampling import RowParams, SamplingParams, make_generators
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, make_generators, warp_key
+from specloop.drafter.decode.shaping import Controls, RowShaping, StepShaper
 from specloop.drafter.decode.speculative import (
     Gate,
     Sampler,
@@ -72,6 +75,7 @@ class LiveRequest:
     slot: int
     gen: Generation  # its tokens, stats (and log-probabilities) so far
     generator: torch.Generator | None  # None when greedy
+    shaping: RowShaping | None = None  # its sampling controls and grammar (None: none asked)
 
     @property
     def history(self) -> list[int]:
@@ -118,6 +122,11 @@ class Engine:
     # steps the controller leaves plain still verify the drafter's free drafts (`Drafter.lookup`: suffix decoding
     # over the request's prompt and turns) where their confidence pays for them; False: plain means plain
     lookups: bool = True
+    # structured output: matchers for requests that name a grammar (None: such requests are refused)
+    grammars: GrammarCompiler | None = None
+    # prefix caching (drafter/decode/prefix_cache.py): prompts reuse the KV of prefixes earlier requests computed
+    # (the cache may be shared by engines of one verifier); None: every prompt is prefilled in one pass
+    prefix_cache: PrefixCache | None = None
 
     def __post_init__(self) -> None:
         self.backend = self._graph_backend(self.backend)
@@ -211,15 +220,17 @@ class Engine:
         prompts = [r.prompt for r in requests]
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
         tail = getattr(self.drafter, "feature_window", 0)  # a windowed head (eagle3) reads the prompt's last positions
-        features, recent, lens = prefill_rows(self.verifier, self.cache, slots, prompts, layers, tail)
+        features, recent, lens = self._prefill(slots, prompts, layers, tail)
         if self.drafter is not None:
+            self._drafter_prefix_cache()
             window = (recent, lens) if tail else (None, None)
             self.drafter.join(slots, prompts, VerifierView(self.cache, features, *window))
         for s, r in zip(slots, requests):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k
             scores: list[TokenScore] | None = None if r.logprobs is None else []
-            self.rows[s] = LiveRequest(r, s, Generation([], None, AcceptanceStats(positions), scores), gen)
+            self.rows[s] = LiveRequest(r, s, Generation([], None, AcceptanceStats(positions), scores), gen,
+                                       self._shaping(r))
             self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
         self.behind.difference_update(slots)
@@ -239,11 +250,24 @@ class Engine:
         if self.backend == "graph" and r.k is not None and r.k > self.controller.cfg.k_max:
             raise ValueError(f"request {r.id}: k = {r.k} exceeds the graph step's {self.controller.cfg.k_max} drafts "
                              "per block (the controller's k_max)")
+        if r.grammar is not None and self.grammars is None:
+            raise ValueError(f"request {r.id}: structured output needs a tokenizer (the engine has no grammars)")
         if r.logprobs is not None and r.logprobs < 0:
             raise ValueError(f"request {r.id}: logprobs = {r.logprobs} < 0")
         if not self.fits(len(r.prompt), r.params.max_tokens, r.k):
             raise ValueError(f"request {r.id}: {len(r.prompt)} prompt tokens + {r.params.max_tokens} new "
                              f"(+ {self.reserve(r.k)} for drafting) exceed the {self.capacity}-position context")
+
+    def _shaping(self, r: EngineRequest) -> RowShaping | None:
+        """The request's shaping state (None when it asks for no control, grammar or stop token)."""
+        if r.controls.neutral and r.grammar is None:
+            return None
+        grammar = None
+        if r.grammar is not None:
+            assert self.grammars is not None  # checked in `_check`
+            grammar = self.grammars.matcher(r.grammar)
+        ends = self.stop_rule.eos_ids | frozenset(r.params.stop_token_ids)
+        return RowShaping(r.controls, r.prompt, self.verifier.vocab_size, ends, grammar)
 
     def abort(self, request_id: str) -> bool:
         """Free the request's slot now (between steps); False if it is not running."""
@@ -253,9 +277,29 @@ class Engine:
         return True
 
     def _leave(self, slot: int) -> None:
-        del self._slot_of[self._row(slot).request.id]
+        row = self._row(slot)
+        del self._slot_of[row.request.id]
         self.rows[slot] = None
         self.behind.discard(slot)
+        if self.prefix_cache is not None and self.prefix_cache.outputs and row.gen.finish_reason is not None:
+            cache_output(self.verifier, self.cache, slot, len(row.request.prompt), row.history, self.prefix_cache)
+
+    # -- prefix caching
+
+    def _prefill(self, slots: list[int], prompts: list[list[int]], layers: tuple[int, ...], tail: int):
+        """The prompts' KV into rows `slots` of the pool: one pass per prompt without a prefix cache, else the
+        cache's hit copied in and the rest prefilled by its aligned passes (exact: drafter/decode/prefix_cache.py).
+        Returns (features, recent, recent_lens) as `prefill_rows` does."""
+        if self.prefix_cache is None:
+            return prefill_rows(self.verifier, self.cache, slots, prompts, layers, tail)
+        return prefill_cached(self.verifier, self.cache, slots, prompts, self.prefix_cache, layers, tail)
+
+    def _drafter_prefix_cache(self) -> None:
+        """A drafter with an LM of its own (a `prefix_cache` attribute: drafter/kinds/pretrained.py) caches that LM's
+        prompt prefixes in a cache of its own (other weights, other KV): one per drafter object, so a version swapped
+        in starts with an empty one."""
+        if self.prefix_cache is not None and getattr(self.drafter, "prefix_cache", False) is None:
+            setattr(self.drafter, "prefix_cache", self.prefix_cache.sibling())
 
     def offer_swap(self) -> None:
         """Between steps: the hooks may hand over a new drafter version that took over the old one's
@@ -329,9 +373,11 @@ class Engine:
         u_draft, u_accept = (None, None) if params.greedy else self._uniforms(rows, ks, kmax)
         # confidence may cut (the rows are those of `live`, and the empty slots between them)
         every_auto = choice is not None and all(r.request.k is None for r in rows if r is not None)
+        shaping = tuple(r.shaping if r is not None else None for r in rows)
+        shaper = StepShaper(shaping) if any(x is not None for x in shaping) else None
         return StepPlan(torch.tensor([r is not None for r in rows]), kmax, params, u_draft, u_accept, limit,
-                        lookup=width > 0, confidence_cut=every_auto, m=m, live=tuple(live), row_k=tuple(ks),
-                        choice=choice)
+                        lookup=width > 0, confidence_cut=every_auto, shaper=shaper, m=m, live=tuple(live),
+                        row_k=tuple(ks), choice=choice)
 
     def _gate(self, plan: StepPlan) -> Gate | None:
         """Each row's draft length from its confidence (the controller's `cut`), where the plan lets it cut."""
@@ -421,8 +467,7 @@ class Engine:
         """One SamplingParams when every live row shares the transform (the scalar path), else RowParams;
         per-row k limits only when live rows' k differ."""
         first = rows[live[0]].request.params
-        key = lambda p: (p.temperature, p.top_k, p.top_p)  # noqa: E731
-        shared = all(key(rows[s].request.params) == key(first) for s in live)
+        shared = all(warp_key(rows[s].request.params) == warp_key(first) for s in live)
         params = first if shared else RowParams(tuple(r.request.params if r is not None else first for r in rows))
         same_k = all(ks[s] == kmax for s in live)
         return params, None if same_k else torch.tensor([k if r is not None else kmax for k, r in zip(ks, rows)])
@@ -449,6 +494,8 @@ class Engine:
         row.gen.stats.observe(k, n)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
         new = row.gen.token_ids[before:]  # cut as the stop rule cut them: their scores are cut the same way
+        if row.shaping is not None:
+            row.shaping.commit(new)
         scores: list[TokenScore] | None = None
         if row.gen.logprobs is not None:  # the request asked for them (admit): this step scored its row
             assert scoring is not None and row.request.logprobs is not None
@@ -475,20 +522,25 @@ def generate(
     hooks: "StepHooks | None" = None,
     controller: Controller | None = None,
     backend: str | None = None,
+    controls: Controls = Controls(),
+    grammar: GrammarSpec | None = None,
+    grammars: GrammarCompiler | None = None,
 ) -> list[Generation]:
     """Decode a batch of prompts (token ids, ragged) to completion. k = 0 means the verifier alone,
     k = None lets `controller` (drafter/decode/controller.py; a new one when None) choose k step by step.
     Request i draws from the stream seeded by (params.seed, first_request + i).
 
     `hooks` (serving): `swap()` may hand over a new drafter between two steps (it takes over the
-    old one's rows), and `traced(histories)` returns a callback for the step's trace."""
+    old one's rows), and `traced(histories)` returns a callback for the step's trace. `controls` and `grammar`
+    (with the `grammars` that compile it) apply to every request (drafter/decode/shaping.py)."""
     if k and drafter is None:
         raise ValueError("k > 0 needs a drafter")
     controller = Controller() if controller is None else controller
     capacity = positions_needed(max(map(len, prompts)), params.max_tokens, k, controller.cfg.k_max)
     engine = Engine(verifier, drafter, len(prompts), capacity, stop_rule, sampler=sampler, hooks=hooks,
-                    controller=controller, backend=backend)
-    engine.admit([EngineRequest(str(i), p, params, k, first_request + i) for i, p in enumerate(prompts)])
+                    controller=controller, backend=backend, grammars=grammars)
+    engine.admit([EngineRequest(str(i), p, params, k, first_request + i, controls=controls, grammar=grammar)
+                  for i, p in enumerate(prompts)])
     finished: dict[str, Generation] = {}
     while engine.running:
         finished.update((u.id, u.generation) for u in engine.step() if u.generation is not None)

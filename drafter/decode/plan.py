@@ -17,6 +17,7 @@ import torch
 
 from specloop.drafter.decode.controller import Choice
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
+from specloop.drafter.decode.shaping import StepShaper
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class StepPlan:
     limit: torch.Tensor | None = None  # [B] int64: row b accepts at most limit[b] <= k drafts (None: every row k)
     lookup: bool = False  # the drafter's free drafts only (`Drafter.lookup`: no model pass), up to k per row
     confidence_cut: bool = False  # the controller's `cut` may shorten each row's draft by its confidence
+    shaper: StepShaper | None = None  # rows' sampling controls and grammars (None: no row has any)
     # the engine's bookkeeping, not read by the step itself
     m: int = 0  # rows [0, m) of the pool the step runs over (the occupied prefix): B = m
     live: tuple[int, ...] = ()  # the occupied slots, ascending (each < m)

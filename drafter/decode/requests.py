@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specloop.drafter.decode.grammar import GrammarSpec
 from specloop.drafter.decode.logprobs import TokenScore
 from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.shaping import Controls
 from specloop.drafter.decode.stats import AcceptanceStats
 
 
@@ -18,6 +20,8 @@ class EngineRequest:
     k: int | None  # this request's draft length; 0 = the verifier alone; None = auto (the controller's, per step)
     stream: int = 0  # draws from the stream seeded by (params.seed, stream)
     logprobs: int | None = None  # None: none; n >= 0: each emitted token's log-probability and n alternatives
+    controls: Controls = Controls()  # penalties, logit_bias, min_tokens (drafter/decode/shaping.py)
+    grammar: GrammarSpec | None = None  # structured output (drafter/decode/grammar.py; the engine needs `grammars`)
 
 
 @dataclass
@@ -43,7 +47,7 @@ class StopRule:
     def extend(self, gen: Generation, new: list[int], params: SamplingParams) -> None:
         """Append tokens one at a time, as plain decoding would, stopping where it would stop."""
         for t in new:
-            if t in self.eos_ids and not params.ignore_eos:
+            if (t in self.eos_ids and not params.ignore_eos) or t in params.stop_token_ids:
                 gen.finish_reason = "stop"
                 return
             gen.token_ids.append(t)

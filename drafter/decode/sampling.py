@@ -24,6 +24,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int = 0
     ignore_eos: bool = False  # vLLM's: EOS does not end the request (it is emitted as any token)
+    min_p: float = 0.0  # 0 = off; else tokens below min_p × the most likely token's probability are dropped
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the request as EOS does (not emitted; even with ignore_eos)
 
     def __post_init__(self):
         if not self.temperature >= 0 or self.temperature == float("inf"):  # NaN fails the first test
@@ -34,6 +36,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
@@ -65,12 +69,17 @@ class RowParams:
         by: dict[tuple, list[int]] = {}
         for b, p in enumerate(self.rows):
             if not p.greedy:
-                by.setdefault((p.temperature, p.top_k, p.top_p), []).append(b)
-        return {SamplingParams(t, k, tp): torch.tensor(rows) for (t, k, tp), rows in by.items()}
+                by.setdefault(warp_key(p), []).append(b)
+        return {SamplingParams(t, k, tp, min_p=mp): torch.tensor(rows) for (t, k, tp, mp), rows in by.items()}
+
+
+def warp_key(p: SamplingParams) -> tuple[float, int, float, float]:
+    """What `warp` reads of a SamplingParams: rows with equal keys are warped together."""
+    return (p.temperature, p.top_k, p.top_p, p.min_p)
 
 
 def warp(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p. logits: [B, ..., V] → float32 [B, ..., V].
+    """Probabilities after temperature, top-k, min-p and top-p (vLLM's order). logits: [B, ..., V] → float32.
     With RowParams, greedy rows get softmax(logits) (temperature 1: what their log q is logged from)."""
     if isinstance(params, RowParams):
         return _warp_rows(logits, params)
@@ -79,6 +88,10 @@ def warp(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tens
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0:
+        floor = params.min_p * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_p < 1.0:
         probs = _top_p(probs, params.top_p)
     return probs

@@ -17,6 +17,7 @@ from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome, greedy_accept, rejection_sample
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
+from specloop.drafter.decode.shaping import StepShaper
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import KVCache
 
@@ -89,7 +90,8 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
     capture = tuple(follower.verifier_layers) + record if follower is not None else ()
     start = cache.lens
     out = verifier.forward(cache, torch.cat([last[:, None].to(dev), block.proposal.tokens], dim=1), capture=capture)
-    verdict = accept(block.proposal, out.logits, plan.params, block.u_accept, o.sampler, block.limit)
+    logits = out.logits if plan.shaper is None else plan.shaper.apply(out.logits, block.proposal.tokens)
+    verdict = accept(block.proposal, logits, plan.params, block.u_accept, o.sampler, block.limit)
     t_verified = None if o.clock is None else o.clock.mark(dev)
     outcome = _on_host(verdict, block)
     if o.clock is not None:
@@ -139,6 +141,8 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
     asked, limit = k, plan.limit
     if k and gate is not None and proposal.confidence is not None:
         proposal = gated(proposal, gate, k)
+    if k and plan.shaper is not None:
+        proposal = within_grammar(proposal, plan.shaper, k)
     if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
         proposal, limit = cut_to_lengths(proposal, plan.active, k, limit)
         k = proposal.tokens.shape[1]
@@ -208,6 +212,16 @@ def gated(proposal: Proposal, gate: Gate, k: int) -> Proposal:
     rows = [conf[b, : int(n)].tolist() for b, n in enumerate(lengths.tolist())]
     keep = torch.tensor(gate(rows, proposal.sources), dtype=torch.long)
     return replace(proposal, lengths=torch.minimum(lengths.cpu(), keep))
+
+
+def within_grammar(proposal: Proposal, shaper: StepShaper, k: int) -> Proposal:
+    """The proposal with each row cut before the first draft its grammar refuses (p is 0 there: it would be
+    rejected; verifying it would only cost the pass)."""
+    allowed = shaper.draft_limits(proposal.tokens)
+    if allowed is None:
+        return proposal
+    lengths = proposal.lengths if proposal.lengths is not None else torch.full((len(proposal.tokens),), k)
+    return replace(proposal, lengths=torch.minimum(lengths.cpu(), allowed))
 
 
 def predicted(proposal: Proposal, drafted: torch.Tensor | None) -> torch.Tensor | None:

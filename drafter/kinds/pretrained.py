@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specloop.drafter.decode.prefix_cache import PrefixCache, prefill_cached
 from specloop.drafter.decode.proposer import Proposal, VerifierView, choose, first_rows, stack_proposal, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
@@ -28,6 +29,7 @@ class PretrainedDrafter:
     record_layers: tuple[int, ...] = ()
     follows_plain = False  # its cache misses the tokens of plain steps
     graph_width = 2  # its widest decode pass (the pending tokens): model.graph runs its LM at this width
+    prefix_cache: PrefixCache | None = None  # its LM's prompt prefixes (an engine with prefix caching hands one over)
 
     def __init__(self, lean: LeanDecoder):
         self.lean = lean
@@ -37,8 +39,12 @@ class PretrainedDrafter:
         self.pending = [[p[-1]] for p in prompts]
 
     def join(self, slots: list[int], prompts: list[list[int]], view: VerifierView | None = None) -> None:
-        """New requests take rows `slots` (continuous batching): prefill their prompts there."""
-        prefill_rows(self.lean, self.cache, slots, prompts)
+        """New requests take rows `slots` (continuous batching): prefill their prompts there (through its prefix
+        cache where it has one: drafter/decode/prefix_cache.py)."""
+        if self.prefix_cache is None:
+            prefill_rows(self.lean, self.cache, slots, prompts)
+        else:
+            prefill_cached(self.lean, self.cache, slots, prompts, self.prefix_cache)
         for s, p in zip(slots, prompts):
             self.pending[s] = [p[-1]]
 

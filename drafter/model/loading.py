@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -320,3 +321,76 @@ def check_same_vocabulary(verifier: LoadedModel, drafter: LoadedModel) -> None:
             f"verifier LM head has {verifier.vocab_size} rows, drafter {drafter.vocab_size}: "
             "logits must cover the same vocabulary"
         )
+
+
+# ---------------------------------------------------------------- MODEL as `specloop serve` takes it (vLLM-style)
+
+DEFAULT_MAX_POSITIONS = 4096  # what LeanDecoder assumes for a config without max_position_embeddings
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")  # owner/name, as the Hugging Face Hub spells ids
+
+
+def looks_like_repo_id(model: str | Path) -> bool:
+    """`owner/name`: what a Hugging Face model id looks like (a relative path of two parts may too: a directory
+    that exists is always taken as one)."""
+    text = str(model)
+    return bool(_REPO_ID.match(text)) and ".." not in text
+
+
+def hf_cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (huggingface_hub reads it once, on import):
+    HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return Path(os.path.expanduser(os.path.expandvars(os.environ[name])))
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(os.path.expanduser(os.path.expandvars(home))) / "hub"
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """MODEL as a model directory, the way `vllm serve MODEL` takes it: an existing directory as given; else
+    a Hugging Face model id (`owner/name`) found in the local Hugging Face cache (`hf_cache_dir`), its
+    snapshot of the `main` revision; never downloaded here (specloop serves offline). Anything else is
+    returned as given, for the loaders to refuse ("model directory not found"). An id that is not in the
+    cache: a ModelError naming it and how to get it."""
+    path = Path(model)
+    if path.is_dir() or not looks_like_repo_id(model):
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    cache = hf_cache_dir()
+    try:
+        found = snapshot_download(str(model), cache_dir=cache, local_files_only=True)
+    except (OSError, ValueError, HFValidationError) as exc:  # LocalEntryNotFoundError is an OSError
+        raise ModelError(f"{model} is neither a local directory nor in the local Hugging Face cache ({cache}), and "
+                         f"specloop does not download: run `hf download {model}` on a connected machine and copy "
+                         "its cache here (or point HF_HUB_CACHE at it), or pass a local model directory") from exc
+    assert isinstance(found, str)  # no dry_run: a path
+    return Path(found)
+
+
+@dataclass(frozen=True)
+class ContextFacts:
+    """What bounds a model's context: the positions its rotary tables cover (`max_position_embeddings`, as
+    LeanDecoder reads it) and the bytes its KV cache takes per position of one slot (every layer's keys
+    and values, in the cache's dtype)."""
+
+    max_positions: int
+    kv_bytes_per_position: int
+
+
+def context_facts(path: str | Path) -> ContextFacts:
+    """A model directory's ContextFacts, read from its config.json (a GGUF model `specloop models fetch`
+    converted has the one transformers wrote from the GGUF's metadata): no weights are read."""
+    from specloop.drafter.model.attention import KV_DTYPE
+
+    path = Path(path)
+    _require_dir(path)
+    config = _load_config(path)
+    config = getattr(config, "text_config", None) or config  # a multimodal config's language model
+    positions = int(getattr(config, "max_position_embeddings", None) or DEFAULT_MAX_POSITIONS)
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    per_position = int(config.num_hidden_layers) * 2 * kv_heads * head_dim * KV_DTYPE.itemsize
+    return ContextFacts(positions, per_position)

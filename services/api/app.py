@@ -51,6 +51,7 @@ from specloop.services.api.streaming import (
     open_choices,
     stream_events,
 )
+from specloop.services.metrics.federate import FEDERATE_TIMEOUT_S, federated
 from specloop.services.protocol import Chunk, ErrorInfo
 
 log = logging.getLogger("specloop.api")
@@ -220,13 +221,14 @@ class DocsUrls(TypedDict, total=False):
 
 def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, admin_router: APIRouter | None = None,
                metrics=None, default_max_tokens: int = DEFAULT_MAX_TOKENS, api_key: str | None = None,
-               docs: bool = False) -> FastAPI:
+               docs: bool = False, chat_template: str | None = None) -> FastAPI:
     """The API over `backend`. `tokenizer` is the verifier's (chat template, prompt encoding);
     `metrics` an ApiMetrics (services/metrics/__init__.py) or None (no /metrics, nothing recorded); `api_key`
     (when set) is asked of every /v1 route and /tokenize, /detokenize (services/api/auth.py); `docs`:
-    serve /docs, /redoc and /openapi.json (off: 404)."""
+    serve /docs, /redoc and /openapi.json (off: 404); `chat_template`: the Jinja template of chat requests
+    (--chat-template; None: the tokenizer's own)."""
     cfg = ApiConfig(model_id, max_context, default_max_tokens,
-                    max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context))
+                    max_prompt_bytes=prompt_bytes_limit(tokenizer, max_context), chat_template=chat_template)
     hidden: DocsUrls = {} if docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="specloop", summary="OpenAI-compatible speculative decoding", version=VERSION, **hidden)
     app.state.api, app.state.drain = cfg, Drain()
@@ -239,7 +241,7 @@ def create_app(backend: Backend, tokenizer, model_id: str, max_context: int, adm
     add_token_routes(app, completions)
     add_status_routes(app, backend, cfg, app.state.drain)
     if metrics is not None:
-        add_metrics_route(app, metrics)
+        add_metrics_route(app, metrics, backend)
     if admin_router is not None:
         app.include_router(admin_router)
     return app
@@ -324,10 +326,18 @@ def add_status_routes(app: FastAPI, backend: Backend, cfg: ApiConfig, drain: Dra
         return [{"targets": list(targets), "labels": {"job": SD_JOB}}] if targets else []
 
 
-def add_metrics_route(app: FastAPI, metrics) -> None:
+def add_metrics_route(app: FastAPI, metrics, backend: Backend | None = None,
+                      timeout: float = FEDERATE_TIMEOUT_S) -> None:
+    """GET /metrics: the API's own series (`metrics`) and those of every metrics endpoint behind `backend`
+    (the workers', labelled `worker`, and the learner's: services/metrics/federate.py), each read within
+    `timeout` s; GET /metrics?federate=false: the API's own only, for a Prometheus that also scrapes the
+    endpoints listed at /sd/targets."""
     @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
+    async def prometheus(federate: bool = True) -> Response:
+        if federate and backend is not None:
+            body, content_type = await federated(metrics, backend, timeout)
+        else:
+            body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
 
@@ -361,18 +371,20 @@ async def model_card(backend: Backend, cfg: ApiConfig) -> dict:
 
 
 def api_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
-               drain_timeout: float = DRAIN_TIMEOUT_S) -> DrainingServer:
-    """A uvicorn server for `app` (warnings only, no access log); `.run()` blocks until SIGTERM / SIGINT
-    and the drain (services/api/drain.py), `.handle_exit(signal.SIGTERM, None)` starts the drain from
-    anywhere, `.should_exit` stops it without one."""
+               drain_timeout: float = DRAIN_TIMEOUT_S, log_level: str = "warning") -> DrainingServer:
+    """A uvicorn server for `app` (`log_level`: uvicorn's, warning by default; its access log at info and
+    below); `.run()` blocks until SIGTERM / SIGINT and the drain (services/api/drain.py),
+    `.handle_exit(signal.SIGTERM, None)` starts the drain from anywhere, `.should_exit` stops it without one."""
     import uvicorn
 
+    access_log = log_level in ("info", "debug", "trace")  # uvicorn logs each request at info
     # uvicorn types timeout_graceful_shutdown int | None, but uses it as asyncio.wait_for's timeout (a float works)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
                             timeout_graceful_shutdown=drain_timeout)  # type: ignore[arg-type]
     return DrainingServer(config, app.state.drain, drain_timeout)
 
 
-def run_api(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
-    """Serve `app` until SIGTERM / SIGINT, then drain (`specloop serve` / `specloop api`)."""
-    api_server(app, host, port, drain_timeout).run()
+def run_api(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, drain_timeout: float = DRAIN_TIMEOUT_S,
+            log_level: str = "warning") -> None:
+    """Serve `app` until SIGTERM / SIGINT, then drain (`specloop serve` / `specloop api`); `log_level`: uvicorn's."""
+    api_server(app, host, port, drain_timeout, log_level).run()

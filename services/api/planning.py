@@ -1,15 +1,18 @@
 """Request planning: a validated request body becomes a `Plan`, one `CompletionRequest` per choice.
 
-Planning resolves the prompt (chat template or completion prompt, as token ids), the completion
-budget under the capacity rule (drafter/decode/capacity.py: prompt + max_tokens + 2k + 2 positions), stop
-strings, the seed and the draft length. It runs on the API's planner thread (tokenizing never
-holds the event loop) and raises `ApiError` for anything off.
+Planning resolves the prompt (chat template or completion prompt, as token ids; a chat's tools and
+past calls rendered as services/api/tools.py says), the completion budget under the capacity rule
+(drafter/decode/capacity.py: prompt + max_tokens + 2k + 2 positions), stop strings, the seed, the
+draft length, the sampling controls (penalties, min_p, logit_bias, min_tokens, stop_token_ids) and
+the structured-output spec (services/api/structured.py, or a forced tool call's grammar). It runs on
+the API's planner thread (tokenizing never holds the event loop) and raises `ApiError` for anything off.
 
 A request with `n` choices (or several prompts) fans out into one `CompletionRequest` per choice,
 all with the request's seed and stream_index = choice index.
 """
 from __future__ import annotations
 
+import json
 import secrets
 import time
 import uuid
@@ -19,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from specloop.drafter.decode.capacity import draft_reserve
+from specloop.services.api import tools as toolkit
 from specloop.services.api.schemas import (
     MAX_BODY_BYTES,
     MAX_CHOICES,
@@ -40,7 +44,8 @@ from specloop.services.api.schemas import (
     parse_json,
     validation_message,
 )
-from specloop.services.prompts import PromptError, PromptRecord, encode
+from specloop.services.api.structured import guided_spec
+from specloop.services.api.tools import ToolPlan, tool_guided, tool_plan
 from specloop.services.protocol import CompletionRequest
 
 DEFAULT_MAX_TOKENS = 256  # when a request names none: what fits the context, at most this many
@@ -75,6 +80,7 @@ class Plan:
     stream: bool = False
     include_usage: bool = False
     logprobs: int | None = None  # None: none asked; n: each token's log-probability and its n most likely alternatives
+    tools: ToolPlan | None = None  # a chat's tools in play: its answers' tool calls are parsed (tools.py)
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -98,9 +104,6 @@ def check_prompt_bytes(texts: list[str], cfg: ApiConfig, param: str) -> None:
 
 
 def message_text(message: Message, i: int) -> str:
-    for field in ("name", "tool_calls", "tool_call_id"):
-        if getattr(message, field) not in (None, "", []):
-            raise invalid(f"`{field}` on a message is not supported by this server", f"messages.{i}.{field}")
     content = message.content
     if content is None:
         return ""
@@ -117,14 +120,20 @@ def message_text(message: Message, i: int) -> str:
     raise invalid("content must be a string or a list of text parts", f"messages.{i}.content")
 
 
-def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig, add_generation_prompt: bool = True) -> list[int]:
-    """The chat template applied, by default with a generation prompt (as `specloop generate` does)."""
-    turns = tuple({"role": m.role, "content": message_text(m, i)} for i, m in enumerate(messages))
-    check_prompt_bytes([t["content"] for t in turns], cfg, "messages")
+def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig, add_generation_prompt: bool = True,
+                tools: ToolPlan | None = None) -> list[int]:
+    """The chat template (cfg.chat_template, else the tokenizer's) applied, by default with a
+    generation prompt (as `specloop generate` does), with `tools` and the messages' calls and results
+    rendered by the template when it speaks tools, else as Hermes-style text (tools.py)."""
+    template = cfg.chat_template if cfg.chat_template is not None else getattr(tokenizer, "chat_template", None)
+    native = toolkit.speaks_tools(template)
+    turns = chat_turns(messages, tools, native)
+    tool_list = list(tools.tools) if tools is not None and native else None
+    texts = [t["content"] for t in turns] + [json.dumps(t["tool_calls"], ensure_ascii=False) for t in turns
+                                            if "tool_calls" in t]
+    check_prompt_bytes(texts + ([json.dumps(tool_list, ensure_ascii=False)] if tool_list else []), cfg, "messages")
     try:
-        ids = template_ids(tokenizer, turns, add_generation_prompt)
-    except PromptError:
-        ids = []
+        ids = template_ids(tokenizer, turns, add_generation_prompt, cfg.chat_template, tool_list)
     except Exception as exc:  # the template's own checks (jinja raise_exception)
         raise invalid(f"the chat template rejected the messages: {exc}", "messages") from None
     if not ids:
@@ -132,10 +141,58 @@ def chat_prompt(tokenizer, messages: list[Message], cfg: ApiConfig, add_generati
     return ids
 
 
-def template_ids(tokenizer, turns: tuple[dict, ...], add_generation_prompt: bool) -> list[int]:
-    if add_generation_prompt:
-        return encode(tokenizer, PromptRecord(id="request", messages=turns))
-    ids = tokenizer.apply_chat_template(list(turns), add_generation_prompt=False)
+def chat_turns(messages: list[Message], tools: ToolPlan | None, native: bool) -> list[dict]:
+    """The messages as the chat template's turns. `native`: the template renders `tools`, an
+    assistant's `tool_calls` (arguments as objects) and tool messages itself; else calls become
+    `<tool_call>` text in the assistant's content, tool results a user turn of `<tool_response>`
+    blocks (consecutive results share it), and the tools a system block (merged into a first system
+    message, or put before the conversation). A message's `name` is passed on either way."""
+    turns: list[dict] = []
+    for i, m in enumerate(messages):
+        content = message_text(m, i)
+        if m.tool_calls and m.role != "assistant":
+            raise invalid("only assistant messages carry tool_calls", f"messages.{i}.tool_calls")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise invalid("only tool messages carry a tool_call_id", f"messages.{i}.tool_call_id")
+        calls = [(c, toolkit.call_arguments(c.function.arguments, f"messages.{i}.tool_calls.{j}.function.arguments"))
+                 for j, c in enumerate(m.tool_calls or ())]
+        if not native and m.role == "tool":
+            block = toolkit.response_text(content)
+            if i > 0 and messages[i - 1].role == "tool":
+                turns[-1]["content"] += "\n" + block
+            else:
+                turns.append({"role": "user", "content": block})
+            continue
+        if not native and calls:
+            content = "\n".join(([content] if content else []) + [toolkit.call_text(c.function.name, args)
+                                                                  for c, args in calls])
+        turn: dict = {"role": m.role, "content": content}
+        if m.name is not None:
+            turn["name"] = m.name
+        if native and calls:
+            turn["tool_calls"] = [({"id": c.id} if c.id is not None else {})
+                                  | {"type": "function", "function": {"name": c.function.name, "arguments": args}}
+                                  for c, args in calls]
+        if native and m.tool_call_id is not None:
+            turn["tool_call_id"] = m.tool_call_id
+        turns.append(turn)
+    if tools is not None and not native:
+        block = toolkit.tools_system_block(tools.tools)
+        if turns and turns[0]["role"] == "system":
+            turns[0]["content"] = f"{turns[0]['content']}\n\n{block}" if turns[0]["content"] else block
+        else:
+            turns.insert(0, {"role": "system", "content": block})
+    return turns
+
+
+def template_ids(tokenizer, turns: list[dict], add_generation_prompt: bool, chat_template: str | None = None,
+                 tools: list[dict] | None = None) -> list[int]:
+    kwargs: dict[str, Any] = {}
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    if tools:
+        kwargs["tools"] = tools
+    ids = tokenizer.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, **kwargs)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -217,9 +274,17 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     """Validate a request body (a parsed JSON value) into a Plan; ApiError if anything is off."""
     req = validated(body, chat, cfg)
     logprobs = logprobs_asked(req)
-    sampling = sampling_fields(req)  # cheap checks (stop strings) before templating and tokenizing
+    # cheap checks (stop strings, token ids) before compiling a schema, templating and tokenizing
+    sampling = sampling_fields(req) | control_fields(req, len(tokenizer))
+    guided, guided_param = guided_spec(req)
+    tools = None
     if isinstance(req, ChatBody):  # what `validated` makes of a chat request (else a CompletionBody)
-        prompts = [chat_prompt(tokenizer, req.messages, cfg)]
+        tools = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+        if tools is not None and guided_param is not None:
+            raise invalid(f"`{guided_param}` cannot be combined with tools (unless tool_choice is \"none\")",
+                          guided_param)
+        guided = guided or tool_guided(tools)
+        prompts = [chat_prompt(tokenizer, req.messages, cfg, tools=tools)]
         requested = req.max_completion_tokens or req.max_tokens
     else:
         prompts = completion_prompts(tokenizer, req.prompt, cfg)
@@ -230,14 +295,15 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     spec = req.speculative or Speculative()
     k = (None if spec.k == "auto" else spec.k) if spec.enabled else 0  # None: auto
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
+    check_min_tokens(sampling["min_tokens"], min(budgets), requested is None)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs)
+    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs, guided=guided)
     requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
                                   stream_index=p * n + i, **common)
                 for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage,
-                logprobs)
+                logprobs, tools)
 
 
 def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBody:
@@ -279,6 +345,30 @@ def sampling_fields(req: ChatBody | CompletionBody) -> dict:
                 seed=seed, stop=stop_strings(req.stop), ignore_eos=bool(req.ignore_eos))
 
 
+def control_fields(req: ChatBody | CompletionBody, vocab: int) -> dict:
+    """The sampling controls of the CompletionRequests (their neutral values when not given); the
+    token ids of logit_bias and stop_token_ids must lie in [0, vocab)."""
+    bias = list(req.logit_bias or [])
+    stop_ids = list(dict.fromkeys(req.stop_token_ids or []))
+    for param, ids in (("logit_bias", [t for t, _ in bias]), ("stop_token_ids", stop_ids)):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise invalid(f"{param}: token ids must lie in [0, {vocab}), got {bad}", param)
+    return dict(presence_penalty=float(req.presence_penalty or 0.0),
+                frequency_penalty=float(req.frequency_penalty or 0.0),
+                repetition_penalty=1.0 if req.repetition_penalty is None else float(req.repetition_penalty),
+                min_p=float(req.min_p or 0.0), logit_bias=bias, min_tokens=req.min_tokens or 0,
+                stop_token_ids=stop_ids)
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int, defaulted: bool) -> None:
+    if min_tokens > max_tokens and defaulted:
+        raise invalid(f"min_tokens ({min_tokens}) is more than the {max_tokens} tokens a completion gets by default "
+                      "(what fits the context, at most the server's default); give max_tokens", "min_tokens")
+    if min_tokens > max_tokens:
+        raise invalid(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+
+
 # ---------------------------------------------------------------------------------------------- tokens
 
 
@@ -289,7 +379,7 @@ def tokenize(raw: bytes, cfg: ApiConfig, tokenizer) -> dict:
     if (body.prompt is None) == (body.messages is None):
         raise invalid("give exactly one of `prompt` (a string) or `messages`", "prompt")
     if body.messages is not None:
-        ids = chat_prompt(tokenizer, body.messages, cfg, body.add_generation_prompt)
+        ids = chat_prompt(tokenizer, body.messages, cfg, body.add_generation_prompt, tool_plan(body.tools, None, None))
     else:
         assert body.prompt is not None  # exactly one of prompt, messages (checked above)
         check_prompt_bytes([body.prompt], cfg, "prompt")

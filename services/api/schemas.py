@@ -8,6 +8,7 @@ parameters this server does not implement are refused unless they carry their ne
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
@@ -27,6 +28,11 @@ MAX_JSON_DEPTH = 32  # arrays / objects nested deeper are refused (400)
 MAX_MESSAGES = 4096  # messages per request (and never more than the context: each costs at least a token)
 MAX_STOP_CHARS = 512  # characters per stop string (the stop check decodes a window this long per token)
 MAX_DETOKENIZE = 65536  # token ids per /detokenize request
+MAX_LOGIT_BIAS = 1024  # logit_bias entries per request
+MAX_STOP_TOKEN_IDS = 256  # stop_token_ids per request
+MAX_TOOLS = 128  # tools per request
+MAX_TOOL_NAME = 128  # characters of a tool's (function's) name
+_DIGITS = re.compile(r"(0|[1-9][0-9]*)\Z")  # a token id as a logit_bias key
 
 
 # ---------------------------------------------------------------------------------------------- errors
@@ -102,14 +108,38 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: StrictBool | None = None  # vLLM's usage on every chunk: only false (`validated`)
 
 
+class FunctionCall(_Lenient):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
+    arguments: Any = "{}"  # a JSON object as text (OpenAI's), or the object itself (checked by tools.call_arguments)
+
+
+class ToolCall(_Lenient):
+    """A call an assistant message made (OpenAI's `tool_calls` entry)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class Message(_Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # a string, a list of text parts, or null (checked by `message_text`)
-    # what a chat template would render for tool calls and named speakers: refused unless empty
-    # (`planning.message_text`), never dropped
-    name: Any = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
+    name: str | None = None  # a speaker's name: passed to the chat template
+    tool_calls: list[ToolCall] | None = Field(None, max_length=MAX_TOOLS)  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call this result answers
+
+
+class FunctionDef(_Lenient):
+    name: str = Field(min_length=1, max_length=MAX_TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object (None: any object)
+
+
+class Tool(_Lenient):
+    """A tool the model may call (OpenAI's `tools` entry: functions only)."""
+
+    type: Literal["function"]
+    function: FunctionDef
 
 
 class Sampling(_Lenient):
@@ -125,6 +155,43 @@ class Sampling(_Lenient):
     stream_options: StreamOptions | None = None
     speculative: Speculative | None = None
     ignore_eos: bool | None = False  # vLLM's: EOS does not end a choice
+    # the usual sampling controls (vLLM's ranges), applied losslessly under speculation by the worker
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)  # vLLM's; 1 = none
+    min_p: float | None = Field(None, ge=0, le=1)
+    logit_bias: list[tuple[int, float]] | None = None  # {token id: bias} on the wire (`_bias_pairs`)
+    min_tokens: int | None = Field(None, ge=0)  # at most max_tokens (checked by planning)
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # ids checked by planning
+    # structured outputs: at most one of these (services/api/structured.py checks and compiles them)
+    response_format: Any = None  # {"type": "text" | "json_object" | "json_schema", "json_schema": {...}}
+    guided_json: Any = None  # vLLM's: a JSON schema (an object, or its text)
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None  # a Lark grammar (llguidance's), or GBNF (converted)
+    structured_outputs: Any = None  # vLLM's newer form: {"json" | "regex" | "choice" | "grammar" | "json_object": ...}
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _bias_pairs(cls, value):
+        """OpenAI's map of token id (a string of digits, or an int) → bias in [-100, 100] as sorted
+        (id, bias) pairs; the ids are checked against the vocabulary by planning."""
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be an object mapping token ids to biases")
+        if len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"takes at most {MAX_LOGIT_BIAS} token ids, got {len(value)}")
+        pairs = {}
+        for key, bias in value.items():
+            if isinstance(key, bool) or not (isinstance(key, int) or (isinstance(key, str) and _DIGITS.match(key))):
+                raise ValueError(f"keys must be token ids (non-negative integers), got {json.dumps(key)}")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"biases must be numbers from -100 to 100, got {json.dumps(bias)} for {key}")
+            if int(key) < 0:
+                raise ValueError(f"token ids are non-negative, got {key}")
+            pairs[int(key)] = float(bias)
+        return sorted(pairs.items())
 
 
 class ChatBody(Sampling):
@@ -132,6 +199,9 @@ class ChatBody(Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # only with logprobs: true
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", "function": {"name"}} (tools.py)
+    parallel_tool_calls: StrictBool | None = None  # default true; false: at most one call
 
 
 class CompletionBody(Sampling):
@@ -147,6 +217,7 @@ class TokenizeBody(_Lenient):
     messages: list[Message] | None = Field(None, min_length=1)
     add_generation_prompt: StrictBool = True  # messages: end with the assistant's turn opening
     add_special_tokens: StrictBool = False  # prompt: as /v1/completions encodes it (no special tokens)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # messages: rendered as a chat request's are
 
 
 class DetokenizeBody(_Lenient):
@@ -166,23 +237,15 @@ NEUTRAL = {
     "echo": (None, False),
     "suffix": (None, ""),
     "best_of": (None, 1),
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
-    "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}),
-    "logit_bias": (None, {}),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
+    "tools": (None, []),  # chat (on /v1/completions: refused)
+    "functions": (None, []),  # deprecated: `tools`
+    "tool_choice": (None, "none", "auto"),  # chat
+    "function_call": (None, "none", "auto"),  # deprecated: `tool_choice`
     "prediction": (None,),
     "audio": (None,),
     "modalities": (None, ["text"]),
     # vLLM's extensions
-    "repetition_penalty": (None, 1),
     "length_penalty": (None, 1),
-    "min_tokens": (None, 0),
-    "min_p": (None, 0),
-    "stop_token_ids": (None, []),
     "bad_words": (None, []),
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
@@ -195,22 +258,21 @@ NEUTRAL = {
     "continue_final_message": (None, False),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
+    "guided_whitespace_pattern": (None,),
     "logits_processors": (None,),
     "allowed_token_ids": (None,),
     "return_tokens_as_token_ids": (None, False),
     "reasoning_effort": (None,),
 }
+# what a refusal adds for a parameter that has a supported replacement
+HINTS = {"functions": "use `tools` instead", "function_call": "use `tool_choice` instead"}
 
 
 def check_supported(body: dict, model: type[BaseModel]) -> None:
     for name, neutral in NEUTRAL.items():
         if name not in model.model_fields and not any(_same(body.get(name), v) for v in neutral):
-            raise invalid(f"`{name}` is not supported by this server (got {json.dumps(body.get(name))})", name)
+            hint = f"; {HINTS[name]}" if name in HINTS else ""
+            raise invalid(f"`{name}` is not supported by this server (got {json.dumps(body.get(name))}){hint}", name)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -271,9 +333,10 @@ def json_depth(value: Any, stop: int) -> int:
 def check_lengths(body: dict, max_messages: int = MAX_MESSAGES) -> None:
     """Lists whose validation alone would hold the planner thread (250,000 empty messages fit in an
     8 MB body): refused before pydantic sees them."""
-    for name, limit in (("messages", max_messages), ("tokens", MAX_DETOKENIZE)):
+    for name, limit in (("messages", max_messages), ("tokens", MAX_DETOKENIZE), ("tools", MAX_TOOLS),
+                        ("stop_token_ids", MAX_STOP_TOKEN_IDS), ("logit_bias", MAX_LOGIT_BIAS)):
         value = body.get(name)
-        if isinstance(value, list) and len(value) > limit:
+        if isinstance(value, (list, dict)) and len(value) > limit:
             raise invalid(f"`{name}` holds {len(value)} items; this server takes at most {limit}", name)
 
 

@@ -23,6 +23,7 @@ from specloop.services.api.backend import Backend
 from specloop.services.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from specloop.services.api.planning import Plan
 from specloop.services.api.schemas import ApiError
+from specloop.services.api.tools import ToolStream, parse_tool_calls
 from specloop.services.protocol import Chunk, CompletionRequest, ErrorInfo, TokenLogprob, Usage
 
 log = logging.getLogger("specloop.api")
@@ -192,11 +193,16 @@ def usage_dict(prompt_lens: list[int], choices: list[ChoiceState]) -> dict:
 @dataclass
 class Shapes:
     """The OpenAI response shapes of one planned request: a full answer, streamed chunks, the usage
-    chunk; `texts` gives the token strings of its log-probabilities (when it asked for them)."""
+    chunk; `texts` gives the token strings of its log-probabilities (when it asked for them). With
+    tools in play (`plan.tools`), an answer's tool calls are parsed out of its text (services/api/tools.py):
+    a full answer's message gets `tool_calls`; a stream holds its text back from a `<tool_call>`
+    opening on and sends the calls as `tool_calls` deltas before the finish. Either way the finish
+    reason is then `tool_calls`."""
 
     plan: Plan
     model: str
     texts: TokenTexts | None = None
+    held: dict[int, ToolStream] = field(default_factory=dict)  # streamed choices' text held back for tool calls
 
     @property
     def object(self) -> str:
@@ -211,18 +217,26 @@ class Shapes:
         """A non-streamed chat.completion / text_completion."""
         choices = []
         for i, c in enumerate(progress.choices):
-            text = "".join(c.texts)
+            text, finish_reason = "".join(c.texts), c.finish_reason
             body = {"message": {"role": "assistant", "content": text}} if self.plan.chat else {"text": text}
+            if self.plan.tools is not None:
+                content, calls = parse_tool_calls(text, self.plan.tools.names, self.plan.tools.parallel)
+                if calls:
+                    body["message"] |= {"content": content, "tool_calls": calls}
+                    finish_reason = "tool_calls"
             choices.append({"index": i, **body, "logprobs": self.logprobs(c.logprobs),
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": finish_reason})
         return self.head() | {"choices": choices, "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
 
     def chunk(self, index: int, text: str | None = None, role: bool = False, finish_reason: str | None = None,
-              logprobs: dict | None = None) -> dict:
+              logprobs: dict | None = None, tool_call: dict | None = None) -> dict:
         """One streamed chunk of choice `index`: the role opening (chat), a text delta (with its tokens'
-        log-probabilities), or the finish."""
+        log-probabilities), a tool call (chat: `tool_call` is its entry of `tool_calls`, with its
+        `index`), or the finish."""
         if self.plan.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            if tool_call is not None:
+                delta = {"tool_calls": [tool_call]}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
@@ -251,10 +265,22 @@ class Shapes:
         """The streamed chunks one backend chunk becomes: its text (or, with log-probabilities asked,
         its tokens even when their text is held back), then its finish."""
         out = []
-        if chunk.text or (self.plan.logprobs is not None and chunk.token_ids):
-            out.append(self.chunk(index, text=chunk.text, logprobs=self.logprobs(chunk.logprobs, choice)))
-        if chunk.finish_reason is not None:
-            out.append(self.chunk(index, finish_reason=chunk.finish_reason))
+        text, finish_reason = chunk.text, chunk.finish_reason
+        hold = None
+        if self.plan.tools is not None:
+            hold = self.held.setdefault(index, ToolStream())
+            text = hold.feed(text)
+        if text or (self.plan.logprobs is not None and chunk.token_ids):
+            out.append(self.chunk(index, text=text, logprobs=self.logprobs(chunk.logprobs, choice)))
+        if finish_reason is not None and hold is not None:
+            assert self.plan.tools is not None  # a hold is made only with tools in play
+            rest, calls = hold.finish(self.plan.tools.names, self.plan.tools.parallel)
+            if rest:
+                out.append(self.chunk(index, text=rest))
+            out += [self.chunk(index, tool_call={"index": j} | call) for j, call in enumerate(calls)]
+            finish_reason = "tool_calls" if calls else finish_reason
+        if finish_reason is not None:
+            out.append(self.chunk(index, finish_reason=finish_reason))
         return out
 
 

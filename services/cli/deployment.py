@@ -56,6 +56,9 @@ class ServeConfig:
     model_id: str | None = None  # --served-model-name; default: the verifier folder's name
     weights: str = "auto"  # the verifier's weight mode (drafter.model.weights.quant; auto = as stored / its manifest)
     drafter_weights: str = "auto"
+    chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own template)
+    prefix_caching: bool = True  # --enable-prefix-caching (the workers' WorkerConfig.prefix_caching)
+    uvicorn_log_level: str = "warning"  # --uvicorn-log-level
 
 
 def detect_redis() -> str | None:
@@ -198,7 +201,7 @@ class Deployment:
                     "registry": str(self.registry) if learning else None, "threads": cfg.worker_threads,
                     "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
                     "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
-                    "speculators": list(cfg.speculators)}
+                    "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching}
             actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,  # type: ignore[attr-defined]
                                          resources=cfg.worker_resources or None, **detached)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
@@ -237,10 +240,12 @@ def _opt(path) -> str | None:
     return None if path is None else str(path)
 
 
-def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = False):
+def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = False,
+              chat_template: str | None = None):
     """The API over the cluster's workers (this process must have joined Ray); `api_key`: asked of
-    every /v1 request (services/api/auth.py); `docs`: serve /docs and /openapi.json. The served model
-    and its weight mode are logged."""
+    every /v1 request (services/api/auth.py); `docs`: serve /docs and /openapi.json; `chat_template`:
+    the Jinja template of chat requests (None: the tokenizer's own). The served model and its weight
+    mode are logged."""
     import asyncio
 
     from specloop.drafter.model.loading import load_tokenizer
@@ -258,37 +263,39 @@ def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = 
     log.warning("model %s, weights %s, drafter %s %s", info.model, info.weights, info.drafter_kind,
                 info.drafter_version)
     return create_app(backend, tokenizer, info.model, info.max_context, make_admin_router(backend, admin_token),
-                      ApiMetrics(model_name=info.model), api_key=api_key, docs=docs)
+                      ApiMetrics(model_name=info.model), api_key=api_key, docs=docs, chat_template=chat_template)
 
 
 def run_serve(cfg: ServeConfig) -> int:
     deployment = Deployment(cfg)
     try:
         deployment.wait_ready()
-        app = build_app(cfg.admin_token, cfg.api_key, cfg.docs)
+        app = build_app(cfg.admin_token, cfg.api_key, cfg.docs, cfg.chat_template)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
                     cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner,
                     deployment.registry)
-        serve_until_stopped(app, cfg.host, cfg.port, cfg.drain_timeout)
+        serve_until_stopped(app, cfg.host, cfg.port, cfg.drain_timeout, cfg.uvicorn_log_level)
     finally:
         deployment.stop()
     return 0
 
 
-def serve_until_stopped(app, host: str, port: int, drain_timeout: float = 30.0) -> None:
+def serve_until_stopped(app, host: str, port: int, drain_timeout: float = 30.0, log_level: str = "warning") -> None:
     """The API until SIGTERM / SIGINT, then its drain (services/api/drain.py: /ready 503 at once, new
-    requests 503, those in flight finish within `drain_timeout` s); returns once uvicorn has shut down."""
+    requests 503, those in flight finish within `drain_timeout` s); returns once uvicorn has shut down.
+    `log_level`: uvicorn's (--uvicorn-log-level)."""
     from specloop.services.api.app import run_api
 
     try:
-        run_api(app, host, port, drain_timeout)
+        run_api(app, host, port, drain_timeout, log_level)
     except KeyboardInterrupt:  # a signal that came before uvicorn took the handlers over
         pass
     log.warning("specloop stopping")
 
 
 def run_api_process(ray_address: str | None, host: str, port: int, admin_token: str | None,
-                    api_key: str | None = None, drain_timeout: float = 30.0, docs: bool = False) -> int:
+                    api_key: str | None = None, drain_timeout: float = 30.0, docs: bool = False,
+                    chat_template: str | None = None, uvicorn_log_level: str = "warning") -> int:
     """`specloop api`: attach to a running cluster's workers and serve the API."""
     import ray
 
@@ -296,7 +303,8 @@ def run_api_process(ray_address: str | None, host: str, port: int, admin_token: 
 
     init_ray(ray_address or "auto", NAMESPACE)
     try:
-        serve_until_stopped(build_app(admin_token, api_key, docs), host, port, drain_timeout)
+        serve_until_stopped(build_app(admin_token, api_key, docs, chat_template), host, port, drain_timeout,
+                            uvicorn_log_level)
     finally:
         ray.shutdown()
     return 0

@@ -11,6 +11,7 @@ file. Exit codes: 0 done, 2 bad input, 1 refused or unreachable (specloop.servic
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -23,29 +24,38 @@ from specloop.services.cli.operator import drafter as operator_drafter
 from specloop.services.cli.options import (
     DEFAULT_CACHE,
     Cache,
+    Capacity,
     DrafterKind,
     DraftLenAuto,
+    Dtype,
     Endpoint,
     Globals,
     Json,
     Learner,
     MaxTokens,
     Models,
+    PrefixCaching,
     Prompts,
+    Quantization,
     RayAddress,
     Registry,
     Sampling,
     Seed,
+    SpeculativeConfig,
     Speculators,
     Stop,
     Temperature,
     UsageError,
     Weights,
+    parse_speculative_config,
+    read_chat_template,
+    served_weights,
 )
 from specloop.services.cli.runtime import Greedy, run, show_version, use_threads
 from specloop.services.cli.train import models, train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "prompts.jsonl"
+log = logging.getLogger("specloop.serve")
 
 app = typer.Typer(name="specloop", no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   rich_markup_mode=None)
@@ -70,7 +80,8 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
              drafter_kind: DrafterKind = None, k: DraftLenAuto = None, speculators: Speculators = None,
              batch_size: Annotated[int, typer.Option(help="prompts decoded together")] = 1, stop: Stop = None,
              limit: Annotated[Optional[int], typer.Option(help="only the first N prompts")] = None,
-             no_speculation: Annotated[bool, typer.Option(help="the verifier alone (the reference)")] = False,
+             no_speculation: Annotated[bool, typer.Option(
+                 "--no-speculation", help="the verifier alone (the reference)")] = False,
              as_json: Json = False) -> int:
     """Decode a prompt file with speculative decoding."""
     from specloop.drafter.kinds.table import resolve_kind
@@ -205,16 +216,76 @@ def _default_pair(pair: Models, cache: Path, threads: int, minutes: float = 4.0,
     return Path(verifier), Path(drafter)
 
 
+KV_BUDGET = 4 << 30  # bytes of verifier KV cache per worker the default --max-model-len stays within
+MIN_DEFAULT_CONTEXT = 1024  # the default --max-model-len never goes below this (nor above the model's maximum)
+ContextRule = tuple[int, str]  # positions and why
+
+
+def default_context(max_positions: int, kv_bytes_per_position: int, slots: int) -> ContextRule:
+    """--max-model-len when none is given, as vLLM defaults it: the model's maximum (max_position_embeddings),
+    lowered (to a multiple of 256) where the worker's KV cache, allocated up front for every slot
+    (slots × positions × bytes per position), would pass KV_BUDGET; never below MIN_DEFAULT_CONTEXT."""
+    fits = KV_BUDGET // (slots * kv_bytes_per_position) // 256 * 256
+    if fits >= max_positions:
+        return max_positions, "the model's max_position_embeddings"
+    positions = min(max_positions, max(fits, MIN_DEFAULT_CONTEXT))
+    return positions, (f"the model allows {max_positions}; {slots} slots of it would take "
+                       f"{slots * max_positions * kv_bytes_per_position / 2**30:.1f} GiB of KV cache per worker "
+                       f"(give --max-model-len to choose)")
+
+
+def _serve_context(verifier: Path, capacity: Capacity, slots: int) -> int:
+    """--max-model-len (or --max-context), checked against the model's maximum, else `default_context`."""
+    from specloop.drafter.model.loading import context_facts
+
+    facts = context_facts(verifier)  # a missing / bad directory: ModelError, exit code 2
+    given = capacity.context()
+    if given is None:
+        positions, why = default_context(facts.max_positions, facts.kv_bytes_per_position, slots)
+        (log.info if positions == facts.max_positions else log.warning)("--max-model-len %d: %s", positions, why)
+        return positions
+    flag, positions = given
+    if positions > facts.max_positions:
+        raise UsageError(f"{flag} {positions} exceeds the model's maximum of {facts.max_positions} positions "
+                         f"(max_position_embeddings in {verifier / 'config.json'})")
+    return positions
+
+
+def _serve_drafter(pair: Models, drafter_kind: str | None, spec_json: str | None) -> tuple[str | None, int | None]:
+    """--speculative-config beside --drafter / --drafter-kind: sets pair.drafter; returns (the explicit kind,
+    vLLM's num_speculative_tokens). A value both give differently is a UsageError."""
+    from specloop.drafter.model.loading import resolve_model_dir
+
+    if pair.drafter is not None and not Path(pair.drafter).exists():
+        pair.drafter = resolve_model_dir(pair.drafter)  # a Hugging Face id: from the local cache
+    if spec_json is None:
+        return drafter_kind, None
+    spec = parse_speculative_config(spec_json)
+    if spec.drafter is not None:
+        drafter = resolve_model_dir(spec.drafter)  # a Hugging Face id: from the local cache
+        if pair.drafter is not None and Path(pair.drafter).resolve() != drafter.resolve():
+            raise UsageError(f"--drafter {pair.drafter} and --speculative-config model {spec.drafter} differ: give one")
+        pair.drafter = drafter
+    if spec.kind is not None and drafter_kind is not None and spec.kind != drafter_kind:
+        raise UsageError(f"--drafter-kind {drafter_kind} and --speculative-config (drafter kind {spec.kind}) differ: "
+                         "give one")
+    return drafter_kind or spec.kind, spec.num_speculative_tokens
+
+
 @app.command()
-def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, drafter_kind: DrafterKind = None,
-          speculators: Speculators = None,
+def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantization: Quantization = None,
+          speculative_config: SpeculativeConfig = None, drafter_kind: DrafterKind = None,
           served_model_name: Annotated[Optional[str], typer.Option(
-              show_default=False, help="the model id clients ask for (default: the verifier folder's name)")] = None,
-          learner: Learner = "klrl", ray_address: RayAddress = None,
+              show_default=False, help="the model id clients ask for (default: MODEL's Hugging Face id, else the "
+                                       "verifier folder's name)")] = None,
+          enable_prefix_caching: PrefixCaching = True, endpoint: Endpoint, weights: Weights,
+          speculators: Speculators = None, glob: Globals,
+          learner: Annotated[Optional[str], typer.Option(
+              show_default=False, help="the online learner: off | kl | klrl | lk (default: klrl for a drafter it "
+                                       "trains, off for the model-free ones)")] = None,
+          ray_address: RayAddress = None,
           workers: Annotated[int, typer.Option(help="verifier worker actors")] = 1,
-          slots: Annotated[int, typer.Option(help="continuous-batch slots per worker")] = 8,
           max_queue: Annotated[int, typer.Option(help="waiting requests per worker before 503")] = 64,
-          max_context: Annotated[int, typer.Option(help="positions per request (prompt + output)")] = 1024,
           registry: Registry = None,
           worker_resource: Annotated[Optional[list[str]], typer.Option(
               metavar="NAME", help="a Ray custom resource each worker asks for (repeatable; places workers on "
@@ -222,25 +293,48 @@ def serve(pair: Models, endpoint: Endpoint, weights: Weights, glob: Globals, dra
           cache: Cache = DEFAULT_CACHE) -> int:
     """Serve the OpenAI-compatible API (Ray workers, learner).
 
-    MODEL: the verifier directory; without it, the fetched default pair."""
+    MODEL: the verifier directory, or a Hugging Face model id in the local Hugging Face cache; without it,
+    the fetched default pair. Without a drafter (--drafter, --drafter-kind, --speculative-config), MODEL is
+    served with suffix decoding (model-free)."""
+    from specloop.drafter.kinds.table import KINDS, TRAINABLE_KINDS
     from specloop.services.cli.deployment import ServeConfig, run_serve
 
-    for flag, value in (("--workers", workers), ("--slots", slots), ("--max-context", max_context)):
-        if value < 1:
-            raise UsageError(f"{flag} must be >= 1")
-    if learner not in ("off", "kl", "klrl", "lk"):
+    if workers < 1:
+        raise UsageError("--workers must be >= 1")
+    slots = capacity.seqs()
+    capacity.context()  # a value below 1, or two that differ: refused before any model is looked at
+    if learner is not None and learner not in ("off", "kl", "klrl", "lk"):
         raise UsageError(f"unknown learner {learner!r}; choose off, kl, klrl or lk")
+    mode = served_weights(dtype, quantization, weights.weights)
+    chat_template = read_chat_template(endpoint.chat_template)
+    explicit_kind, num_tokens = _serve_drafter(pair, drafter_kind, speculative_config)
     use_threads(glob.threads)
     verifier, drafter = _default_pair(pair, cache, glob.threads)
-    kind = _kind(drafter_kind, drafter)
+    max_context = _serve_context(verifier, capacity, slots)
+    kind = "suffix" if explicit_kind is None and drafter is None else _kind(explicit_kind, drafter)
+    if learner is None:
+        learner = "klrl" if kind in TRAINABLE_KINDS else "off"
+    elif learner != "off" and kind not in TRAINABLE_KINDS:
+        raise UsageError(f"--learner {learner}: the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not "
+                         f"{kind}{' (model-free)' if KINDS[kind].model_free else ''}: give --drafter DIR, or "
+                         "--learner off")
+    if num_tokens is not None:  # no server-wide k to map it onto (docs/usage.md, "vLLM launch flags")
+        from specloop.drafter.decode.capacity import AUTO_K_MAX
+
+        log.warning("--speculative-config num_speculative_tokens=%d: specloop has no server-wide draft length; "
+                    "each step chooses it (k = auto, up to %d drafts per block) unless a request fixes it with "
+                    "\"speculative\": {\"k\": %d}", num_tokens, AUTO_K_MAX, num_tokens)
     cfg = ServeConfig(verifier=verifier, drafter=drafter, kind=kind, speculators=_speculators(speculators, kind),
                       host=endpoint.host,
                       port=endpoint.port, learner=learner, ray_address=ray_address, workers=workers, slots=slots,
                       max_queue=max_queue, max_context=max_context, registry=registry,
                       admin_token=endpoint.admin_token or None, api_key=endpoint.api_key or None,
-                      drain_timeout=endpoint.drain_timeout, docs=endpoint.docs, model_id=served_model_name,
+                      drain_timeout=endpoint.drain_timeout, docs=endpoint.docs,
+                      model_id=served_model_name or pair.repo_id,
                       worker_threads=max(1, glob.threads // 2), worker_resources={r: 1 for r in worker_resource or ()},
-                      weights=weights.weights, drafter_weights=weights.drafter_weights, cache=cache)
+                      weights=mode, drafter_weights=weights.drafter_weights, cache=cache,
+                      chat_template=chat_template, prefix_caching=enable_prefix_caching,
+                      uvicorn_log_level=endpoint.uvicorn_log_level)
     return run_serve(cfg)
 
 
@@ -250,9 +344,11 @@ def api(endpoint: Endpoint, glob: Globals, ray_address: Annotated[Optional[str],
     """An extra API process for a running cluster's workers."""
     from specloop.services.cli.deployment import run_api_process
 
+    chat_template = read_chat_template(endpoint.chat_template)
     use_threads(glob.threads)
     return run_api_process(ray_address, endpoint.host, endpoint.port, endpoint.admin_token or None,
-                           api_key=endpoint.api_key or None, drain_timeout=endpoint.drain_timeout, docs=endpoint.docs)
+                           api_key=endpoint.api_key or None, drain_timeout=endpoint.drain_timeout, docs=endpoint.docs,
+                           chat_template=chat_template, uvicorn_log_level=endpoint.uvicorn_log_level)
 
 
 @app.command()

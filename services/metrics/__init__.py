@@ -82,7 +82,25 @@ request), histograms `specloop:step_forward_seconds` / `specloop:step_seconds`,
 `specloop:drafter_swaps_total`, `specloop:drafter_rollbacks_total`, `specloop:drafter_load_failures_total`,
 `specloop:registry_up`, `specloop:drafter_info{drafter_version}` (1 for the serving version),
 `specloop:worker_info{worker}`, `specloop:replay_records_logged_total`,
-`specloop:replay_records_dropped_total`.
+`specloop:replay_records_dropped_total`, `specloop:prefix_cache_queries_total` /
+`specloop:prefix_cache_hits_total` (prompt tokens looked up in the verifier's prefix cache, and served from it:
+drafter/decode/prefix_cache.py; also as vLLM's `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`).
+
+vLLM's own names (worker, `VllmWorkerSeries` in `vllm.py`, labelled `model_name` only: totals over every drafter
+version, fed by the same calls as their `specloop:` counterparts), so that a dashboard built for vLLM reads them:
+
+    vllm:spec_decode_num_drafts_total
+    vllm:spec_decode_num_draft_tokens_total
+    vllm:spec_decode_num_accepted_tokens_total
+    vllm:spec_decode_num_accepted_tokens_per_pos_total{position}
+    vllm:num_requests_running
+    vllm:num_requests_waiting
+
+    # acceptance rate and mean acceptance length, as a vLLM dashboard asks (dashboards/vllm_spec_decode.json)
+    sum(rate(vllm:spec_decode_num_accepted_tokens_total[$__rate_interval]))
+      / sum(rate(vllm:spec_decode_num_draft_tokens_total[$__rate_interval]))
+    1 + sum(rate(vllm:spec_decode_num_accepted_tokens_total[$__rate_interval]))
+      / sum(rate(vllm:spec_decode_num_drafts_total[$__rate_interval]))
 
 Learner (`LearnerMetrics`): `specloop:learner_updates_total`, `specloop:learner_loss`,
 `specloop:learner_lag_versions`, `specloop:learner_record_age_seconds`, `specloop:buffer_depth`,
@@ -96,7 +114,8 @@ observation per gap between two streamed chunks that carry tokens),
 `specloop:request_time_per_output_token_seconds` (one per request: its mean time per output token
 after the first), `specloop:e2e_request_latency_seconds`, `specloop:request_queue_time_seconds`,
 counters `specloop:prompt_tokens_total`, `specloop:generation_tokens_total`,
-`specloop:request_success_total{finished_reason}` (stop | length | abort | error).
+`specloop:request_success_total{finished_reason}` (stop | length | abort | error),
+`specloop:metrics_scrape_errors_total{target}` (an endpoint behind the API left out of its /metrics).
 
 Renamed for vLLM parity (issue 17): the API's `time_per_output_token_seconds` (a per-request mean)
 is `request_time_per_output_token_seconds`; its `completion_tokens_total` is
@@ -104,11 +123,17 @@ is `request_time_per_output_token_seconds`; its `completion_tokens_total` is
 `committed_tokens_total` (one name, one meaning: a sum over all targets never counts a token twice).
 
 Each worker and learner process serves its registry with `serve_metrics` on its own port; the API
-lists those addresses at `GET /sd/targets` for Prometheus's HTTP service discovery.
+lists those addresses at `GET /sd/targets` for Prometheus's HTTP service discovery. The API's own
+`GET /metrics` carries their series as well (`federate.py`): on each scrape it reads every one of those
+endpoints over HTTP within one deadline, labels each worker's samples `worker` (its name), and merges
+them with its own into one exposition (each family once); one that does not answer in time is left out
+and counted in `specloop:metrics_scrape_errors_total{target}`. `GET /metrics?federate=false` is the
+API's own series only, for a Prometheus that scrapes /sd/targets as well (both would count twice).
 
 Modules: `specloop.services.metrics.export` (the `Exporter` base, buckets, `serve_metrics` / `stop_metrics`),
 `specloop.services.metrics.worker`, `specloop.services.metrics.learner` and `specloop.services.metrics.api`
-(one exporter each). Every name is importable from here.
+(one exporter each), `specloop.services.metrics.vllm` (the worker's vLLM names) and
+`specloop.services.metrics.federate` (the API's merged /metrics). Every name is importable from here.
 """
 from __future__ import annotations
 

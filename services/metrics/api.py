@@ -1,5 +1,6 @@
 """An API replica's metrics (`ApiMetrics`, vLLM's request metrics): requests by endpoint and status,
-latencies, prompt and generated tokens, finished requests by reason. Names in `specloop.services.metrics`."""
+latencies, prompt and generated tokens, finished requests by reason, and the metrics endpoints its /metrics
+could not read. Names in `specloop.services.metrics`."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
@@ -32,6 +33,10 @@ class ApiMetrics(Exporter):
                                      ("finished_reason",))
         for reason in FINISHED_REASONS:  # every reason exported from the start: rate() sees the first one
             self.success.labels(reason)
+        self.scrape_errors = self._counter(
+            "metrics_scrape_errors", "Metrics endpoints behind this API (a worker, by its name; the learner, by "
+            "its host:port) that did not answer a /metrics of the API in time, or answered something unreadable: "
+            "their series were left out of that answer.", ("target",))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -58,6 +63,10 @@ class ApiMetrics(Exporter):
 
     def generated(self, n: int) -> None:
         self.generation_tokens.inc(n)
+
+    def scrape_failed(self, target: str) -> None:
+        """A metrics endpoint behind the API was left out of its /metrics (services/metrics/federate.py)."""
+        self.scrape_errors.labels(target).inc()
 
     def finished(self, reason: str) -> None:
         """One request finished: `reason` in FINISHED_REASONS."""

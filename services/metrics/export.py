@@ -77,11 +77,11 @@ class Exporter:
     def _names(self, labels: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(self.constant) + labels
 
-    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()):
-        return self._bind(Counter(PREFIX + name, doc, self._names(labels), registry=self.registry), labels)
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = (), prefix: str = PREFIX):
+        return self._bind(Counter(prefix + name, doc, self._names(labels), registry=self.registry), labels)
 
-    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()):
-        return self._bind(Gauge(PREFIX + name, doc, self._names(labels), registry=self.registry), labels)
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = (), prefix: str = PREFIX):
+        return self._bind(Gauge(prefix + name, doc, self._names(labels), registry=self.registry), labels)
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()):
         metric = Histogram(PREFIX + name, doc, self._names(labels), buckets=buckets, registry=self.registry)
@@ -127,6 +127,13 @@ def serve_metrics(registry_or_metrics, host: str = "127.0.0.1", port: int = 0) -
     address = f"{advertised}:{server.server_address[1]}"
     _servers[address] = server
     return address
+
+
+def served_registry(address: str) -> CollectorRegistry | None:
+    """The registry this process serves at `address` ("host:port" as `serve_metrics` returned it), None
+    when this process serves nothing there."""
+    server = _servers.get(address)
+    return None if server is None else getattr(server.RequestHandlerClass, "registry", None)
 
 
 def stop_metrics(address: str) -> None:

@@ -22,6 +22,9 @@ def attach_metrics(loop, metrics) -> None:
             metrics.speculators(version, mixed)
         metrics.generated(sum(len(u.new_tokens) for u in updates))
         metrics.load(len(loop.waiting), loop.running)
+        if worker.prefix_cache is not None:  # its totals: the admissions since the last step counted there
+            cache = worker.prefix_cache.stats()
+            metrics.prefix_cache(cache.queries, cache.hits)
         metrics.step(engine.timing.forward_s, engine.timing.total_s)
         if engine.timing.choice is not None:
             metrics.chosen_k(version, engine.timing.choice.k)

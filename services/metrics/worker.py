@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from specloop.drafter.decode.stats import AcceptanceStats
 from specloop.services.metrics.export import PREFIX, Exporter, Totals
+from specloop.services.metrics.vllm import VLLM_PREFIX, VllmWorkerSeries
 
 K_BUCKETS = tuple(float(k) for k in range(9))  # chosen k: 0 (plain) .. 8
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -39,6 +40,7 @@ class _VersionSeries:
             child.inc(value)
 
     def add(self, stats: AcceptanceStats) -> None:
+        self.m.vllm.add(stats)  # vLLM's names: the totals over every version
         self.drafts.inc(stats.drafts)
         self.draft_tokens.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
@@ -112,9 +114,15 @@ class WorkerMetrics(Exporter):
                                PREFIX + "replay_records_dropped": "Replay records dropped (buffer or queue full)."},
                               self.constant)
         self.registry.register(self.totals)
+        queries, hits = "Prompt tokens looked up in the prefix cache.", "Prompt tokens served from the prefix cache."
+        self.prefix_totals = Totals({PREFIX + "prefix_cache_queries": queries, PREFIX + "prefix_cache_hits": hits,
+                                     VLLM_PREFIX + "prefix_cache_queries": queries,
+                                     VLLM_PREFIX + "prefix_cache_hits": hits}, self.constant)
+        self.registry.register(self.prefix_totals)
         self._versions: OrderedDict[str, _VersionSeries] = OrderedDict()
         self._serving: str | None = None
         self._lock = threading.Lock()
+        self.vllm = VllmWorkerSeries(self)  # the spec-decode counters and the load under vLLM's names
 
     # -- speculative decoding
 
@@ -179,6 +187,7 @@ class WorkerMetrics(Exporter):
         """Requests waiting for a cache slot and holding one; `slots` updates the slot count."""
         self.waiting.set(queued)
         self.running.set(running)
+        self.vllm.load(queued, running)
         if slots is not None and slots > 0:
             self.slots = slots
         if self.slots > 0:
@@ -221,6 +230,16 @@ class WorkerMetrics(Exporter):
 
     def registry_reachable(self, up: bool) -> None:
         self.registry_up.set(1 if up else 0)
+
+    # -- prefix caching
+
+    def prefix_cache(self, queries_total: int, hits_total: int) -> None:
+        """The verifier's prefix cache's running totals (drafter/decode/prefix_cache.py), in prompt tokens: looked up,
+        and served from the cache. Exported under specloop's names and vLLM's (vllm:prefix_cache_queries_total /
+        vllm:prefix_cache_hits_total count tokens too)."""
+        for prefix in (PREFIX, VLLM_PREFIX):
+            self.prefix_totals.set(prefix + "prefix_cache_queries", queries_total)
+            self.prefix_totals.set(prefix + "prefix_cache_hits", hits_total)
 
     # -- replay logging
 

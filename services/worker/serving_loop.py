@@ -270,7 +270,7 @@ class ServingLoop:
 
     @staticmethod
     def _engine_request(r: CompletionRequest) -> EngineRequest:
-        return EngineRequest(r.id, list(r.prompt_ids), r.sampling(), r.k, r.stream_index, r.logprobs)
+        return r.engine_request()
 
     def _deliver(self, u: RowUpdate) -> None:
         live = self.live.get(u.id)

@@ -40,6 +40,8 @@ from typing import cast
 import torch
 
 from specloop.drafter.decode.engine import Engine
+from specloop.drafter.decode.grammar import GrammarCompiler
+from specloop.drafter.decode.prefix_cache import PrefixCache, PrefixCacheStats
 from specloop.drafter.decode.proposer import Drafter
 from specloop.drafter.decode.requests import EngineRequest, RowUpdate, StopRule
 from specloop.drafter.decode.speculative import StepTrace
@@ -85,6 +87,8 @@ class WorkerConfig:
     #                        its manifest; fp32, bf16, int8, int4, w4a8)
     drafter_weights: str = "fp32"  # a drafter LM's own weight mode (pretrained / sd2)
     speculators: tuple[str, ...] = ()  # beside the served drafter, chosen per step and row (specloop.drafter.kinds.mix)
+    prefix_caching: bool = True  # reuse the KV of prompt prefixes earlier requests computed (`specloop serve
+    #                              --enable-prefix-caching`, on by default as in vLLM v1)
 
     def __post_init__(self):
         if self.swap_cache not in ("keep", "recompute"):
@@ -148,6 +152,7 @@ class WorkerStats:
     records: RecordStats | None  # None: no record logging
     swap_stall_ms: dict[str, float]  # quantiles of the in-flight swaps' stalls: {"n"} or {"n", "p50", "p99", "max"}
     steps: int | None = None  # serving-loop steps (a `ServingActor`'s stats)
+    prefix_cache: PrefixCacheStats | None = None  # the verifier's prefix cache (None: prefix caching off)
 
 
 class AcceptanceMonitor:
@@ -242,6 +247,16 @@ class RecordLogger:
             self.thread.join(timeout=5)
 
 
+def grammar_compiler(tokenizer, vocab_size: int, eos_ids) -> GrammarCompiler | None:
+    """Structured output's matchers for this tokenizer (None, logged, where llguidance cannot read it: requests
+    with a grammar are then refused)."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, frozenset(eos_ids))
+    except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot import: serve without grammars
+        log.warning("structured output is off: llguidance cannot read this tokenizer (%s)", exc)
+        return None
+
+
 class VerifierWorker:
     def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
         torch.set_num_threads(cfg.threads)
@@ -253,8 +268,11 @@ class VerifierWorker:
         self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights, tuple(cfg.speculators))
         self.registry = Registry(cfg.registry, cfg.redis_url, cfg.prefix) if cfg.registry else None
         self.max_context = min(cfg.max_context, self.verifier.lean.cos.shape[0])
+        self.grammars = grammar_compiler(tok, self.verifier.lean.vocab_size, self.verifier.eos_ids)
+        # the verifier's prompt-prefix KV, shared by every engine of this verifier (as many positions as the pool's)
+        self.prefix_cache = PrefixCache(cfg.slots * self.max_context) if cfg.prefix_caching else None
         self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule,
-                             hooks=self)
+                             hooks=self, grammars=self.grammars, prefix_cache=self.prefix_cache)
         if self.engine.backend == "graph":
             log.info("graph backend: decode steps compiled for %d slots in %.1f s", cfg.slots, self.engine.warm_s)
         self.version = BASE_VERSION
@@ -311,8 +329,7 @@ class VerifierWorker:
         """Decode one request to completion (replay: one at a time); the replay contract's object, whose
         `index` is the request's stream index (its place in the traffic)."""
         t0 = time.perf_counter()
-        self.admit([EngineRequest(request.id, request.prompt_ids, request.sampling(), request.k, request.stream_index,
-                                  request.logprobs)])
+        self.admit([request.engine_request()])
         gen = None
         while gen is None:
             gen = next((u.generation for u in self.step() if u.id == request.id and u.generation is not None), None)
@@ -436,6 +453,7 @@ class VerifierWorker:
             acceptance_by_version={v: BlockCounts(t.drafted, t.accepted) for v, t in self.monitor.totals.items()},
             records=None if self.logger is None else self.logger.stats(),
             swap_stall_ms=_quantiles(stalls),
+            prefix_cache=None if self.prefix_cache is None else self.prefix_cache.stats(),
         )
 
     def close(self) -> None:

@@ -91,3 +91,139 @@ def test_a_body_with_far_more_role_keys_than_messages_allowed_is_refused_before_
         assert err.status == 400 and err.param == "messages" and "at most 64" in err.message
     else:
         raise AssertionError("200 messages passed a limit of 64")
+
+
+# ------------------------------------------------------------------------ sampling controls and structured outputs
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+NOOP = {"type": "function", "function": {"name": "noop"}}
+
+
+def test_the_sampling_controls_reach_every_choice_and_the_wire(tokenizer):
+    from specloop.services.protocol import CompletionRequest
+
+    cfg = ApiConfig(MODEL, 512)
+    body = {"model": MODEL, "prompt": "x", "n": 2, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.3, "min_p": 0.05, "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 4,
+            "max_tokens": 8, "stop_token_ids": [2, 9, 2]}
+    for r in plan_request(body, False, cfg, tokenizer).requests:
+        assert (r.presence_penalty, r.frequency_penalty, r.repetition_penalty, r.min_p) == (0.5, -1.0, 1.3, 0.05)
+        assert r.logit_bias == [(3, 2.5), (7, -100.0)]  # string keys → ints, sorted
+        assert r.min_tokens == 4 and r.stop_token_ids == [2, 9] and r.guided is None
+        assert CompletionRequest.from_dict(r.to_dict()) == r
+    plain = plan_request({"model": MODEL, "prompt": "x"}, False, cfg, tokenizer).requests[0]
+    assert (plain.presence_penalty, plain.frequency_penalty, plain.repetition_penalty, plain.min_p) == (0, 0, 1, 0)
+    assert plain.logit_bias == [] and plain.min_tokens == 0 and plain.stop_token_ids == []
+
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+
+
+@pytest.mark.parametrize("extra, kind, spec", [
+    ({"response_format": {"type": "json_object"}}, "json_object", ""),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
+     "json_schema", SCHEMA),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, "json_object", ""),
+    ({"guided_json": SCHEMA}, "json_schema", SCHEMA),
+    ({"guided_json": '{"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}'},
+     "json_schema", SCHEMA),
+    ({"guided_regex": "(yes|no)"}, "regex", "(yes|no)"),
+    ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+    ({"guided_grammar": 'start: "yes" | "no"'}, "lark", 'start: "yes" | "no"'),
+    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", SCHEMA),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", ["a", "b"]),
+    ({"structured_outputs": {"grammar": 'start: "a"'}}, "lark", 'start: "a"'),
+    ({"structured_outputs": {"json_object": True}}, "json_object", ""),
+])
+@pytest.mark.parametrize("chat", [True, False])
+def test_each_structured_form_becomes_the_guided_spec_of_every_choice(tokenizer, extra, kind, spec, chat):
+    import json
+
+    body = {"model": MODEL, "n": 2, **({"messages": CHAT} if chat else {"prompt": "x"}), **extra}
+    for r in plan_request(body, chat, ApiConfig(MODEL, 512), tokenizer).requests:
+        assert r.guided["kind"] == kind
+        assert (json.loads(r.guided["spec"]) if kind in ("json_schema", "choice") else r.guided["spec"]) == spec
+
+
+def test_a_gbnf_grammar_is_converted_to_lark(tokenizer):
+    from llguidance import LLMatcher
+
+    r = plan_request({"model": MODEL, "prompt": "x", "guided_grammar": 'root ::= "yes" | "no"'}, False,
+                     ApiConfig(MODEL, 512), tokenizer).requests[0]
+    assert r.guided["kind"] == "lark" and "::=" not in r.guided["spec"]
+    assert LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(r.guided["spec"])) == ""
+
+
+def compiles(lark: str) -> bool:
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar(LLMatcher.grammar_from_lark(lark)) == ""
+
+
+def test_tool_choice_required_or_named_is_a_lark_grammar_of_tool_calls_and_auto_or_none_none(tokenizer):
+    cfg = ApiConfig(MODEL, 1024)
+    body = {"model": MODEL, "messages": CHAT, "tools": [WEATHER, NOOP]}
+    for choice in (None, "auto", "none"):
+        p = plan_request(body | ({} if choice is None else {"tool_choice": choice}), True, cfg, tokenizer)
+        assert p.requests[0].guided is None
+        assert (p.tools is None) == (choice == "none")
+    required = plan_request(body | {"tool_choice": "required"}, True, cfg, tokenizer)
+    lark = required.requests[0].guided["spec"]
+    assert required.requests[0].guided["kind"] == "lark" and compiles(lark)
+    assert '"get_weather"' in lark and '"noop"' in lark and 'start: call ("\\n" call)*' in lark
+    named = plan_request(body | {"tool_choice": {"type": "function", "function": {"name": "noop"}},
+                                 "parallel_tool_calls": False}, True, cfg, tokenizer)
+    lark = named.requests[0].guided["spec"]
+    assert compiles(lark) and '"noop"' in lark and "get_weather" not in lark and "start: call\n" in lark
+    assert named.tools.choice == "function" and named.tools.function == "noop" and not named.tools.parallel
+
+
+def decoded_prompt(tokenizer, body: dict, cfg: ApiConfig | None = None) -> str:
+    plan = plan_request({"model": MODEL, **body}, True, cfg or ApiConfig(MODEL, 2048), tokenizer)
+    return tokenizer.decode(plan.requests[0].prompt_ids)
+
+
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris and Rome?", "name": "ann"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Rome"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "22 C, sunny"},
+    {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "18 C, rain"}]},
+]
+
+
+def test_tools_and_past_calls_are_rendered_as_hermes_text_by_a_template_that_ignores_tools(tokenizer):
+    text = decoded_prompt(tokenizer, {"messages": [{"role": "system", "content": "Be brief."}, *HISTORY],
+                                      "tools": [WEATHER]})
+    order = ["Be brief.", "<tools>\n", '"name": "get_weather"', "\n</tools>", "<tool_call>", "Weather in Paris"]
+    assert [text.index(s) for s in order] == sorted(text.index(s) for s in order)  # one system turn, first
+    assert text.count("<|system|>") == 1
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert '{"name": "get_weather", "arguments": {"city": "Rome"}}' in text
+    assert "<tool_response>\n22 C, sunny\n</tool_response>\n<tool_response>\n18 C, rain\n</tool_response>" in text
+    # tool_choice none: the tools are not rendered; the history still is
+    text = decoded_prompt(tokenizer, {"messages": HISTORY, "tools": [WEATHER], "tool_choice": "none"})
+    assert "<tools>" not in text and "<tool_response>\n22 C, sunny" in text and '"city": "Rome"' in text
+
+
+NATIVE = ("{% if tools %}<|system|>\nTOOLS {% for t in tools %}{{ t.function.name }};{% endfor %}<|end|>\n{% endif %}"
+          "{% for m in messages %}<|{{ m.role }}|>\n{% if m.name %}({{ m.name }}) {% endif %}"
+          "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }} {{ c.function.arguments | tojson }}"
+          "{% endfor %}{% elif m.role == 'tool' %}RESULT {{ m.tool_call_id }}: {{ m.content }}{% else %}{{ m.content }}"
+          "{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def test_a_template_that_speaks_tools_renders_them_itself_and_the_configured_template_wins(tokenizer):
+    cfg = ApiConfig(MODEL, 2048, chat_template=NATIVE)
+    text = decoded_prompt(tokenizer, {"messages": HISTORY, "tools": [WEATHER, NOOP]}, cfg)
+    assert "TOOLS get_weather;noop;" in text and "(ann) Weather in Paris" in text
+    assert 'CALL get_weather {"city": "Paris"}CALL get_weather {"city": "Rome"}' in text  # arguments as objects
+    assert "RESULT call_1: 22 C, sunny" in text and "RESULT call_2: 18 C, rain" in text
+    assert "<tool_call>" not in text and "<tools>" not in text
+    own = ApiConfig(MODEL, 2048, chat_template="{{ messages[0].content }}!")
+    assert decoded_prompt(tokenizer, {"messages": CHAT}, own) == "def main():!"

@@ -220,7 +220,9 @@ def test_global_options_may_follow_the_command_and_win_there(tiny_pair, tmp_path
     (["serve", "--max-context", "0"], "--max-context must be >= 1"),
     (["serve", "v", "--verifier", "w"], "MODEL and --verifier name different directories"),
     (["serve", "--drafter", "d"], "--drafter without MODEL"),
-    (["serve", "v"], "give --drafter DIR and/or --drafter-kind"),
+    (["serve", "v"], "model directory not found: v"),
+    (["serve", "v", "--max-model-len", "0"], "--max-model-len must be >= 1"),
+    (["serve", "v", "--dtype", "float16"], "use --dtype bfloat16"),
     (["--threads", "1", "models", "fetch", "--drafter-minutes", "0"], "--drafter-minutes must be > 0"),
     (["train", "offline", "--verifier", "v", "--out", "o"], "Missing option '--method'"),
 ])
@@ -237,7 +239,7 @@ def test_serve_reads_its_options_from_the_environment_and_the_config(tmp_path, c
     monkeypatch.setenv("SPECLOOP_MAX_CONTEXT", "512")
     monkeypatch.setenv("SPECLOOP_SLOTS", "0")
     assert "--slots must be >= 1" in _run(["serve", "v", "--config", cfg], capsys)[2]
-    assert "give --drafter DIR" in _run(["serve", "v", "--config", cfg, "--slots", "2"], capsys)[2]
+    assert "model directory not found: v" in _run(["serve", "v", "--config", cfg, "--slots", "2"], capsys)[2]
     cfg.write_text("drain-timeout: 5\nserved-model-name: m\nbogus_key: 1\n")
     code, _, err = _run(["serve", "v", "--config", cfg], capsys)
     assert code == 2 and "unknown key 'bogus_key' for `specloop serve`" in err

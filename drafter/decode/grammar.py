@@ -1,0 +1,126 @@
+"""Structured output: a grammar (JSON schema, regex, a choice of strings, a Lark grammar) as a token mask, through
+llguidance. One `GrammarCompiler` per tokenizer (the worker's); one `llguidance.LLMatcher` per request, advanced by the
+tokens a request commits and rolled back after each draft it checks.
+
+Under speculation (drafter/decode/shaping.py): a row's drafts are cut before the verify pass at the first one the
+grammar refuses (`valid_prefix`: it would be rejected anyway, p = 0 there), and the verifier's logits at each drafted
+position are masked by the grammar state reached after the drafts before it (`masks`). The verdict then preserves
+the masked distribution exactly, as the verifier decoding alone under the same grammar would produce it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+
+
+class GrammarError(ValueError):
+    """A grammar that does not compile, or a spec of an unknown kind: the request is refused."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # one of KINDS
+    spec: str  # json_schema: the schema as JSON text; json_object: ignored; regex: the pattern;
+    #            choice: a JSON list of strings; lark: an llguidance Lark grammar
+
+    @classmethod
+    def from_dict(cls, data: dict | None) -> "GrammarSpec | None":
+        if data is None:
+            return None
+        kind, spec = data.get("kind"), data.get("spec", "")
+        if kind not in KINDS or not isinstance(spec, str):
+            raise GrammarError(f"unknown structured-output spec {json.dumps(data)[:200]}")
+        return cls(kind, spec)
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """The spec as an llguidance grammar (its JSON form)."""
+    import llguidance
+
+    m = llguidance.LLMatcher
+    try:
+        if spec.kind == "json_schema":
+            return m.grammar_from_json_schema(json.loads(spec.spec))
+        if spec.kind == "json_object":
+            return m.grammar_from_json_schema({"type": "object"})
+        if spec.kind == "regex":
+            return m.grammar_from_regex(spec.spec)
+        if spec.kind == "choice":
+            choices = json.loads(spec.spec)
+            if not choices or not all(isinstance(c, str) for c in choices):
+                raise GrammarError("a choice needs a non-empty list of strings")
+            return m.grammar_from_regex("|".join(_regex_literal(c) for c in choices))
+        return m.grammar_from_lark(spec.spec)
+    except GrammarError:
+        raise
+    except (ValueError, TypeError, RuntimeError) as exc:  # llguidance raises ValueError on bad input
+        raise GrammarError(f"{spec.kind}: {str(exc)[:300]}") from None
+
+
+def _regex_literal(text: str) -> str:
+    return "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in text)
+
+
+class GrammarCompiler:
+    """Matchers for one tokenizer, whose vocabulary is padded to the model's `vocab_size` (logit columns past the
+    tokenizer's own tokens are never allowed)."""
+
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: frozenset[int] = frozenset()):
+        import llguidance.hf
+
+        eos = sorted(eos_ids) or None
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
+        self.vocab_size = vocab_size
+
+    def matcher(self, spec: GrammarSpec) -> "RowGrammar":
+        import llguidance
+
+        text = grammar_text(spec)
+        problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
+        if problem:
+            raise GrammarError(f"{spec.kind}: {str(problem)[:300]}")
+        matcher = llguidance.LLMatcher(self.tokenizer, text)
+        if matcher.is_error():
+            raise GrammarError(f"{spec.kind}: {matcher.get_error()[:300]}")
+        return RowGrammar(matcher, self.vocab_size)
+
+
+class RowGrammar:
+    """One request's grammar state: what it committed so far."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher, self.vocab_size = matcher, vocab_size
+
+    def valid_prefix(self, drafts: list[int]) -> int:
+        """How many of `drafts` (from the committed state) the grammar allows, in order."""
+        return int(self.matcher.validate_tokens(drafts)) if drafts else 0
+
+    def masks(self, drafts: list[int]) -> torch.Tensor:
+        """[len(drafts) + 1, V] bool: the tokens allowed after the committed tokens and drafts[:j], for each j.
+        `drafts` must be a valid prefix; the matcher is left where it was."""
+        words = torch.zeros(len(drafts) + 1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        for j in range(len(drafts) + 1):
+            row = words[j]
+            self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+            if j < len(drafts):
+                self.matcher.consume_token(drafts[j])
+        if drafts:
+            self.matcher.rollback(len(drafts))
+        return unpack(words, self.vocab_size)
+
+    def commit(self, tokens: list[int]) -> None:
+        if tokens and not self.matcher.is_stopped():
+            self.matcher.consume_tokens(tokens)
+
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, ceil(V / 32)] int32 bitmask (bit i of word w: token 32 w + i) → [N, V] bool."""
+    bits = (words[:, :, None] >> _BITS) & 1
+    return bits.reshape(len(words), -1)[:, :vocab_size].bool()

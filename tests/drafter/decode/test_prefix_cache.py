@@ -1,0 +1,305 @@
+"""drafter/decode/prefix_cache.py: blocks of prompt-prefix KV reused across requests and chat turns, exactly."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import specloop.drafter.decode.prefix_cache as pc
+from specloop.drafter.decode.engine import Engine
+from specloop.drafter.decode.prefix_cache import (
+    ROOT,
+    PrefixCache,
+    final_start,
+    passes,
+    prefill_cached,
+    reusable,
+)
+from specloop.drafter.decode.requests import EngineRequest, StopRule
+from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.kinds.table import build_drafter
+from specloop.drafter.model.attention import QUERY_CHUNK
+from specloop.drafter.model.loading import load_model
+
+B = 4  # block size of the unit tests
+WINDOW = 40  # the eagle3 head's: longer than a prompt's last pass may be, so that it bounds hits
+
+
+def fake_kv(tokens):
+    """read(first, end) for `insert`: keys [1 layer, 1 head, end - first, 1] holding the tokens themselves."""
+    t = torch.tensor(tokens, dtype=torch.float32)
+    return lambda a, b: (t[a:b].view(1, 1, -1, 1).clone(), -t[a:b].view(1, 1, -1, 1).clone())
+
+
+def cached_tokens(blocks) -> list[int]:
+    return [int(x) for blk in blocks for x in blk.keys.flatten().tolist()]
+
+
+# ---------------------------------------------------------------- the schedule
+
+
+@pytest.mark.parametrize("block", [4, 16, 32, 64])
+def test_every_aligned_start_runs_the_fresh_schedules_passes_from_there(block):
+    for n in range(0, 300):
+        fresh = passes(0, n, block)
+        assert [p for p in fresh if p[1] > p[0]] == fresh
+        assert (fresh[0][0], fresh[-1][1]) == (0, n) if n else fresh == []
+        assert all(a[1] == b[0] for a, b in zip(fresh, fresh[1:]))  # contiguous
+        assert all(b - a == block for a, b in fresh[:-1])  # one pass per block, aligned
+        if n > QUERY_CHUNK and block > QUERY_CHUNK:
+            assert fresh[-1][1] - fresh[-1][0] > QUERY_CHUNK  # a long last pass, as a one-pass prefill's
+        for start in range(0, final_start(n, block) + 1, block):
+            assert passes(start, n, block) == [p for p in fresh if p[0] >= start]
+
+
+def test_a_hit_leaves_the_last_pass_and_a_windowed_heads_positions_to_compute():
+    assert reusable(100, 32) == 64 == final_start(100, 32)  # the last pass [64, 100) is 36 > 16 positions long
+    assert reusable(80, 32) == 32  # [64, 80) would be 16: the last pass starts at 32
+    assert reusable(100, 32, tail=40) == 32
+    assert reusable(16, 32) == 0 and reusable(1, 4) == 0
+    assert reusable(9, 4) == 8 and reusable(8, 4) == 4  # blocks within QUERY_CHUNK: the last pass may be 1 position
+
+
+# ---------------------------------------------------------------- the cache
+
+
+def test_a_prompt_finds_its_longest_cached_chain_of_whole_blocks():
+    cache = PrefixCache(budget=100, block_size=B)
+    first = list(range(1, 15))  # 3 whole blocks and 2 tokens
+    assert cache.match(first, 14) == []
+    assert cache.insert(first, 14, fake_kv(first)) == 3
+    assert cached_tokens(cache.match(first, 14)) == first[:12]
+    assert cached_tokens(cache.match(first + [99], 15)) == first[:12]
+    assert cached_tokens(cache.match(first, 11)) == first[:8]  # within the limit
+    other = first[:6] + [77] + first[7:]  # differs in the second block
+    assert cached_tokens(cache.match(other, 14)) == first[:4]
+    assert cache.match([0] + first[1:], 14) == []  # the same later blocks after another first block: no hit
+    assert cache.insert(other, 14, fake_kv(other)) == 2  # shares the first block
+    assert len(cache) == 5
+    assert cached_tokens(cache.match(other, 14)) == other[:12]
+
+
+def test_a_chain_is_evicted_from_its_last_block_least_recently_used_first():
+    cache = PrefixCache(budget=5 * B, block_size=B)
+    a, b = list(range(100, 116)), list(range(200, 212))  # 4 and 3 blocks
+    cache.insert(a, 16, fake_kv(a))
+    cache.insert(b, 12, fake_kv(b))  # 7 blocks for 5: a's last two go
+    assert cache.evicted == 2
+    assert cached_tokens(cache.match(a, 16)) == a[:8] and cached_tokens(cache.match(b, 12)) == b
+    cache.match(a, 16)  # a used last: b's blocks go first now
+    c = list(range(300, 308))
+    cache.insert(c, 8, fake_kv(c))
+    assert cached_tokens(cache.match(b, 12)) == b[:4]
+    assert cached_tokens(cache.match(a, 16)) == a[:8] and cached_tokens(cache.match(c, 8)) == c
+    assert cache.stats().blocks == 5 and cache.evicted == 4
+
+
+def test_random_traffic_never_leaves_a_block_whose_parent_was_evicted():
+    rng = random.Random(0)
+    cache = PrefixCache(budget=12 * B, block_size=B)
+    prompts = [[rng.randrange(3) for _ in range(rng.randrange(1, 40))] for _ in range(300)]
+    for p in prompts:
+        if rng.random() < 0.5:
+            cache.match(p, len(p))
+        cache.insert(p, len(p), fake_kv(p))
+        blocks = cache._blocks
+        assert len(blocks) <= 12
+        assert all(blk.parent == ROOT or blk.parent in blocks for blk in blocks.values())
+
+
+def test_a_chain_longer_than_the_budget_keeps_its_first_blocks_and_an_empty_budget_holds_none():
+    cache = PrefixCache(budget=2 * B, block_size=B)
+    p = list(range(20))
+    assert cache.insert(p, 20, fake_kv(p)) == 2
+    assert cached_tokens(cache.match(p, 20)) == p[:8]
+    empty = PrefixCache(budget=0, block_size=B)
+    assert empty.insert(p, 20, fake_kv(p)) == 0 and empty.match(p, 20) == []
+
+
+def test_blocks_are_checked_by_their_tokens_and_parent_not_by_their_key_alone(monkeypatch):
+    monkeypatch.setattr(pc, "block_key", lambda parent, tokens: b"every block collides")
+    cache = PrefixCache(budget=100, block_size=B)
+    a, b = list(range(8)), list(range(10, 18))
+    assert cache.insert(a, 8, fake_kv(a)) == 1  # its second block's key is taken (by its first)
+    assert cache.insert(b, 8, fake_kv(b)) == 0
+    assert cache.match(b, 8) == []  # never another prompt's KV
+    assert cached_tokens(cache.match(a, 8)) == a[:4]
+
+
+def test_stats_count_prompt_tokens_looked_up_and_served():
+    cache = PrefixCache(budget=64, block_size=B)
+    cache.record(10, 0)
+    cache.record(12, 8)
+    s = cache.stats()
+    assert (s.queries, s.hits, s.hit_rate) == (22, 8, 8 / 22)
+    assert (s.budget, s.block_size) == (64, B)
+
+
+# ---------------------------------------------------------------- exactness on the reference verifier
+
+
+@pytest.fixture(scope="module")
+def pair(reference_pair):
+    return load_model(reference_pair[0]), reference_pair[1]
+
+
+@pytest.fixture(scope="module")
+def rule(pair):
+    return StopRule(frozenset(pair[0].eos_ids))
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(5, 8000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_a_prefill_that_finds_its_prefix_cached_writes_the_fresh_schedules_kv_bit_for_bit(pair):
+    lean = pair[0].lean
+    prompt = _tokens(1, 170)
+    cold = lean.new_cache(2, 256)
+    fresh = PrefixCache(budget=1024)
+    f_cold, _, _ = prefill_cached(lean, cold, [1], [prompt], fresh, (2, 5))
+    warm_cache = PrefixCache(budget=1024)
+    prefill_cached(lean, lean.new_cache(1, 256), [0], [prompt[:100] + _tokens(2, 30)], warm_cache)
+    warm = lean.new_cache(2, 256)
+    warm.keys[0].fill_(7.0)  # stale rows are overwritten or never read
+    f_warm, _, _ = prefill_cached(lean, warm, [1], [prompt], warm_cache, (2, 5))
+    assert warm_cache.stats().hits == 96  # blocks [0, 96) of the shared 100 tokens
+    assert fresh.stats().hits == 0
+    n = len(prompt) - 1
+    assert int(warm.lens[1]) == int(cold.lens[1]) == n
+    for a, b in zip(cold.keys + cold.values, warm.keys + warm.values):
+        assert torch.equal(a[1, :, :n], b[1, :, :n])
+    for i in (2, 5):
+        assert torch.equal(f_cold[i], f_warm[i])
+
+
+def _chat(verifier, drafter, rule, turns, prefix, k=0, max_tokens=12, slots=1):
+    """A chat through the engine: turn t's prompt is turn t − 1's prompt + answer + a new message. Returns the
+    answers, the hit of every turn, and the pool row's KV after each admission."""
+    engine = Engine(verifier.lean, drafter, slots, 1024, rule, prefix_cache=prefix)
+    prompt, answers, hits, kv = [], [], [], []
+    for t, message in enumerate(turns):
+        prompt = prompt + message
+        before = prefix.stats().hits if prefix is not None else 0
+        engine.admit([EngineRequest(f"t{t}", prompt, SamplingParams(max_tokens=max_tokens), k, t)])
+        hits.append((prefix.stats().hits if prefix is not None else 0) - before)
+        slot = engine.get(f"t{t}").slot
+        kv.append([c[slot, :, : len(prompt) - 1].clone() for c in engine.cache.keys + engine.cache.values])
+        done = None
+        while done is None:
+            done = next((u.generation for u in engine.step() if u.generation is not None), None)
+        answers.append(done.token_ids)
+        prompt = prompt + done.token_ids
+    return answers, hits, kv
+
+
+def _turns(n: int, seed: int = 0) -> list[list[int]]:
+    """A system prompt and first message of 60 tokens (a block cached before its last pass), then messages of
+    8..29 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [_tokens(seed * 100 + t, 60 if t == 0 else int(torch.randint(8, 30, (1,), generator=g))) for t in range(n)]
+
+
+@pytest.mark.parametrize("outputs", [True, False])
+def test_a_ten_turn_chat_hits_on_every_turn_after_the_first_with_the_verifiers_own_output(pair, rule, outputs):
+    turns = _turns(10)
+    plain, _, _ = _chat(pair[0], None, rule, turns, None)
+    prefix = PrefixCache(budget=2048, outputs=outputs)
+    cached, hits, kv = _chat(pair[0], None, rule, turns, prefix)
+    assert cached == plain
+    assert hits[0] == 0 and all(h > 0 for h in hits[1:])
+    assert hits == expected_hits(turns, cached, outputs)
+    fresh, prompt = PrefixCache(budget=2048), []
+    for t, (message, answer) in enumerate(zip(turns, cached)):
+        prompt = prompt + message
+        if t in (3, 9):  # the pool's KV is the fresh schedule's bit for bit
+            n = len(prompt) - 1
+            cold = pair[0].lean.new_cache(1, 1024)
+            prefill_cached(pair[0].lean, cold, [0], [prompt], fresh)
+            assert all(torch.equal(c[0, :, :n], w) for c, w in zip(cold.keys + cold.values, kv[t]))
+        prompt = prompt + answer
+
+
+def expected_hits(turns, answers, outputs=True, tail=0, block=32) -> list[int]:
+    """What each turn of a chat finds: the previous history's whole blocks (its answer prefilled at the finish), or
+    the previous prompt's blocks before its last pass (prompts only), within what this prompt may reuse."""
+    prompt, seen, out = [], 0, []
+    for message, answer in zip(turns, answers):
+        prompt = prompt + message
+        n = len(prompt) - 1
+        out.append(min(seen, reusable(n, block, tail)))
+        seen = max(seen, (len(prompt) + len(answer)) // block * block if outputs else final_start(n, block))
+        prompt = prompt + answer
+    return out
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "ngram", "eagle3"])
+def test_speculative_chats_with_the_cache_decode_as_the_verifier_alone(pair, rule, kind):
+    verifier, drafter_dir = pair
+    turns = _turns(4, seed=1)
+    plain, _, _ = _chat(verifier, None, rule, turns, None, max_tokens=16)
+
+    def drafter():
+        if kind == "eagle3":
+            from specloop.drafter.kinds.eagle3 import Eagle3Drafter
+            from tests.drafter_helpers import trained_eagle3
+
+            return Eagle3Drafter(verifier.lean, trained_eagle3(verifier.lean, seed=1, std=0.05, window=WINDOW))
+        return build_drafter(kind, verifier, drafter_dir if kind == "pretrained" else None)
+
+    spec = drafter()
+    answers, hits, _ = _chat(verifier, spec, rule, turns, PrefixCache(budget=2048), k=4, max_tokens=16)
+    assert answers == plain
+    assert all(h > 0 for h in hits[1:])
+    if kind == "pretrained":  # its LM's prompts went through a cache of its own
+        assert spec.prefix_cache is not None and spec.prefix_cache.stats().hits > 0
+    # a windowed head's positions are prefilled, never taken from the cache (with the pretrained drafter, the
+    # verifier's prefill captures nothing: its hits are a chat's without a drafter)
+    assert hits == expected_hits(turns, answers, tail=WINDOW if kind == "eagle3" else 0)
+    if kind == "eagle3":
+        assert hits != expected_hits(turns, answers)  # the window bounded some hit
+
+
+def test_the_graph_backend_with_the_cache_decodes_as_without(pair, rule, monkeypatch):
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    verifier = pair[0]
+    turns = _turns(3, seed=3)
+
+    def chat(prefix):
+        engine = Engine(verifier.lean, build_drafter("ngram", verifier, None), 2, 512, rule, backend="graph",
+                        prefix_cache=prefix)
+        prompt, answers = [], []
+        for t, message in enumerate(turns):
+            prompt = prompt + message
+            engine.admit([EngineRequest(f"t{t}", prompt, SamplingParams(max_tokens=10), None, t)])
+            done = None
+            while done is None:
+                done = next((u.generation for u in engine.step() if u.generation is not None), None)
+            answers.append(done.token_ids)
+            prompt = prompt + done.token_ids
+        assert engine.verifier.graph_calls > 0
+        return answers
+
+    prefix = PrefixCache(budget=1024)
+    assert chat(prefix) == chat(None)
+    assert prefix.stats().hits > 0
+
+
+def test_an_aborted_request_caches_no_output_and_a_finished_one_its_whole_history(pair, rule):
+    verifier = pair[0]
+    prefix = PrefixCache(budget=2048)
+    engine = Engine(verifier.lean, None, 1, 512, rule, prefix_cache=prefix)
+    prompt = _tokens(7, 40)  # 39 positions to prefill: one pass, no block cached at admission
+    engine.admit([EngineRequest("a", prompt, SamplingParams(max_tokens=40), 0, 0)])
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("a")
+    assert len(prefix) == 0
+    engine.admit([EngineRequest("b", prompt, SamplingParams(max_tokens=40), 0, 0)])
+    done = None
+    while done is None:
+        done = next((u.generation for u in engine.step() if u.generation is not None), None)
+    history = prompt + done.token_ids
+    assert len(history) >= 64 and len(prefix) == len(history) // 32
+    assert len(prefix.match(history, len(history))) == len(history) // 32
