@@ -127,9 +127,6 @@ class PrefixCache:
         self.queries += queried
         self.hits += hit
 
-    def clear(self) -> None:
-        self._blocks.clear()
-
     def match(self, tokens: Sequence[int], limit: int) -> list[CachedBlock]:
         """The longest cached chain of `tokens`' full blocks within its first `limit` positions (touched)."""
         B, found, parent = self.block_size, [], ROOT
