@@ -135,6 +135,9 @@ class Engine:
         self._slot_of: dict[str, int] = {}  # running request id -> slot
         self.last = torch.zeros(self.slots, dtype=torch.long)
         self.behind: set[int] = set()  # slots whose drafter state missed plain steps
+        # finished requests whose history the prefix cache takes when the engine is idle (`cache_finished`):
+        # slot -> (prompt length, prompt + output); dropped when the slot is reused first
+        self.finished: dict[int, tuple[int, list[int]]] = {}
         if self.drafter is not None:
             self._start_drafter(self.drafter)
         self.warm_s = self._warm()  # graph backend: seconds spent compiling / capturing the steps at start-up
@@ -220,6 +223,8 @@ class Engine:
         prompts = [r.prompt for r in requests]
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
         tail = getattr(self.drafter, "feature_window", 0)  # a windowed head (eagle3) reads the prompt's last positions
+        for s in slots:  # their rows are overwritten: an answer not yet cached is not (prompts still are)
+            self.finished.pop(s, None)
         features, recent, lens = self._prefill(slots, prompts, layers, tail)
         if self.drafter is not None:
             self._drafter_prefix_cache()
@@ -282,7 +287,19 @@ class Engine:
         self.rows[slot] = None
         self.behind.discard(slot)
         if self.prefix_cache is not None and self.prefix_cache.outputs and row.gen.finish_reason is not None:
-            cache_output(self.verifier, self.cache, slot, len(row.request.prompt), row.history, self.prefix_cache)
+            self.finished[slot] = (len(row.request.prompt), row.history)
+
+    def cache_finished(self, most: int | None = None) -> int:
+        """Idle work: the histories of finished requests (at most `most` of them; None: all) prefilled into the
+        prefix cache (`cache_output`), so a next chat turn (previous prompt + answer + new message) finds the answer
+        cached. Never on a step's path: done at a finish it would hold every running row and the finished request's
+        last chunk; a serving loop calls this when nothing runs. Returns the blocks added."""
+        added = 0
+        for slot in sorted(self.finished)[:most]:
+            n, history = self.finished.pop(slot)
+            assert self.prefix_cache is not None and self.rows[slot] is None  # set by `_leave`, popped on reuse
+            added += cache_output(self.verifier, self.cache, slot, n, history, self.prefix_cache)
+        return added
 
     # -- prefix caching
 

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
+# JSON as `json.dumps` writes it (", " and ": ", no other whitespace) unless a schema's own "x-guidance" says
+# otherwise: with free whitespace a small model can pad a value with blanks until max_tokens
+COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
@@ -44,9 +47,9 @@ def grammar_text(spec: GrammarSpec) -> str:
     m = llguidance.LLMatcher
     try:
         if spec.kind == "json_schema":
-            return m.grammar_from_json_schema(json.loads(spec.spec))
+            return m.grammar_from_json_schema(json.loads(spec.spec), defaults=COMPACT_JSON)
         if spec.kind == "json_object":
-            return m.grammar_from_json_schema({"type": "object"})
+            return m.grammar_from_json_schema({"type": "object"}, defaults=COMPACT_JSON)
         if spec.kind == "regex":
             return m.grammar_from_regex(spec.spec)
         if spec.kind == "choice":

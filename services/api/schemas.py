@@ -230,7 +230,7 @@ class DetokenizeBody(_Lenient):
 # parameters this server accepts only at their neutral value, unless the body's model declares them:
 # each would change what is generated (or how it is returned), so one is refused, never ignored.
 # Other unknown fields (user, store, metadata, service_tier …) change nothing and are ignored.
-NEUTRAL = {
+NEUTRAL: dict[str, tuple[Any, ...]] = {
     # OpenAI
     "top_logprobs": (None, 0),  # a chat parameter (on /v1/completions: refused)
     "max_completion_tokens": (None,),  # a chat parameter

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -218,12 +218,13 @@ class Shapes:
         choices = []
         for i, c in enumerate(progress.choices):
             text, finish_reason = "".join(c.texts), c.finish_reason
-            body = {"message": {"role": "assistant", "content": text}} if self.plan.chat else {"text": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
             if self.plan.tools is not None:
                 content, calls = parse_tool_calls(text, self.plan.tools.names, self.plan.tools.parallel)
                 if calls:
-                    body["message"] |= {"content": content, "tool_calls": calls}
+                    message |= {"content": content, "tool_calls": calls}
                     finish_reason = "tool_calls"
+            body = {"message": message} if self.plan.chat else {"text": text}
             choices.append({"index": i, **body, "logprobs": self.logprobs(c.logprobs),
                             "finish_reason": finish_reason})
         return self.head() | {"choices": choices, "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
@@ -234,7 +235,8 @@ class Shapes:
         log-probabilities), a tool call (chat: `tool_call` is its entry of `tool_calls`, with its
         `index`), or the finish."""
         if self.plan.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+            delta: dict[str, Any] = ({"role": "assistant", "content": ""} if role else
+                                     {"content": text} if text is not None else {})
             if tool_call is not None:
                 delta = {"tool_calls": [tool_call]}
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

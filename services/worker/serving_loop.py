@@ -188,8 +188,9 @@ class ServingLoop:
             self._drop_cancelled()
             self._admit()
             if not self.running:
-                self.wake.wait(self.cfg.idle_wait_s)
-                self.wake.clear()
+                if not self.worker.engine.cache_finished(most=1):  # idle: one finished chat's answer cached
+                    self.wake.wait(self.cfg.idle_wait_s)
+                    self.wake.clear()
                 continue
             try:
                 updates = self.worker.step() if self.worker.engine.running else []

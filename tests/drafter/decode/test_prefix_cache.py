@@ -189,6 +189,7 @@ def _chat(verifier, drafter, rule, turns, prefix, k=0, max_tokens=12, slots=1):
         done = None
         while done is None:
             done = next((u.generation for u in engine.step() if u.generation is not None), None)
+        engine.cache_finished()  # the user's think time: the serving loop's idle work
         answers.append(done.token_ids)
         prompt = prompt + done.token_ids
     return answers, hits, kv
@@ -276,6 +277,7 @@ def test_the_graph_backend_with_the_cache_decodes_as_without(pair, rule, monkeyp
             done = None
             while done is None:
                 done = next((u.generation for u in engine.step() if u.generation is not None), None)
+            engine.cache_finished()
             answers.append(done.token_ids)
             prompt = prompt + done.token_ids
         assert engine.verifier.graph_calls > 0
@@ -301,5 +303,23 @@ def test_an_aborted_request_caches_no_output_and_a_finished_one_its_whole_histor
     while done is None:
         done = next((u.generation for u in engine.step() if u.generation is not None), None)
     history = prompt + done.token_ids
+    assert len(prefix) == 0  # the finish costs the step nothing: the answer is cached as idle work
+    engine.cache_finished()
     assert len(history) >= 64 and len(prefix) == len(history) // 32
     assert len(prefix.match(history, len(history))) == len(history) // 32
+
+
+def test_a_finished_answer_whose_slot_is_reused_before_the_idle_work_is_not_cached(pair, rule):
+    """Under load the freed row is overwritten by the next admission before any idle time: that answer's KV is
+    gone, so it is dropped (never cached from a row that no longer holds it); the new prompt's blocks are."""
+    verifier = pair[0]
+    prefix = PrefixCache(budget=2048)
+    engine = Engine(verifier.lean, None, 1, 512, rule, prefix_cache=prefix)
+    first, second = _tokens(3, 40), _tokens(4, 80)
+    engine.admit([EngineRequest("a", first, SamplingParams(max_tokens=40), 0, 0)])
+    while engine.running:
+        engine.step()
+    assert engine.finished
+    engine.admit([EngineRequest("b", second, SamplingParams(max_tokens=4), 0, 0)])
+    assert not engine.finished and engine.cache_finished() == 0
+    assert not prefix.match(first, len(first)) and len(prefix.match(second, len(second))) > 0

@@ -1,32 +1,23 @@
 """Structured outputs, tool calls and the sampling controls end to end: the API over a real serving
 loop (`LocalBackend`, tiny models), served by uvicorn and driven by the official `openai` client.
 
-These depend on the worker side of issue 32 (CompletionRequest.engine_request carrying the controls
-and the guided spec to an engine that applies them: drafter/decode/shaping.py, grammar.py); the
-module is skipped where that is not there yet. Greedy decoding under a grammar or a control is the
+The worker applies the controls and the guided spec (drafter/decode/shaping.py, grammar.py). Greedy decoding under a grammar or a control is the
 same with and without speculation (it is lossless), so each check runs both ways and compares."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 
 import openai
 import pytest
 import torch
 
-from specloop.drafter.decode.engine import Engine
 from specloop.drafter.model.loading import load_tokenizer
 from specloop.services.api.app import create_app
-from specloop.services.protocol import CompletionRequest
 from specloop.services.worker.serving_loop import LocalBackend, wait_ready
 from tests.admin_helpers import serving
 
 torch.set_num_threads(1)
-
-pytestmark = pytest.mark.skipif(
-    not (hasattr(CompletionRequest, "engine_request") and "grammars" in inspect.signature(Engine).parameters),
-    reason="needs the worker side of issue 32 (the engine applying the controls and the guided spec)")
 
 MODEL = "tiny-verifier"
 EOS = 4  # the tiny tokenizer's <|end|>

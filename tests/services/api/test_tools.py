@@ -247,3 +247,16 @@ def test_a_streamed_tool_call_holds_its_text_back_and_ends_with_tool_calls_delta
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "No call <tool here, just text."
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_tokenize_renders_tools_as_a_chat_request_does(client, backend):
+    import httpx
+
+    url = str(client.base_url).removesuffix("/v1/")
+    plain = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": ASK}, timeout=30).json()
+    with_tools = httpx.post(f"{url}/tokenize", json={"model": MODEL, "messages": ASK, "tools": [WEATHER]},
+                            timeout=30).json()
+    assert "<tools>" in backend.tokenizer.decode(with_tools["tokens"]) and with_tools["count"] > plain["count"]
+    backend.say("ok")
+    client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=5)
+    assert backend.requests[-1].prompt_ids == with_tools["tokens"]

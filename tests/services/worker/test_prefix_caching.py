@@ -3,6 +3,7 @@ engines, counted in its stats and metrics (prompt tokens, under specloop's and v
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -43,9 +44,12 @@ def test_a_chats_second_turn_hits_the_first_ones_history_and_the_metrics_count_i
             prompt = prompt + tok.encode(message, add_special_tokens=False)
             request = CompletionRequest(f"t{t}", prompt, max_tokens=12, k=None, stream_index=t)
             tokens = _tokens(backend, request)
+            deadline = time.monotonic() + 30  # the loop caches the answer once idle (the user's think time)
+            while worker.engine.finished and time.monotonic() < deadline:
+                time.sleep(0.01)
             assert tokens == generate(verifier.lean, None, [prompt], request.sampling(), 0, rule)[0].token_ids
             turns.append(len(prompt))
-            # what it finds: the previous turn's history, prefilled at its finish, in whole blocks before its last pass
+            # what it finds: the previous turn's history, prefilled when the loop was idle, in whole blocks before its last pass
             hits.append(min(seen, reusable(len(prompt) - 1, 32)))
             prompt = prompt + tokens
             seen = len(prompt) // 32 * 32
