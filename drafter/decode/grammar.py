@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "lark")
 # JSON as `json.dumps` writes it (", " and ": ", no other whitespace) unless a schema's own "x-guidance" says
 # otherwise: with free whitespace a small model can pad a value with blanks until max_tokens
-COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+COMPACT_JSON: "JsonCompileOptions" = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class GrammarError(ValueError):
