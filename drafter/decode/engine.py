@@ -219,6 +219,7 @@ class Engine:
             raise ValueError(f"{len(requests)} requests for {len(self.free)} free slots")
         for r in requests:
             self._check(r)
+        shapings = [self._shaping(r) for r in requests]  # a grammar that does not compile refuses before any prefill
         slots = self.free[: len(requests)]
         prompts = [r.prompt for r in requests]
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
@@ -230,12 +231,12 @@ class Engine:
             self._drafter_prefix_cache()
             window = (recent, lens) if tail else (None, None)
             self.drafter.join(slots, prompts, VerifierView(self.cache, features, *window))
-        for s, r in zip(slots, requests):
+        for s, r, shaping in zip(slots, requests, shapings):
             gen = None if r.params.greedy else make_generators(r.params.seed, 1, start=r.stream)[0]
             positions = self.controller.cfg.k_max if r.k is None else r.k
             scores: list[TokenScore] | None = None if r.logprobs is None else []
             self.rows[s] = LiveRequest(r, s, Generation([], None, AcceptanceStats(positions), scores), gen,
-                                       self._shaping(r))
+                                       shaping)
             self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
         self.behind.difference_update(slots)

@@ -74,14 +74,25 @@ def _regex_literal(text: str) -> str:
 
 class GrammarCompiler:
     """Matchers for one tokenizer, whose vocabulary is padded to the model's `vocab_size` (logit columns past the
-    tokenizer's own tokens are never allowed)."""
+    tokenizer's own tokens are never allowed). llguidance reads the tokenizer on the first grammar (about a second
+    for a 49k vocabulary): a worker that never sees one never pays it."""
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_ids: frozenset[int] = frozenset()):
-        import llguidance.hf
+        self.hf_tokenizer, self.vocab_size, self.eos_ids = hf_tokenizer, vocab_size, eos_ids
+        self._tokenizer = None
 
-        eos = sorted(eos_ids) or None
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
-        self.vocab_size = vocab_size
+    @property
+    def tokenizer(self):
+        """llguidance's view of the tokenizer (built once; GrammarError where it cannot read it)."""
+        if self._tokenizer is None:
+            import llguidance.hf
+
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size,
+                                                               eos_token=sorted(self.eos_ids) or None)
+            except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot import: no structured output
+                raise GrammarError(f"structured output is unavailable for this tokenizer: {str(exc)[:200]}") from None
+        return self._tokenizer
 
     def matcher(self, spec: GrammarSpec) -> "RowGrammar":
         import llguidance

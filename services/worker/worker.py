@@ -247,14 +247,9 @@ class RecordLogger:
             self.thread.join(timeout=5)
 
 
-def grammar_compiler(tokenizer, vocab_size: int, eos_ids) -> GrammarCompiler | None:
-    """Structured output's matchers for this tokenizer (None, logged, where llguidance cannot read it: requests
-    with a grammar are then refused)."""
-    try:
-        return GrammarCompiler(tokenizer, vocab_size, frozenset(eos_ids))
-    except Exception as exc:  # noqa: BLE001 - a tokenizer llguidance cannot import: serve without grammars
-        log.warning("structured output is off: llguidance cannot read this tokenizer (%s)", exc)
-        return None
+def grammar_compiler(tokenizer, vocab_size: int, eos_ids) -> GrammarCompiler:
+    """Structured output's matchers for this tokenizer (llguidance reads it on the first grammar)."""
+    return GrammarCompiler(tokenizer, vocab_size, frozenset(eos_ids))
 
 
 class VerifierWorker:

@@ -100,3 +100,16 @@ def test_bad_grammars_are_refused_with_a_grammar_error(grammars):
 def test_unpack_reads_bit_i_of_word_w_as_token_32w_plus_i():
     words = torch.tensor([[1 - 2**31, 4]], dtype=torch.int32)  # bits 0 and 31 of word 0, bit 2 of word 1
     assert unpack(words, 40)[0].nonzero().flatten().tolist() == [0, 31, 34]
+
+
+def test_a_grammar_that_does_not_compile_refuses_its_request_before_anything_is_prefilled(pair, grammars):
+    from specloop.drafter.decode.engine import Engine
+    from specloop.drafter.decode.requests import EngineRequest
+
+    v = pair[0]
+    engine = Engine(v.lean, None, 2, 256, StopRule(frozenset([v.tokenizer.eos_token_id])), grammars=grammars)
+    good = EngineRequest("ok", [1, 2, 3], SamplingParams(max_tokens=4), 0)
+    bad = EngineRequest("bad", [1, 2, 3], SamplingParams(max_tokens=4), 0, grammar=GrammarSpec("regex", "(open"))
+    with pytest.raises(GrammarError):
+        engine.admit([good, bad])
+    assert engine.running == 0 and len(engine.free) == 2  # neither was admitted
