@@ -102,7 +102,10 @@ def run_demo(cfg: DemoConfig) -> int:
     records = load_prompts(cfg.prompts)
     kind = resolve_kind(None, cfg.drafter)
     assert kind is not None  # a drafter is given: its kind is known
-    server = ServeProcess(["--verifier", cfg.verifier, "--drafter", cfg.drafter], threads=cfg.threads,
+    # no prefix cache: each prompt is timed twice (speculation on, then off), and the second round would find the
+    # first one's prompts cached: the comparison would be of the cache, not of speculation
+    server = ServeProcess(["--verifier", cfg.verifier, "--drafter", cfg.drafter, "--no-enable-prefix-caching"],
+                          threads=cfg.threads,
                           registry=default_registry(cfg.registry, cfg.verifier, cfg.drafter, kind))
     url = server.url
     print(f"starting specloop serve on {url} (Redis: {redacted(os.environ.get('SPECLOOP_REDIS_URL', 'auto'))}) ...",
