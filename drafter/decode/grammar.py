@@ -58,9 +58,9 @@ def grammar_text(spec: GrammarSpec) -> str:
             return m.grammar_from_regex(spec.spec)
         if spec.kind == "choice":
             choices = json.loads(spec.spec)
-            if not choices or not all(isinstance(c, str) for c in choices):
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
                 raise GrammarError("a choice needs a non-empty list of strings")
-            return m.grammar_from_regex("|".join(_regex_literal(c) for c in choices))
+            return m.grammar_from_lark(choice_lark(choices))
         return m.grammar_from_lark(spec.spec)
     except GrammarError:
         raise
@@ -68,8 +68,24 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise GrammarError(f"{spec.kind}: {str(exc)[:300]}") from None
 
 
-def _regex_literal(text: str) -> str:
-    return "".join(f"\\{c}" if c in r".^$*+?()[]{}|\/" else c for c in text)
+def choice_lark(choices: list[str]) -> str:
+    """The Lark grammar of a choice of strings."""
+    return "start: " + " | ".join(json.dumps(c) for c in choices)
+
+
+def check(spec: GrammarSpec, tokenizer=None) -> str:
+    """The spec's llguidance grammar, validated (against `tokenizer` where given: the API checks without one, the
+    worker with its own); GrammarError where it does not compile."""
+    import llguidance
+
+    text = grammar_text(spec)
+    try:
+        problem = llguidance.LLMatcher.validate_grammar(text, tokenizer)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise GrammarError(f"{spec.kind}: {str(exc)[:300]}") from None
+    if problem:
+        raise GrammarError(f"{spec.kind}: {str(problem)[:300]}")
+    return text
 
 
 class GrammarCompiler:
@@ -97,11 +113,7 @@ class GrammarCompiler:
     def matcher(self, spec: GrammarSpec) -> "RowGrammar":
         import llguidance
 
-        text = grammar_text(spec)
-        problem = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
-        if problem:
-            raise GrammarError(f"{spec.kind}: {str(problem)[:300]}")
-        matcher = llguidance.LLMatcher(self.tokenizer, text)
+        matcher = llguidance.LLMatcher(self.tokenizer, check(spec, self.tokenizer))
         if matcher.is_error():
             raise GrammarError(f"{spec.kind}: {matcher.get_error()[:300]}")
         return RowGrammar(matcher, self.vocab_size)

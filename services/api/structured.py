@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import any_to_lark
 
-from specloop.services.api.schemas import ApiError, invalid
+from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check
+from specloop.services.api.schemas import invalid
 
 MAX_GUIDED_CHARS = 64 * 1024  # characters of one schema (as JSON text), pattern, grammar or choice list
 MAX_ERROR_CHARS = 400  # of llguidance's message quoted in a 400
@@ -135,16 +135,14 @@ def _schema_value(value: Any, param: str) -> dict:
 def json_schema_spec(schema: dict, param: str) -> dict:
     text = json.dumps(schema, ensure_ascii=False)
     _bound(text, param)
-    check_grammar(_compile(lambda: LLMatcher.grammar_from_json_schema(text), param), param, "JSON schema")
-    return {"kind": "json_schema", "spec": text}
+    return checked("json_schema", text, param, "JSON schema")
 
 
 def regex_spec(pattern: Any, param: str) -> dict:
     if not isinstance(pattern, str) or not pattern:
         raise invalid(f"{param} must be a non-empty regular expression", param)
     _bound(pattern, param)
-    check_grammar(LLMatcher.grammar_from_regex(pattern), param, "regular expression")
-    return {"kind": "regex", "spec": pattern}
+    return checked("regex", pattern, param, "regular expression")
 
 
 def choice_spec(choices: Any, param: str) -> dict:
@@ -152,13 +150,7 @@ def choice_spec(choices: Any, param: str) -> dict:
         raise invalid(f"{param} must be a non-empty list of non-empty strings", param)
     text = json.dumps(choices, ensure_ascii=False)
     _bound(text, param)
-    check_grammar(LLMatcher.grammar_from_lark(choice_lark(choices)), param, "choice")
-    return {"kind": "choice", "spec": text}
-
-
-def choice_lark(choices: list[str]) -> str:
-    """The Lark grammar of a choice (llguidance's own `grammar_from("choice", ...)`)."""
-    return "start: " + " | ".join(json.dumps(c) for c in choices)
+    return checked("choice", text, param, "choice")
 
 
 def lark_spec(grammar: Any, param: str) -> dict:
@@ -171,28 +163,17 @@ def lark_spec(grammar: Any, param: str) -> dict:
     except Exception as exc:  # the GBNF converter's own errors
         raise invalid(f"{param}: the grammar is neither Lark nor GBNF that converts to it: {_short(exc)}",
                       param) from None
-    check_lark(lark, param)
-    return {"kind": "lark", "spec": lark}
+    return checked("lark", lark, param, "grammar")
 
 
-def check_lark(lark: str, param: str) -> None:
-    check_grammar(LLMatcher.grammar_from_lark(lark), param, "grammar")
-
-
-def check_grammar(grammar: str, param: str, what: str) -> None:
-    """A 400 naming `param` when llguidance cannot compile `grammar` (one of its grammar_from_* results)."""
-    error = _compile(lambda: LLMatcher.validate_grammar(grammar), param)
-    if error:
-        raise invalid(f"{param}: the {what} does not compile: {_short(error)}", param)
-
-
-def _compile(fn, param: str):
+def checked(kind: str, spec: str, param: str, what: str) -> dict:
+    """The guided spec {"kind", "spec"}, compiled as the worker compiles it (drafter/decode/grammar.py `check`,
+    without a tokenizer); a 400 naming `param` when it does not compile."""
     try:
-        return fn()
-    except ApiError:
-        raise
-    except Exception as exc:  # llguidance raises ValueError for what is not a JSON value
-        raise invalid(f"{param}: {_short(exc)}", param) from None
+        check(GrammarSpec(kind, spec))
+    except GrammarError as exc:
+        raise invalid(f"{param}: the {what} does not compile: {_short(exc)}", param) from None
+    return {"kind": kind, "spec": spec}
 
 
 def _bound(text: str, param: str) -> None:

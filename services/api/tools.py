@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specloop.services.api.schemas import Tool, invalid
-from specloop.services.api.structured import MAX_GUIDED_CHARS, check_lark
+from specloop.services.api.structured import MAX_GUIDED_CHARS, checked
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -136,8 +136,7 @@ def tool_guided(plan: ToolPlan | None) -> dict | None:
     if len(lark) > MAX_GUIDED_CHARS:
         raise invalid(f"the tools' schemas take {len(lark)} characters as a grammar; a forced tool_choice takes "
                       f"at most {MAX_GUIDED_CHARS}", "tools")
-    check_lark(lark, "tools")
-    return {"kind": "lark", "spec": lark}
+    return checked("lark", lark, "tools", "grammar")
 
 
 def tool_lark(tools: list[dict], parallel: bool = True) -> str:
