@@ -63,7 +63,11 @@ from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least
-SECTIONS = ("steps", "pair", "batches", "inexact", "drafter", "verify", "compile", "anchor")
+SECTIONS = ("steps", "pair", "paths", "batches", "inexact", "drafter", "verify", "compile", "anchor")
+# the step's other ways of running (section paths), each against the default (direct CUDA graphs, torch's
+# attention): as environment settings read when a GraphDecoder is built
+PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
+         "direct-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "triton"}}
 ANCHOR_FIRST = "smollm2-1.7b"  # the shape the issue's ≥ 1.2× transformers target names
 DRAFTER = "smollm2-135m"  # the shape whose width-2 step is the drafter's in c = drafter / verifier
 
@@ -409,6 +413,14 @@ class StepBench:
         n_new[:batch] = 1
         lens = torch.full((S,), self.plan.context, dtype=torch.long, device=dev)
 
+        if graph.direct:  # the captured graph on inputs already in its buffers
+            with torch.inference_mode():
+                captured = graph._captured((keys, values), (), last_only, None)
+                captured.tokens.zero_()
+                captured.meta[0].copy_(n_new)
+                captured.meta[1].copy_(lens)
+            return captured.replay
+
         def call():
             with torch.inference_mode():
                 graph.step_fn(keys, values, tokens, n_new, lens, None, (), last_only)
@@ -534,6 +546,43 @@ def steps_section(models: Models) -> None:
         attempt(res, "eager_b1", models.budget, 5.0, lambda: bench.eager_step(1), models.report)
 
 
+class scoped_env:
+    """Environment variables set for a block (a GraphDecoder reads its capture mode and attention when built)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env, self.saved = env, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def step_path() -> str:
+    """The default step's path as this process runs it (recorded with every graph row)."""
+    from specloop.drafter.model.graph import capture_mode, resolve_attention
+
+    return f"{capture_mode()}-{resolve_attention(torch.device('cuda' if torch.cuda.is_available() else 'cpu'))}"
+
+
+def paths_section(models: Models) -> None:
+    """Batch 1 (and the largest of --batches): the step run the other ways (PATHS) beside the default one in
+    section steps: what the direct graphs and the attention kernel each bring."""
+    p = models.plan
+    for name, bench, res in models.each():
+        for label, env in PATHS.items():
+            for b in sorted({1, max(p.batches)}):
+                with scoped_env(env):
+                    attempt(res, f"graph_w{p.width}_b{b}_{label}", models.budget, bench.need(),
+                            lambda: bench.graph_step(b, p.width, path=f"graph-{label}"), models.report)
+
+
 def batches_section(models: Models) -> None:
     p = models.plan
     for name, bench, res in models.each():
@@ -606,6 +655,7 @@ class System:
     tau: float | None = None
     first_pass_s: float | None = None
     error: str | None = None  # a failed build or run: the system sits out the passes after
+    env: dict[str, str] = field(default_factory=dict)  # the step's path (PATHS) where not the default
 
 
 def build_systems(verifier, models: Path) -> list[System]:
@@ -615,7 +665,8 @@ def build_systems(verifier, models: Path) -> list[System]:
     from specloop.drafter.kinds.table import build_drafter
 
     untrained = "untrained head: drafts noise; its cost is real, its τ is not"
-    systems = [System("alone-graph", None, 0, "graph"), System("alone-eager", None, 0, "eager")]
+    systems = [System("alone-graph", None, 0, "graph"), System("alone-eager", None, 0, "eager"),
+               System("alone-trees-torch", None, 0, "graph", "the last session's graph step", env=PATHS["trees-torch"])]
     for kind, path, note in (("pretrained", models / "drafter", ""), ("ngram", None, ""), ("eagle", None, untrained)):
         try:
             drafter, error = build_drafter(kind, verifier, path, weights="bf16" if path else None), None
@@ -679,12 +730,15 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
     from specloop.drafter.decode.engine import generate
 
     systems = build_systems(verifier, args.models)
+    if args.systems:  # alone-graph stays: the reference every other system is compared with
+        systems = [s for s in systems if s.name == "alone-graph" or s.name in args.systems.split(",")]
 
     def run(system: System):
         gens, t0 = [], time.perf_counter()
-        for lo in range(0, len(prompts), batch):
-            gens += generate(verifier.lean, system.drafter, prompts[lo : lo + batch], params, system.k, rule,
-                             backend=system.backend)
+        with scoped_env(system.env):
+            for lo in range(0, len(prompts), batch):
+                gens += generate(verifier.lean, system.drafter, prompts[lo : lo + batch], params, system.k, rule,
+                                 backend=system.backend)
         clock.sync()
         return gens, time.perf_counter() - t0
 
@@ -717,7 +771,26 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
             budget.say(f"pair batch {batch} {'warm-up' if r == 0 else f'round {r}'} {system.name}: {seconds:.2f} s, "
                        f"identical {sum(same)}/{len(same)}")
         passes.append(time.perf_counter() - t_pass)
-    return pair_rows(systems, batch, passes, budget)
+    out = pair_rows(systems, batch, passes, budget)
+    out["host_profile"] = {s.name: host_profile(run, s) for s in systems
+                           if s.name in ("alone-graph", "ngram-k4") and not s.error and budget.allows(5.0)}
+    return out
+
+
+def host_profile(run, system: "System", top: int = 25) -> dict:
+    """Where one more pass of `system` spends its host time (cProfile, by own time): what the next session's
+    host work should cut."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    _, seconds = run(system)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return {"seconds_under_profiler": seconds, "top": text.getvalue().splitlines()[:top + 12]}
 
 
 def pair_rows(systems: list[System], batch: int, passes: list[float], budget: Budget) -> dict:
@@ -959,6 +1032,7 @@ def main() -> None:
     ap.add_argument("--per-file", type=int, help="prompts from each prompt file (default 8)")
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--rounds", type=int)
+    ap.add_argument("--systems", help="pair: only these systems (alone-graph always; default: all)")
     ap.add_argument("--any-length", action="store_true",
                     help="pair: the first --per-file prompts whatever their length (default: those of one pool shape)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit in this many seconds")
@@ -978,7 +1052,7 @@ def main() -> None:
     header = {"benchmark": "gpu", "device": device_name, "torch": torch.__version__,
               "transformers": transformers.__version__, "dtype": str(plan.dtype).removeprefix("torch."),
               "cuda": torch.version.cuda, "peak_bytes_per_s": peak, "compiled": plan.compiled, "smoke": args.smoke,
-              "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+              "tf32_matmul": torch.backends.cuda.matmul.allow_tf32, "step_path": step_path(),
               "settings": {k: v for k, v in asdict(plan).items() if k not in ("shapes", "device", "dtype")}
               | {"capacity": plan.capacity, "budget_s": args.budget_s, "sections": args.sections},
               "machine": machine_info()}
@@ -988,7 +1062,8 @@ def main() -> None:
                f"budget {args.budget_s:.0f} s")
     models = Models(plan, report, budget, clock)
     run = {"steps": steps_section, "batches": batches_section, "drafter": drafter_section, "verify": verify_section,
-           "compile": compile_section, "inexact": inexact_section, "pair": lambda _: pair_section(plan, args, report, budget, clock),
+           "compile": compile_section, "inexact": inexact_section, "paths": paths_section,
+           "pair": lambda _: pair_section(plan, args, report, budget, clock),
            "anchor": lambda m: (m.free(), anchor_section(plan, report, budget, clock, m.compiles))}
     sections = args.sections.split(",")
     unknown = [s for s in sections if s not in SECTIONS]

@@ -176,7 +176,8 @@ class Engine:
         seconds = self.verifier.warm(self.cache, {(), layers})
         lm = getattr(self.drafter, "lean", None)
         if isinstance(lm, GraphDecoder) and lm is not self.verifier:  # a drafter with an LM of its own
-            seconds += lm.warm(cast(OwnLM, self.drafter).cache, {()}, last_only=True)
+            biased = getattr(self.drafter, "graph_biased", False)  # an SD² drafter's passes carry MLP biases
+            seconds += lm.warm(cast(OwnLM, self.drafter).cache, {()}, last_only=True, biased=biased)
         return seconds
 
     def _start_drafter(self, drafter: Drafter) -> None:

@@ -29,6 +29,7 @@ class PretrainedDrafter:
     record_layers: tuple[int, ...] = ()
     follows_plain = False  # its cache misses the tokens of plain steps
     graph_width = 2  # its widest decode pass (the pending tokens): model.graph runs its LM at this width
+    graph_biased = False  # its LM's passes carry per-layer MLP biases (`block_bias`: the steered kinds)
     prefix_cache: PrefixCache | None = None  # its LM's prompt prefixes (an engine with prefix caching hands one over)
 
     def __init__(self, lean: LeanDecoder):

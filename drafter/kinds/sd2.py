@@ -117,6 +117,7 @@ class SteeredDrafter(PretrainedDrafter):
     """A pretrained drafter whose MLPs are biased, block by block, by the verifier's steering vector."""
 
     kind = "sd2"
+    graph_biased = True  # every pass of its LM carries the block's steering biases
 
     def __init__(self, lean, steering: Steering):
         super().__init__(lean)

@@ -26,19 +26,40 @@ layout. Plain float weights only (fp32 / bf16): `graph_ready` says whether a dec
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
+import weakref
 from typing import Literal, overload
 
 import torch
 import torch.nn.functional as F
 
+from specloop.drafter.model import decode_attention
 from specloop.drafter.model.attention import KEY_BLOCK, KV_DTYPE, _round_up
 from specloop.drafter.model.decoder import ForwardOut
 from specloop.drafter.model.kv_cache import KVCache
 from specloop.drafter.model.weights.linears import Dense
 
+log = logging.getLogger(__name__)
 BACKENDS = ("auto", "eager", "graph")
+ATTENTIONS = ("auto", "torch", "triton")
+
+
+def resolve_attention(device: torch.device) -> str:
+    """The step's attention: "torch" (`_attend`: the whole capacity under a mask; the default, auto) or
+    "triton" (specloop.drafter.model.decode_attention: one kernel per layer, each row's keys up to its own
+    length; SPECLOOP_ATTENTION=triton). Measured on an H200 (bench/README.md section 25), the kernel lost:
+    one program per (row, KV head) leaves most of the GPU idle at batch 1 (2.52 against 2.32 ms per step on
+    the 1.7B shape, 12.99 against 5.83 ms on the 8B)."""
+    wanted = os.environ.get("SPECLOOP_ATTENTION", "auto")
+    if wanted not in ATTENTIONS:
+        raise ValueError(f"SPECLOOP_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {wanted!r}")
+    if wanted != "triton":
+        return "torch"
+    if not decode_attention.available():
+        raise ValueError("SPECLOOP_ATTENTION=triton: triton does not import here")
+    return "triton"
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -93,6 +114,9 @@ class StaticModel(torch.nn.Module):
         self.scaling, self.eps, self.hidden_size = lean.scaling, lean.eps, lean.hidden_size
         self.vocab_size, self.num_layers = lean.vocab_size, lean.num_layers
         self.dtype = lean.dtype
+        self.attention = resolve_attention(lean.device)  # a constant of the traced step
+        if self.attention == "triton":
+            decode_attention.build()  # the kernel's op, before any trace sees it
         head, head_bias = _float_weight(lean.lm_head)
         self._put("embed", lean.embed)
         self._put("final_norm", lean.final_norm)
@@ -149,7 +173,7 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     at = pos.clamp(max=m.cos.shape[0] - 1)
     cos, sin = m.cos[at][:, :, None], m.sin[at][:, :, None]  # [S, W, 1, D]
     # a query sees keys at positions <= its own; the trash slot (C − 1) is beyond every real query
-    visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None]  # [S, W, C]
+    visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None] if m.attention == "torch" else pos
     rows = torch.arange(S, device=dev)[:, None].expand(S, W)
     x = F.embedding(tokens, m.embed)  # [S, W, hidden]
     hidden = []
@@ -180,7 +204,10 @@ def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     kc[rows, :, slot] = k.to(KV_DTYPE)  # [S, W, Hkv, D] into [S, Hkv, C, D]
     vc[rows, :, slot] = v.to(KV_DTYPE)
-    att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
+    if m.attention == "torch":  # visible: [S, W, C] bool
+        att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
+    else:  # visible: the queries' positions [S, W]
+        att = decode_attention.decode_attention(q, kc, vc, visible, m.scaling)
     x = x + F.linear(att.to(x.dtype), m.w(i, "o"))
     h = F.rms_norm(x, (m.hidden_size,), m.w(i, "post_norm"), m.eps)
     gate, up = F.linear(h, m.w(i, "gate_up")).chunk(2, dim=-1)
@@ -212,13 +239,91 @@ def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, visible: torch.
 
 def compile_step(model: StaticModel, device: torch.device, compiled: bool = True):
     """The callable a GraphDecoder runs: `model` itself (eager; tests and debugging), or compiled with
-    fullgraph=True: a graph break or host sync in the step is an error, not a silent slowdown. On
-    CUDA mode="reduce-overhead" captures each shape's step as a CUDA graph on its first calls."""
+    fullgraph=True: a graph break or host sync in the step is an error, not a silent slowdown. No CUDA
+    graph here: on CUDA the GraphDecoder captures the compiled step itself, one graph per pool
+    (`CapturedStep`), and replays it without dynamo's guards or the cudagraph trees' bookkeeping."""
     if not compiled:
         return model
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-    mode = "reduce-overhead" if device.type == "cuda" else None
+    mode = "reduce-overhead" if device.type == "cuda" and capture_mode() == "trees" else None
     return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
+
+
+def capture_mode() -> str:
+    """How a CUDA step runs: "direct" (default: `CapturedStep`, a torch.cuda.CUDAGraph per pool and
+    capture set), "trees" (torch.compile's mode="reduce-overhead"; SPECLOOP_CUDA_GRAPHS=trees) or "off"
+    (the compiled step launched kernel by kernel; for debugging)."""
+    mode = os.environ.get("SPECLOOP_CUDA_GRAPHS", "direct")
+    if mode not in ("direct", "trees", "off"):
+        raise ValueError(f"SPECLOOP_CUDA_GRAPHS must be direct, trees or off, got {mode!r}")
+    return mode
+
+
+def direct_capture(device: torch.device, compiled: bool) -> bool:
+    """Whether a GraphDecoder replays its step as CapturedStep graphs: on CUDA, compiled, in "direct" mode."""
+    return compiled and device.type == "cuda" and capture_mode() == "direct"
+
+
+class CapturedStep:
+    """The compiled step over one pool, for one capture set, as one CUDA graph: its inputs are buffers
+    of its own (tokens [S, W]; counts and lengths as one [2, S] tensor, one copy from the host), its
+    outputs the tensors the capture produced (overwritten by the next replay: callers copy them). The
+    pool and the weights are read and written in place, at the addresses the graph was captured with:
+    a graph lives on its pool (`GraphDecoder._graphs_of`), and an engine that reuses the pool
+    (`GraphDecoder.new_cache`) reuses its graphs."""
+
+    def __init__(self, fn, pool, slots: int, width: int, capture: tuple[int, ...], last_only: bool,
+                 bias_shapes: list[tuple[int, ...]] | None, dtype: torch.dtype):
+        dev = pool[0][0].device
+        self.tokens = torch.zeros(slots, width, dtype=torch.long, device=dev)
+        self.meta = torch.zeros(2, slots, dtype=torch.long, device=dev)  # n_new, lens
+        self.bias = None if bias_shapes is None else [torch.zeros(s, dtype=dtype, device=dev) for s in bias_shapes]
+        call = lambda: fn(*pool, self.tokens, self.meta[0], self.meta[1], self.bias, capture, last_only)  # noqa: E731
+        self.replay, self.out = _record(call) if dev.type == "cuda" else _rerun(call)
+
+    def __call__(self, tokens: torch.Tensor, meta: torch.Tensor, bias: list[torch.Tensor] | None):
+        B, T = tokens.shape
+        self.tokens.zero_()
+        self.tokens[:B, :T].copy_(tokens, non_blocking=True)
+        self.meta.copy_(meta, non_blocking=True)
+        if self.bias is not None and bias is not None:
+            for mine, b in zip(self.bias, bias):
+                mine.zero_()
+                mine[: len(b)].copy_(b, non_blocking=True)
+        self.replay()
+        return self.out
+
+
+def _record(call):
+    """(replay, outputs) of `call` captured as a CUDA graph, after two warm-up calls on a side stream
+    (inductor compiles there; no row is real: only the trash slot is written)."""
+    dev = torch.cuda.current_device()
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(dev).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph.replay, out
+
+
+def _rerun(call):
+    """`_record`'s contract without a GPU (tests): a replay calls again and writes the result into the
+    outputs of the first call, as a graph's replay overwrites its outputs."""
+    out = call()
+
+    def replay() -> None:
+        for mine, new in zip(_flat(out), _flat(call())):
+            mine.copy_(new)
+    return replay, out
+
+
+def _flat(out) -> list[torch.Tensor]:
+    logits, hidden = out
+    return [logits, *hidden]
 
 
 def pool_shape(batch: int, capacity: int, lean) -> tuple[int, int, int, int]:
@@ -237,11 +342,19 @@ class GraphDecoder:
     verifier: k_max + 1; a drafter LM: 2, its pending tokens). Every other attribute is the wrapped
     decoder's, and every other pass its own."""
 
-    def __init__(self, lean, slots: int, width: int, compiled: bool = True):
+    def __init__(self, lean, slots: int, width: int, compiled: bool = True, direct: bool | None = None):
         self.lean, self.slots, self.width = lean, slots, width
         self.model = StaticModel(lean)
         self.step_fn = compile_step(self.model, lean.device, compiled)
+        # on CUDA, the compiled step replays as this decoder's own CUDA graphs (CapturedStep); `direct`
+        # forces it either way (on the CPU a "graph" re-runs the step: tests of the buffers around it)
+        self.direct = direct_capture(lean.device, compiled) if direct is None else direct
         self.graph_calls = 0  # passes the static step ran (the rest went to the eager decoder)
+        self.captures = 0  # CUDA graphs captured (one per pool and capture set)
+        self.capture_error: str | None = None  # why capturing failed, where it did (then: torch.compile's graphs)
+        # pools by shape, each with the cache that holds it (a weak reference: a pool is free again once the
+        # engine that took it is gone): a new engine of the same shape reuses a free pool, and its graphs
+        self._pools: dict[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor], weakref.ref]]] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["lean"], name)
@@ -253,21 +366,35 @@ class GraphDecoder:
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         """A cache the LeanDecoder's passes can use too; a pool (batch == slots) gets the trash slot and
-        static addresses for the compiled step."""
+        static addresses for the compiled step: a free pool of the same shape (zeroed), else a new one."""
         if batch != self.slots:
             return self.lean.new_cache(batch, capacity)
         shape = pool_shape(batch, capacity, self.lean)
+        held = self._pools.setdefault(shape, [])
+        held[:] = [p for p in held if p[2]() is not None or p is _first_free(held)]  # keep one free pool per shape
+        free = _first_free(held)
+        if free is not None:
+            keys, values = free[0], free[1]
+            for t in keys + values:
+                t.zero_()
+            held.remove(free)
+        else:
+            keys, values = self._new_pool(shape)
+        cache = KVCache(keys, values, torch.zeros(batch, dtype=torch.long))
+        held.append((keys, values, weakref.ref(cache)))
+        return cache
+
+    def _new_pool(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         for _ in range(self.lean.num_layers):
             for store in (keys, values):
                 t = torch.zeros(shape, device=self.lean.device, dtype=KV_DTYPE)
-                # static for CUDA graphs, no identity guard: another engine's pool of this shape reuses the
-                # compiled step (a CUDA graph is re-recorded at the new addresses, nothing recompiles)
+                # static for CUDA graphs, no identity guard: another pool of this shape reuses the compiled step
                 torch._dynamo.mark_static_address(t, guard=False)
                 t._specloop_pool = True  # type: ignore[attr-defined]  # a marker on the tensor object (read by _pool)
                 store.append(t)
-        return KVCache(keys, values, torch.zeros(batch, dtype=torch.long))
+        return keys, values
 
     def _pool(self, cache: KVCache) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The pool tensors behind `cache` when it is the pool or its first rows (the engine's step over
@@ -279,18 +406,53 @@ class GraphDecoder:
         full = lambda t: t if t._base is None else t._base  # noqa: E731
         return [full(t) for t in cache.keys], [full(t) for t in cache.values]
 
+    def _graphs_of(self, pool) -> dict:
+        """The CUDA graphs captured on this pool (kept on its first tensor: they go when the pool goes)."""
+        return pool[0][0].__dict__.setdefault("_specloop_graphs", {})
+
+    def _captured(self, pool, capture: tuple[int, ...], last_only: bool,
+                  bias: list[torch.Tensor] | None) -> CapturedStep:
+        graphs = self._graphs_of(pool)
+        key = (capture, last_only, bias is not None)
+        if key not in graphs:
+            shapes = None if bias is None else [(self.slots, *b.shape[1:]) for b in bias]
+            graphs[key] = CapturedStep(self.step_fn, pool, self.slots, self.width, capture, last_only, shapes,
+                                       self.lean.dtype)
+            self.captures += 1
+        return graphs[key]
+
+    def _fall_back(self, exc: Exception) -> None:
+        """A capture that failed leaves this decoder on torch.compile's own CUDA graphs (mode="reduce-overhead"),
+        said once on the log: serving goes on, slower to start."""
+        log.warning("graph step: capturing a CUDA graph failed (%s: %s); using torch.compile's cudagraph trees",
+                    type(exc).__name__, exc)
+        self.direct, self.capture_error = False, f"{type(exc).__name__}: {exc}"
+        self.step_fn = torch.compile(self.model, fullgraph=True, dynamic=False, mode="reduce-overhead")
+
     @torch.inference_mode()
-    def warm(self, cache: KVCache, captures: set[tuple[int, ...]], last_only: bool = False) -> float:
+    def warm(self, cache: KVCache, captures: set[tuple[int, ...]], last_only: bool = False,
+             biased: bool = False) -> float:
         """Compile (and on CUDA capture) the step for each capture set before any request needs it: a pass
-        over `cache`'s pool in which no row has a real token (only the trash slot is written). Seconds."""
+        over `cache`'s pool in which no row has a real token (only the trash slot is written); `biased`:
+        the passes carry per-layer MLP biases (an SD² drafter's LM). Seconds."""
         pool = self._pool(cache)
         if pool is None:
             raise ValueError("warm() takes the pool this decoder's new_cache made")
         t0 = time.perf_counter()
         S, W, dev = self.slots, self.width, self.lean.device
+        m = self.model
+        bias = [torch.zeros(S, m.w(i, "gate_up").shape[0] // 2, dtype=m.dtype, device=dev)
+                for i in range(m.num_layers)] if biased else None
         for capture in sorted(captures):  # inputs as forward passes them: distinct tensors (dynamo guards on aliasing)
+            capture = tuple(sorted(set(capture)))
+            if self.direct:
+                try:
+                    self._captured(pool, capture, last_only, bias)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - any failure of a capture falls back, logged
+                    self._fall_back(exc)
             tokens, counts, lens = (torch.zeros(shape, dtype=torch.long, device=dev) for shape in ((S, W), (S,), (S,)))
-            self.step_fn(*pool, tokens, counts, lens, None, tuple(sorted(set(capture))), last_only)
+            self.step_fn(*pool, tokens, counts, lens, bias, capture, last_only)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return time.perf_counter() - t0
@@ -306,18 +468,33 @@ class GraphDecoder:
             return self.lean.forward(cache, tokens, n_new, last_only, capture, mlp_up_bias)
         n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new.cpu()
         S, W, dev = self.slots, self.width, self.lean.device
-        padded = torch.zeros(S, W, dtype=torch.long, device=dev)  # on the device: the tokens may be drafts there
-        padded[:B, :T] = tokens.to(dev)
-        counts, lens = torch.zeros(S, dtype=torch.long), torch.zeros(S, dtype=torch.long)
-        counts[:B], lens[:B] = n_new, cache.lens
-        bias = None if mlp_up_bias is None else [_pad_rows(b, S) for b in mlp_up_bias]
+        meta = torch.zeros(2, S, dtype=torch.long)  # counts, lens: one copy to the device
+        meta[0, :B], meta[1, :B] = n_new, cache.lens
         capture = tuple(sorted(set(capture)))
-        logits, hidden = self.step_fn(*pool, padded, counts.to(dev), lens.to(dev), bias, capture, last_only)
+        step = None
+        if self.direct:
+            try:
+                step = self._captured(pool, capture, last_only, mlp_up_bias)
+            except Exception as exc:  # noqa: BLE001 - any failure of a capture falls back, logged
+                self._fall_back(exc)
+        if step is not None:
+            logits, hidden = step(tokens, meta, mlp_up_bias)
+        else:
+            padded = torch.zeros(S, W, dtype=torch.long, device=dev)  # on the device: the tokens may be drafts there
+            padded[:B, :T] = tokens.to(dev)
+            bias = None if mlp_up_bias is None else [_pad_rows(b, S) for b in mlp_up_bias]
+            counts, lens = meta[0].to(dev), meta[1].to(dev)  # distinct tensors, as warm() passes them
+            logits, hidden = self.step_fn(*pool, padded, counts, lens, bias, capture, last_only)
         self.graph_calls += 1
         cache.lens = cache.lens + n_new
         # copies: a captured graph's outputs are overwritten by its next replay
         logits = logits[:B] if last_only else logits[:B, :T]
         return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)})
+
+
+def _first_free(held: list) -> tuple | None:
+    """The first pool in `held` whose cache is gone (None: all in use)."""
+    return next((p for p in held if p[2]() is None), None)
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -335,7 +512,7 @@ def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True
     if backend == "eager":
         return lean
     graphs = lean.__dict__.setdefault("_graph_decoders", {})
-    key = (slots, width, compiled)
+    key = (slots, width, compiled, capture_mode(), resolve_attention(lean.device))  # the env's choices: one each
     if key not in graphs:
         graphs[key] = GraphDecoder(lean, slots, width, compiled)
     return graphs[key]

@@ -241,3 +241,69 @@ def test_on_cuda_the_default_serves_bf16_through_the_graph_step_and_speculation_
     plain = _decode(verifier, None, prompts, 0)
     drafter = build_drafter("pretrained", verifier, reference_pair[1])
     assert _decode(verifier, drafter, prompts, 4) == plain
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "sd2", "eagle"])
+def test_replayed_graphs_decode_as_the_step_called_directly(kind, reference_pair, monkeypatch):
+    # the buffers around a captured graph (padded tokens, counts and lengths in one copy, SD²'s biases, the
+    # outputs a replay overwrites): on the CPU a "replay" re-runs the step into the first call's outputs.
+    # Outputs are lossless whatever the drafts: the drafts themselves are compared
+    import specloop.drafter.model.graph as graph_module
+
+    def run(direct: bool):
+        monkeypatch.setattr(graph_module, "direct_capture", lambda device, compiled: direct)
+        verifier = load_model(reference_pair[0])  # a decoder no earlier engine wrapped
+        path = reference_pair[1] if kind in ("pretrained", "sd2") else None
+        drafter = _steered(build_drafter(kind, verifier, path))
+        drafts = []
+        propose = type(drafter).__dict__.get("_unspied", type(drafter).propose)
+
+        def spied(self, *args):
+            proposal = propose(self, *args)
+            drafts.append(proposal.tokens.tolist())
+            return proposal
+        monkeypatch.setattr(type(drafter), "_unspied", propose, raising=False)
+        monkeypatch.setattr(type(drafter), "propose", spied)  # on the class: the engine drafts through narrowed copies
+        out = _decode(verifier, drafter, _prompts(verifier), 3)  # k fixed: every step drafts
+        (graph,) = verifier.lean._graph_decoders.values()
+        assert graph.direct == direct and (graph.captures >= 1) == direct
+        return out, drafts, drafter
+
+    (called, drafted, _), (replayed, redrafted, drafter) = run(False), run(True)
+    assert replayed == called and redrafted == drafted
+    if kind != "eagle":
+        assert drafter.lean.direct and drafter.lean.captures == 1  # its LM's last-token step
+
+
+def _steered(drafter):
+    """An SD² drafter with non-zero steering (untrained, W_s = 0: its biases would be zeros), else as given."""
+    if getattr(drafter, "steering", None) is not None:
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in drafter.steering.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    return drafter
+
+
+def test_a_new_engine_reuses_a_free_pool_and_its_graphs(tiny_pair, monkeypatch):
+    import gc
+
+    import specloop.drafter.model.graph as graph_module
+
+    monkeypatch.setattr(graph_module, "direct_capture", lambda device, compiled: True)
+    verifier = load_model(tiny_pair[0])  # a decoder no earlier engine wrapped
+    rule = StopRule(verifier.eos_ids)
+    first = Engine(verifier.lean, None, 2, 128, rule, backend="graph")
+    graph = first.verifier
+    assert graph.direct and graph.captures == 1  # warmed: the verifier alone, one capture set
+    pool = first.cache.keys[0]
+    first.admit([EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=4), 0)])
+    while first.running:
+        first.step()
+    beside = Engine(verifier.lean, None, 2, 128, rule, backend="graph")
+    assert beside.cache.keys[0] is not pool and graph.captures == 2  # the first engine still holds its pool
+    del first, beside
+    gc.collect()
+    again = Engine(verifier.lean, None, 2, 128, rule, backend="graph")
+    assert again.cache.keys[0] is pool and graph.captures == 2  # a free pool, and its graph, reused
+    assert all(int(t.abs().sum()) == 0 for t in again.cache.keys + again.cache.values)  # handed over zeroed
