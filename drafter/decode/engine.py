@@ -180,6 +180,12 @@ class Engine:
             seconds += lm.warm(cast(OwnLM, self.drafter).cache, {()}, last_only=True, biased=biased)
         return seconds
 
+    def close(self) -> None:
+        """Hand the graph backend's pool to the next engine of its shape (with its captured graphs) now rather
+        than once this engine is collected; the engine must not step after this."""
+        if isinstance(self.verifier, GraphDecoder):
+            self.verifier.release(self.cache)
+
     def _start_drafter(self, drafter: Drafter) -> None:
         empty = [[0]] * self.slots
         zeros = {i: torch.zeros(self.slots, self.verifier.hidden_size, device=self.verifier.device,
@@ -361,7 +367,7 @@ class Engine:
         cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values],
                         self.cache.lens[:m].clone())
         narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
-        clock = StepClock()
+        clock = StepClock() if self.drafter is not None else None  # the controller's costs: only where it chooses
         scoring = scoring_for({s: top for s in plan.live if (top := self._row(s).request.logprobs) is not None})
         options = StepOptions(self.sampler, on_trace, clock, scoring, self._gate(plan))
         t1 = time.perf_counter()
@@ -370,8 +376,8 @@ class Engine:
         if narrowed is not drafter:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
-        timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s, verify_s=clock.verify_s, resync_s=resync_s,
-                            choice=plan.choice)
+        timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s if clock else 0.0,
+                            verify_s=clock.verify_s if clock else t2 - t1, resync_s=resync_s, choice=plan.choice)
         return self._commit(plan, outcome, scoring, timing, t0)
 
     def _plan(self) -> StepPlan | None:
@@ -425,6 +431,8 @@ class Engine:
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
+        if self.drafter is None:  # nothing to choose: the verifier alone measures nothing for the controller
+            return updates
         self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s,
                                            self.timing.total_s - draft_s - verify_s - resync_s, blocks, resync_s,
                                            plan.k, confident, plan.lookup))
@@ -563,4 +571,5 @@ def generate(
     finished: dict[str, Generation] = {}
     while engine.running:
         finished.update((u.id, u.generation) for u in engine.step() if u.generation is not None)
+    engine.close()
     return [finished[str(i)] for i in range(len(prompts))]

@@ -55,6 +55,9 @@ def greedy_accept(
     accepted while they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
     """
     target = target_logits.argmax(dim=-1)  # [B, k+1]
+    if draft_tokens.shape[1] == 0:  # a plain step: nothing to compare (three launches fewer on a GPU)
+        none = torch.zeros(len(target), dtype=torch.long, device=target.device)
+        return BlockOutcome(tokens=target, num_accepted=none)
     n = _capped(_leading_true(draft_tokens == target[:, :-1]), limit)
     return BlockOutcome(tokens=target, num_accepted=n)
 

@@ -38,6 +38,9 @@ class StepTrace:
     limit: torch.Tensor | None = None  # [B] each row's own k when rows differ (continuous batching)
 
 
+_EVENTS: dict[torch.device, list] = {}  # StepClock's CUDA events per device, reused step after step
+
+
 @dataclass
 class StepClock:
     """Seconds of a step's drafting and of its verify pass with the verdict, filled in by
@@ -47,14 +50,20 @@ class StepClock:
 
     draft_s: float = 0.0
     verify_s: float = 0.0
+    _marks: int = 0  # marks made this step (CUDA: which of the device's three events the next one records)
 
-    @staticmethod
-    def mark(device: torch.device):
-        if device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+    def mark(self, device: torch.device):
+        """A point on the step's timeline: a CUDA event recorded on the stream (three per step, kept by this
+        clock's device and reused: creating events costs the host more than recording them), else now."""
+        if device.type != "cuda":
+            return time.perf_counter()
+        events = _EVENTS.setdefault(device, [])
+        self._marks = self._marks % 3 + 1
+        while len(events) < self._marks:
+            events.append(torch.cuda.Event(enable_timing=True))
+        event = events[self._marks - 1]
+        event.record()
+        return event
 
     def read(self, start, drafted, verified) -> None:
         if isinstance(start, float):

@@ -22,7 +22,7 @@ def _round_up(n: int, block: int) -> int:
 
 
 def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, wide: bool = False) -> torch.Tensor:
     """Causal attention of q [B, T, H, D] over the cache (kc/vc [B, H_kv, capacity, D]) → [B, T, H, D],
     computed so that a query's output does not depend on T, on the batch, or on how many whole key
     blocks are attended: a verify pass of k+1 tokens scores every token bit for bit as the one-token
@@ -44,16 +44,37 @@ def exact_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden:
       power-of-two count: zero blocks appended at the end leave every addition as it was (one product
       over all L keys is not enough: the BLAS splits a long reduction by its length);
     - queries go in chunks of at most QUERY_CHUNK tokens, which bounds a long prefill's temporaries.
+    `wide` (a prefill on a GPU: `attend_wide`) gives all of that up for one product over every query.
     tests/drafter/model/test_decoder.py checks the bit-identity on the CPU that runs the suite (T 1..9, batches
     1/3/8, ragged rows, long prefills, every weight mode): that a product's result depends on its
     shape and operands alone, whatever the number of key columns, is a property of the machine's
     BLAS, which that test keeps honest.
     """
     T = q.shape[1]
+    if wide:
+        return attend_wide(q, kc, vc, hidden, scale)
     if T <= QUERY_CHUNK:
         return _attend(q, kc, vc, hidden, scale)
     return torch.cat([_attend(q[:, a : a + QUERY_CHUNK], kc, vc, hidden[:, :, a : a + QUERY_CHUNK], scale)
                       for a in range(0, T, QUERY_CHUNK)], dim=1)
+
+
+def attend_wide(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, hidden: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """`exact_attention`'s inputs and output, all T queries in one product per step (scores, softmax, values):
+    a few kernels where the exact form launches two per token, per layer. For a prefill on a GPU, where no
+    later pass is compared with this one bit for bit: the graph backend's decode steps run their own static
+    step (specloop.drafter.model.graph), and its plain and speculative decoding share the prefill. The bench
+    on an H200 (bench/README.md section 25) found the per-token form taking ~35 % of the reference pair's time
+    at batch 1, ~70 % at batch 8 (15,000 products for 16 prompts)."""
+    B, T, H, D = q.shape
+    Hkv, L = kc.shape[1], hidden.shape[-1]
+    rep = H // Hkv
+    queries = q.view(B, T, Hkv, rep, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, T * rep, D).to(kc.dtype)
+    scores = torch.matmul(queries, kc[:, :, :L].transpose(-1, -2)).view(B, Hkv, T, rep, L) * scale
+    probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).view(B, Hkv, T * rep, L)
+    out = torch.matmul(probs, vc[:, :, :L])  # [B, Hkv, T rep, D]
+    return out.to(q.dtype).view(B, Hkv, T, rep, D).permute(0, 2, 1, 3, 4).reshape(B, T, H, D)
 
 
 def _attend(q, kc, vc, hidden, scale):
@@ -97,6 +118,7 @@ class StepPositions:
     sin: torch.Tensor | None
     max_len: int  # L: keys attended this step
     lens: torch.Tensor  # [B] host int64: valid positions per row before the step (new tokens go from here)
+    wide: bool = False  # attend all queries in one product (`attend_wide`: a prefill on a GPU)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -136,9 +136,10 @@ class LeanDecoder:
             lens=torch.zeros(batch, dtype=torch.long),
         )
 
-    def positions(self, cache: KVCache, T: int) -> "StepPositions":
+    def positions(self, cache: KVCache, T: int, wide: bool = False) -> "StepPositions":
         """Where T new tokens per row go: row b writes positions lens[b] .. lens[b] + T - 1. Keys are
-        attended in whole blocks of KEY_BLOCK (`exact_attention`), the tail masked."""
+        attended in whole blocks of KEY_BLOCK (`exact_attention`), the tail masked; `wide`: all queries in one
+        product where the decoder is on a GPU (a prefill: `attend_wide`)."""
         B = cache.lens.shape[0]
         max_len = int(cache.lens.max()) + T
         if max_len > min(cache.capacity, self.cos.shape[0]):
@@ -156,6 +157,7 @@ class LeanDecoder:
             sin=self.sin[pos][:, :, None],
             max_len=max_len,
             lens=cache.lens,
+            wide=wide and self.device.type == "cuda",
         )
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -197,11 +199,12 @@ class LeanDecoder:
         last_only: bool = False,
         capture: tuple[int, ...] = (),
         mlp_up_bias: list[torch.Tensor] | None = None,  # per layer [B, I] added to the up projection
+        prefill: bool = False,  # a prompt's prefill: on a GPU its attention is one product (`attend_wide`)
     ) -> ForwardOut:
         """Append `tokens` at each row's `lens`, attend causally, advance `lens` by `n_new`."""
         B, T = tokens.shape
         n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new
-        at = self.positions(cache, T)
+        at = self.positions(cache, T, wide=prefill)
         hidden: dict[int, torch.Tensor] = {}
         x = self.run_layers(cache, at, self.embed_tokens(tokens), range(self.num_layers), capture, mlp_up_bias, hidden)
         if last_only:
@@ -281,7 +284,7 @@ class LeanDecoder:
         q, k = _rope(qk.view(B, T, H + Hkv, D), at.cos, at.sin).split((H, Hkv), dim=2)  # one pass for both
         kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
         vc[at.rows, :, at.pos] = v.view(B, T, Hkv, D).to(KV_DTYPE)
-        return exact_attention(q, kc, vc, at.mask, self.scaling).reshape(B, T, H * D)
+        return exact_attention(q, kc, vc, at.mask, self.scaling, wide=at.wide).reshape(B, T, H * D)
 
 
 def _fused_linears(linears) -> tuple | None:

@@ -384,6 +384,14 @@ class GraphDecoder:
         held.append((keys, values, weakref.ref(cache)))
         return cache
 
+    def release(self, cache: KVCache) -> None:
+        """`cache`'s pool is free for the next engine of its shape now, not only once the cache is collected
+        (an engine whose owner is done with it: `Engine.close`); the cache must not be used after this."""
+        for held in self._pools.values():
+            for i, (keys, values, ref) in enumerate(held):
+                if ref() is cache:
+                    held[i] = (keys, values, _gone)
+
     def _new_pool(self, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
@@ -490,6 +498,11 @@ class GraphDecoder:
         # copies: a captured graph's outputs are overwritten by its next replay
         logits = logits[:B] if last_only else logits[:B, :T]
         return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)})
+
+
+def _gone() -> None:
+    """A released pool's reference: its cache is gone (`GraphDecoder.release`)."""
+    return None
 
 
 def _first_free(held: list) -> tuple | None:

@@ -66,7 +66,7 @@ def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple
                 features[i][b], recent[i][b] = features[i][src], recent[i][src]
             continue
         row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
-        out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture)
+        out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture, prefill=True)
         cache.lens[b] = row.lens[0]
         m = int(lens[b])
         for i in capture:

@@ -1,5 +1,7 @@
 """Losslessness of the speculative loop: greedy equality, output distribution, acceptance extremes."""
 
+import os
+
 import pytest
 import torch
 
@@ -41,10 +43,14 @@ MAX_TOKENS = 40
 
 @pytest.fixture(scope="module", autouse=True)
 def two_threads():
-    """This module is single-process compute (no servers beside it): both cores. The products it checks
-    do not depend on the thread count (drafter/model/decoder.py), which the rest of the suite runs at one."""
+    """This module is single-process compute (no servers beside it): both cores when it runs alone. Under
+    pytest-xdist each worker already has a core of its own (scripts/test.sh: one worker per core), and a second
+    thread per worker oversubscribes the machine: OpenMP's spinning barriers then wait on a thread that is not
+    running (seen: 4-8x the CPU time of one thread). The products it checks do not depend on the thread count
+    (drafter/model/decoder.py), which the rest of the suite runs at one."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // workers)))
     yield
     torch.set_num_threads(before)
 

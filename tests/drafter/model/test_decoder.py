@@ -144,3 +144,21 @@ def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries()
     every = exact_attention(q, kc, vc, hidden(pos), 0.125)
     for t in (0, 53, 120, 300, 397):
         assert torch.equal(exact_attention(q[:, t : t + 1], kc, vc, hidden(pos[:, t : t + 1]), 0.125)[:, 0], every[:, t])
+
+
+def test_a_wide_prefill_attends_as_the_exact_form_does_to_rounding():
+    """`attend_wide` (a prefill on a GPU: one product over every query) computes what `exact_attention` does,
+    to fp32 rounding, with grouped heads in the same order; a decoder on the CPU never takes it."""
+    from specloop.drafter.model.attention import attend_wide, exact_attention
+
+    torch.manual_seed(1)
+    B, Hkv, rep, D, T = 2, 2, 3, 32, 40
+    kc, vc = torch.randn(B, Hkv, 128, D), torch.randn(B, Hkv, 128, D)
+    q = torch.randn(B, T, Hkv * rep, D)
+    pos = torch.arange(T)[None].expand(B, T) + torch.tensor([[0], [30]])
+    hidden = torch.arange(128) > pos[:, None, :, None, None]
+    exact = exact_attention(q, kc, vc, hidden, 0.125)
+    assert torch.allclose(attend_wide(q, kc, vc, hidden, 0.125), exact, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(exact_attention(q, kc, vc, hidden, 0.125, wide=True), exact, rtol=1e-5, atol=1e-6)
+    lean = LeanDecoder(build_model(llama_config(64, 2, 32), seed=0))
+    assert not lean.positions(lean.new_cache(1, 64), 4, wide=True).wide  # the CPU keeps the exact form

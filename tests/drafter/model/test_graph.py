@@ -307,3 +307,5 @@ def test_a_new_engine_reuses_a_free_pool_and_its_graphs(tiny_pair, monkeypatch):
     again = Engine(verifier.lean, None, 2, 128, rule, backend="graph")
     assert again.cache.keys[0] is pool and graph.captures == 2  # a free pool, and its graph, reused
     assert all(int(t.abs().sum()) == 0 for t in again.cache.keys + again.cache.values)  # handed over zeroed
+    again.close()  # released while the engine object lives on (generate() closes its engine)
+    assert Engine(verifier.lean, None, 2, 128, rule, backend="graph").cache.keys[0] is pool
