@@ -656,6 +656,7 @@ class System:
     first_pass_s: float | None = None
     error: str | None = None  # a failed build or run: the system sits out the passes after
     env: dict[str, str] = field(default_factory=dict)  # the step's path (PATHS) where not the default
+    split: list[dict] = field(default_factory=list)  # per pass: seconds in admissions (prefills), in steps, the rest
 
 
 def build_systems(verifier, models: Path) -> list[System]:
@@ -735,11 +736,12 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
 
     def run(system: System):
         gens, t0 = [], time.perf_counter()
-        with scoped_env(system.env):
+        with scoped_env(system.env), split_time(clock) as split:
             for lo in range(0, len(prompts), batch):
                 gens += generate(verifier.lean, system.drafter, prompts[lo : lo + batch], params, system.k, rule,
                                  backend=system.backend)
         clock.sync()
+        system.split.append(split)
         return gens, time.perf_counter() - t0
 
     reference, passes = None, []
@@ -788,9 +790,44 @@ def host_profile(run, system: "System", top: int = 25) -> dict:
     prof.enable()
     _, seconds = run(system)
     prof.disable()
+    system.split.pop()  # the profiled pass is not one of the timed ones
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
     return {"seconds_under_profiler": seconds, "top": text.getvalue().splitlines()[:top + 12]}
+
+
+class split_time:
+    """Seconds a pass spends admitting requests (their prefills), stepping, and outside both (engine set-up and
+    warm-up, pools, Python between calls): Engine.admit and Engine.step wrapped for the block, each call
+    synchronized at its end (a step reads its verdict back anyway)."""
+
+    def __init__(self, clock: Clock):
+        self.clock, self.out = clock, {"admit_s": 0.0, "step_s": 0.0, "steps": 0, "wall_s": 0.0}
+
+    def _timed(self, original, key: str):
+        def wrapped(engine, *args, **kwargs):
+            t0 = time.perf_counter()
+            result = original(engine, *args, **kwargs)
+            self.clock.sync()
+            self.out[key + "_s"] += time.perf_counter() - t0
+            self.out["steps"] += key == "step"
+            return result
+        return wrapped
+
+    def __enter__(self) -> dict:
+        from specloop.drafter.decode.engine import Engine
+
+        self.saved = Engine.admit, Engine.step
+        Engine.admit, Engine.step = self._timed(Engine.admit, "admit"), self._timed(Engine.step, "step")
+        self.t0 = time.perf_counter()
+        return self.out
+
+    def __exit__(self, *exc) -> None:
+        from specloop.drafter.decode.engine import Engine
+
+        Engine.admit, Engine.step = self.saved
+        self.out["wall_s"] = time.perf_counter() - self.t0
+        self.out["other_s"] = self.out["wall_s"] - self.out["admit_s"] - self.out["step_s"]
 
 
 def pair_rows(systems: list[System], batch: int, passes: list[float], budget: Budget) -> dict:
@@ -807,6 +844,8 @@ def pair_rows(systems: list[System], batch: int, passes: list[float], budget: Bu
             "tau": s.tau, "identical_to_graph_alone": f"{sum(s.identical)}/{len(s.identical)}",
             "first_pass_s": s.first_pass_s,
             "drafter_lm_graph_calls": lean.graph_calls if isinstance(lean, GraphDecoder) else None,
+            "split_per_pass": s.split,  # admit (prefills) / step / other seconds of every pass, warm-up first
+            "step_ms_median": _median([1e3 * x["step_s"] / x["steps"] for x in s.split[1:] if x["steps"]]),
         } | ({"note": s.note} if s.note else {}) | ({"error": s.error} if s.error else {})
         if s.rates:
             x = rows[s.name]["x_alone_graph"]
