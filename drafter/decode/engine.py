@@ -91,6 +91,13 @@ class OwnLM(Protocol):
     cache: KVCache
 
 
+class Chained(Protocol):
+    """A drafter whose greedy drafts can run as one captured graph (drafter/kinds/eagle.py): the engine
+    says for how many rows and how deep, or None (the eager loop)."""
+
+    def use_chain(self, slots: int | None, depth: int = 0, compiled: bool = True) -> None: ...
+
+
 @dataclass
 class StepTiming:
     """The last step: its times, and the controller's choice when it had rows to choose for."""
@@ -165,6 +172,11 @@ class Engine:
         own = cast(OwnLM, drafter)  # read only where it has a graph_width
         if width and graph_ready(own.lean) is None:
             own.lean = on_backend(own.lean, backend, self.slots, width, self.compile_graphs)
+        chained = hasattr(drafter, "use_chain")  # a head whose greedy drafts run as one captured graph (eagle)
+        if chained:
+            direct = backend == "graph" and getattr(self.verifier, "direct", False)  # the verifier's own graphs
+            cast(Chained, drafter).use_chain(self.slots if direct else None, self.controller.cfg.k_max,
+                                             self.compile_graphs)
 
     def _warm(self) -> float:
         """Graph backend: build the verifier's step for the capture sets its steps use (none; the drafter's

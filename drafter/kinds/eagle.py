@@ -43,6 +43,7 @@ from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.sd2 import MANIFEST
 from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.graph import Replay
 from specloop.drafter.model.vocab import expand
 from specloop.drafter.model.weights.linears import linear
 from specloop.drafter.model.weights.quant import quantize_like
@@ -138,6 +139,44 @@ def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, para
     return c, (logits.gather(-1, c.token[:, None].to(logits.device)).squeeze(-1) - norm).exp()
 
 
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def head_step(z: torch.Tensor, e: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
+    """The prepared head's step (EagleDrafter.weights): z [B, d] and the embedded token e [B, d] → z' [B, d]."""
+    n_feature, n_token, n_mlp, fc, gate_up, down = w[:6]
+    x = linear(torch.cat([_rms(z, n_feature, eps), _rms(e, n_token, eps)], dim=-1), fc)
+    gate, up = linear(_rms(x, n_mlp, eps), gate_up).chunk(2, dim=-1)
+    return x + linear(F.silu(gate) * up, down)
+
+
+def head_logits(z: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
+    """The prepared head's logits over its vocabulary rows from a predicted feature z [B, d]."""
+    norm_out, head = w[6:]
+    return linear(_rms(z, norm_out, eps), head)
+
+
+def draft_chain(z: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, *w: torch.Tensor,
+                vocab: torch.Tensor | None, depth: int, vocab_size: int, eps: float):
+    """`depth` greedy drafts for every row: (tokens [S, depth], confidence [S, depth], logits [S, depth, V]),
+    the arithmetic of EagleDrafter.propose's loop, as one function of tensors (compiled once for every head of
+    these shapes: `_COMPILED_CHAIN`)."""
+    drafted, confidence, logits = [], [], []
+    run: float | torch.Tensor = 1.0
+    for _ in range(depth):
+        z = head_step(z, F.embedding(tokens, embed).to(z.dtype), w, eps)
+        choice, p = pick(head_logits(z, w, eps), vocab, vocab_size, SamplingParams(), None)
+        tokens, run = choice.token, run * p
+        drafted.append(tokens)
+        confidence.append(run)
+        logits.append(choice.logits)
+    return torch.stack(drafted, 1), torch.stack(confidence, 1), torch.stack(logits, 1)
+
+
+_COMPILED_CHAIN = torch.compile(draft_chain, fullgraph=True, dynamic=False)
+
+
 def feature_layer(cfg: EagleConfig, num_layers: int) -> int:
     """The 0-based verifier layer the head reads."""
     layer = cfg.layer if cfg.layer >= 0 else num_layers + cfg.layer
@@ -170,15 +209,14 @@ class EagleDrafter:
         self.norm_out = head.norm_out.detach().to(self.lean.device, dt)
         self.head = prep(head_rows(self.lean, self.vocab))
 
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), w, self.head_module.cfg.eps)
+    def weights(self) -> tuple:
+        """The head as `head_step` / `head_logits` take it: (norms ×3, fc, gate_up, down, norm_out, lm head rows)."""
+        return (*self.norms, self.fc, self.gate_up, self.down, self.norm_out, self.head)
 
     def step(self, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """One head step for [B] tokens from features z [B, d]."""
         e = self.lean.embed_tokens(tokens[:, None])[:, 0].to(z.dtype)
-        x = linear(torch.cat([self._rms(z, self.norms[0]), self._rms(e, self.norms[1])], dim=-1), self.fc)
-        gate, up = linear(self._rms(x, self.norms[2]), self.gate_up).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down)
+        return head_step(z, e, self.weights(), self.head_module.cfg.eps)
 
     def start(self, prompts: list[list[int]], capacity: int, view: VerifierView) -> None:
         self.feature = view.features[self.verifier_layers[0]].to(self.lean.dtype)
@@ -191,16 +229,43 @@ class EagleDrafter:
         self.feature = feature
         self.last[idx] = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
 
+    def _draft(self, z: torch.Tensor, tokens: torch.Tensor, params: SamplingParams | RowParams,
+               u: torch.Tensor | None) -> tuple[torch.Tensor, Choice, torch.Tensor]:
+        """One draft: the next feature, the choice read from it, the head's probability of the token chosen."""
+        z = self.step(z, tokens)
+        logits = head_logits(z, self.weights(), self.head_module.cfg.eps)
+        choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, u)
+        return z, choice, p
+
+    def use_chain(self, slots: int | None, depth: int = 0, compiled: bool = True) -> None:
+        """Draft greedy blocks of up to `depth` tokens for an engine of `slots` rows through one captured graph
+        (model.graph.Replay: a CUDA graph replayed where the eager loop launches ~20 kernels per draft), or,
+        with slots None, through the eager loop. The engine's graph backend asks (Engine._graph_drafter). The
+        compiled chain is one function for every head of these shapes (`draft_chain`, its weights passed in):
+        a version swapped in is captured again (milliseconds), not compiled again."""
+        self.chain: Replay | None = None
+        head = (self.lean.embed, *self.weights())
+        if slots is None or not all(isinstance(w, torch.Tensor) for w in head):
+            return  # the eager loop (quantized heads run the verifier's own kernels)
+        self._depth = depth
+        fn = _COMPILED_CHAIN if compiled else draft_chain
+        constants = dict(vocab=self.vocab, depth=depth, vocab_size=self.lean.vocab_size, eps=self.head_module.cfg.eps)
+        dev, dt = self.lean.device, self.lean.dtype
+        with torch.inference_mode():
+            self.chain = Replay(lambda z, tokens: fn(z, tokens, *head, **constants),
+                                [torch.zeros(slots, self.lean.hidden_size, dtype=dt, device=dev),
+                                 torch.zeros(slots, dtype=torch.long, device=dev)])
+
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
+        chain = getattr(self, "chain", None)
+        if params.greedy and chain is not None and k <= self._depth and len(self.feature) <= len(chain.buffers[0]):
+            return self._chained(chain, k)
         z, tokens, steps = self.feature, self.last, []
         confidence: list[torch.Tensor] = []
         run: float | torch.Tensor = 1.0
         for i in range(k):
-            z = self.step(z, tokens)
-            logits = linear(self._rms(z, self.norm_out), self.head)
-            choice, p = pick(logits, self.vocab, self.lean.vocab_size, params,
-                             None if uniforms is None else uniforms[:, i])
+            z, choice, p = self._draft(z, tokens, params, None if uniforms is None else uniforms[:, i])
             steps.append(choice)
             tokens, run = choice.token, run * p
             confidence.append(run)  # the head's own probability that its drafts so far are all taken
@@ -208,6 +273,15 @@ class EagleDrafter:
         proposal.steer = self.feature[:, None].float()  # what the block was drafted from (replay records)
         proposal.confidence = torch.stack(confidence, dim=1) if confidence else None
         return proposal
+
+    def _chained(self, chain: Replay, k: int) -> Proposal:
+        """A greedy block from the captured chain: its first k drafts for this engine's rows (copies: the next
+        replay overwrites the graph's outputs)."""
+        m = len(self.feature)
+        tokens, confidence, logits = chain(self.feature, self.last.to(self.lean.device))
+        kept = logits[:m, :k].clone()
+        return Proposal(tokens=tokens[:m, :k].clone(), probs=None, logits=list(kept.unbind(1)),
+                        steer=self.feature[:, None].float(), confidence=confidence[:m, :k].clone())
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         new = view.features[self.verifier_layers[0]].to(self.feature.dtype)

@@ -30,7 +30,7 @@ import logging
 import os
 import time
 import weakref
-from typing import Literal, overload
+from typing import Callable, Literal, overload
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +259,10 @@ def capture_mode() -> str:
     return mode
 
 
+# a pool held by a GraphDecoder: its keys, its values, and its cache (a weak reference; `_gone` once released)
+Held = tuple[list[torch.Tensor], list[torch.Tensor], Callable[[], object]]
+
+
 def direct_capture(device: torch.device, compiled: bool) -> bool:
     """Whether a GraphDecoder replays its step as CapturedStep graphs: on CUDA, compiled, in "direct" mode."""
     return compiled and device.type == "cuda" and capture_mode() == "direct"
@@ -322,8 +326,25 @@ def _rerun(call):
 
 
 def _flat(out) -> list[torch.Tensor]:
-    logits, hidden = out
-    return [logits, *hidden]
+    return torch.utils._pytree.tree_leaves(out)
+
+
+class Replay:
+    """A function of static-shape tensors run as one captured graph (on CUDA; on the CPU, tests: called
+    again) on input buffers of its own: a call copies its values into the buffers' first rows, replays, and
+    returns the capture's outputs (overwritten by the next call: callers copy what they keep). The eagle
+    head's draft chain runs so (specloop.drafter.kinds.eagle)."""
+
+    def __init__(self, fn, buffers: list[torch.Tensor]):
+        self.buffers = buffers
+        call = lambda: fn(*buffers)  # noqa: E731
+        self.replay, self.out = _record(call) if buffers[0].device.type == "cuda" else _rerun(call)
+
+    def __call__(self, *values: torch.Tensor):
+        for buf, value in zip(self.buffers, values):
+            buf[: len(value)].copy_(value, non_blocking=True)
+        self.replay()
+        return self.out
 
 
 def pool_shape(batch: int, capacity: int, lean) -> tuple[int, int, int, int]:
@@ -354,7 +375,7 @@ class GraphDecoder:
         self.capture_error: str | None = None  # why capturing failed, where it did (then: torch.compile's graphs)
         # pools by shape, each with the cache that holds it (a weak reference: a pool is free again once the
         # engine that took it is gone): a new engine of the same shape reuses a free pool, and its graphs
-        self._pools: dict[tuple[int, ...], list[tuple[list[torch.Tensor], list[torch.Tensor], weakref.ref]]] = {}
+        self._pools: dict[tuple[int, ...], list[Held]] = {}
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["lean"], name)

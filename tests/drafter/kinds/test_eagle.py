@@ -118,3 +118,28 @@ def test_an_untrained_head_is_the_same_on_every_build(verifier):
     torch.manual_seed(2)
     b = new_head(lean).state_dict()
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 60, 3)])
+def test_the_captured_chain_drafts_as_the_loop_does(verifier, vocab):
+    # the graph backend's greedy drafts (use_chain: k_max drafts for the pool's rows, one graph) against the eager
+    # loop on the same state: tokens, confidence and logits of the first k; the chain traces with no graph break
+    lean = LeanDecoder(verifier)
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
+    d = EagleDrafter(lean, trained_like(lean), vocab)
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    loop = d.propose(3, SamplingParams(), None)
+    d.use_chain(slots=4, depth=4, compiled=False)  # more slots than rows: the engine's pool, partly empty
+    assert d.chain is not None
+    chained = d.propose(3, SamplingParams(), None)
+    assert torch.equal(chained.tokens, loop.tokens) and torch.equal(chained.confidence, loop.confidence)
+    assert all(torch.equal(a, b) for a, b in zip(chained.logits, loop.logits)) and len(chained.logits) == 3
+    sampled = d.propose(2, SamplingParams(temperature=1.0), torch.rand(3, 2))  # sampling: the loop
+    assert sampled.probs is not None
+    from specloop.drafter.kinds.eagle import draft_chain
+
+    inputs = (torch.zeros(4, lean.hidden_size), torch.zeros(4, dtype=torch.long), lean.embed, *d.weights())
+    explained = torch._dynamo.explain(draft_chain)(*inputs, vocab=vocab, depth=4, vocab_size=60, eps=1e-5)
+    assert explained.graph_break_count == 0
+    d.use_chain(None)
+    assert d.chain is None

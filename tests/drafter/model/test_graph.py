@@ -269,10 +269,13 @@ def test_replayed_graphs_decode_as_the_step_called_directly(kind, reference_pair
         assert graph.direct == direct and (graph.captures >= 1) == direct
         return out, drafts, drafter
 
-    (called, drafted, _), (replayed, redrafted, drafter) = run(False), run(True)
+    (called, drafted, eager), (replayed, redrafted, drafter) = run(False), run(True)
     assert replayed == called and redrafted == drafted
     if kind != "eagle":
         assert drafter.lean.direct and drafter.lean.captures == 1  # its LM's last-token step
+    else:  # the head's greedy drafts: one captured chain of k_max drafts, against the eager loop
+        assert eager.chain is None and drafter.chain is not None
+        assert drafter.chain.buffers[0].shape[0] == 3  # the engine's slots (_decode: 3)
 
 
 def _steered(drafter):
