@@ -246,6 +246,11 @@ def compile_step(model: StaticModel, device: torch.device, compiled: bool = True
         return model
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" and capture_mode() == "trees" else None
+    if mode is None and os.environ.get("SPECLOOP_AUTOTUNE") == "1":  # Triton GEMMs tuned for the step's shapes
+        from torch._inductor import config as inductor
+
+        inductor.coordinate_descent_tuning = True  # (minutes of compile per shape; measured in
+        mode = "max-autotune-no-cudagraphs"  # bench/gpu.py's section paths)
     return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
 
 
@@ -546,7 +551,8 @@ def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True
     if backend == "eager":
         return lean
     graphs = lean.__dict__.setdefault("_graph_decoders", {})
-    key = (slots, width, compiled, capture_mode(), resolve_attention(lean.device))  # the env's choices: one each
+    tuned = os.environ.get("SPECLOOP_AUTOTUNE") == "1"
+    key = (slots, width, compiled, capture_mode(), resolve_attention(lean.device), tuned)  # the env's choices
     if key not in graphs:
         graphs[key] = GraphDecoder(lean, slots, width, compiled)
     return graphs[key]
