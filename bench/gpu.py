@@ -578,6 +578,9 @@ def paths_section(models: Models) -> None:
     p = models.plan
     for name, bench, res in models.each():
         for label, env in PATHS.items():
+            if env.get("SPECLOOP_ATTENTION") == "triton" and not p.cuda:  # the kernel runs interpreted in tests only
+                res[f"{label}"] = "skipped: the Triton kernel needs a GPU here"
+                continue
             for b in sorted({1, max(p.batches)}):
                 with scoped_env(env):
                     attempt(res, f"graph_w{p.width}_b{b}_{label}", models.budget, bench.need(),
