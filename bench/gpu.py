@@ -663,7 +663,7 @@ class System:
     split: list[dict] = field(default_factory=list)  # per pass: seconds in admissions (prefills), in steps, the rest
 
 
-def build_systems(verifier, models: Path) -> list[System]:
+def build_systems(verifier, models: Path, eagle_head: Path | None = None) -> list[System]:
     """Fresh drafters per batch size: the engine wraps a drafter's own LM for the slot count of the
     first engine it joins (specloop.drafter.decode.engine.Engine._graph_drafter) and keeps that wrapper. A drafter that
     fails to build leaves its systems with the error."""
@@ -672,7 +672,8 @@ def build_systems(verifier, models: Path) -> list[System]:
     untrained = "untrained head: drafts noise; its cost is real, its τ is not"
     systems = [System("alone-graph", None, 0, "graph"), System("alone-eager", None, 0, "eager"),
                System("alone-trees-torch", None, 0, "graph", "the last session's graph step", env=PATHS["trees-torch"])]
-    for kind, path, note in (("pretrained", models / "drafter", ""), ("ngram", None, ""), ("eagle", None, untrained)):
+    eagle = ("eagle", eagle_head, "") if eagle_head else ("eagle", None, untrained)  # --eagle-head: a trained one
+    for kind, path, note in (("pretrained", models / "drafter", ""), ("ngram", None, ""), eagle):
         try:
             drafter, error = build_drafter(kind, verifier, path, weights="bf16" if path else None), None
         except Exception as exc:
@@ -734,7 +735,7 @@ def one_pool(lean, plan: Plan) -> range:
 def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, budget: Budget, clock: Clock) -> dict:
     from specloop.drafter.decode.engine import generate
 
-    systems = build_systems(verifier, args.models)
+    systems = build_systems(verifier, args.models, args.eagle_head)
     if args.systems:  # alone-graph stays: the reference every other system is compared with
         systems = [s for s in systems if s.name == "alone-graph" or s.name in args.systems.split(",")]
 
@@ -1076,6 +1077,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--systems", help="pair: only these systems (alone-graph always; default: all)")
+    ap.add_argument("--eagle-head", type=Path, help="pair: a trained eagle head's directory (the fetched pair's drafter)")
     ap.add_argument("--any-length", action="store_true",
                     help="pair: the first --per-file prompts whatever their length (default: those of one pool shape)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit in this many seconds")
