@@ -249,10 +249,11 @@ class EagleDrafter:
             return  # the eager loop (quantized heads run the verifier's own kernels)
         self._depth = depth
         fn = _COMPILED_CHAIN if compiled else draft_chain
-        constants = dict(vocab=self.vocab, depth=depth, vocab_size=self.lean.vocab_size, eps=self.head_module.cfg.eps)
+        vocab, vocab_size, eps = self.vocab, self.lean.vocab_size, self.head_module.cfg.eps
         dev, dt = self.lean.device, self.lean.dtype
         with torch.inference_mode():
-            self.chain = Replay(lambda z, tokens: fn(z, tokens, *head, **constants),
+            self.chain = Replay(lambda z, tokens: fn(z, tokens, *head, vocab=vocab, depth=depth, vocab_size=vocab_size,
+                                                     eps=eps),
                                 [torch.zeros(slots, self.lean.hidden_size, dtype=dt, device=dev),
                                  torch.zeros(slots, dtype=torch.long, device=dev)])
 
