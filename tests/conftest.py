@@ -1,12 +1,16 @@
 """Tiny deterministic models built in-process, and the reference pair when the checkout has it."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import specloop.drafter  # noqa: F401  (sets MKL_CBWR before any product: drafter/__init__.py)
+if not torch.cuda.is_available():  # Triton kernels run interpreted on CPU tensors (drafter/model/decode_attention.py):
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # set before anything imports triton (torch.compile does)
+
+import specloop.drafter  # noqa: F401, E402  (sets MKL_CBWR before any product: drafter/__init__.py)
 
 torch.set_num_threads(1)
 
@@ -31,6 +35,20 @@ def reference_pair():
     if not (SHARED_MODELS / "verifier" / "config.json").is_file():
         pytest.skip(f"reference models not found at {SHARED_MODELS}")
     return SHARED_MODELS / "verifier", SHARED_MODELS / "drafter"
+
+
+@pytest.fixture
+def wide_fp32_row_blocks(monkeypatch):
+    """For the sampled-distribution tests, which decode thousands of rows in one batch: fp32 decode-shaped
+    products in fixed, zero-padded blocks of 64 rows (the blocked path bf16 takes, with a wider block) instead
+    of one F.linear call per row. Each row still meets the same call shape whatever the batch; what changes is
+    the Python loop around the GEMMs (at 5000 rows per batch it was ~3/4 of those tests' CPU time). These
+    tests compare sampled frequencies with exact probabilities at a 0.01 level over 10^4 samples, far coarser
+    than anything the kernel path rounds; bit-exactness keeps its own tests (greedy equality on the product's
+    default path, tests/drafter/model/test_decoder.py and test_kernels.py)."""
+    from specloop.drafter.model.weights import linears
+
+    monkeypatch.setitem(linears.ROW_BLOCK, torch.float32, 64)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ draft depth as at inference; online from replay records, whose `steer` holds f_t
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -161,7 +162,7 @@ def draft_chain(z: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, *w: 
                 vocab: torch.Tensor | None, depth: int, vocab_size: int, eps: float):
     """`depth` greedy drafts for every row: (tokens [S, depth], confidence [S, depth], logits [S, depth, V]),
     the arithmetic of EagleDrafter.propose's loop, as one function of tensors (compiled once for every head of
-    these shapes: `_COMPILED_CHAIN`)."""
+    these shapes: `compiled_chain`)."""
     drafted, confidence, logits = [], [], []
     run: float | torch.Tensor = 1.0
     for _ in range(depth):
@@ -174,7 +175,11 @@ def draft_chain(z: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, *w: 
     return torch.stack(drafted, 1), torch.stack(confidence, 1), torch.stack(logits, 1)
 
 
-_COMPILED_CHAIN = torch.compile(draft_chain, fullgraph=True, dynamic=False)
+@functools.cache
+def compiled_chain():
+    """`draft_chain` compiled once per process (torch.compile's own cache holds a graph per shapes), on first use:
+    importing this module does not import the compiler."""
+    return torch.compile(draft_chain, fullgraph=True, dynamic=False)
 
 
 def feature_layer(cfg: EagleConfig, num_layers: int) -> int:
@@ -248,7 +253,7 @@ class EagleDrafter:
         if slots is None or not all(isinstance(w, torch.Tensor) for w in head):
             return  # the eager loop (quantized heads run the verifier's own kernels)
         self._depth = depth
-        fn = _COMPILED_CHAIN if compiled else draft_chain
+        fn = compiled_chain() if compiled else draft_chain
         vocab, vocab_size, eps = self.vocab, self.lean.vocab_size, self.head_module.cfg.eps
         dev, dt = self.lean.device, self.lean.dtype
         with torch.inference_mode():
