@@ -100,7 +100,15 @@ INTEGRATION_MODULES = {"test_deploy", "test_dashboards", "test_faithful_defaults
                        "test_deployment", "test_launch", "test_drain", "test_cli"}
 
 
+# Modules that run for minutes, collected near the end: moved to the front of the run. pytest-xdist (scripts/test.sh:
+# --dist load) hands each worker a contiguous chunk first and refills them as they go, so a long module at the end of
+# the collection leaves the other worker idle while it runs (seen: test_faithful_defaults, ~200 s of the last ~260 s
+# of a run, on one worker). At the front it runs while the other worker takes the rest. Order within a module kept.
+RUN_FIRST = ("tests/test_faithful_defaults.py",)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in RUN_FIRST)  # stable: every other order kept
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
         uses_redis = any(m.name == "skipif" and "Redis" in str(m.kwargs.get("reason", "")) for m in item.iter_markers())

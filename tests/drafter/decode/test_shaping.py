@@ -65,6 +65,7 @@ def joint_counts(tiny, params, kind, k, controls) -> torch.Tensor:
     return counts
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 @pytest.mark.parametrize("kind,k", [("pretrained", 2), ("none", 0)])
 def test_sampled_output_with_penalties_bias_and_min_p_is_the_verifiers_shaped_distribution(tiny, kind, k):
     exact = shaped_joint(tiny[0], PROMPT, POSITIONS, PARAMS, CONTROLS)
@@ -73,6 +74,7 @@ def test_sampled_output_with_penalties_bias_and_min_p_is_the_verifiers_shaped_di
     assert pvalue > 0.01, pvalue
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 def test_penalties_that_ignore_the_drafts_before_a_position_fail_the_same_test(tiny, monkeypatch):
     """A shaper that gives every drafted position the committed counts only (the drafts before it not
     counted) is caught: the test above can fail."""

@@ -230,6 +230,7 @@ def wrong_sampler(draft_tokens, draft_probs, target_probs, uniforms) -> BlockOut
 KINDS = [("pretrained", 2), ("ngram", 3), ("mix", 3), ("sd2", 2), ("dvi", 3), ("none", 0)]
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 @pytest.mark.parametrize("setting,kind,k", [(WARPED, kind, k) for kind, k in KINDS]
                          + [("T=1", "pretrained", 2), ("T=1", "none", 0)])
 def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k):
@@ -241,6 +242,7 @@ def test_sampled_output_distribution_equals_the_verifiers(tiny, setting, kind, k
     assert min(pvalues) > 0.01, pvalues
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 @pytest.mark.parametrize("setting,kind", [(WARPED, kind) for kind in ("pretrained", "sd2", "dvi", "ngram", "suffix",
                                                                      "eagle3")]
                          + [("T=1", "pretrained")])
@@ -254,6 +256,7 @@ def test_sampled_output_distribution_with_k_changing_every_step_equals_the_verif
     assert min(pvalues) > 0.01, pvalues
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 def test_a_wrong_sampler_fails_the_same_distribution_test(tiny):
     params = SETTINGS[WARPED]
     exact = exact_marginals(tiny[0], PROMPT, POSITIONS, params)

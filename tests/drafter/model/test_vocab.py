@@ -99,6 +99,7 @@ def test_greedy_output_with_a_truncated_draft_vocabulary_is_the_verifiers(tiny, 
     assert sum(g.stats.accepted for g in gens) > 0
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 @pytest.mark.parametrize("kind", ["pretrained", "dvi"])
 def test_sampled_output_with_a_truncated_draft_vocabulary_follows_the_verifier(tiny, kind):
     params = SamplingParams(temperature=1.0, max_tokens=3, seed=5)

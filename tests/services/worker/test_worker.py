@@ -141,6 +141,7 @@ def small_vocab(tmp_path_factory):
     return load_model(root / "verifier"), root / "drafter"
 
 
+@pytest.mark.usefixtures("wide_fp32_row_blocks")
 @pytest.mark.parametrize("kind,k,std", [("pretrained", 2, 0.3), ("sd2", 2, 0.5), ("dvi", 3, 0.5), ("eagle3", 3, 0.5)])
 def test_sampled_output_distribution_equals_the_verifiers_while_versions_are_swapped_after_every_step(
     small_vocab, kind, k, std
