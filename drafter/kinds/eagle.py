@@ -203,6 +203,7 @@ class EagleDrafter:
         self.lean, self.head_module = verifier, head.eval()
         self.verifier_layers: tuple[int, ...] = (feature_layer(head.cfg, verifier.num_layers),)
         self.vocab = None if vocab is None else vocab.to(verifier.device)
+        self.chain: Replay | None = None  # greedy drafts as one captured graph (`use_chain`), else the loop
         self._linears(head)
 
     def _linears(self, head: FeatureHead) -> None:
@@ -248,7 +249,7 @@ class EagleDrafter:
         with slots None, through the eager loop. The engine's graph backend asks (Engine._graph_drafter). The
         compiled chain is one function for every head of these shapes (`draft_chain`, its weights passed in):
         a version swapped in is captured again (milliseconds), not compiled again."""
-        self.chain: Replay | None = None
+        self.chain = None
         head = (self.lean.embed, *self.weights())
         if slots is None or not all(isinstance(w, torch.Tensor) for w in head):
             return  # the eager loop (quantized heads run the verifier's own kernels)
@@ -264,7 +265,7 @@ class EagleDrafter:
 
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
-        chain = getattr(self, "chain", None)
+        chain = self.chain
         if params.greedy and chain is not None and k <= self._depth and len(self.feature) <= len(chain.buffers[0]):
             return self._chained(chain, k)
         z, tokens, steps = self.feature, self.last, []

@@ -397,8 +397,8 @@ class GraphDecoder:
             return self.lean.new_cache(batch, capacity)
         shape = pool_shape(batch, capacity, self.lean)
         held = self._pools.setdefault(shape, [])
-        held[:] = [p for p in held if p[2]() is not None or p is _first_free(held)]  # keep one free pool per shape
         free = _first_free(held)
+        held[:] = [p for p in held if p[2]() is not None or p is free]  # one free pool per shape is kept
         if free is not None:
             keys, values = free[0], free[1]
             for t in keys + values:
