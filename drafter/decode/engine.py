@@ -376,8 +376,7 @@ class Engine:
         follow = bool(plan.k) or follows_plain(drafter)
         if not plan.k and self.drafter is not None and not follow:
             self.behind.update(plan.live)
-        cache = KVCache([k[:m] for k in self.cache.keys], [v[:m] for v in self.cache.values],
-                        self.cache.lens[:m].clone())
+        cache = self._step_cache(m)
         narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
         clock = StepClock() if self.drafter is not None else None  # the controller's costs: only where it chooses
         scoring = scoring_for({s: top for s in plan.live if (top := self._row(s).request.logprobs) is not None})
@@ -391,6 +390,15 @@ class Engine:
         timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s if clock else 0.0,
                             verify_s=clock.verify_s if clock else t2 - t1, resync_s=resync_s, choice=plan.choice)
         return self._commit(plan, outcome, scoring, timing, t0)
+
+    def _step_cache(self, m: int) -> KVCache:
+        """The pool's first m rows as the step's cache, with lengths of its own (the step rolls them back; `step`
+        writes them back after the drafter's): the pool's own tensors when every row is in it (no per-layer views:
+        a step on a full pool costs the host none)."""
+        pool = self.cache
+        if m == self.slots:
+            return KVCache(pool.keys, pool.values, pool.lens.clone())
+        return KVCache([k[:m] for k in pool.keys], [v[:m] for v in pool.values], pool.lens[:m].clone())
 
     def _plan(self) -> StepPlan | None:
         """What this step runs (None: no request is running): the occupied prefix, the controller's k for the

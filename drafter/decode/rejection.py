@@ -54,7 +54,15 @@ def greedy_accept(
     """Temperature 0. The verifier's argmax at every position is the token it would emit; drafts are
     accepted while they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
     """
-    target = target_logits.argmax(dim=-1)  # [B, k+1]
+    return greedy_verdict(draft_tokens, target_logits.argmax(dim=-1), limit)
+
+
+def greedy_verdict(
+    draft_tokens: torch.Tensor,  # [B, k]
+    target: torch.Tensor,  # [B, k+1] the verifier's argmax at `last` and after each draft
+    limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
+) -> BlockOutcome:
+    """`greedy_accept` from the verifier's choices (on the device, or read back to the host)."""
     if draft_tokens.shape[1] == 0:  # a plain step: nothing to compare (three launches fewer on a GPU)
         none = torch.zeros(len(target), dtype=torch.long, device=target.device)
         return BlockOutcome(tokens=target, num_accepted=none)

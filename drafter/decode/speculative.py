@@ -15,7 +15,7 @@ import torch
 from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
-from specloop.drafter.decode.rejection import BlockOutcome, greedy_accept, rejection_sample
+from specloop.drafter.decode.rejection import BlockOutcome, greedy_accept, greedy_verdict, rejection_sample
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
 from specloop.drafter.decode.shaping import StepShaper
 from specloop.drafter.model.decoder import LeanDecoder
@@ -98,9 +98,10 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
     record = tuple(follower.record_layers) if follower is not None and block.k and o.on_trace else ()
     capture = tuple(follower.verifier_layers) + record if follower is not None else ()
     start = cache.lens
-    out = verifier.forward(cache, torch.cat([last[:, None].to(dev), block.proposal.tokens], dim=1), capture=capture)
+    out = verifier.forward(cache, block_tokens(last, block, dev), capture=capture)
     logits = out.logits if plan.shaper is None else plan.shaper.apply(out.logits, block.proposal.tokens)
-    verdict = accept(block.proposal, logits, plan.params, block.u_accept, o.sampler, block.limit)
+    choices = out.choices if plan.shaper is None else None  # the step's own argmax, where it made one
+    verdict = accept(block, logits, plan.params, o.sampler, choices)
     t_verified = None if o.clock is None else o.clock.mark(dev)
     outcome = _on_host(verdict, block)
     if o.clock is not None:
@@ -128,6 +129,8 @@ class Block:
     k: int  # drafts per row verified: `asked`, or fewer after a cut to the rows' lengths
     limit: torch.Tensor | None  # [B] int64: row b accepts at most limit[b] <= k drafts (None: every row k)
     u_accept: torch.Tensor | None  # [B, k + 1] on the device: the accept tests, then the emitted token's
+    host: torch.Tensor | None = None  # [B, k] the drafts on the host where the drafter made them there (n-gram,
+    #                                   suffix): the block is put together and judged there (`block_tokens`, `accept`)
 
 
 def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, plan: StepPlan,
@@ -143,10 +146,8 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
     if k:
         assert drafter is not None, "the engine plans drafts (k > 0) only with a drafter"
         proposal = proposal or drafter.propose(k, plan.params, plan.u_draft)
-        proposal = replace(proposal, tokens=proposal.tokens.to(dev))  # host-side drafters (n-gram) draft on the CPU
     else:  # the verifier alone: an empty draft, q of shape [B, 0, V]
-        proposal = Proposal(torch.zeros(len(last), 0, dtype=torch.long, device=dev),
-                            torch.zeros(len(last), 0, verifier.vocab_size, device=dev))
+        proposal = empty_proposal(len(last), verifier.vocab_size, dev)
     asked, limit = k, plan.limit
     if k and gate is not None and proposal.confidence is not None:
         proposal = gated(proposal, gate, k)
@@ -156,11 +157,37 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
         proposal, limit = cut_to_lengths(proposal, plan.active, k, limit)
         k = proposal.tokens.shape[1]
         u_accept = plan.accept_uniforms(k)
+    host = proposal.tokens if k and proposal.tokens.device.type == "cpu" else None  # a host-side drafter's (n-gram)
+    if k and (host is None or not plan.params.greedy):  # a greedy verdict judges host drafts where they are
+        proposal = replace(proposal, tokens=proposal.tokens.to(dev))
     if proposal.one_hot and not plan.params.greedy:  # deterministic drafts: q is one-hot, made for the cut draft only
         proposal = replace(proposal, probs=torch.nn.functional.one_hot(proposal.tokens, verifier.vocab_size).float())
     if proposal.probs is not None:
         proposal = replace(proposal, probs=proposal.probs.to(dev))
-    return Block(proposal, asked, k, limit, None if u_accept is None else u_accept.to(dev))
+    return Block(proposal, asked, k, limit, None if u_accept is None else u_accept.to(dev), host)
+
+
+def block_tokens(last: torch.Tensor, block: Block, dev: torch.device) -> torch.Tensor:
+    """[B, 1 + k]: each row's newest committed token, then its drafts; put together where the drafts were
+    made (drafts made on the host: one copy to the device, in the verify pass's input)."""
+    if block.k == 0:
+        return last[:, None]
+    if block.host is not None and last.device.type == "cpu":
+        return torch.cat([last[:, None], block.host], dim=1)
+    return torch.cat([last[:, None].to(dev), block.proposal.tokens], dim=1)
+
+
+_EMPTY: dict[tuple, Proposal] = {}  # a plain step's empty draft per (rows, vocabulary, device): no tensor to make
+
+
+def empty_proposal(rows: int, vocab_size: int, dev: torch.device) -> Proposal:
+    """The verifier alone's draft: no tokens [rows, 0], q of shape [rows, 0, V] (shared: nothing writes an empty
+    tensor, and every stage of `propose` derives a new Proposal)."""
+    key = (rows, vocab_size, dev)
+    if key not in _EMPTY:
+        _EMPTY[key] = Proposal(torch.zeros(rows, 0, dtype=torch.long, device=dev),
+                               torch.zeros(rows, 0, vocab_size, device=dev))
+    return _EMPTY[key]
 
 
 def _on_host(verdict: BlockOutcome, block: Block) -> BlockOutcome:
@@ -173,27 +200,44 @@ def _on_host(verdict: BlockOutcome, block: Block) -> BlockOutcome:
         drafted = block.limit.cpu()
     if verdict.tokens.device.type == "cpu":
         tokens, n = verdict.tokens, verdict.num_accepted
+    elif block.k == 0:  # a plain step accepts nothing: its token is all there is to read
+        tokens, n = verdict.tokens.cpu(), torch.zeros(len(verdict.tokens), dtype=torch.long)
     else:
         host = torch.cat([verdict.tokens, verdict.num_accepted[:, None].to(verdict.tokens.dtype)], dim=1).cpu()
         tokens, n = host[:, :-1].contiguous(), host[:, -1].contiguous()
     return BlockOutcome(tokens, n, drafted, block.proposal.sources, predicted(block.proposal, drafted))
 
 
-def accept(proposal: Proposal, logits: torch.Tensor, params: SamplingParams | RowParams,
-           u_accept: torch.Tensor | None, sampler: Sampler, limit: torch.Tensor | None) -> BlockOutcome:
-    """The verdict on a block: greedy rows by argmax, sampled rows by the lossless sampler."""
+def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParams, sampler: Sampler,
+           choices: torch.Tensor | None = None) -> BlockOutcome:
+    """The verdict on a block: greedy rows by argmax (`choices`: the logits' argmax where the pass computed it),
+    sampled rows by the lossless sampler. A greedy step is judged on the host: the verifier's choices read back
+    (with the drafts, where they were made on the device) in one copy, compared there (no comparison kernels
+    to launch on a GPU)."""
+    proposal, limit = block.proposal, block.limit
     cap = {} if limit is None else {"limit": limit}
-    greedy = greedy_accept(proposal.tokens, logits, **cap) if params.greedy or isinstance(params, RowParams) else None
     if params.greedy:
-        assert greedy is not None  # computed for every greedy step
-        return greedy
-    sampled = sampler(proposal.tokens, proposal.probs, warp(logits, params), u_accept, **cap)
+        target = logits.argmax(dim=-1) if choices is None else choices
+        return greedy_verdict(*_choices_on_host(block, target), **cap)
+    greedy = greedy_accept(proposal.tokens, logits, **cap) if isinstance(params, RowParams) else None
+    sampled = sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)
     if greedy is None:
         return sampled
     assert isinstance(params, RowParams)  # a sampled step with greedy rows: only per-row params mix them
     rows = params.greedy_rows.to(sampled.tokens.device)
     return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, sampled.tokens),
                         num_accepted=torch.where(rows, greedy.num_accepted, sampled.num_accepted))
+
+
+def _choices_on_host(block: Block, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(drafts [B, k], the verifier's choices [B, k + 1]) on the host, in one copy from the device at most."""
+    if target.device.type == "cpu":
+        return block.proposal.tokens, target
+    if block.host is not None or block.k == 0:
+        drafts = block.host if block.host is not None else torch.zeros(len(target), 0, dtype=torch.long)
+        return drafts, target.cpu()
+    both = torch.cat([target, block.proposal.tokens], dim=1).cpu()
+    return both[:, block.k + 1:], both[:, : block.k + 1]
 
 
 def cut_to_lengths(proposal: Proposal, active: torch.Tensor, k: int,

@@ -42,6 +42,7 @@ from specloop.drafter.model.weights.linears import linear
 class ForwardOut:
     logits: torch.Tensor  # [B, T, V] (or [B, 1, V] when only the last valid position was asked for)
     hidden: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] (residual stream after that layer)
+    choices: torch.Tensor | None = None  # [B, T] the logits' argmax where the pass computed it (the graph step)
 
 
 class LeanDecoder:

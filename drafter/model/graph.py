@@ -162,7 +162,8 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
                    capture: tuple[int, ...], last_only: bool):
     """One decode-shaped pass over the pool: writes the real tokens' KV, attends over the whole capacity
     under the causal mask. Returns (logits [S, W, V] or [S, 1, V] at each row's last real token,
-    residual streams [S, W, hidden] after each `capture` layer, in capture's order)."""
+    residual streams [S, W, hidden] after each `capture` layer, in capture's order, the logits' argmax
+    [S, W] or [S, 1]: a greedy verdict's input, computed in the step instead of one more launch after it)."""
     S, W = tokens.shape
     C = keys[0].shape[2]
     dev = tokens.device
@@ -189,7 +190,7 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     if m.vocab_ids is not None:  # FR-Spec: the head holds the draft vocabulary's rows only
         full = logits.new_full((*logits.shape[:-1], m.vocab_size), float("-inf"))
         logits = full.index_copy(-1, m.vocab_ids, logits)
-    return logits, tuple(hidden)
+    return logits, tuple(hidden), logits.argmax(dim=-1)
 
 
 def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_bias):
@@ -291,9 +292,8 @@ class CapturedStep:
         self.replay, self.out = _record(call) if dev.type == "cuda" else _rerun(call)
 
     def __call__(self, tokens: torch.Tensor, meta: torch.Tensor, bias: list[torch.Tensor] | None):
-        B, T = tokens.shape
-        self.tokens.zero_()
-        self.tokens[:B, :T].copy_(tokens, non_blocking=True)
+        B, T = tokens.shape  # the buffer's other positions keep earlier steps' tokens: padded queries (their
+        self.tokens[:B, :T].copy_(tokens, non_blocking=True)  # count says so) write the trash slot, seen by none
         self.meta.copy_(meta, non_blocking=True)
         if self.bias is not None and bias is not None:
             for mine, b in zip(self.bias, bias):
@@ -502,8 +502,7 @@ class GraphDecoder:
             return self.lean.forward(cache, tokens, n_new, last_only, capture, mlp_up_bias)
         n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new.cpu()
         S, W, dev = self.slots, self.width, self.lean.device
-        meta = torch.zeros(2, S, dtype=torch.long)  # counts, lens: one copy to the device
-        meta[0, :B], meta[1, :B] = n_new, cache.lens
+        meta = _meta(n_new, cache.lens, S)  # counts, lens: one copy to the device
         capture = tuple(sorted(set(capture)))
         step = None
         if self.direct:
@@ -512,18 +511,29 @@ class GraphDecoder:
             except Exception as exc:  # noqa: BLE001 - any failure of a capture falls back, logged
                 self._fall_back(exc)
         if step is not None:
-            logits, hidden = step(tokens, meta, mlp_up_bias)
+            logits, hidden, choices = step(tokens, meta, mlp_up_bias)
         else:
             padded = torch.zeros(S, W, dtype=torch.long, device=dev)  # on the device: the tokens may be drafts there
             padded[:B, :T] = tokens.to(dev)
             bias = None if mlp_up_bias is None else [_pad_rows(b, S) for b in mlp_up_bias]
             counts, lens = meta[0].to(dev), meta[1].to(dev)  # distinct tensors, as warm() passes them
-            logits, hidden = self.step_fn(*pool, padded, counts, lens, bias, capture, last_only)
+            logits, hidden, choices = self.step_fn(*pool, padded, counts, lens, bias, capture, last_only)
         self.graph_calls += 1
         cache.lens = cache.lens + n_new
         # copies: a captured graph's outputs are overwritten by its next replay
-        logits = logits[:B] if last_only else logits[:B, :T]
-        return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)})
+        logits, choices = (logits[:B], choices[:B]) if last_only else (logits[:B, :T], choices[:B, :T])
+        return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)},
+                          choices=choices.clone())
+
+
+def _meta(n_new: torch.Tensor, lens: torch.Tensor, slots: int) -> torch.Tensor:
+    """[2, slots] int64 on the host: each row's real tokens and its length before the step (rows past the
+    step's: 0, 0)."""
+    if len(n_new) == slots:
+        return torch.stack((n_new.long(), lens.long()))
+    meta = torch.zeros(2, slots, dtype=torch.long)
+    meta[0, : len(n_new)], meta[1, : len(n_new)] = n_new, lens
+    return meta
 
 
 def _gone() -> None:

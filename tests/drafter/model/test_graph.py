@@ -70,6 +70,7 @@ def test_the_static_step_traces_as_one_graph_with_no_graph_break_or_host_sync(ti
         expected = model(*_copy_args(args), capture=capture, last_only=last_only)
         got = traced(*_copy_args(args), capture=capture, last_only=last_only)
         assert torch.equal(got[0], expected[0]) and len(got[1]) == len(capture)
+        assert torch.equal(got[2], expected[0].argmax(dim=-1))  # the greedy verdict's choices, made in the step
     assert torch._dynamo.explain(model)(*_copy_args(args)).graph_break_count == 0
 
 
@@ -239,8 +240,10 @@ def test_on_cuda_the_default_serves_bf16_through_the_graph_step_and_speculation_
     assert verifier.lean.dtype == torch.bfloat16
     prompts = _prompts(verifier)
     plain = _decode(verifier, None, prompts, 0)
-    drafter = build_drafter("pretrained", verifier, reference_pair[1])
-    assert _decode(verifier, drafter, prompts, 4) == plain
+    # drafts made on the device (pretrained, the eagle chain) and on the host (n-gram: the block put together and
+    # judged there, the verifier's choices read back)
+    for kind, path in (("pretrained", reference_pair[1]), ("ngram", None), ("eagle", None)):
+        assert _decode(verifier, build_drafter(kind, verifier, path), prompts, 4) == plain, kind
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "sd2", "eagle"])
