@@ -416,12 +416,15 @@ class Engine:
         kmax = max(ks[s] for s in live)
         params, limit = self._params(rows, live, ks, kmax)
         u_draft, u_accept = (None, None) if params.greedy else self._uniforms(rows, ks, kmax)
-        # confidence may cut (the rows are those of `live`, and the empty slots between them)
+        # confidence may cut (the rows are those of `live`, and the empty slots between them); not on the graph
+        # backend, whose verify pass has one width whatever it verifies: a cut would save nothing, cost accepted
+        # drafts, and make the host wait for the drafts' confidence between the draft and the verify pass
         every_auto = choice is not None and all(r.request.k is None for r in rows if r is not None)
+        cut = every_auto and self.backend != "graph"
         shaping = tuple(r.shaping if r is not None else None for r in rows)
         shaper = StepShaper(shaping) if any(x is not None for x in shaping) else None
         return StepPlan(torch.tensor([r is not None for r in rows]), kmax, params, u_draft, u_accept, limit,
-                        lookup=width > 0, confidence_cut=every_auto, shaper=shaper, m=m, live=tuple(live),
+                        lookup=width > 0, confidence_cut=cut, shaper=shaper, m=m, live=tuple(live),
                         row_k=tuple(ks), choice=choice)
 
     def _gate(self, plan: StepPlan) -> Gate | None:
@@ -442,10 +445,10 @@ class Engine:
         # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
         # they teach the calibration alone)
         free = getattr(self.drafter, "free_sources", ())
-        blocks = () if plan.lookup else tuple((ks[s], int(outcome.num_accepted[s])) for s in live if ks[s] and (
+        blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in free))
         confident = () if outcome.predicted is None else tuple(
-            Confident(float(outcome.predicted[s]), int(outcome.num_accepted[s]),
+            Confident(float(outcome.predicted[s]), outcome.accepted(s),
                       None if outcome.sources is None else outcome.sources[s], drafted[s]) for s in live if drafted[s])
         updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
         self.last[:plan.m] = outcome.last_tokens
@@ -536,7 +539,7 @@ class Engine:
 
     def _commit_row(self, s: int, outcome: BlockOutcome, k: int, scoring: Scoring | None) -> RowUpdate:
         row = self._row(s)
-        n = int(outcome.num_accepted[s])
+        n = outcome.accepted(s)
         before = len(row.gen.token_ids)
         row.gen.stats.observe(k, n)
         self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)

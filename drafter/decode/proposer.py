@@ -158,5 +158,4 @@ def choose(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Te
 
 def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:
     """The n + 1 tokens row b gained in this block."""
-    n = int(outcome.num_accepted[b])
-    return outcome.tokens[b, : n + 1].tolist()
+    return outcome.emitted(b)

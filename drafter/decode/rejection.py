@@ -29,6 +29,20 @@ class BlockOutcome:
     predicted: torch.Tensor | None = None  # [B] Σ_i P_i over each row's drafted positions: the drafts the
     #                                        drafter expected accepted (`Proposal.confidence`; None without)
 
+    def accepted(self, b: int) -> int:
+        """n of row b (read from host lists made once per outcome: a step's commit reads every row)."""
+        return self._lists()[1][b]
+
+    def emitted(self, b: int) -> list[int]:
+        """The n + 1 tokens row b gained in this block."""
+        tokens, n = self._lists()
+        return tokens[b][: n[b] + 1]
+
+    def _lists(self) -> tuple[list[list[int]], list[int]]:
+        if "_host" not in self.__dict__:  # an outcome on the host (`speculative_step` returns one) is not written
+            self.__dict__["_host"] = (self.tokens.tolist(), self.num_accepted.tolist())
+        return self.__dict__["_host"]
+
     @property
     def last_tokens(self) -> torch.Tensor:
         """[B] the token each row emitted last: the recovered or bonus token at index n."""

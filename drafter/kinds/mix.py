@@ -151,7 +151,7 @@ class SpeculatorMix:
         k = outcome.tokens.shape[1] - 1
         for b in torch.nonzero(active).flatten().tolist():
             drafted = k if outcome.drafted is None else int(outcome.drafted[b])
-            n = int(outcome.num_accepted[b])
+            n = outcome.accepted(b)
             if not drafted:
                 continue
             self.served[sources[b]] += 1

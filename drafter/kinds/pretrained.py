@@ -54,6 +54,10 @@ class PretrainedDrafter:
         tokens, self._n_pending = pad_right(self.pending)
         steer = self.block_inputs()
         bias = self.block_bias(steer)
+        chained = self._chained(tokens, k, bias) if params.greedy and k else None
+        if chained is not None:
+            chained.steer = steer
+            return chained
         steps = []
         for i in range(k):
             n_new = self._n_pending if i == 0 else None
@@ -63,6 +67,16 @@ class PretrainedDrafter:
         proposal = stack_proposal(steps, params)
         proposal.steer = steer
         return proposal
+
+    def _chained(self, tokens: torch.Tensor, k: int, bias: list[torch.Tensor] | None) -> Proposal | None:
+        """A greedy block as one captured graph of k passes (its LM on the graph backend, replaying its own
+        graphs: model.graph.GraphDecoder.draft_chain), the same drafts as the loop; None: the loop."""
+        chain = getattr(self.lean, "draft_chain", None)
+        out = None if chain is None else chain(self.cache, tokens, self._n_pending, k, bias)
+        if out is None:
+            return None
+        drafts, logits = out
+        return Proposal(tokens=drafts, probs=None, logits=list(logits.unbind(1)))
 
     def block_bias(self, steer: torch.Tensor | None) -> list[torch.Tensor] | None:
         """Per-layer MLP up-projection bias for this block from its steering inputs (steered kinds);
@@ -97,6 +111,6 @@ class PretrainedDrafter:
         in_cache = self._base + self._n_pending + n.clamp(max=k - 1)
         self.cache.lens = torch.where(active, in_cache, self._base)
         for b in torch.nonzero(active).flatten().tolist():
-            nb = int(n[b])
+            nb = outcome.accepted(b)
             first = nb - 1 if nb == k else nb  # all accepted: d_k never went through the drafter
-            self.pending[b] = outcome.tokens[b, first : nb + 1].tolist()
+            self.pending[b] = outcome.emitted(b)[first:]

@@ -464,6 +464,30 @@ class GraphDecoder:
         self.step_fn = torch.compile(self.model, fullgraph=True, dynamic=False, mode="reduce-overhead")
 
     @torch.inference_mode()
+    def draft_chain(self, cache: KVCache, tokens: torch.Tensor, n_new: torch.Tensor, depth: int,
+                    bias: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`depth` greedy drafts of this decoder's LM (a drafter's) for the rows of `cache` as one captured graph:
+        the first pass feeds `tokens` [B, T <= W] (n_new [B] real each), every later one the previous pass's
+        argmax; (drafts [B, depth], their logits [B, depth, V]), copies. Exactly the passes `forward` would
+        run one by one (last_only), so `cache.lens` advances as theirs would: n_new, then 1 per later pass.
+        None where the chain cannot run (not replaying its own graphs, or not on the pool): loop `forward`."""
+        pool = self._pool(cache) if self.direct and tokens.shape[1] <= self.width else None
+        if pool is None:
+            return None
+        graphs = self._graphs_of(pool)
+        key = ("chain", depth, bias is not None)
+        if key not in graphs:
+            shapes = None if bias is None else [(self.slots, *b.shape[1:]) for b in bias]
+            graphs[key] = CapturedStep(_chain(self.step_fn, depth), pool, self.slots, self.width, (), True, shapes,
+                                       self.lean.dtype)
+            self.captures += 1
+        B, n_new = len(tokens), n_new.cpu()
+        drafts, logits = graphs[key](tokens, _meta(n_new, cache.lens, self.slots), bias)
+        self.graph_calls += depth
+        cache.lens = cache.lens + n_new + (depth - 1) * (n_new > 0).long()
+        return drafts[:B].clone(), logits[:B].clone()
+
+    @torch.inference_mode()
     def warm(self, cache: KVCache, captures: set[tuple[int, ...]], last_only: bool = False,
              biased: bool = False) -> float:
         """Compile (and on CUDA capture) the step for each capture set before any request needs it: a pass
@@ -524,6 +548,24 @@ class GraphDecoder:
         logits, choices = (logits[:B], choices[:B]) if last_only else (logits[:B, :T], choices[:B, :T])
         return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)},
                           choices=choices.clone())
+
+
+def _chain(step, depth: int):
+    """The static step run `depth` times as one function of its inputs (CapturedStep's signature): greedy drafts,
+    each pass fed the argmax of the one before (one real token: rows that had any), lengths advanced on the
+    device between passes; returns (drafts [S, depth], their logits [S, depth, V])."""
+
+    def run(keys, values, tokens, n_new, lens, bias, capture, last_only):
+        drafts, logits = [], []
+        meta, one = torch.stack((n_new, lens)), (n_new > 0).long()
+        for _ in range(depth):  # each pass's counts and lengths as views of one tensor, as CapturedStep passes them
+            out, _, choice = step(keys, values, tokens, meta[0], meta[1], bias, (), True)  # [S, 1, V], [S, 1]
+            drafts.append(choice[:, 0])
+            logits.append(out[:, 0])
+            meta = torch.stack((one, meta[1] + meta[0]))
+            tokens = choice.expand(-1, tokens.shape[1]).contiguous()  # its other positions are padding
+        return torch.stack(drafts, dim=1), torch.stack(logits, dim=1)
+    return run
 
 
 def _meta(n_new: torch.Tensor, lens: torch.Tensor, slots: int) -> torch.Tensor:

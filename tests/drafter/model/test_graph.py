@@ -209,6 +209,18 @@ def test_a_draft_length_beyond_the_steps_width_is_refused_before_it_takes_a_slot
     assert engine.running == 0
 
 
+@pytest.mark.parametrize("backend", ["graph", "eager"])
+def test_only_the_eager_backend_cuts_drafts_by_confidence(backend, tiny_verifier):
+    # the graph step verifies at one width whatever it verifies: a cut saves nothing there, loses accepted drafts
+    # and would make the host wait for the drafts' confidence between drafting and the verify pass
+    engine = Engine(tiny_verifier.lean, build_drafter("eagle", tiny_verifier, None), 2, 128,
+                    StopRule(tiny_verifier.eos_ids), backend=backend)
+    engine.admit([EngineRequest("r", [5, 6, 7], SamplingParams(max_tokens=4), None)])
+    plan = engine._plan()
+    assert plan is not None and plan.choice is not None  # an auto row: the controller chose
+    assert plan.confidence_cut == (backend == "eager")
+
+
 def test_auto_is_eager_on_the_cpu_and_quantized_weights_never_run_the_graph_step(tiny_pair):
     assert resolve_backend(None, torch.device("cpu")) == "eager"
     assert resolve_backend("auto", torch.device("cuda")) == "graph"
@@ -274,8 +286,10 @@ def test_replayed_graphs_decode_as_the_step_called_directly(kind, reference_pair
 
     (called, drafted, eager), (replayed, redrafted, drafter) = run(False), run(True)
     assert replayed == called and redrafted == drafted
-    if kind != "eagle":
-        assert drafter.lean.direct and drafter.lean.captures == 1  # its LM's last-token step
+    if kind != "eagle":  # its LM's last-token step (warmed), and its greedy drafts as one chain of k = 3 passes
+        assert drafter.lean.direct and drafter.lean.captures == 2
+        assert any(key[:2] == ("chain", 3) for key in drafter.lean._graphs_of(drafter.lean._pool(drafter.cache)))
+        assert eager.lean.draft_chain(eager.cache, torch.zeros(3, 1, dtype=torch.long), torch.ones(3), 3) is None
     else:  # the head's greedy drafts: one captured chain of k_max drafts, against the eager loop
         assert eager.chain is None and drafter.chain is not None
         assert drafter.chain.buffers[0].shape[0] == 3  # the engine's slots (_decode: 3)
