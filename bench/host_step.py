@@ -17,6 +17,8 @@ alone, n-gram (auto, k=4), the pretrained drafter (its LM stubbed the same way, 
 GPU), and a cProfile of one pass per system.
 
     PYTHONPATH=. .venv/bin/python bench/host_step.py --models ../shared/models --out bench/results/host_step.json
+    # before / after a change: run it in each checkout alone, alternating, then pool the runs
+    .venv/bin/python bench/host_step.py --compare before=a1.json,a2.json after=b1.json,b2.json --out cmp.json
 """
 from __future__ import annotations
 
@@ -162,7 +164,7 @@ def build(kind: str | None, verifier, models: Path, slots: int):
     drafter = build_drafter(kind, verifier, path)
     if kind == "eagle":  # the CPU's prepared linears (Dense) as the plain tensors a GPU's head holds: the chain runs
         plain = tuple(graph._float_weight(w)[0] if isinstance(w, Dense) else w for w in drafter.weights())
-        drafter.weights = lambda: plain  # type: ignore[method-assign]
+        drafter.weights = lambda: plain
     lm = getattr(drafter, "lean", None)
     width = getattr(drafter, "graph_width", 0)
     if width and lm is not None:
@@ -195,7 +197,11 @@ def main() -> None:
     ap.add_argument("--systems", default="")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_step.json")
+    ap.add_argument("--compare", nargs="+", metavar="LABEL=RUN.json[,RUN.json]",
+                    help="no run: pool earlier runs per label into --out (JSON + PNG), e.g. before / after a change")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args.compare, args.out)
     torch.set_num_threads(args.threads)
     from specloop.drafter.model.loading import load_model
 
@@ -236,6 +242,54 @@ def main() -> None:
                   f"µs/token  x{row['x_alone_per_token']:.2f}  τ {s.tau or 0:.2f}  ops/step {s.ops_per_step:.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
+    plot({"this checkout": [report]}, args.out.with_suffix(".png"))
+
+
+def plot(runs: dict[str, list[dict]], path: Path) -> None:
+    """µs per step and ops per step of each system, per batch size: one bar per label (`runs`: label -> reports
+    of that checkout, medians pooled over them)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = next(iter(runs.values()))[0]["batches"]
+    fig, axes = plt.subplots(2, len(first), figsize=(6 * len(first), 8), squeeze=False)
+    for col, batch in enumerate(first):
+        names = list(first[batch])
+        for row, (key, unit) in enumerate((("step_us_rounds", "host µs per step (median)"),
+                                             ("ops_per_step", "ops dispatched per step"))):
+            ax, width = axes[row, col], 0.8 / len(runs)
+            for i, (label, reports) in enumerate(runs.items()):
+                values = [statistics.median(_pooled(reports, batch, n, key)) for n in names]
+                ax.bar([x + i * width for x in range(len(names))], values, width, label=label)
+            ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=30, ha="right")
+            ax.set(ylabel=unit, title=f"batch {batch}")
+            ax.legend()
+    fig.suptitle("the graph backend's host work per decode step (model pass stubbed; CPU, 1 thread)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def _pooled(reports: list[dict], batch: str, name: str, field: str) -> list[float]:
+    values = [r["batches"][batch][name][field] for r in reports]
+    return [v for x in values for v in (x if isinstance(x, list) else [x])]
+
+
+def compare(labelled: list[str], out: Path) -> None:
+    """Before / after: `labelled` = ["label=run1.json,run2.json", ...] (each checkout run alone, alternating
+    with the others), pooled into one JSON and one PNG."""
+    runs = {}
+    for item in labelled:
+        label, files = item.split("=", 1)
+        runs[label] = [json.loads(Path(f).read_text()) for f in files.split(",")]
+    table = {label: {batch: {name: {"step_us_median": statistics.median(_pooled(reports, batch, name, "step_us_rounds")),
+                                    "ops_per_step": reports[0]["batches"][batch][name]["ops_per_step"],
+                                    "tau": reports[0]["batches"][batch][name]["tau"]}
+                             for name in reports[0]["batches"][batch]} for batch in reports[0]["batches"]}
+             for label, reports in runs.items()}
+    out.write_text(json.dumps({"benchmark": "host_step compare", "medians": table, "runs": runs}, indent=1))
+    plot(runs, out.with_suffix(".png"))
 
 
 def step_ops(verifier, drafter, prompts, batch: int, s: System) -> float:
