@@ -161,6 +161,8 @@ class Engine:
             backend = "eager"
         width = self.controller.cfg.k_max + 1  # W: a plain step is a verify pass with one real query
         self.verifier = on_backend(self.verifier, backend, self.slots, width, self.compile_graphs)
+        if backend == "graph":  # every step runs at width W: the controller's prior knows it
+            self.controller.verify_at_one_width()
         self._graph_drafter(self.drafter, backend)  # eager: a drafter an earlier graph engine wrapped runs eagerly
         return backend
 

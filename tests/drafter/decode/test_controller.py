@@ -155,6 +155,18 @@ def test_unmeasured_verify_shapes_are_scaled_from_measured_ones():
     assert costs.ratio_of(3, 4) == pytest.approx(1 + 0.1 * 2 * 2)  # a larger batch: steeper by sqrt(4)
 
 
+def test_a_controller_told_its_steps_verify_at_one_width_expects_flat_verify_costs_until_measured():
+    controller = Controller(ControllerConfig(prior_verify_slope=0.5))
+    assert controller.costs.ratio_of(5, 1) == pytest.approx(3.0)  # the prior slope
+    controller.verify_at_one_width()
+    assert controller.costs.ratio_of(5, 1) == 1.0
+    controller.reset()  # forgets estimates, not how its steps are run
+    assert controller.costs.ratio_of(5, 1) == 1.0
+    controller.costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    controller.costs.observe(StepSample(1, 4, 0.0, 0.011, 0.0))  # measured: what it learns wins
+    assert controller.costs.ratio_of(5, 1) == pytest.approx(1.1)
+
+
 def test_ratios_are_learned_only_beside_a_plain_step():
     costs = Costs(ControllerConfig(side_by_side=2))
     costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))

@@ -210,7 +210,7 @@ def test_a_draft_length_beyond_the_steps_width_is_refused_before_it_takes_a_slot
 
 
 @pytest.mark.parametrize("backend", ["graph", "eager"])
-def test_only_the_eager_backend_cuts_drafts_by_confidence(backend, tiny_verifier):
+def test_only_the_eager_backend_cuts_drafts_by_confidence_or_expects_wider_verify_passes_to_cost_more(backend, tiny_verifier):
     # the graph step verifies at one width whatever it verifies: a cut saves nothing there, loses accepted drafts
     # and would make the host wait for the drafts' confidence between drafting and the verify pass
     engine = Engine(tiny_verifier.lean, build_drafter("eagle", tiny_verifier, None), 2, 128,
@@ -219,6 +219,7 @@ def test_only_the_eager_backend_cuts_drafts_by_confidence(backend, tiny_verifier
     plan = engine._plan()
     assert plan is not None and plan.choice is not None  # an auto row: the controller chose
     assert plan.confidence_cut == (backend == "eager")
+    assert engine.controller.costs.flat == (backend == "graph")  # and its cost model's prior knows the one width
 
 
 def test_auto_is_eager_on_the_cpu_and_quantized_weights_never_run_the_graph_step(tiny_pair):
