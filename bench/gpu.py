@@ -779,9 +779,28 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
                        f"identical {sum(same)}/{len(same)}")
         passes.append(time.perf_counter() - t_pass)
     out = pair_rows(systems, batch, passes, budget)
-    out["host_profile"] = {s.name: host_profile(run, s) for s in systems
-                           if s.name in ("alone-graph", "ngram-k4") and not s.error and budget.allows(5.0)}
+    profiled = [s for s in systems if s.name in ("alone-graph", "ngram-k4", "eagle-k4") and not s.error]
+    out["host_profile"] = {s.name: host_profile(run, s) for s in profiled if budget.allows(5.0)}
+    out["device_profile"] = {s.name: device_profile(run, s) for s in profiled if budget.allows(5.0)}
     return out
+
+
+def device_profile(run, system: "System", top: int = 20) -> dict:
+    """One more pass of `system` under torch.profiler (CPU and, on a GPU, CUDA activity): how busy the device
+    was over the pass (its kernels' time over the wall time: a host-bound step leaves it idle), and the ops by
+    the host time they took (launches included), what the next session's host work should cut."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        _, seconds = run(system)
+    system.split.pop()  # the profiled pass is not one of the timed ones
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if str(e.device_type).endswith("CUDA"))  # kernels
+    table = events.table(sort_by="self_cpu_time_total", row_limit=top)
+    return {"seconds_under_profiler": seconds, "device_busy_s": device_us / 1e6,
+            "device_busy_fraction": device_us / 1e6 / seconds if seconds else None,
+            "top_by_host_time": table.splitlines()[: top + 6]}
 
 
 def host_profile(run, system: "System", top: int = 25) -> dict:
