@@ -67,6 +67,13 @@ class SpeculatorMix:
         self.served: dict[str, int] = {name: 0 for name in members}  # blocks drafted by each member
         self._last: tuple[list[str], list[float]] | None = None
 
+    def use_chain(self, slots: int | None, depth: int = 0, compiled: bool = True) -> None:
+        """The engine's graph backend asks (decode.engine `Chained`): each member whose greedy drafts run as one
+        captured graph (an eagle head) is told, as it would be serving alone."""
+        for member in self.members.values():
+            if hasattr(member, "use_chain"):
+                member.use_chain(slots, depth, compiled)
+
     # -- the choice
 
     def expected(self, name: str, k: int) -> float:

@@ -296,6 +296,21 @@ def test_replayed_graphs_decode_as_the_step_called_directly(kind, reference_pair
         assert drafter.chain.buffers[0].shape[0] == 3  # the engine's slots (_decode: 3)
 
 
+def test_an_eagle_head_in_a_mix_of_speculators_drafts_through_its_chain_on_the_graph_backend(tiny_verifier,
+                                                                                             monkeypatch):
+    # the served default: the eagle head with suffix decoding beside it (drafter/kinds/mix.py)
+    import specloop.drafter.model.graph as graph_module
+
+    monkeypatch.setattr(graph_module, "direct_capture", lambda device, compiled: True)
+    mix = build_drafter("eagle", tiny_verifier, None, speculators=("suffix",))
+    Engine(tiny_verifier.lean, mix, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph")
+    assert mix.members["adaptive"].chain is not None and mix.members["adaptive"].chain.buffers[0].shape[0] == 2
+    prompts = _prompts(tiny_verifier)
+    assert _decode(tiny_verifier, mix, prompts, 4) == _decode(tiny_verifier, None, prompts, 0)  # lossless through it
+    Engine(tiny_verifier.lean, mix, 2, 128, StopRule(tiny_verifier.eos_ids), backend="eager")
+    assert mix.members["adaptive"].chain is None  # the eager loop
+
+
 def _steered(drafter):
     """An SD² drafter with non-zero steering (untrained, W_s = 0: its biases would be zeros), else as given."""
     if getattr(drafter, "steering", None) is not None:
