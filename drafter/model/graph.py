@@ -43,18 +43,22 @@ from specloop.drafter.model.weights.linears import Dense
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "eager", "graph")
-ATTENTIONS = ("auto", "torch", "triton")
+ATTENTIONS = ("auto", "torch", "triton", "flex")
 
 
 def resolve_attention(device: torch.device) -> str:
-    """The step's attention: "torch" (`_attend`: the whole capacity under a mask; the default, auto) or
+    """The step's attention: "torch" (`_attend`: the whole capacity under a mask; the default, auto),
     "triton" (specloop.drafter.model.decode_attention: one kernel per layer, each row's keys up to its own
-    length; SPECLOOP_ATTENTION=triton). Measured on an H200 (bench/README.md section 25), the kernel lost:
-    one program per (row, KV head) leaves most of the GPU idle at batch 1 (2.52 against 2.32 ms per step on
-    the 1.7B shape, 12.99 against 5.83 ms on the 8B)."""
+    length; SPECLOOP_ATTENTION=triton) or "flex" (`_flex_attend`: torch's flex attention, the same mask as a
+    score modification, one fused kernel per layer that splits the keys across programs for short queries;
+    SPECLOOP_ATTENTION=flex, not yet measured on a GPU). Measured on an H200 (bench/README.md section 25), the
+    Triton kernel lost: one program per (row, KV head) leaves most of the GPU idle at batch 1 (2.52 against
+    2.32 ms per step on the 1.7B shape, 12.99 against 5.83 ms on the 8B)."""
     wanted = os.environ.get("SPECLOOP_ATTENTION", "auto")
     if wanted not in ATTENTIONS:
         raise ValueError(f"SPECLOOP_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {wanted!r}")
+    if wanted == "flex":
+        return "flex"
     if wanted != "triton":
         return "torch"
     if not decode_attention.available():
@@ -174,7 +178,10 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     at = pos.clamp(max=m.cos.shape[0] - 1)
     cos, sin = m.cos[at][:, :, None], m.sin[at][:, :, None]  # [S, W, 1, D]
     # a query sees keys at positions <= its own; the trash slot (C − 1) is beyond every real query
-    visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None] if m.attention == "torch" else pos
+    if m.attention == "torch":  # what the attention reads of the queries' positions: a mask [S, W, C],
+        visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None]
+    else:  # the positions [S, W] (triton), the rows' lengths [S] (flex)
+        visible = lens if m.attention == "flex" else pos
     rows = torch.arange(S, device=dev)[:, None].expand(S, W)
     x = F.embedding(tokens, m.embed)  # [S, W, hidden]
     hidden = []
@@ -207,6 +214,8 @@ def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_
     vc[rows, :, slot] = v.to(KV_DTYPE)
     if m.attention == "torch":  # visible: [S, W, C] bool
         att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
+    elif m.attention == "flex":  # visible: the rows' lengths [S] (query j sits at lens + j)
+        att = _flex_attend(q, kc, vc, visible, m.scaling)
     else:  # visible: the queries' positions [S, W]
         att = decode_attention.decode_attention(q, kc, vc, visible, m.scaling)
     x = x + F.linear(att.to(x.dtype), m.w(i, "o"))
@@ -236,6 +245,24 @@ def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, visible: torch.
     probs = torch.softmax(scores, dim=-1).view(S, Hkv, W * rep, C)
     out = torch.matmul(probs, vc)  # [S, Hkv, W rep, D]
     return out.view(S, Hkv, W, rep, D).permute(0, 2, 1, 3, 4).reshape(S, W, H * D)
+
+
+def _flex_attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_attend`'s contract through flex attention: q [S, W, H, D] over the whole cache kc/vc [S, H_kv, C, D], a key
+    visible to query j of row b at positions <= lens[b] + j → [S, W, H D] in the cache's dtype. Each query's
+    result reduces over the same keys in the same order whatever the other queries hold, and every step has the
+    same shapes (so the same kernel and the same split of the keys): exact by the graph step's construction.
+    (The mask reads the step's input `lens`, not positions computed in the step: inductor's CPU template refuses
+    a computed buffer there.)"""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    S, W, H, D = q.shape
+
+    def visible(score, b, h, query, key):
+        return torch.where(key <= lens[b] + query, score, float("-inf"))
+
+    out = flex_attention(q.to(kc.dtype).transpose(1, 2), kc, vc, score_mod=visible, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2).reshape(S, W, H * D)
 
 
 def compile_step(model: StaticModel, device: torch.device, compiled: bool = True):

@@ -79,6 +79,33 @@ def _copy_args(args):
     return [k.clone() for k in keys], [v.clone() for v in values], *rest
 
 
+def test_flex_attention_in_the_step_scores_as_the_torch_attention_and_traces_as_one_graph(tiny_verifier,
+                                                                                       monkeypatch):
+    # SPECLOOP_ATTENTION=flex: the same mask as a score modification in one fused kernel (on a GPU)
+    lean = tiny_verifier.lean
+    graph, cache = _pool(lean, [[5, 6, 7, 8], [9, 10]], slots=3, width=5)
+    args = _inputs(graph, cache, torch.tensor([[11, 12, 13], [14, 0, 0]]), torch.tensor([3, 1]))
+    torch_step = StaticModel(lean)
+    monkeypatch.setenv("SPECLOOP_ATTENTION", "flex")
+    flex_step = StaticModel(lean)
+    assert (torch_step.attention, flex_step.attention) == ("torch", "flex")
+    expected = torch_step(*_copy_args(args), capture=(1,))
+    got = flex_step(*_copy_args(args), capture=(1,))
+    real = torch.tensor([[True, True, True, False, False], [True, False, False, False, False],
+                         [False] * 5])  # rows' real queries (the third row and padded queries: anything)
+    assert torch.allclose(got[0][real], expected[0][real], atol=1e-4, rtol=1e-4)
+    traced = torch.compile(flex_step, fullgraph=True, dynamic=False, backend="eager")
+    assert torch.equal(traced(*_copy_args(args))[0], flex_step(*_copy_args(args))[0])
+
+
+def test_speculation_through_flex_attention_equals_plain_decoding(tiny_verifier, monkeypatch):
+    monkeypatch.setenv("SPECLOOP_ATTENTION", "flex")
+    prompts = _prompts(tiny_verifier)[:2]
+    plain = _decode(tiny_verifier, None, prompts, 0, slots=2, max_tokens=12)
+    drafted = _decode(tiny_verifier, build_drafter("ngram", tiny_verifier, None), prompts, 4, slots=2, max_tokens=12)
+    assert drafted == plain
+
+
 def test_the_static_step_scores_as_the_lean_decoder_and_writes_only_real_tokens(tiny_verifier):
     lean = tiny_verifier.lean
     graph, cache = _pool(lean, [[5, 6, 7, 8], [9, 10, 11]], slots=3, width=5)
@@ -296,12 +323,12 @@ def test_replayed_graphs_decode_as_the_step_called_directly(kind, reference_pair
         assert drafter.chain.buffers[0].shape[0] == 3  # the engine's slots (_decode: 3)
 
 
-def test_an_eagle_head_in_a_mix_of_speculators_drafts_through_its_chain_on_the_graph_backend(tiny_verifier,
-                                                                                             monkeypatch):
+def test_an_eagle_head_in_a_mix_of_speculators_drafts_through_its_chain_on_the_graph_backend(tiny_pair, monkeypatch):
     # the served default: the eagle head with suffix decoding beside it (drafter/kinds/mix.py)
     import specloop.drafter.model.graph as graph_module
 
     monkeypatch.setattr(graph_module, "direct_capture", lambda device, compiled: True)
+    tiny_verifier = load_model(tiny_pair[0])  # a decoder no earlier engine wrapped: its graph steps replay
     mix = build_drafter("eagle", tiny_verifier, None, speculators=("suffix",))
     Engine(tiny_verifier.lean, mix, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph")
     assert mix.members["adaptive"].chain is not None and mix.members["adaptive"].chain.buffers[0].shape[0] == 2
