@@ -12,7 +12,8 @@ token of a fixed cycle of 13 tokens as one-hot logits: a text every drafter pred
 figures are costs, not a drafter's quality), so the time per step is the host's, plus the CPU's cost of the eager ops the GPU
 would launch. Prefills run the real eager decoder and are not counted (steps only). Systems: the verifier
 alone, n-gram (auto, k=4), the pretrained drafter (its LM stubbed the same way, auto and k=4), eagle
-(its head real: the chain runs eagerly here, a replay on a GPU). Rows: µs per step, µs per token,
+(k=4; its chain's replay costs nothing here, as on a GPU one launch) and the served default, eagle with suffix
+decoding beside it (k auto). Rows: µs per step, µs per token,
 τ, ops dispatched per step outside the stubbed pass (TorchDispatchMode: each one a kernel launch on a
 GPU), and a cProfile of one pass per system.
 
@@ -160,11 +161,13 @@ def build(kind: str | None, verifier, models: Path, slots: int):
 
     if kind is None:
         return None
-    path = models / "drafter" if kind == "pretrained" else None
-    drafter = build_drafter(kind, verifier, path)
-    if kind == "eagle":  # the CPU's prepared linears (Dense) as the plain tensors a GPU's head holds: the chain runs
-        plain = tuple(graph._float_weight(w)[0] if isinstance(w, Dense) else w for w in drafter.weights())
-        drafter.weights = lambda: plain
+    base, _, beside = kind.partition("+")  # "eagle+suffix": the served default, a mix of speculators
+    path = models / "drafter" if base == "pretrained" else None
+    drafter = build_drafter(base, verifier, path, speculators=(beside,) if beside else ())
+    head = drafter.members["adaptive"] if beside else drafter  # type: ignore[attr-defined]
+    if base == "eagle":  # the CPU's prepared linears (Dense) as the plain tensors a GPU's head holds: the chain runs
+        plain = tuple(graph._float_weight(w)[0] if isinstance(w, Dense) else w for w in head.weights())
+        head.weights = lambda: plain
     lm = getattr(drafter, "lean", None)
     width = getattr(drafter, "graph_width", 0)
     if width and lm is not None:
@@ -212,7 +215,7 @@ def main() -> None:
     prompts = [[FIRST + (i + j) % PERIOD for j in range(24)] for i in range(args.prompts)]
     kinds = [("alone", None, 0), ("ngram-auto", "ngram", None), ("ngram-k4", "ngram", 4),
              ("pretrained-auto", "pretrained", None), ("pretrained-k4", "pretrained", 4),
-             ("eagle-k4", "eagle", 4)]
+             ("eagle-k4", "eagle", 4), ("eagle+suffix-auto", "eagle+suffix", None)]  # the served default last
     wanted = set(args.systems.split(",")) if args.systems else None
     report = {"benchmark": "host_step", "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
               "threads": args.threads, "verifier": str(args.models / "verifier"), "served": verifier.served,

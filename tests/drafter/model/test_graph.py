@@ -79,6 +79,7 @@ def _copy_args(args):
     return [k.clone() for k in keys], [v.clone() for v in values], *rest
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_attention_in_the_step_scores_as_the_torch_attention_and_traces_as_one_graph(tiny_verifier,
                                                                                        monkeypatch):
     # SPECLOOP_ATTENTION=flex: the same mask as a score modification in one fused kernel (on a GPU)
@@ -98,6 +99,7 @@ def test_flex_attention_in_the_step_scores_as_the_torch_attention_and_traces_as_
     assert torch.equal(traced(*_copy_args(args))[0], flex_step(*_copy_args(args))[0])
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_speculation_through_flex_attention_equals_plain_decoding(tiny_verifier, monkeypatch):
     monkeypatch.setenv("SPECLOOP_ATTENTION", "flex")
     prompts = _prompts(tiny_verifier)[:2]
