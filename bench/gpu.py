@@ -674,12 +674,16 @@ def build_systems(verifier, models: Path, eagle_head: Path | None = None) -> lis
     systems = [System("alone-graph", None, 0, "graph"), System("alone-eager", None, 0, "eager"),
                System("alone-trees-torch", None, 0, "graph", "the last session's graph step", env=PATHS["trees-torch"])]
     eagle = ("eagle", eagle_head, "") if eagle_head else ("eagle", None, untrained)  # --eagle-head: a trained one
-    for kind, path, note in (("pretrained", models / "drafter", ""), ("ngram", None, ""), eagle):
+    # the served default: the eagle head with suffix decoding beside it (drafter/kinds/mix.py), k auto
+    served = ("eagle+suffix", eagle_head, "the served default" + ("" if eagle_head else f"; {untrained}"))
+    for kind, path, note in (("pretrained", models / "drafter", ""), ("ngram", None, ""), eagle, served):
+        base, _, beside = kind.partition("+")
         try:
-            drafter, error = build_drafter(kind, verifier, path, weights="bf16" if path else None), None
+            drafter, error = build_drafter(base, verifier, path, weights="bf16" if path else None,
+                                           speculators=(beside,) if beside else ()), None
         except Exception as exc:
             drafter, error = None, f"build: {type(exc).__name__}: {str(exc)[:500]}"
-        for suffix, k in (("auto", None), ("k4", 4)):
+        for suffix, k in (("auto", None),) if beside else (("auto", None), ("k4", 4)):
             systems.append(System(f"{kind}-{suffix}", drafter, k, "graph", note, error=error))
     return systems
 
