@@ -113,7 +113,7 @@ class OpCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops = 0
-        self.paused = False
+        self.paused = True  # counting only while a step runs (StepTimer)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += not self.paused
@@ -133,20 +133,28 @@ class System:
 
 
 class StepTimer:
-    """Engine.step wrapped for a block: seconds in steps and how many (prefills are not steps)."""
+    """Engine.step wrapped for a block: seconds in steps and how many (prefills are not steps); a `counter` given
+    counts the ops of the steps only."""
+
+    def __init__(self, counter: OpCount | None = None):
+        self.counter, self.seconds, self.steps = counter, 0.0, 0
 
     def __enter__(self):
         from specloop.drafter.decode.engine import Engine
 
-        self.saved, self.seconds, self.steps = Engine.step, 0.0, 0
-        saved = self.saved
+        self.saved = saved = Engine.step
 
         def timed(engine, *a, **kw):
             t0, stub0 = time.perf_counter(), STUB_S[0]
-            out = saved(engine, *a, **kw)
-            self.seconds += time.perf_counter() - t0 - (STUB_S[0] - stub0)
-            self.steps += 1
-            return out
+            if self.counter is not None:
+                self.counter.paused = False
+            try:
+                return saved(engine, *a, **kw)
+            finally:
+                if self.counter is not None:
+                    self.counter.paused = True
+                self.seconds += time.perf_counter() - t0 - (STUB_S[0] - stub0)
+                self.steps += 1
         Engine.step = timed
         return self
 
@@ -175,13 +183,14 @@ def build(kind: str | None, verifier, models: Path, slots: int):
     return drafter
 
 
-def run_pass(verifier, drafter, prompts, batch: int, k: int | None, max_tokens: int):
+def run_pass(verifier, drafter, prompts, batch: int, k: int | None, max_tokens: int,
+             counter: OpCount | None = None):
     from specloop.drafter.decode.engine import generate
     from specloop.drafter.decode.requests import StopRule
     from specloop.drafter.decode.sampling import SamplingParams
 
     params, rule, gens = SamplingParams(max_tokens=max_tokens), StopRule(verifier.eos_ids), []
-    with StepTimer() as timer:
+    with StepTimer(counter) as timer:
         for lo in range(0, len(prompts), batch):
             gens += generate(verifier.lean, drafter, prompts[lo: lo + batch], params, k, rule, backend="graph")
     tokens = sum(len(g.token_ids) for g in gens)
@@ -232,8 +241,8 @@ def main() -> None:
                     s.token_us.append(1e6 * timer.seconds / tokens)
                 s.tau = tau
         for s in systems:
-            s.profile = profile(verifier, drafters[s.name], prompts, batch, s)
-            s.ops_per_step = step_ops(verifier, drafters[s.name], prompts, batch, s)
+            s.profile = profile(verifier, drafters[s.name], prompts, batch, s, args.max_tokens)
+            s.ops_per_step = step_ops(verifier, drafters[s.name], prompts, batch, s, args.max_tokens)
         base = statistics.median(systems[0].token_us)
         report["batches"][batch] = {s.name: {
             "step_us_median": statistics.median(s.step_us), "token_us_median": statistics.median(s.token_us),
@@ -295,32 +304,18 @@ def compare(labelled: list[str], out: Path) -> None:
     plot(runs, out.with_suffix(".png"))
 
 
-def step_ops(verifier, drafter, prompts, batch: int, s: System) -> float:
-    """Ops dispatched per step (prefills excluded: the counter pauses outside Engine.step)."""
-    from specloop.drafter.decode.engine import Engine
-
-    counter, saved = OpCount(), Engine.step
-
-    def counted(engine, *a, **kw):
-        counter.paused = False
-        try:
-            return saved(engine, *a, **kw)
-        finally:
-            counter.paused = True
-    counter.paused = True
-    Engine.step = counted
-    try:
-        with counter:
-            timer, _, _ = run_pass(verifier, drafter, prompts, batch, s.k, 64)
-    finally:
-        Engine.step = saved
+def step_ops(verifier, drafter, prompts, batch: int, s: System, max_tokens: int) -> float:
+    """Ops dispatched per step (prefills excluded: the counter counts inside Engine.step only)."""
+    counter = OpCount()
+    with counter:
+        timer, _, _ = run_pass(verifier, drafter, prompts, batch, s.k, max_tokens, counter)
     return counter.ops / max(1, timer.steps)
 
 
-def profile(verifier, drafter, prompts, batch: int, s: System, top: int = 30) -> list[str]:
+def profile(verifier, drafter, prompts, batch: int, s: System, max_tokens: int, top: int = 30) -> list[str]:
     prof = cProfile.Profile()
     prof.enable()
-    run_pass(verifier, drafter, prompts, batch, s.k, 64)
+    run_pass(verifier, drafter, prompts, batch, s.k, max_tokens)
     prof.disable()
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)

@@ -60,7 +60,7 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from specloop.drafter.decode.capacity import AUTO_K_MAX
@@ -198,8 +198,6 @@ class Costs:
     offered: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafts verified
     plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds): recent plain passes
     steps: int = 0  # steps observed
-    flat: bool = False  # the verify pass has one width whatever it verifies (the graph backend): r(T) = 1 before
-    #                     measuring, not the prior slope
 
     def add(self, table: dict, key, value: float) -> None:
         table.setdefault(key, Ewma()).add(max(value, 0.0), self.cfg.cost_decay)
@@ -264,7 +262,7 @@ class Costs:
             return max(0.0, (pts[top] - 1) / (top - 1))
         near = self._nearest(b, {bb for (_, bb) in self.ratio})
         if near is None:
-            return 0.0 if self.flat else self.cfg.prior_verify_slope
+            return self.cfg.prior_verify_slope
         return self.slope(near) * max(1.0, (b / near) ** 0.5)
 
     def ratio_of(self, T: int, b: int) -> float:
@@ -369,18 +367,17 @@ class StepSample:
 class Controller:
     def __init__(self, cfg: ControllerConfig | None = None):
         self.cfg = cfg or ControllerConfig()
-        self.flat_verify = False  # `verify_at_one_width`: kept across resets
         self.reset()
 
     def verify_at_one_width(self) -> None:
         """The steps it chooses for verify at one width whatever they verify (the graph backend, by construction):
-        a verify pass of T tokens is expected to cost a plain one until measured, not the prior slope."""
-        self.flat_verify = self.costs.flat = True
+        a verify pass of T tokens is expected to cost a plain one until measured (prior slope 0, kept by resets)."""
+        self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0)
 
     def reset(self) -> None:
         """Forget every estimate (back to the priors)."""
         self.acceptance = Acceptance(self.cfg)
-        self.costs = Costs(self.cfg, flat=self.flat_verify)
+        self.costs = Costs(self.cfg)
         self.interval = self.cfg.explore_min
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after one plain step is measured
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch

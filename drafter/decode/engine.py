@@ -47,7 +47,7 @@ from specloop.drafter.decode.grammar import GrammarCompiler, GrammarSpec
 from specloop.drafter.decode.logprobs import Scoring, TokenScore, scoring_for
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.prefix_cache import PrefixCache, cache_output, prefill_cached
-from specloop.drafter.decode.proposer import Drafter, VerifierView, emitted_tokens
+from specloop.drafter.decode.proposer import Drafter, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome, rejection_sample
 from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate, StopRule
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, make_generators, warp_key
@@ -544,7 +544,7 @@ class Engine:
         n = outcome.accepted(s)
         before = len(row.gen.token_ids)
         row.gen.stats.observe(k, n)
-        self.stop_rule.extend(row.gen, emitted_tokens(outcome, s), row.request.params)
+        self.stop_rule.extend(row.gen, outcome.emitted(s), row.request.params)
         new = row.gen.token_ids[before:]  # cut as the stop rule cut them: their scores are cut the same way
         if row.shaping is not None:
             row.shaping.commit(new)

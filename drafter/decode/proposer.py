@@ -155,7 +155,3 @@ def choose(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Te
         token = torch.where(params.greedy_rows.to(token.device), logits.argmax(dim=-1), token)
     return Choice(token, q, logits)
 
-
-def emitted_tokens(outcome: BlockOutcome, b: int) -> list[int]:
-    """The n + 1 tokens row b gained in this block."""
-    return outcome.emitted(b)

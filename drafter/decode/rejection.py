@@ -60,23 +60,14 @@ def _capped(n: torch.Tensor, limit: torch.Tensor | None) -> torch.Tensor:
     return n if limit is None else torch.minimum(n, limit.to(n.device))
 
 
-def greedy_accept(
+def greedy_verdict(
     draft_tokens: torch.Tensor,  # [B, k]
-    target_logits: torch.Tensor,  # [B, k+1, V]
+    target: torch.Tensor,  # [B, k+1] the verifier's argmax at `last` and after each draft (device or host)
     limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
 ) -> BlockOutcome:
     """Temperature 0. The verifier's argmax at every position is the token it would emit; drafts are
     accepted while they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
     """
-    return greedy_verdict(draft_tokens, target_logits.argmax(dim=-1), limit)
-
-
-def greedy_verdict(
-    draft_tokens: torch.Tensor,  # [B, k]
-    target: torch.Tensor,  # [B, k+1] the verifier's argmax at `last` and after each draft
-    limit: torch.Tensor | None = None,  # [B] each row's own k (<= k); None: k for every row
-) -> BlockOutcome:
-    """`greedy_accept` from the verifier's choices (on the device, or read back to the host)."""
     if draft_tokens.shape[1] == 0:  # a plain step: nothing to compare (three launches fewer on a GPU)
         none = torch.zeros(len(target), dtype=torch.long, device=target.device)
         return BlockOutcome(tokens=target, num_accepted=none)

@@ -15,7 +15,7 @@ import torch
 from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
-from specloop.drafter.decode.rejection import BlockOutcome, greedy_accept, greedy_verdict, rejection_sample
+from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, rejection_sample
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
 from specloop.drafter.decode.shaping import StepShaper
 from specloop.drafter.model.decoder import LeanDecoder
@@ -158,8 +158,8 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
         k = proposal.tokens.shape[1]
         u_accept = plan.accept_uniforms(k)
     host = proposal.tokens if k and proposal.tokens.device.type == "cpu" else None  # a host-side drafter's (n-gram)
-    if k and (host is None or not plan.params.greedy):  # a greedy verdict judges host drafts where they are
-        proposal = replace(proposal, tokens=proposal.tokens.to(dev))
+    if host is not None and not plan.params.greedy:  # a greedy verdict judges host drafts where they are
+        proposal = replace(proposal, tokens=host.to(dev))
     if proposal.one_hot and not plan.params.greedy:  # deterministic drafts: q is one-hot, made for the cut draft only
         proposal = replace(proposal, probs=torch.nn.functional.one_hot(proposal.tokens, verifier.vocab_size).float())
     if proposal.probs is not None:
@@ -216,26 +216,27 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
     to launch on a GPU)."""
     proposal, limit = block.proposal, block.limit
     cap = {} if limit is None else {"limit": limit}
+    sampled = lambda: sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)  # noqa: E731
+    if not params.greedy and not isinstance(params, RowParams):  # no greedy row: the verifier's argmax is not read
+        return sampled()
+    target = logits.argmax(dim=-1) if choices is None else choices
     if params.greedy:
-        target = logits.argmax(dim=-1) if choices is None else choices
         return greedy_verdict(*_choices_on_host(block, target), **cap)
-    greedy = greedy_accept(proposal.tokens, logits, **cap) if isinstance(params, RowParams) else None
-    sampled = sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)
-    if greedy is None:
-        return sampled
     assert isinstance(params, RowParams)  # a sampled step with greedy rows: only per-row params mix them
-    rows = params.greedy_rows.to(sampled.tokens.device)
-    return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, sampled.tokens),
-                        num_accepted=torch.where(rows, greedy.num_accepted, sampled.num_accepted))
+    greedy, drawn = greedy_verdict(proposal.tokens, target, **cap), sampled()
+    rows = params.greedy_rows.to(drawn.tokens.device)
+    return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, drawn.tokens),
+                        num_accepted=torch.where(rows, greedy.num_accepted, drawn.num_accepted))
 
 
 def _choices_on_host(block: Block, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(drafts [B, k], the verifier's choices [B, k + 1]) on the host, in one copy from the device at most."""
     if target.device.type == "cpu":
         return block.proposal.tokens, target
-    if block.host is not None or block.k == 0:
-        drafts = block.host if block.host is not None else torch.zeros(len(target), 0, dtype=torch.long)
-        return drafts, target.cpu()
+    if block.k == 0:  # nothing to compare: the empty draft's device does not matter
+        return block.proposal.tokens, target.cpu()
+    if block.host is not None:
+        return block.host, target.cpu()
     both = torch.cat([target, block.proposal.tokens], dim=1).cpu()
     return both[:, block.k + 1:], both[:, : block.k + 1]
 

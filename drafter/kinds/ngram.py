@@ -6,7 +6,7 @@ import copy
 import numpy as np
 import torch
 
-from specloop.drafter.decode.proposer import Proposal, VerifierView, emitted_tokens, first_rows, with_rows
+from specloop.drafter.decode.proposer import Proposal, VerifierView, first_rows, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
 
@@ -106,7 +106,7 @@ class NgramDrafter:
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():
-            self.history[b].extend(emitted_tokens(outcome, b))
+            self.history[b].extend(outcome.emitted(b))
 
     def narrow(self, m: int) -> "NgramDrafter":
         view = copy.copy(self)

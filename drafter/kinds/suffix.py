@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from specloop.drafter.decode.proposer import Proposal, VerifierView, emitted_tokens, first_rows, with_rows
+from specloop.drafter.decode.proposer import Proposal, VerifierView, first_rows, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
 
@@ -233,7 +233,7 @@ class SuffixDrafter:
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b in torch.nonzero(active).flatten().tolist():
-            self.rows[b].extend(emitted_tokens(outcome, b))
+            self.rows[b].extend(outcome.emitted(b))
 
     def narrow(self, m: int) -> "SuffixDrafter":
         view = copy.copy(self)  # the store is shared: it changes only between requests

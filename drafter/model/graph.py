@@ -471,14 +471,16 @@ class GraphDecoder:
         """The CUDA graphs captured on this pool (kept on its first tensor: they go when the pool goes)."""
         return pool[0][0].__dict__.setdefault("_specloop_graphs", {})
 
-    def _captured(self, pool, capture: tuple[int, ...], last_only: bool,
-                  bias: list[torch.Tensor] | None) -> CapturedStep:
+    def _captured(self, pool, capture: tuple[int, ...], last_only: bool, bias: list[torch.Tensor] | None,
+                  depth: int = 0) -> CapturedStep:
+        """The pool's graph of the step for this capture set (depth > 0: of `depth` chained greedy passes,
+        `draft_chain`), captured on first use."""
         graphs = self._graphs_of(pool)
-        key = (capture, last_only, bias is not None)
+        key = ("chain", depth, bias is not None) if depth else (capture, last_only, bias is not None)
         if key not in graphs:
             shapes = None if bias is None else [(self.slots, *b.shape[1:]) for b in bias]
-            graphs[key] = CapturedStep(self.step_fn, pool, self.slots, self.width, capture, last_only, shapes,
-                                       self.lean.dtype)
+            fn = _chain(self.step_fn, depth) if depth else self.step_fn
+            graphs[key] = CapturedStep(fn, pool, self.slots, self.width, capture, last_only, shapes, self.lean.dtype)
             self.captures += 1
         return graphs[key]
 
@@ -501,15 +503,9 @@ class GraphDecoder:
         pool = self._pool(cache) if self.direct and tokens.shape[1] <= self.width else None
         if pool is None:
             return None
-        graphs = self._graphs_of(pool)
-        key = ("chain", depth, bias is not None)
-        if key not in graphs:
-            shapes = None if bias is None else [(self.slots, *b.shape[1:]) for b in bias]
-            graphs[key] = CapturedStep(_chain(self.step_fn, depth), pool, self.slots, self.width, (), True, shapes,
-                                       self.lean.dtype)
-            self.captures += 1
         B, n_new = len(tokens), n_new.cpu()
-        drafts, logits = graphs[key](tokens, _meta(n_new, cache.lens, self.slots), bias)
+        step = self._captured(pool, (), True, bias, depth)
+        drafts, logits = step(tokens, _meta(n_new, cache.lens, self.slots), bias)
         self.graph_calls += depth
         cache.lens = cache.lens + n_new + (depth - 1) * (n_new > 0).long()
         return drafts[:B].clone(), logits[:B].clone()

@@ -8,7 +8,7 @@ from specloop.drafter.decode.capacity import positions_needed
 from specloop.drafter.decode.controller import Controller, ControllerConfig
 from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.plan import StepPlan
-from specloop.drafter.decode.proposer import VerifierView, emitted_tokens
+from specloop.drafter.decode.proposer import VerifierView
 from specloop.drafter.decode.requests import EngineRequest, Generation, StopRule
 from specloop.drafter.decode.sampling import SamplingParams, draw_uniforms, make_generators
 from specloop.drafter.decode.speculative import speculative_step
@@ -61,7 +61,7 @@ def _alone(verifier, drafter, req: EngineRequest, rule):
         uniforms = None if params.greedy else draw_uniforms(generators, 2 * k + 1)
         plan = StepPlan.from_uniforms(torch.ones(1, dtype=torch.bool), k, params, uniforms)
         outcome = speculative_step(lean, cache, last, drafter if k else None, plan)
-        rule.extend(gen, emitted_tokens(outcome, 0), params)
+        rule.extend(gen, outcome.emitted(0), params)
         last = outcome.last_tokens
     return gen.token_ids
 

@@ -1,6 +1,6 @@
 import torch
 
-from specloop.drafter.decode.rejection import greedy_accept, rejection_sample
+from specloop.drafter.decode.rejection import greedy_verdict, rejection_sample
 from tests.stats import chi2_pvalue
 
 
@@ -8,7 +8,7 @@ def test_greedy_accepts_the_leading_drafts_that_match_the_argmax():
     logits = torch.full((2, 4, 6), -5.0)
     for b, target in enumerate([[1, 2, 3, 4], [1, 5, 3, 2]]):
         logits[b, torch.arange(4), torch.tensor(target)] = 5.0
-    out = greedy_accept(torch.tensor([[1, 2, 3], [1, 2, 3]]), logits)
+    out = greedy_verdict(torch.tensor([[1, 2, 3], [1, 2, 3]]), logits.argmax(dim=-1))
     assert out.num_accepted.tolist() == [3, 1]
     assert out.tokens[0].tolist() == [1, 2, 3, 4]  # all accepted + bonus
     assert out.tokens[1, :2].tolist() == [1, 5]  # recovered token at the first mismatch

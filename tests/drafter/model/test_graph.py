@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from specloop.drafter.decode.controller import ControllerConfig
 from specloop.drafter.decode.engine import Engine
 from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
@@ -248,7 +249,8 @@ def test_only_the_eager_backend_cuts_drafts_by_confidence_or_expects_wider_verif
     plan = engine._plan()
     assert plan is not None and plan.choice is not None  # an auto row: the controller chose
     assert plan.confidence_cut == (backend == "eager")
-    assert engine.controller.costs.flat == (backend == "graph")  # and its cost model's prior knows the one width
+    default = ControllerConfig().prior_verify_slope  # and its cost model's prior knows the one width
+    assert engine.controller.cfg.prior_verify_slope == (0.0 if backend == "graph" else default) and default > 0
 
 
 def test_auto_is_eager_on_the_cpu_and_quantized_weights_never_run_the_graph_step(tiny_pair):
