@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from specloop.drafter.kinds.suffix import Draft, OutputStore, SuffixConfig, draft_from  # noqa: E402
+from specloop.drafter.kinds.suffix import Draft, History, OutputStore, SuffixConfig, best_draft  # noqa: E402
 
 PRIOR_SLOPE = 0.2  # v(T) per extra token past the widest measured shape
 EXPLORE = 16  # the learned policy verifies one draft of a key it has written off once in this many
@@ -100,12 +100,9 @@ def replay(answers: list[dict], policy: str, costs: CostModel, k: int, cfg: Suff
     idle: dict[int, int] = defaultdict(int)  # drafts left unverified per key since its last trial
     for item in answers:
         prompt, answer = item["prompt"], item["answer"]
-        at = 0
+        at, row = 0, History(prompt)
         while at < len(answer):
-            context = np.asarray(prompt + answer[:at], dtype=np.int32)
-            own = draft_from(context, context, k, cfg)
-            other = draft_from(store.tokens, context, k, cfg) if store.n else Draft()
-            draft = own if own.score >= other.score else other
+            draft = best_draft(row, store, k, cfg)
             n_all = accepted_of(draft, answer, at)
             key = min(draft.match_len, 8)
             if policy == "oracle":
@@ -126,6 +123,7 @@ def replay(answers: list[dict], policy: str, costs: CostModel, k: int, cfg: Suff
             cell = out[item["category"]]
             cell[1] += costs.step(width)
             cell[2] += 1
+            row.extend(answer[at : at + n + 1])
             at += n + 1
         out[item["category"]][0] += len(answer)
         store.add(np.asarray(answer, dtype=np.int32))

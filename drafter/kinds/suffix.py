@@ -7,11 +7,13 @@ Two token stores are searched at every step, for every row:
 - the global store: the outputs of recent finished requests, concatenated with a separator,
   bounded at `global_tokens` (the oldest outputs are evicted first).
 
-A store answers like a suffix tree over its tokens, computed on the fly with numpy rather than
-kept as nodes (memory stays the tokens themselves, 4 bytes each):
+A store answers like a suffix tree over its tokens, computed on the fly rather than kept as nodes: its
+tokens (4 bytes each) and an index of where each token and each adjacent pair ends (`TokenIndex`,
+16 bytes a token, kept as tokens arrive and leave), so a step's matching never scans the store:
 
     match:   the positions P where the longest suffix of the context (up to `max_depth` tokens)
-             occurs with a continuation; its length m is the match length
+             occurs with a continuation, from the most recent MAX_HITS occurrences of its last two
+             tokens (or its last one); its length m is the match length
     draft:   follow the most frequent continuation among P, then among those that took it, ...;
              p_i = Π_{j≤i} count(chosen_j) / count(all continuations_j)  (the path's frequency)
 
@@ -25,6 +27,7 @@ lossless at any temperature, as with the n-gram kind.
 from __future__ import annotations
 
 import copy
+from array import array
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -36,7 +39,8 @@ from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
 
 SEPARATOR = -1  # between two outputs in the global store: never a token, never continued past
-MAX_HITS = 4096  # the most recent occurrences a match keeps (bounds the work of a very common suffix)
+MAX_HITS = 4096  # the most recent occurrences a match starts from (bounds the work of a very common suffix)
+FEW = 64  # occurrences at or below which a path is followed in Python rather than numpy
 
 
 @dataclass(frozen=True)
@@ -63,29 +67,157 @@ class Draft:
         return float(sum(self.probs))
 
 
-def longest_match(seq: np.ndarray, context: np.ndarray, max_depth: int) -> tuple[np.ndarray, int]:
-    """(P, m): the end positions p in `seq` (with a continuation seq[p + 1]) of the longest suffix of
-    `context` that occurs there, up to max_depth tokens, and its length m (0 and no P: no match)."""
-    if len(seq) < 2 or not len(context):
-        return np.empty(0, dtype=np.int64), 0
-    ends = np.flatnonzero(seq[:-1] == context[-1])[-MAX_HITS:]
-    if not ends.size:
-        return ends, 0
-    m = 1
-    while m < min(max_depth, len(context)):
-        before = ends - m
-        ok = before >= 0
-        keep = ends[ok][seq[before[ok]] == context[-1 - m]]
-        if not keep.size:
-            break
-        ends, m = keep, m + 1
-    return ends, m
+class TokenIndex:
+    """Where each token, and each pair of adjacent tokens, ends in a growing sequence: absolute positions,
+    ascending, in compact arrays, kept as tokens are appended and the oldest evicted. A match starts from
+    the occurrences of the context's last two tokens (or its last one) without scanning the sequence:
+    a step's matching costs the same in a 64k-token store as in a short prompt."""
+
+    def __init__(self) -> None:
+        self.ones: dict[int, array] = {}
+        self.pairs: dict[int, array] = {}
+
+    def add(self, tokens: list[int], at: int, before: int = SEPARATOR) -> None:
+        """Index `tokens`, the first at absolute position `at`, `before` the token preceding it."""
+        ones, pairs = self.ones, self.pairs
+        for t in tokens:
+            if t != SEPARATOR:
+                _positions(ones, t).append(at)
+                if before != SEPARATOR:
+                    _positions(pairs, _pair(before, t)).append(at)
+            before, at = t, at + 1
+
+    def drop(self, tokens: list[int], at: int, before: int = SEPARATOR) -> None:
+        """Forget the oldest indexed `tokens` (as `add` took them): each one's entries are its lists' first."""
+        for t in tokens:
+            if t != SEPARATOR:
+                _pop_first(self.ones, t, at)
+                if before != SEPARATOR:
+                    _pop_first(self.pairs, _pair(before, t), at)
+            before, at = t, at + 1
+
+    def starts(self, context: np.ndarray, max_depth: int, base: int, n: int) -> tuple[np.ndarray, int]:
+        """The most recent MAX_HITS occurrences (positions from `base`, with a continuation before n) of the
+        context's last two tokens, m = 2; else of its last one, m = 1; else none, m = 0."""
+        last = int(context[-1])
+        if max_depth >= 2 and len(context) >= 2:
+            ends = _live(self.pairs.get(_pair(int(context[-2]), last)), base, n)
+            if ends.size:
+                return ends, 2
+        ends = _live(self.ones.get(last), base, n)
+        return ends, int(ends.size > 0)
+
+
+def _pair(a: int, b: int) -> int:
+    return (a << 32) | (b & 0xFFFFFFFF)
+
+
+def _positions(table: dict[int, array], key: int) -> array:
+    got = table.get(key)
+    if got is None:
+        got = table[key] = array("q")
+    return got
+
+
+def _pop_first(table: dict[int, array], key: int, at: int) -> None:
+    got = table[key]
+    assert got[0] == at, "the index forgets its oldest entries first"
+    if len(got) == 1:
+        del table[key]
+    else:
+        del got[0]
+
+
+def _live(positions: array | None, base: int, n: int) -> np.ndarray:
+    """`positions` (absolute, ascending) as positions from `base`, without one at n − 1 (no continuation),
+    at most the MAX_HITS most recent (a copy: the array stays free to grow)."""
+    if not positions:
+        return np.empty(0, dtype=np.int64)
+    hi = len(positions) - (positions[-1] == base + n - 1)
+    return np.frombuffer(positions, dtype=np.int64)[max(0, hi - MAX_HITS) : hi] - base
+
+
+class Tokens:
+    """A token store searched for matches: its tokens in a growing int32 buffer (positions from `base`, the
+    absolute position of its first: the global store evicts) and their TokenIndex."""
+
+    def __init__(self, tokens: list[int] | np.ndarray | tuple[()] = ()):
+        self.buf = np.asarray(tokens, dtype=np.int32).copy()
+        self.n, self.base = len(self.buf), 0
+        self.index = TokenIndex()
+        self.index.add(self.buf.tolist(), 0)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.buf[: self.n]
+
+    def append(self, tokens: list[int] | np.ndarray) -> None:
+        """Append and index `tokens` (the buffer doubles as needed)."""
+        if self.n + len(tokens) > len(self.buf):
+            grown = np.empty(max(2 * len(self.buf), self.n + len(tokens), 16), dtype=np.int32)
+            grown[: self.n] = self.buf[: self.n]
+            self.buf = grown
+        before = int(self.buf[self.n - 1]) if self.n else SEPARATOR
+        self.buf[self.n : self.n + len(tokens)] = tokens
+        self.index.add(list(map(int, tokens)), self.base + self.n, before)
+        self.n += len(tokens)
+
+    def evict(self, count: int) -> None:
+        """Drop the oldest `count` tokens (shifting the rest to the buffer's start): whole texts, each ended by a
+        separator, so that no pair indexed across the cut stays behind."""
+        assert self.buf[count - 1] == SEPARATOR, "evict whole texts"
+        self.index.drop(self.buf[:count].tolist(), self.base)
+        self.buf[: self.n - count] = self.buf[count : self.n]
+        self.n, self.base = self.n - count, self.base + count
+
+    def match(self, context: np.ndarray, max_depth: int) -> tuple[np.ndarray, int]:
+        """(P, m): the end positions p (with a continuation p + 1) of the longest suffix of `context` that occurs
+        here, up to max_depth tokens, and its length m (0 and no P: no match). From the index's occurrences of
+        the last two tokens, narrowed one token further back at a time."""
+        if self.n < 2 or not len(context):
+            return np.empty(0, dtype=np.int64), 0
+        ends, m = self.index.starts(context, max_depth, self.base, self.n)
+        seq, top = self.buf, min(max_depth, len(context))
+        if m == 1 and top >= 2:  # the last two tokens never occur together: nothing longer does
+            return ends, m
+        while 0 < m < top:
+            before = ends - m
+            ok = before >= 0
+            keep = ends[ok][seq[before[ok]] == context[-1 - m]]
+            if not keep.size:
+                break
+            ends, m = keep, m + 1
+        return ends, m
 
 
 def follow(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float) -> list[tuple[int, float]]:
     """The most frequent continuation path after the occurrences ending at `ends`: (token, p_i) pairs,
-    at most `limit`, while p_i ≥ min_prob. An occurrence whose text ends (separator or end of `seq`)
-    counts as a continuation that no token takes."""
+    at most `limit`, while p_i ≥ min_prob (the smallest token on a tie). An occurrence whose text ends
+    (separator or end of `seq`) counts as a continuation that no token takes."""
+    if ends.size > FEW:
+        return _follow_many(seq, ends, limit, min_prob)
+    alive = [seq[e + 1 : e + 1 + limit].tolist() for e in ends.tolist()]  # each one's next tokens (fewer at the end)
+    path: list[tuple[int, float]] = []
+    p = 1.0
+    for i in range(limit):
+        counts: dict[int, int] = {}
+        for row in alive:
+            if i < len(row) and row[i] != SEPARATOR:
+                counts[row[i]] = counts.get(row[i], 0) + 1
+        if not counts:
+            break
+        most = max(counts.values())
+        token = min(t for t, c in counts.items() if c == most)
+        p *= most / len(alive)
+        if p < min_prob:
+            break
+        path.append((token, p))
+        alive = [row for row in alive if i < len(row) and row[i] == token]
+    return path
+
+
+def _follow_many(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float) -> list[tuple[int, float]]:
+    """`follow` for many occurrences: counted with numpy, one depth at a time."""
     path: list[tuple[int, float]] = []
     p, at = 1.0, ends + 1
     while len(path) < limit and at.size:
@@ -106,55 +238,51 @@ def follow(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float) -> li
     return path
 
 
-def draft_from(seq: np.ndarray, context: np.ndarray, k: int, cfg: SuffixConfig) -> Draft:
+def draft_from(store: Tokens, context: np.ndarray, k: int, cfg: SuffixConfig) -> Draft:
     """The draft one store gives for `context`: at most min(k, spec_factor · match length) tokens."""
-    ends, m = longest_match(seq, context, cfg.max_depth)
+    ends, m = store.match(context, cfg.max_depth)
     if not m:
         return Draft()
     limit = min(k, max(1, int(cfg.spec_factor * m)))
-    path = follow(seq, ends, limit, cfg.min_prob)
+    path = follow(store.tokens, ends, limit, cfg.min_prob)
     return Draft([t for t, _ in path], [p for _, p in path], m)
 
 
-class History:
-    """One row's tokens (prompt, then output) in a growing int32 buffer."""
+def best_draft(row: "History", store: "OutputStore", k: int, cfg: SuffixConfig) -> Draft:
+    """A row's draft: its own history's or the global store's, by score (the history's on a tie). The store
+    is not searched when the history's draft is already all that a draft of k tokens can promise."""
+    own = draft_from(row, row.tokens, k, cfg)
+    if not store.n or own.score >= k:
+        return own
+    other = draft_from(store, row.tokens, k, cfg)
+    return own if own.score >= other.score else other
+
+
+class History(Tokens):
+    """One row's tokens (prompt, then output), indexed as they grow."""
 
     def __init__(self, prompt: list[int]):
-        self.buf = np.asarray(prompt, dtype=np.int32).copy()
-        self.n = len(prompt)
+        super().__init__(prompt)
         self.prompt_len = len(prompt)
         self.drafted: tuple[tuple, Draft] | None = None  # the last draft asked of these tokens, and for what
 
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.buf[: self.n]
-
     def extend(self, tokens: list[int]) -> None:
-        if self.n + len(tokens) > len(self.buf):
-            grown = np.empty(max(2 * len(self.buf), self.n + len(tokens), 16), dtype=np.int32)
-            grown[: self.n] = self.buf[: self.n]
-            self.buf = grown
-        self.buf[self.n : self.n + len(tokens)] = tokens
-        self.n += len(tokens)
+        self.append(tokens)
 
     @property
     def output(self) -> np.ndarray:
         return self.buf[self.prompt_len : self.n]
 
 
-class OutputStore:
+class OutputStore(Tokens):
     """Earlier requests' outputs, oldest evicted first: at most `capacity` tokens with separators."""
 
     def __init__(self, capacity: int):
+        super().__init__()
         self.capacity = capacity
         self.buf = np.empty(capacity, dtype=np.int32)
-        self.n = 0
         self.sizes: deque[int] = deque()  # tokens (and separator) of each stored output, oldest first
         self.version = 0  # outputs added so far: drafts computed before an addition are stale
-
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.buf[: self.n]
 
     def add(self, output: np.ndarray) -> None:
         """Store one finished output (its last capacity − 1 tokens at most), evicting the oldest."""
@@ -166,11 +294,8 @@ class OutputStore:
         while self.n - drop + need > self.capacity:
             drop += self.sizes.popleft()
         if drop:
-            self.buf[: self.n - drop] = self.buf[drop : self.n]
-            self.n -= drop
-        self.buf[self.n : self.n + len(output)] = output
-        self.buf[self.n + len(output)] = SEPARATOR
-        self.n += need
+            self.evict(drop)
+        self.append(np.append(output, SEPARATOR))
         self.sizes.append(need)
         self.version += 1
 
@@ -217,9 +342,7 @@ class SuffixDrafter:
         drafts are worth a lookup, then the lookup)."""
         key = (row.n, id(self.store), self.store.version, k, self.cfg)
         if row.drafted is None or row.drafted[0] != key:
-            own = draft_from(row.tokens, row.tokens, k, self.cfg)
-            other = draft_from(self.store.tokens, row.tokens, k, self.cfg) if self.store.n else Draft()
-            row.drafted = (key, own if own.score >= other.score else other)
+            row.drafted = (key, best_draft(row, self.store, k, self.cfg))
         return row.drafted[1]
 
     def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:

@@ -12,13 +12,16 @@ from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.decode.speculative import StepOptions, speculative_step
 from specloop.drafter.kinds.suffix import (
+    MAX_HITS,
     SEPARATOR,
+    History,
     OutputStore,
     SuffixConfig,
     SuffixDrafter,
+    Tokens,
+    best_draft,
     draft_from,
     follow,
-    longest_match,
 )
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import prefill
@@ -59,7 +62,7 @@ def test_the_longest_match_and_its_continuations_equal_brute_force_on_random_tex
             seq = [SEPARATOR if rng.random() < 0.1 else t for t in seq]
         context = rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist()
         depth = int(rng.integers(1, 8))
-        ends, m = longest_match(np.array(seq, dtype=np.int32), np.array(context, dtype=np.int32), depth)
+        ends, m = Tokens(seq).match(np.array(context, dtype=np.int32), depth)
         want_ends, want_m = brute_match(seq, context, depth)
         assert (sorted(ends.tolist()), m) == (want_ends, want_m), (seq, context, depth)
         got = follow(np.array(seq, dtype=np.int32), ends, 6, 0.05)
@@ -70,14 +73,14 @@ def test_the_longest_match_and_its_continuations_equal_brute_force_on_random_tex
 
 def test_a_draft_is_no_longer_than_the_match_allows_and_stops_when_unlikely():
     text = np.array([5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 5, 6], dtype=np.int32)
-    short = draft_from(text, text, 8, SuffixConfig())  # "5 6" matches: 2 tokens at spec_factor 1
+    short = draft_from(Tokens(text), text, 8, SuffixConfig())  # "5 6" matches: 2 tokens at spec_factor 1
     assert (short.match_len, short.tokens) == (2, [7, 8])
-    long = draft_from(text, text, 8, SuffixConfig(spec_factor=4.0))
+    long = draft_from(Tokens(text), text, 8, SuffixConfig(spec_factor=4.0))
     assert long.tokens == [7, 8, 9, 10, 11, 12, 1, 2] and long.probs == [1.0] * 8
     branchy = np.array([1, 2, 0, 1, 3, 0, 1, 4, 0, 1, 2, 0, 7, 1], dtype=np.int32)  # after "1": 2, 3, 4, 2
-    assert draft_from(branchy, branchy, 4, SuffixConfig(min_prob=0.6)).tokens == []
-    assert draft_from(branchy, branchy, 1, SuffixConfig(min_prob=0.4)).tokens == [2]
-    nothing = draft_from(text, np.array([99], dtype=np.int32), 8, SuffixConfig())
+    assert draft_from(Tokens(branchy), branchy, 4, SuffixConfig(min_prob=0.6)).tokens == []
+    assert draft_from(Tokens(branchy), branchy, 1, SuffixConfig(min_prob=0.4)).tokens == [2]
+    nothing = draft_from(Tokens(text), np.array([99], dtype=np.int32), 8, SuffixConfig())
     assert (nothing.tokens, nothing.match_len, nothing.score) == ([], 0, 0.0)
 
 
@@ -96,6 +99,52 @@ def test_the_output_store_keeps_the_newest_outputs_within_its_capacity():
             expect, total = piece + expect, total + len(piece)
         assert store.tokens.tolist() == expect
         assert store.outputs == len(expect) - len([t for t in expect if t != SEPARATOR])
+
+
+def _relative(index, base: int) -> tuple[dict, dict]:
+    return tuple({key: [p - base for p in pos] for key, pos in table.items()} for table in (index.ones, index.pairs))
+
+
+def test_the_stores_index_follows_appends_and_evictions_exactly():
+    """The index kept as outputs arrive and the oldest are evicted equals one built afresh from what the store
+    holds (so it holds one entry per token and pair kept: its memory is bounded with the store's), and every
+    match on it equals brute force."""
+    rng = np.random.default_rng(2)
+    store = OutputStore(300)
+    for step in range(400):
+        store.add(rng.integers(0, 6, size=int(rng.integers(1, 60))).astype(np.int32))
+        assert _relative(store.index, store.base) == _relative(Tokens(store.tokens).index, 0)
+        if step % 20 == 0:
+            seq = store.tokens.tolist()
+            for _ in range(10):
+                context = rng.integers(0, 6, size=int(rng.integers(1, 10))).tolist()
+                ends, m = store.match(np.array(context, dtype=np.int32), 8)
+                assert (ends.tolist(), m) == brute_match(seq, context, 8)
+    history = History([1, 2, 3])
+    for _ in range(50):
+        history.extend(rng.integers(0, 6, size=int(rng.integers(1, 6))).tolist())
+    assert _relative(history.index, 0) == _relative(Tokens(history.tokens).index, 0)
+
+
+def test_a_match_starts_from_the_most_recent_occurrences_of_a_very_common_pair():
+    seq = np.array([3, 4] * (MAX_HITS + 100) + [9], dtype=np.int32)
+    ends, m = Tokens(seq).match(np.array([5, 3, 4], dtype=np.int32), 8)
+    pairs = [p for p in range(1, len(seq) - 1) if seq[p - 1] == 3 and seq[p] == 4]
+    assert m == 2 and ends.tolist() == pairs[-MAX_HITS:]
+
+
+def test_the_best_draft_is_the_higher_scoring_stores_and_skips_the_store_when_it_cannot_win():
+    rng = np.random.default_rng(3)
+    cfg = SuffixConfig(spec_factor=2.0)
+    for _ in range(200):
+        store = OutputStore(400)
+        for _ in range(int(rng.integers(0, 6))):
+            store.add(rng.integers(0, 4, size=int(rng.integers(1, 40))).astype(np.int32))
+        row = History(rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist())
+        k = int(rng.integers(1, 6))
+        own = draft_from(row, row.tokens, k, cfg)
+        other = draft_from(store, row.tokens, k, cfg)
+        assert best_draft(row, store, k, cfg) == (own if own.score >= other.score else other)
 
 
 def test_the_global_store_stays_bounded_while_serving_many_requests():
