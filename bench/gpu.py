@@ -67,8 +67,10 @@ SECTIONS = ("steps", "pair", "paths", "batches", "inexact", "drafter", "verify",
 # the step's other ways of running (section paths), each against the default (direct CUDA graphs, torch's
 # attention): as environment settings read when a GraphDecoder is built
 PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
-         "direct-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "triton"},
+         # one memory-efficient attention kernel per layer for the torch path's two products and ~3 kernels
+         "direct-sdpa": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "sdpa"},
          "direct-flex": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "flex"},  # flex decoding's split keys
+         "direct-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "triton"},  # lost on an H200
          "direct-autotune": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_AUTOTUNE": "1"}}  # slow to compile: last
 ANCHOR_FIRST = "smollm2-1.7b"  # the shape the issue's ≥ 1.2× transformers target names
 DRAFTER = "smollm2-135m"  # the shape whose width-2 step is the drafter's in c = drafter / verifier

@@ -43,22 +43,25 @@ from specloop.drafter.model.weights.linears import Dense
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "eager", "graph")
-ATTENTIONS = ("auto", "torch", "triton", "flex")
+ATTENTIONS = ("auto", "torch", "triton", "flex", "sdpa")
 
 
 def resolve_attention(device: torch.device) -> str:
     """The step's attention: "torch" (`_attend`: the whole capacity under a mask; the default, auto),
     "triton" (specloop.drafter.model.decode_attention: one kernel per layer, each row's keys up to its own
-    length; SPECLOOP_ATTENTION=triton) or "flex" (`_flex_attend`: torch's flex attention, the same mask as a
+    length; SPECLOOP_ATTENTION=triton), "flex" (`_flex_attend`: torch's flex attention, the same mask as a
     score modification, one fused kernel per layer that splits the keys across programs for short queries;
-    SPECLOOP_ATTENTION=flex, not yet measured on a GPU). Measured on an H200 (bench/README.md section 25), the
-    Triton kernel lost: one program per (row, KV head) leaves most of the GPU idle at batch 1 (2.52 against
-    2.32 ms per step on the 1.7B shape, 12.99 against 5.83 ms on the 8B)."""
+    SPECLOOP_ATTENTION=flex) or "sdpa" (`_sdpa_attend`: torch's scaled_dot_product_attention over the whole
+    capacity with the step's mask as an additive bias made once per step: on a GPU one memory-efficient
+    attention kernel per layer where the torch path launches two products and ~3 kernels around them;
+    SPECLOOP_ATTENTION=sdpa). Flex and sdpa: not yet measured on a GPU. Measured on an H200 (bench/README.md
+    section 25), the Triton kernel lost: one program per (row, KV head) leaves most of the GPU idle at batch 1
+    (2.52 against 2.32 ms per step on the 1.7B shape, 12.99 against 5.83 ms on the 8B)."""
     wanted = os.environ.get("SPECLOOP_ATTENTION", "auto")
     if wanted not in ATTENTIONS:
         raise ValueError(f"SPECLOOP_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {wanted!r}")
-    if wanted == "flex":
-        return "flex"
+    if wanted in ("flex", "sdpa"):
+        return wanted
     if wanted != "triton":
         return "torch"
     if not decode_attention.available():
@@ -178,8 +181,10 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     at = pos.clamp(max=m.cos.shape[0] - 1)
     cos, sin = m.cos[at][:, :, None], m.sin[at][:, :, None]  # [S, W, 1, D]
     # a query sees keys at positions <= its own; the trash slot (C − 1) is beyond every real query
-    if m.attention == "torch":  # what the attention reads of the queries' positions: a mask [S, W, C],
+    if m.attention in ("torch", "sdpa"):  # what the attention reads of the queries' positions: a mask [S, W, C],
         visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None]
+        if m.attention == "sdpa":  # as an additive bias, once for every layer
+            visible = _sdpa_bias(visible, m.n_heads // m.n_kv)
     else:  # the positions [S, W] (triton), the rows' lengths [S] (flex)
         visible = lens if m.attention == "flex" else pos
     rows = torch.arange(S, device=dev)[:, None].expand(S, W)
@@ -216,6 +221,8 @@ def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_
         att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
     elif m.attention == "flex":  # visible: the rows' lengths [S] (query j sits at lens + j)
         att = _flex_attend(q, kc, vc, visible, m.scaling)
+    elif m.attention == "sdpa":  # visible: the mask as a bias [S, 1, W rep, C]
+        att = _sdpa_attend(q, kc, vc, visible, m.scaling)
     else:  # visible: the queries' positions [S, W]
         att = decode_attention.decode_attention(q, kc, vc, visible, m.scaling)
     x = x + F.linear(att.to(x.dtype), m.w(i, "o"))
@@ -244,6 +251,27 @@ def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, visible: torch.
     scores = scores.masked_fill(~visible[:, None, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(S, Hkv, W * rep, C)
     out = torch.matmul(probs, vc)  # [S, Hkv, W rep, D]
+    return out.view(S, Hkv, W, rep, D).permute(0, 2, 1, 3, 4).reshape(S, W, H * D)
+
+
+def _sdpa_bias(visible: torch.Tensor, rep: int) -> torch.Tensor:
+    """The step's mask [S, W, C] as `_sdpa_attend`'s additive bias [S, 1, W rep, C] (fp32, the cache's dtype):
+    0 where a key is visible, -inf elsewhere, each query's row repeated for the `rep` heads sharing a KV head."""
+    S, W, C = visible.shape
+    bias = torch.zeros(S, W, C, dtype=KV_DTYPE, device=visible.device).masked_fill(~visible, float("-inf"))
+    return bias[:, None, :, None].expand(S, 1, W, rep, C).reshape(S, 1, W * rep, C)
+
+
+def _sdpa_attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """`_attend`'s contract through torch's scaled_dot_product_attention: q [S, W, H, D] over the whole cache kc/vc
+    [S, H_kv, C, D] under `bias` (`_sdpa_bias`) → [S, W, H D] in the cache's dtype. The queries sharing a KV head
+    are one head's W · rep queries (no copy of the keys); every step has the same shapes, so the same kernel and
+    the same order of reduction: exact by the graph step's construction."""
+    S, W, H, D = q.shape
+    Hkv = kc.shape[1]
+    rep = H // Hkv
+    queries = q.to(kc.dtype).view(S, W, Hkv, rep, D).permute(0, 2, 1, 3, 4).reshape(S, Hkv, W * rep, D)
+    out = F.scaled_dot_product_attention(queries, kc, vc, attn_mask=bias, scale=scale)  # [S, Hkv, W rep, D]
     return out.view(S, Hkv, W, rep, D).permute(0, 2, 1, 3, 4).reshape(S, W, H * D)
 
 

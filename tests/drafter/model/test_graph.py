@@ -81,28 +81,31 @@ def _copy_args(args):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_flex_attention_in_the_step_scores_as_the_torch_attention_and_traces_as_one_graph(tiny_verifier,
-                                                                                       monkeypatch):
-    # SPECLOOP_ATTENTION=flex: the same mask as a score modification in one fused kernel (on a GPU)
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_another_attention_in_the_step_scores_as_the_torch_attention_and_traces_as_one_graph(tiny_verifier, attention,
+                                                                                             monkeypatch):
+    # SPECLOOP_ATTENTION=flex: the same mask as a score modification in one fused kernel (on a GPU); sdpa: the mask
+    # as a bias to torch's scaled_dot_product_attention (one memory-efficient attention kernel on a GPU)
     lean = tiny_verifier.lean
     graph, cache = _pool(lean, [[5, 6, 7, 8], [9, 10]], slots=3, width=5)
     args = _inputs(graph, cache, torch.tensor([[11, 12, 13], [14, 0, 0]]), torch.tensor([3, 1]))
     torch_step = StaticModel(lean)
-    monkeypatch.setenv("SPECLOOP_ATTENTION", "flex")
-    flex_step = StaticModel(lean)
-    assert (torch_step.attention, flex_step.attention) == ("torch", "flex")
+    monkeypatch.setenv("SPECLOOP_ATTENTION", attention)
+    other_step = StaticModel(lean)
+    assert (torch_step.attention, other_step.attention) == ("torch", attention)
     expected = torch_step(*_copy_args(args), capture=(1,))
-    got = flex_step(*_copy_args(args), capture=(1,))
+    got = other_step(*_copy_args(args), capture=(1,))
     real = torch.tensor([[True, True, True, False, False], [True, False, False, False, False],
                          [False] * 5])  # rows' real queries (the third row and padded queries: anything)
     assert torch.allclose(got[0][real], expected[0][real], atol=1e-4, rtol=1e-4)
-    traced = torch.compile(flex_step, fullgraph=True, dynamic=False, backend="eager")
-    assert torch.equal(traced(*_copy_args(args))[0], flex_step(*_copy_args(args))[0])
+    traced = torch.compile(other_step, fullgraph=True, dynamic=False, backend="eager")
+    assert torch.equal(traced(*_copy_args(args))[0], other_step(*_copy_args(args))[0])
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_speculation_through_flex_attention_equals_plain_decoding(tiny_verifier, monkeypatch):
-    monkeypatch.setenv("SPECLOOP_ATTENTION", "flex")
+@pytest.mark.parametrize("attention", ["flex", "sdpa"])
+def test_speculation_through_another_attention_equals_plain_decoding(tiny_verifier, attention, monkeypatch):
+    monkeypatch.setenv("SPECLOOP_ATTENTION", attention)
     prompts = _prompts(tiny_verifier)[:2]
     plain = _decode(tiny_verifier, None, prompts, 0, slots=2, max_tokens=12)
     drafted = _decode(tiny_verifier, build_drafter("ngram", tiny_verifier, None), prompts, 4, slots=2, max_tokens=12)
@@ -264,10 +267,13 @@ def test_auto_is_eager_on_the_cpu_and_quantized_weights_never_run_the_graph_step
         Engine(int8.lean, None, 1, 64, StopRule(int8.eos_ids), backend="graph")
 
 
-def test_the_compiled_step_keeps_speculation_exact(tiny_verifier, monkeypatch):
+@pytest.mark.parametrize("attention", ["torch", "sdpa"])
+def test_the_compiled_step_keeps_speculation_exact(tiny_verifier, attention, monkeypatch):
     # inductor's build of the step on the CPU (on CUDA the same build is then captured as a CUDA graph):
-    # its kernels are not the uncompiled step's, and speculation still equals plain decoding through them
+    # its kernels are not the uncompiled step's (with sdpa: inductor's own flash-attention template), and
+    # speculation still equals plain decoding through them
     monkeypatch.setenv("SPECLOOP_COMPILE", "1")
+    monkeypatch.setenv("SPECLOOP_ATTENTION", attention)
     prompts = _prompts(tiny_verifier)[:2]
     t0 = time.perf_counter()
     plain = _decode(tiny_verifier, None, prompts, 0, slots=2, max_tokens=12)
