@@ -12,8 +12,9 @@ token of a fixed cycle of 13 tokens as one-hot logits: a text every drafter pred
 figures are costs, not a drafter's quality), so the time per step is the host's, plus the CPU's cost of the eager ops the GPU
 would launch. Prefills run the real eager decoder and are not counted (steps only). Systems: the verifier
 alone, n-gram (auto, k=4), the pretrained drafter (its LM stubbed the same way, auto and k=4), eagle
-(k=4; its chain's replay costs nothing here, as on a GPU one launch) and the served default, eagle with suffix
-decoding beside it (k auto). Rows: µs per step, µs per token,
+(k=4; its chain's replay costs nothing here, as on a GPU one launch; and k auto: the held chain's drafts are
+never accepted, so this is what a drafter the controller should turn off costs) and the served default, eagle
+with suffix decoding beside it (k auto). Rows: µs per step, µs per token,
 τ, ops dispatched per step outside the stubbed pass (TorchDispatchMode: each one a kernel launch on a
 GPU), and a cProfile of one pass per system.
 
@@ -228,7 +229,8 @@ def main() -> None:
     prompts = [[FIRST + (i + j) % PERIOD for j in range(24)] for i in range(args.prompts)]
     kinds = [("alone", None, 0), ("ngram-auto", "ngram", None), ("ngram-k4", "ngram", 4),
              ("pretrained-auto", "pretrained", None), ("pretrained-k4", "pretrained", 4),
-             ("eagle-k4", "eagle", 4), ("eagle+suffix-auto", "eagle+suffix", None)]  # the served default last
+             ("eagle-auto", "eagle", None), ("eagle-k4", "eagle", 4),
+             ("eagle+suffix-auto", "eagle+suffix", None)]  # the served default last
     wanted = set(args.systems.split(",")) if args.systems else None
     report = {"benchmark": "host_step", "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
               "threads": args.threads, "verifier": str(args.models / "verifier"), "served": verifier.served,

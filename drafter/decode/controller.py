@@ -27,6 +27,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
 
       S(k) / verify(1) = overhead(k > 0) + k · draft + r(k + 1)
 
+- The reference: a batch bucket's first two steps are plain, whatever the estimates say (the first step
+  of an engine carries one-time costs, and a lower second plain pass replaces it as the reference); a
+  first probe that does not pay is followed at once by a second (its first drafting step carried them too).
 - Exploration: while nothing drafts, a probe (the best k > 0 under the current estimates) runs once
   `idle` steps have passed without drafting: `explore_min` steps when the probe's verify shape was
   never measured at this bucket, else `interval`, which doubles after every probe (up to
@@ -197,6 +200,7 @@ class Costs:
     resync: dict[int, Ewma] = field(default_factory=dict)  # bucket -> restarting the drafter's rows / verify(1)
     offered: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafts verified
     plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds): recent plain passes
+    plain_seen: dict[int, int] = field(default_factory=dict)  # bucket -> plain passes observed
     steps: int = 0  # steps observed
 
     def add(self, table: dict, key, value: float) -> None:
@@ -210,7 +214,10 @@ class Costs:
         beside = recent[1] if recent is not None and self.steps - recent[0] <= self.cfg.side_by_side else None
         if T == 1:
             seconds = step.verify_s if beside is None else beside + 0.5 * (step.verify_s - beside)
+            if beside is not None and self.plain_seen.get(b) == 1 and step.verify_s < beside:
+                seconds = step.verify_s  # the first plain pass may carry one-time costs: a lower second replaces it
             self.plain[b] = (self.steps, seconds)
+            self.plain_seen[b] = self.plain_seen.get(b, 0) + 1
             unit = step.verify_s
         elif beside is not None and beside > 0:
             self.add(self.ratio, (T, b), step.verify_s / beside)
@@ -226,6 +233,11 @@ class Costs:
         if step.resync_s > 0:
             self.add(self.resync, b, step.resync_s / unit)
         self.add(self.overhead, (asked > 0 or T > 1, b), step.overhead_s / unit)
+
+    def samples(self, drafting: bool, b: int) -> int:
+        """Steps (drafting or plain) whose overhead was measured at bucket b."""
+        got = self.overhead.get((drafting, b))
+        return 0 if got is None else got.n
 
     def measured(self, k: int, b: int) -> bool:
         """Whether a step asking k drafts at bucket b was measured (k = 0: a plain pass)."""
@@ -379,7 +391,7 @@ class Controller:
         self.acceptance = Acceptance(self.cfg)
         self.costs = Costs(self.cfg)
         self.interval = self.cfg.explore_min
-        self.idle = self.cfg.explore_min - 1  # the first probe comes right after one plain step is measured
+        self.idle = self.cfg.explore_min - 1  # the first probe comes right after the plain reference is measured
         self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
@@ -457,6 +469,11 @@ class Controller:
         rates, b = self._evaluate(batch), bucket(batch.rows)
         best = max(range(base, len(rates)), key=lambda k: (rates[k], -k))
         switch = 1 + self.costs.switch_cost(b)  # a probe, or a plain step amid drafting, costs this much more
+        if base == 0 and self.costs.plain_seen.get(b, 0) < 2:
+            # the reference every cost is relative to: two plain passes first, as the first step of an engine
+            # carries one-time costs (~2× a later plain step on the graph backend) and a lower second sample
+            # replaces it; priced against the first alone, drafting looks cheaper than it is
+            return self._chose(Choice(0))
         if best > base and rates[best] >= (1 + self.cfg.margin) * rates[base]:
             self.interval = self.cfg.explore_min
             if base == 0 and self.costs.stale(b, round(self.cfg.explore_max * switch)):  # refresh the reference
@@ -465,9 +482,12 @@ class Controller:
         if base == 0:
             probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
             due = self.cfg.explore_min if not self.costs.measured(probe, b) else self.interval
-            if self.idle >= due * switch and not self.costs.stale(b, self.cfg.side_by_side):
+            # the first drafting step carries one-time costs too: a second probe follows it at once
+            again = self.costs.samples(True, b) == 1
+            if (again or self.idle >= due * switch) and not self.costs.stale(b, self.cfg.side_by_side):
                 cheap = b in self.costs.draft and self.costs.draft_of(b) <= self.cfg.cheap_draft
-                self.interval = self.cfg.explore_min if cheap else min(2 * self.interval, self.cfg.explore_max)
+                if not again:
+                    self.interval = self.cfg.explore_min if cheap else min(2 * self.interval, self.cfg.explore_max)
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
         return self._chose(Choice(base))
 

@@ -45,8 +45,11 @@ class BlockOutcome:
 
     @property
     def last_tokens(self) -> torch.Tensor:
-        """[B] the token each row emitted last: the recovered or bonus token at index n."""
-        return self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
+        """[B] the token each row emitted last: the recovered or bonus token at index n (gathered once: the engine
+        and a following drafter both read it)."""
+        if "_last" not in self.__dict__:
+            self.__dict__["_last"] = self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
+        return self.__dict__["_last"]
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:

@@ -296,8 +296,10 @@ def follows_plain(drafter: Drafter | None) -> bool:
 
 
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
-    """layer -> [B, hidden] at block index n: the position whose output is the emitted token."""
-    return {i: h[torch.arange(len(n), device=h.device), n.to(h.device)] for i, h in hidden.items()}
+    """layer -> [B, hidden] at block index n: the position whose output is the emitted token (a plain step's
+    only position: a view, no gather)."""
+    return {i: h[:, 0] if h.shape[1] == 1 else h[torch.arange(len(n), device=h.device), n.to(h.device)]
+            for i, h in hidden.items()}
 
 
 class LooksUp(Protocol):

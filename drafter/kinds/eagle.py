@@ -292,6 +292,9 @@ class EagleDrafter:
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         new = view.features[self.verifier_layers[0]].to(self.feature.dtype)
+        if bool(active.all()):  # every row advanced (the common step): no selection to launch
+            self.feature, self.last = new, outcome.last_tokens
+            return
         self.feature = torch.where(active[:, None].to(new.device), new, self.feature)
         self.last = torch.where(active, outcome.last_tokens, self.last)
 

@@ -206,6 +206,27 @@ def test_a_lower_second_sample_replaces_a_first_that_carried_one_time_costs():
     assert 0.1 < e.value < 0.2
 
 
+def test_the_plain_reference_is_two_passes_so_a_costly_first_step_does_not_make_drafting_look_cheap():
+    # measured on the graph backend (bench/host_step.py): an engine's first step costs ~2x a later plain one;
+    # priced against it alone, an eagle head whose drafts were never accepted kept drafting every step
+    c = Controller()
+    c.verify_at_one_width()
+    first = StepSample(1, 0, 0.0, 0.020, 0.020)  # the first step: one-time costs in its pass and in the rest
+    later = StepSample(1, 0, 0.0, 0.010, 0.010)
+    assert c.choose(Batch(1, 1)).k == 0
+    c.observe(first)
+    assert c.choose(Batch(1, 1)).k == 0  # the priors alone would draft now (flat verify, acceptance 0.4)
+    c.observe(later)
+    assert c.costs.plain[1][1] == 0.010 and c.costs.overhead[(False, 1)].value == 1.0  # the second replaced it
+    chosen = []
+    for _ in range(200):  # drafts never accepted; a drafting step costs its drafts and more bookkeeping
+        k = c.choose(Batch(1, 1)).k
+        c.observe(StepSample(1, k, 0.002 * k, 0.010, 0.013 if k else 0.010, ((k, 0),) if k else ()))
+        chosen.append(k)
+    assert sum(1 for k in chosen if k) <= 6  # probes only
+    assert c.costs.plain_seen[1] >= 190
+
+
 def test_config_is_checked():
     with pytest.raises(ValueError):
         ControllerConfig(k_max=0)
