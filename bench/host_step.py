@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
+from bench.runs import add_compare, labelled_runs  # noqa: E402
 from specloop.drafter.kinds import eagle  # noqa: E402
 from specloop.drafter.model import graph  # noqa: E402
 from specloop.drafter.model.graph import GraphDecoder, capture_mode, resolve_attention  # noqa: E402
@@ -211,8 +212,7 @@ def main() -> None:
     ap.add_argument("--systems", default="")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_step.json")
-    ap.add_argument("--compare", nargs="+", metavar="LABEL=RUN.json[,RUN.json]",
-                    help="no run: pool earlier runs per label into --out (JSON + PNG), e.g. before / after a change")
+    add_compare(ap)
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare, args.out)
@@ -297,10 +297,7 @@ def _pooled(reports: list[dict], batch: str, name: str, field: str) -> list[floa
 def compare(labelled: list[str], out: Path) -> None:
     """Before / after: `labelled` = ["label=run1.json,run2.json", ...] (each checkout run alone, alternating
     with the others), pooled into one JSON and one PNG."""
-    runs = {}
-    for item in labelled:
-        label, files = item.split("=", 1)
-        runs[label] = [json.loads(Path(f).read_text()) for f in files.split(",")]
+    runs = labelled_runs(labelled)
     table = {label: {batch: {name: {"step_us_median": statistics.median(_pooled(reports, batch, name, "step_us_rounds")),
                                     "ops_per_step": reports[0]["batches"][batch][name]["ops_per_step"],
                                     "tau": reports[0]["batches"][batch][name]["tau"]}

@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from bench.runs import add_compare, labelled_runs  # noqa: E402
 from specloop.drafter.kinds.suffix import History, SuffixDrafter  # noqa: E402
 
 
@@ -77,8 +78,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "suffix_cost.json")
-    ap.add_argument("--compare", nargs="+", metavar="LABEL=RUN.json[,RUN.json]",
-                    help="no run: pool earlier runs per label into --out (JSON + PNG)")
+    add_compare(ap)
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare, args.out)
@@ -105,10 +105,7 @@ def main() -> None:
 
 
 def compare(labelled: list[str], out: Path) -> None:
-    runs = {}
-    for item in labelled:
-        label, files = item.split("=", 1)
-        runs[label] = [json.loads(Path(f).read_text()) for f in files.split(",")]
+    runs = labelled_runs(labelled)
     medians = {label: {b: statistics.median(v for r in reports for v in r["batches"][b]["row_us_rounds"])
                        for b in reports[0]["batches"]} for label, reports in runs.items()}
     out.write_text(json.dumps({"benchmark": "suffix_cost compare", "row_us_medians": medians, "runs": runs}, indent=1))
