@@ -336,6 +336,18 @@ class Batch:
     fixed: tuple[int, ...] = ()
 
 
+class Evaluation(NamedTuple):
+    """A batch's rates for k = 0..k_max and what the choice reads of them and of the costs."""
+
+    rates: list[float]
+    base: int  # the explicit rows' k: paid for anyway
+    best: int  # the k of the highest rate from base up (the smallest on a tie)
+    probe: int  # the k > 0 a probe would try
+    switch: float  # 1 + what switching between plain steps and drafting costs, in plain passes
+    probe_measured: bool  # the probe's verify shape was measured at this bucket
+    cheap: bool  # drafting per token costs at most `cheap_draft` of a plain pass (a lookup)
+
+
 @dataclass(frozen=True)
 class Choice:
     k: int  # drafts per block for the controller's rows
@@ -392,7 +404,7 @@ class Controller:
         self.costs = Costs(self.cfg)
         self.interval = self.cfg.explore_min
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after the plain reference is measured
-        self._cached: tuple[Batch, list[float]] | None = None  # the last evaluation, and its batch
+        self._cached: tuple[Batch, Evaluation] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps it has been reused
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
@@ -456,19 +468,25 @@ class Controller:
         return [(batch.auto * expected_tokens(a, k) + fixed_tokens) / self.costs.step_cost(max(k, floor), b)
                 for k in range(self.cfg.k_max + 1)]
 
-    def _evaluate(self, batch: Batch) -> list[float]:
+    def _evaluate(self, batch: Batch) -> Evaluation:
+        """What the choice rests on, reused for `refresh` steps of the same batch until a step drafts (what the
+        reuse can miss, plain steps' costs, moves slowly; drafting steps bring new acceptance and shapes)."""
         if self._cached is not None and self._cached[0] == batch and self._age < self.cfg.refresh:
             self._age += 1
             return self._cached[1]
-        rates = self.rates(batch)
-        self._cached, self._age = (batch, rates), 0
-        return rates
+        rates, b = self.rates(batch), bucket(batch.rows)
+        base = min(max(batch.fixed, default=0), self.cfg.k_max)  # paid for by explicit rows anyway
+        best = max(range(base, len(rates)), key=lambda k: (rates[k], -k))
+        probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
+        cheap = b in self.costs.draft and self.costs.draft_of(b) <= self.cfg.cheap_draft
+        # a probe, or a plain step amid drafting, costs `switch` times more
+        got = Evaluation(rates, base, best, probe, 1 + self.costs.switch_cost(b), self.costs.measured(probe, b), cheap)
+        self._cached, self._age = (batch, got), 0
+        return got
 
     def choose(self, batch: Batch) -> Choice:
-        base = min(max(batch.fixed, default=0), self.cfg.k_max)  # paid for by explicit rows anyway
-        rates, b = self._evaluate(batch), bucket(batch.rows)
-        best = max(range(base, len(rates)), key=lambda k: (rates[k], -k))
-        switch = 1 + self.costs.switch_cost(b)  # a probe, or a plain step amid drafting, costs this much more
+        e, b = self._evaluate(batch), bucket(batch.rows)
+        rates, base, best, switch = e.rates, e.base, e.best, e.switch
         if base == 0 and self.costs.plain_seen.get(b, 0) < 2:
             # the reference every cost is relative to: two plain passes first, as the first step of an engine
             # carries one-time costs (~2× a later plain step on the graph backend) and a lower second sample
@@ -480,14 +498,13 @@ class Controller:
                 return self._chose(Choice(0, True))
             return self._chose(Choice(best, False, rates[best] / rates[base]))
         if base == 0:
-            probe = max(range(1, len(rates)), key=lambda k: (rates[k], -k))
-            due = self.cfg.explore_min if not self.costs.measured(probe, b) else self.interval
+            probe = e.probe
+            due = self.cfg.explore_min if not e.probe_measured else self.interval
             # the first drafting step carries one-time costs too: a second probe follows it at once
             again = self.costs.samples(True, b) == 1
             if (again or self.idle >= due * switch) and not self.costs.stale(b, self.cfg.side_by_side):
-                cheap = b in self.costs.draft and self.costs.draft_of(b) <= self.cfg.cheap_draft
                 if not again:
-                    self.interval = self.cfg.explore_min if cheap else min(2 * self.interval, self.cfg.explore_max)
+                    self.interval = self.cfg.explore_min if e.cheap else min(2 * self.interval, self.cfg.explore_max)
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
         return self._chose(Choice(base))
 
