@@ -200,7 +200,6 @@ class Costs:
     resync: dict[int, Ewma] = field(default_factory=dict)  # bucket -> restarting the drafter's rows / verify(1)
     offered: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafts verified
     plain: dict[int, tuple[int, float]] = field(default_factory=dict)  # bucket -> (step, seconds): recent plain passes
-    plain_seen: dict[int, int] = field(default_factory=dict)  # bucket -> plain passes observed
     steps: int = 0  # steps observed
 
     def add(self, table: dict, key, value: float) -> None:
@@ -214,10 +213,9 @@ class Costs:
         beside = recent[1] if recent is not None and self.steps - recent[0] <= self.cfg.side_by_side else None
         if T == 1:
             seconds = step.verify_s if beside is None else beside + 0.5 * (step.verify_s - beside)
-            if beside is not None and self.plain_seen.get(b) == 1 and step.verify_s < beside:
+            if beside is not None and self.samples(False, b) == 1 and step.verify_s < beside:
                 seconds = step.verify_s  # the first plain pass may carry one-time costs: a lower second replaces it
             self.plain[b] = (self.steps, seconds)
-            self.plain_seen[b] = self.plain_seen.get(b, 0) + 1
             unit = step.verify_s
         elif beside is not None and beside > 0:
             self.add(self.ratio, (T, b), step.verify_s / beside)
@@ -487,7 +485,7 @@ class Controller:
     def choose(self, batch: Batch) -> Choice:
         e, b = self._evaluate(batch), bucket(batch.rows)
         rates, base, best, switch = e.rates, e.base, e.best, e.switch
-        if base == 0 and self.costs.plain_seen.get(b, 0) < 2:
+        if base == 0 and self.costs.samples(False, b) < 2:
             # the reference every cost is relative to: two plain passes first, as the first step of an engine
             # carries one-time costs (~2× a later plain step on the graph backend) and a lower second sample
             # replaces it; priced against the first alone, drafting looks cheaper than it is

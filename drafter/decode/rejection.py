@@ -13,6 +13,7 @@ the same temperature / top-k / top-p. Pure functions: all randomness comes in as
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,25 +32,22 @@ class BlockOutcome:
 
     def accepted(self, b: int) -> int:
         """n of row b (read from host lists made once per outcome: a step's commit reads every row)."""
-        return self._lists()[1][b]
+        return self._lists[1][b]
 
     def emitted(self, b: int) -> list[int]:
         """The n + 1 tokens row b gained in this block."""
-        tokens, n = self._lists()
+        tokens, n = self._lists
         return tokens[b][: n[b] + 1]
 
+    @cached_property
     def _lists(self) -> tuple[list[list[int]], list[int]]:
-        if "_host" not in self.__dict__:  # an outcome on the host (`speculative_step` returns one) is not written
-            self.__dict__["_host"] = (self.tokens.tolist(), self.num_accepted.tolist())
-        return self.__dict__["_host"]
+        return self.tokens.tolist(), self.num_accepted.tolist()  # an outcome is not written once made
 
-    @property
+    @cached_property
     def last_tokens(self) -> torch.Tensor:
         """[B] the token each row emitted last: the recovered or bonus token at index n (gathered once: the engine
         and a following drafter both read it)."""
-        if "_last" not in self.__dict__:
-            self.__dict__["_last"] = self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
-        return self.__dict__["_last"]
+        return self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:

@@ -151,7 +151,7 @@ class Tokens:
     def tokens(self) -> np.ndarray:
         return self.buf[: self.n]
 
-    def append(self, tokens: list[int] | np.ndarray) -> None:
+    def extend(self, tokens: list[int] | np.ndarray) -> None:
         """Append and index `tokens` (the buffer doubles as needed)."""
         if self.n + len(tokens) > len(self.buf):
             grown = np.empty(max(2 * len(self.buf), self.n + len(tokens), 16), dtype=np.int32)
@@ -266,9 +266,6 @@ class History(Tokens):
         self.prompt_len = len(prompt)
         self.drafted: tuple[tuple, Draft] | None = None  # the last draft asked of these tokens, and for what
 
-    def extend(self, tokens: list[int]) -> None:
-        self.append(tokens)
-
     @property
     def output(self) -> np.ndarray:
         return self.buf[self.prompt_len : self.n]
@@ -295,7 +292,7 @@ class OutputStore(Tokens):
             drop += self.sizes.popleft()
         if drop:
             self.evict(drop)
-        self.append(np.append(output, SEPARATOR))
+        self.extend(np.append(output, SEPARATOR))
         self.sizes.append(need)
         self.version += 1
 

@@ -224,7 +224,7 @@ def test_the_plain_reference_is_two_passes_so_a_costly_first_step_does_not_make_
         c.observe(StepSample(1, k, 0.002 * k, 0.010, 0.013 if k else 0.010, ((k, 0),) if k else ()))
         chosen.append(k)
     assert sum(1 for k in chosen if k) <= 6  # probes only
-    assert c.costs.plain_seen[1] >= 190
+    assert c.costs.samples(False, 1) >= 190
 
 
 def test_config_is_checked():
