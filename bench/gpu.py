@@ -6,6 +6,11 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
   and its bare replay (the compiled step on prepared device inputs: the step without the wrapper's
   host work), and the eager LeanDecoder's one-token step (the old path): ms, tokens/s, fraction of the
   HBM roofline = weight bytes / step time / peak bandwidth (also with the fp32 KV the step reads);
+- paths (batch 1 and the largest batch): the step run the other ways (PATHS: cudagraph trees, other attentions,
+  tuned GEMMs) beside the default;
+- long (batch 1): the same cached tokens in a pool of --long-capacity positions (4,096), each attention of LONG:
+  what a server sized for long requests costs a short row (the torch and sdpa attentions read the whole
+  capacity, the Triton kernel a row's own keys);
 - drafter: a 135M-shaped drafter LM's step (width 2, last position only) at each batch: c = its cost
   over the 1.7B and 8B steps (shapes.ratios);
 - inexact: the graph step at W = 1 (the narrowest, whose shapes differ from a verify pass's) at each batch:
@@ -63,15 +68,19 @@ from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least
-SECTIONS = ("steps", "pair", "paths", "batches", "inexact", "drafter", "verify", "compile", "anchor")
+SECTIONS = ("steps", "pair", "paths", "long", "batches", "inexact", "drafter", "verify", "compile", "anchor")
 # the step's other ways of running (section paths), each against the default (direct CUDA graphs, torch's
 # attention): as environment settings read when a GraphDecoder is built
 PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
          # one memory-efficient attention kernel per layer for the torch path's two products and ~3 kernels
          "direct-sdpa": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "sdpa"},
          "direct-flex": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "flex"},  # flex decoding's split keys
-         "direct-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "triton"},  # lost on an H200
+         # each row's own keys, split across programs (one program per row and KV head lost on an H200)
+         "direct-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "triton"},
          "direct-autotune": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_AUTOTUNE": "1"}}  # slow to compile: last
+# section long: the attentions whose cost may grow with the pool's capacity (torch, sdpa: the whole capacity,
+# masked; flex: every block, masked) against one that reads each row's own keys (triton)
+LONG = ("direct-torch", "direct-sdpa", "direct-flex", "direct-triton")
 ANCHOR_FIRST = "smollm2-1.7b"  # the shape the issue's ≥ 1.2× transformers target names
 DRAFTER = "smollm2-135m"  # the shape whose width-2 step is the drafter's in c = drafter / verifier
 
@@ -110,6 +119,7 @@ class Plan:
     shapes: dict[str, Shape]
     batches: tuple[int, ...] = (1, 8, 32)
     context: int = 512
+    long_capacity: int = 4096  # section long: the same cached tokens in a pool sized for long requests
     width: int = 5  # the engine's W = k_max + 1
     verify_width: int = 9  # the graph step that v_T is read from (T = 1..8)
     drafter_width: int = 2  # a pretrained drafter's LM (PretrainedDrafter.graph_width)
@@ -366,9 +376,9 @@ class StepBench:
             return 0.0
         return 1.2 * max(self.compiles) if self.compiles else self.plan.compile_guess_s
 
-    def graph_decoder(self, batch: int, width: int):
+    def graph_decoder(self, batch: int, width: int, capacity: int | None = None):
         graph = GraphDecoder(self.lean, batch, width, compiled=self.plan.compiled)
-        cache = graph.new_cache(batch, self.plan.capacity)
+        cache = graph.new_cache(batch, capacity or self.plan.capacity)
         return graph, cache
 
     def _at_context(self, cache, batch: int):
@@ -386,10 +396,12 @@ class StepBench:
                 self.compile_s = first + second
         return {"first_call_s": first, "second_call_s": second}
 
-    def graph_step(self, batch: int, width: int, last_only: bool = False, path: str = "graph") -> dict:
+    def graph_step(self, batch: int, width: int, last_only: bool = False, path: str = "graph",
+                   capacity: int | None = None) -> dict:
         """GraphDecoder.forward of one token per row (the engine's plain step: W − 1 padded queries), then
-        the compiled step alone on prepared device inputs."""
-        graph, cache = self.graph_decoder(batch, width)
+        the compiled step alone on prepared device inputs; `capacity`: the pool's positions (default: the
+        plan's, the cached tokens and room for one pass)."""
+        graph, cache = self.graph_decoder(batch, width, capacity)
         reset, tokens = self._at_context(cache, batch), self.tokens(batch, 1)
         call = lambda: graph.forward(cache, tokens, last_only=last_only)  # noqa: E731
         calls = self.first_calls(call, reset)
@@ -397,7 +409,7 @@ class StepBench:
         row = self.report.row(section="shapes", model=self.name, path=path, batch=batch, width=width, T=1,
                               **summary(self.clock.ms(call, p.repeats, p.warmup, reset)), **calls,
                               weight_bytes=self.bytes.weights, bytes_moved=self.bytes.moved(batch),
-                              graph_calls=graph.graph_calls)
+                              graph_calls=graph.graph_calls, pool_positions=cache.keys[0].shape[2])
         replay = self.report.row(section="shapes", model=self.name, path=path + "-replay", batch=batch, width=width,
                                  T=1, **summary(self.clock.ms(self._replay(graph, cache, batch, last_only),
                                                               p.repeats, p.warmup)),
@@ -588,6 +600,21 @@ def paths_section(models: Models) -> None:
                 with scoped_env(env):
                     attempt(res, f"graph_w{p.width}_b{b}_{label}", models.budget, bench.need(),
                             lambda: bench.graph_step(b, p.width, path=f"graph-{label}"), models.report)
+
+
+def long_section(models: Models) -> None:
+    """Batch 1: the same cached tokens in a pool of --long-capacity positions (a server sized for long
+    requests running a short one), each attention of LONG: what the pool's size costs a short row."""
+    p = models.plan
+    for name, bench, res in models.each():
+        for label in LONG:
+            if label == "direct-triton" and not p.cuda:  # the kernel runs interpreted in tests only
+                res[f"{label}_c{p.long_capacity}"] = "skipped: the Triton kernel needs a GPU here"
+                continue
+            with scoped_env(PATHS.get(label, {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "torch"})):
+                attempt(res, f"graph_w{p.width}_b1_{label}_c{p.long_capacity}", models.budget, bench.need(),
+                        lambda: bench.graph_step(1, p.width, path=f"graph-{label}-c{p.long_capacity}",
+                                                 capacity=p.long_capacity), models.report)
 
 
 def batches_section(models: Models) -> None:
@@ -1072,7 +1099,8 @@ def make_plan(args) -> Plan:
     compiled = os.environ.get("SPECLOOP_COMPILE", "1") != "0"
     plan = Plan(device, torch.bfloat16, SHAPES, compiled=compiled)
     if args.smoke:
-        plan = Plan(device, torch.bfloat16, SMOKE_SHAPES, batches=(1, 4), context=32, repeats=3, warmup=1,
+        plan = Plan(device, torch.bfloat16, SMOKE_SHAPES, batches=(1, 4), context=32, long_capacity=256, repeats=3,
+                    warmup=1,
                     pair_batches=(1, 2), per_file=1, max_tokens=8, rounds=1, compiled=compiled, compile_guess_s=0.0)
         torch.set_num_threads(1)  # tiny shapes: threads only wait on each other (and on whatever else runs here)
     if args.shapes:
@@ -1080,7 +1108,7 @@ def make_plan(args) -> Plan:
     for key in ("batches", "pair_batches"):
         if getattr(args, key):
             setattr(plan, key, tuple(int(b) for b in getattr(args, key).split(",")))
-    for key in ("context", "repeats", "warmup", "per_file", "max_tokens", "rounds"):
+    for key in ("context", "long_capacity", "repeats", "warmup", "per_file", "max_tokens", "rounds"):
         if getattr(args, key) is not None:
             setattr(plan, key, getattr(args, key))
     plan.one_pool = not args.any_length
@@ -1097,6 +1125,7 @@ def main() -> None:
     ap.add_argument("--batches", help="section shapes' batch sizes (default 1,8,32)")
     ap.add_argument("--pair-batches", help="section pair's batch sizes (default 1,8)")
     ap.add_argument("--context", type=int)
+    ap.add_argument("--long-capacity", type=int, help="section long: the pool's positions (default 4096)")
     ap.add_argument("--repeats", type=int)
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--per-file", type=int, help="prompts from each prompt file (default 8)")
@@ -1134,6 +1163,7 @@ def main() -> None:
     models = Models(plan, report, budget, clock)
     run = {"steps": steps_section, "batches": batches_section, "drafter": drafter_section, "verify": verify_section,
            "compile": compile_section, "inexact": inexact_section, "paths": paths_section,
+           "long": long_section,
            "pair": lambda _: pair_section(plan, args, report, budget, clock),
            "anchor": lambda m: (m.free(), anchor_section(plan, report, budget, clock, m.compiles))}
     sections = args.sections.split(",")

@@ -1,22 +1,32 @@
 """A Triton decode-attention kernel for the graph step (specloop.drafter.model.graph): the semantics of
-graph.py's `_attend` with visible = arange(C) <= pos, in one launch per layer, reading each row's keys
-only up to the block its furthest query can see (bytes proportional to the row's length, not to C).
+graph.py's `_attend` with visible = arange(C) <= pos, reading each row's keys only up to the block its
+furthest query can see (bytes proportional to the row's length, not to the pool's capacity C), with the
+keys split across programs (flash-decoding) so that a short batch still fills the GPU.
 
-Exact by construction: a query's output bits do not depend on how many other queries its row has, on
-which query index it sits at, or on how many key blocks beyond its own position the row's loop visits.
-- one program per (row, KV head); its tile holds the row's W * rep queries of that KV head, one tile
-  row per query head; every tile row's scores, maxima, sums and value products are its own (a dot's
-  output row reads one row of its left operand; reductions run along a row), so the other rows of a
-  tile (queries of any position, padding) never enter a query's arithmetic;
-- keys are visited in blocks of KEY_BLOCK in a fixed order, from block 0 to the block holding the
-  row's largest position; a query's arithmetic is the same over the blocks up to its own;
-- a block wholly beyond a query's position is an exact no-op for it: its scores are -inf (not a
-  finite stand-in), so the running max is unchanged, the rescale is exp2(0) = 1, the added
-  probabilities are exactly 0 and the value product adds exact zeros (cached values are finite);
-- position 0 is visible to every query (pos >= 0), so the running max is finite after block 0 and
-  the first rescale, exp2(-inf - m) = 0, is exact too; tile rows beyond W * rep load pos 0 and q 0.
-The tile shape (BLOCK_M, from W * rep) is the same for every query of a launch: the engine's W is
-fixed per compiled step, so a plain step and a verify pass share it.
+Two launches per layer:
+- partials, one program per (row, KV head, split): split t covers the keys of the fixed absolute range
+  [t * SPLIT_KEYS, (t + 1) * SPLIT_KEYS), whatever the row's length or the pool's capacity; the program
+  runs an online softmax over its key blocks in a fixed order (up to the row's furthest position) and
+  writes its running max, sum and weighted values; a split wholly beyond the row's furthest query exits;
+- combine, one program per (row, KV head): the row's active splits, in split order, rescaled to their
+  common max and summed one after the other.
+
+Exact by construction: a query's output bits depend on its own inputs and position only: not on how many
+other queries its row has, on which query index it sits at, on how many blocks or splits beyond its own
+position the row's programs visit, nor on the pool's capacity.
+- a tile holds the row's W * rep queries of one KV head, one tile row per query head; every tile row's
+  scores, maxima, sums and value products are its own (a dot's output row reads one row of its left
+  operand; reductions run along a row), so the other rows of a tile never enter a query's arithmetic;
+- a block wholly beyond a query's position is an exact no-op for it: its scores are -inf (not a finite
+  stand-in), so the running max is unchanged, the rescale is exp2(0) = 1 and the added probabilities and
+  value products are exact zeros (cached values are finite); where nothing of a split was visible yet the
+  max is -inf and the rescale runs against 0 instead (exp2(-inf) = 0, never -inf - -inf): such a split's
+  partial is exactly (-inf, 0, 0), the same whether it ran or not;
+- the combine adds, in split order, each split's terms scaled by exp2(m_t - M): a split beyond the query
+  adds exact zeros; split 0 holds key 0, visible to every query (pos >= 0; tile rows beyond W * rep load
+  pos 0 and q 0), so M is finite.
+The tile shape (BLOCK_M, from W * rep) is the same for every query of a launch: the engine's W is fixed
+per compiled step, so a plain step and a verify pass share it.
 
 Triton may be missing (CPU machines): the module imports without it; `available()` says whether the
 kernel exists. Tests run it on the CPU under TRITON_INTERPRET=1 (set before triton is imported)."""
@@ -30,6 +40,7 @@ from specloop.drafter.model.attention import KEY_BLOCK
 _TRITON = importlib.util.find_spec("triton") is not None  # a CPU machine without it: graph.py keeps `_attend`
 
 LOG2E = 1.4426950408889634  # folded into the score scale: the kernel's softmax runs on exp2
+SPLIT_KEYS = 2 * KEY_BLOCK  # keys per split: a row of 512 cached tokens runs 5 programs per KV head
 
 
 def available() -> bool:
@@ -41,7 +52,7 @@ def decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: t
                      scale: float) -> torch.Tensor:
     """q [S, W, H, D] (fp32 / bf16 / fp16) over the pool kc/vc [S, H_kv, C, D] (fp32 / bf16), query (s, w)
     seeing the keys at positions <= pos[s, w] (pos [S, W] int64) → [S, W, H D] float32. Query head h
-    reads KV head h // (H / H_kv). No host sync: the row's bound is read from pos on the device."""
+    reads KV head h // (H / H_kv). No host sync: each row's bound is read from pos on the device."""
     if not _TRITON:
         raise RuntimeError("decode_attention needs triton (graph.py's _attend is the fallback)")
     _check(q, kc, vc, pos)
@@ -73,24 +84,30 @@ def tile_rows(width: int, rep: int) -> int:
     return max(16, 1 << (width * rep - 1).bit_length())
 
 
+def splits(capacity: int) -> int:
+    """The partials' programs per (row, KV head) for a pool of `capacity` positions (those beyond a row's
+    furthest query exit at once)."""
+    return -(-capacity // SPLIT_KEYS)
+
+
 @functools.cache
 def build():
-    """The kernel and its custom op `specloop::decode_attention`, built once, on first use rather than at
+    """The kernels and their custom op `specloop::decode_attention`, built once, on first use rather than at
     import: Triton decides at `triton.jit` whether a kernel is interpreted (TRITON_INTERPRET=1, CPU tensors
     in tests) or compiled, and graph.py imports this module long before a test module sets that variable."""
     import triton
     import triton.language as tl
 
-
     @triton.jit
-    def _kernel(q_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-                sq_s, sq_w, sq_h, sq_d, sk_s, sk_h, sk_c, sk_d, sv_s, sv_h, sv_c, sv_d, sp_s, sp_w, so_s, so_w,
-                W, C, D, qk_scale,
-                REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Program (s, g): row s, KV head g; tile row i is query i // REP, head g * REP + i % REP."""
+    def _partial(q_ptr, k_ptr, v_ptr, pos_ptr, m_ptr, l_ptr, acc_ptr,
+                 sq_s, sq_w, sq_h, sq_d, sk_s, sk_h, sk_c, sk_d, sv_s, sv_h, sv_c, sv_d, sp_s, sp_w,
+                 W, C, D, qk_scale, REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, SPLIT_BLOCKS: tl.constexpr, SPLITS: tl.constexpr):
+        """Program (s, g, t): row s, KV head g, keys [t SPLIT_BLOCKS BLOCK_N, (t + 1) SPLIT_BLOCKS BLOCK_N)."""
         s = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1).to(tl.int64)
-        i = tl.arange(0, BLOCK_M)
+        t = tl.program_id(2)
+        i = tl.arange(0, BLOCK_M)  # tile row i: query i // REP, head g * REP + i % REP
         w = i // REP
         head = g * REP + i % REP
         real = w < W
@@ -103,12 +120,14 @@ def build():
         qk_scale = tl.cast(qk_scale, tl.float32)  # Inductor passes a float argument as fp64
         k_row = k_ptr + s * sk_s + g * sk_h
         v_row = v_ptr + s * sv_s + g * sv_h
-        # the row's bound, on the device: every block up to the one holding its largest position
-        n_blocks = tl.minimum(tl.max(pos, axis=0).to(tl.int32) // BLOCK_N + 1, tl.cdiv(C, BLOCK_N))
+        # this split's blocks up to the one holding the row's largest position (none: the split is beyond it)
+        first = t * SPLIT_BLOCKS
+        end = tl.minimum(tl.minimum(tl.max(pos, axis=0).to(tl.int32) // BLOCK_N + 1, tl.cdiv(C, BLOCK_N)),
+                         first + SPLIT_BLOCKS)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for b in range(0, n_blocks):
+        for b in range(first, end):
             n = b * BLOCK_N + tl.arange(0, BLOCK_N)
             kv_mask = (n < C)[:, None] & d_ok[None, :]
             k = tl.load(k_row + n[:, None] * sk_c + d[None, :] * sk_d, mask=kv_mask, other=0.0)
@@ -117,28 +136,66 @@ def build():
             # -inf, not a finite stand-in: a block beyond a query's position leaves its sums bit for bit
             qk = tl.where((n[None, :] <= pos[:, None]) & (n < C)[None, :], qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)  # block 0: exp2(-inf) = 0; a hidden block: exp2(0) = 1
-            p = tl.exp2(qk - m_new[:, None])
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing visible yet: no -inf - -inf
+            alpha = tl.exp2(m_i - base)  # first visible block: exp2(-inf) = 0; a hidden block: exp2(0) = 1
+            p = tl.exp2(qk - base[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
             m_i = m_new
-        out = acc / l_i[:, None]
-        tl.store(out_ptr + s * so_s + w[:, None] * so_w + head[:, None] * D + d[None, :], out,
-                 mask=real[:, None] & d_ok[None, :])
+        at = ((s * tl.num_programs(1) + g) * SPLITS + t) * BLOCK_M + i  # scratch [S, H_kv, SPLITS, BLOCK_M]
+        active = (tl.zeros([BLOCK_M], tl.int32) + end) > first  # a split beyond the row writes nothing
+        tl.store(m_ptr + at, m_i, mask=active)
+        tl.store(l_ptr + at, l_i, mask=active)
+        tl.store(acc_ptr + at[:, None] * BLOCK_D + d[None, :], acc, mask=active[:, None])
+
+    @triton.jit
+    def _combine(pos_ptr, m_ptr, l_ptr, acc_ptr, out_ptr, sp_s, sp_w, so_s, so_w, W, D,
+                 REP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 SPLIT_BLOCKS: tl.constexpr, SPLITS: tl.constexpr):
+        """Program (s, g): the row's active splits for KV head g, in split order."""
+        s = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1).to(tl.int64)
+        i = tl.arange(0, BLOCK_M)
+        w = i // REP
+        real = w < W
+        d = tl.arange(0, BLOCK_D)
+        pos = tl.load(pos_ptr + s * sp_s + w * sp_w, mask=real, other=0)
+        active = tl.max(pos, axis=0).to(tl.int32) // (BLOCK_N * SPLIT_BLOCKS) + 1
+        row = (s * tl.num_programs(1) + g) * SPLITS
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        for t in range(0, active):
+            top = tl.maximum(top, tl.load(m_ptr + (row + t) * BLOCK_M + i))
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for t in range(0, active):  # a split beyond the query: m = -inf, l = 0, acc = 0, scaled by 0
+            scale = tl.exp2(tl.load(m_ptr + (row + t) * BLOCK_M + i) - top)
+            l_i += tl.load(l_ptr + (row + t) * BLOCK_M + i) * scale
+            acc += tl.load(acc_ptr + ((row + t) * BLOCK_M + i)[:, None] * BLOCK_D + d[None, :]) * scale[:, None]
+        head = g * REP + i % REP
+        tl.store(out_ptr + s * so_s + w[:, None] * so_w + head[:, None] * D + d[None, :], acc / l_i[:, None],
+                 mask=real[:, None] & (d < D)[None, :])
 
     @torch.library.triton_op("specloop::decode_attention", mutates_args=())
     def _decode_attention_op(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, pos: torch.Tensor,
                              scale: float) -> torch.Tensor:
         """The custom op: torch.compile(fullgraph=True) traces it as one node (Inductor, on CUDA, sees the
-        kernel itself); shapes alone decide the launch, so its fake impl is this function on fake tensors."""
+        kernels themselves); shapes alone decide the launches, so its fake impl is this function on fake
+        tensors."""
         S, W, H, D = q.shape
         Hkv, C = kc.shape[1], kc.shape[2]
-        rep = H // Hkv
+        rep, n_splits = H // Hkv, splits(C)
+        block_m, block_d = tile_rows(W, rep), max(16, triton.next_power_of_2(D))
         out = torch.empty((S, W, H * D), dtype=torch.float32, device=q.device)
-        torch.library.wrap_triton(_kernel)[(S, Hkv)](
-            q, kc, vc, pos, out, *q.stride(), *kc.stride(), *vc.stride(), *pos.stride(), out.stride(0),
-            out.stride(1), W, C, D, scale * LOG2E, REP=rep, BLOCK_M=tile_rows(W, rep), BLOCK_N=KEY_BLOCK,
-            BLOCK_D=max(16, triton.next_power_of_2(D)))
+        m = torch.empty((S, Hkv, n_splits, block_m), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)  # noqa: E741
+        acc = torch.empty((S, Hkv, n_splits, block_m, block_d), dtype=torch.float32, device=q.device)
+        shape = dict(REP=rep, BLOCK_M=block_m, BLOCK_N=KEY_BLOCK, BLOCK_D=block_d,
+                     SPLIT_BLOCKS=SPLIT_KEYS // KEY_BLOCK, SPLITS=n_splits)
+        torch.library.wrap_triton(_partial)[(S, Hkv, n_splits)](
+            q, kc, vc, pos, m, l, acc, *q.stride(), *kc.stride(), *vc.stride(), *pos.stride(), W, C, D,
+            scale * LOG2E, **shape)
+        torch.library.wrap_triton(_combine)[(S, Hkv)](
+            pos, m, l, acc, out, *pos.stride(), out.stride(0), out.stride(1), W, D, **shape)
         return out
 
     @_decode_attention_op.register_fake

@@ -47,16 +47,21 @@ ATTENTIONS = ("auto", "torch", "triton", "flex", "sdpa")
 
 
 def resolve_attention(device: torch.device) -> str:
-    """The step's attention: "torch" (`_attend`: the whole capacity under a mask; the default, auto),
-    "triton" (specloop.drafter.model.decode_attention: one kernel per layer, each row's keys up to its own
-    length; SPECLOOP_ATTENTION=triton), "flex" (`_flex_attend`: torch's flex attention, the same mask as a
-    score modification, one fused kernel per layer that splits the keys across programs for short queries;
-    SPECLOOP_ATTENTION=flex) or "sdpa" (`_sdpa_attend`: torch's scaled_dot_product_attention over the whole
-    capacity with the step's mask as an additive bias made once per step: on a GPU one memory-efficient
-    attention kernel per layer where the torch path launches two products and ~3 kernels around them;
-    SPECLOOP_ATTENTION=sdpa). Flex and sdpa: not yet measured on a GPU. Measured on an H200 (bench/README.md
-    section 25), the Triton kernel lost: one program per (row, KV head) leaves most of the GPU idle at batch 1
-    (2.52 against 2.32 ms per step on the 1.7B shape, 12.99 against 5.83 ms on the 8B)."""
+    """The step's attention:
+    - "torch" (`_attend`: the whole capacity under a mask; the default, auto);
+    - "triton" (specloop.drafter.model.decode_attention, SPECLOOP_ATTENTION=triton): two launches per layer,
+      each row's keys up to its own length, split across programs in fixed ranges of key positions;
+    - "flex" (`_flex_attend`, SPECLOOP_ATTENTION=flex): torch's flex attention, the same mask as a score
+      modification, one fused kernel per layer that splits the keys across programs for short queries;
+    - "sdpa" (`_sdpa_attend`, SPECLOOP_ATTENTION=sdpa): torch's scaled_dot_product_attention over the whole
+      capacity with the step's mask as an additive bias made once per step: on a GPU one memory-efficient
+      attention kernel per layer where the torch path launches two products and ~3 kernels around them.
+    Flex, sdpa and the split Triton kernel: not yet measured on a GPU. The torch and sdpa attentions read every
+    row's whole capacity each step (a pool sized for long requests makes a short row's step cost what a long
+    one's does), the Triton kernel a row's own keys. Measured on an H200 (bench/README.md section 25), the
+    Triton kernel's first form lost: one program per (row, KV head) left most of the GPU idle at batch 1 (2.52
+    against 2.32 ms per step on the 1.7B shape, 12.99 against 5.83 ms on the 8B); it now splits each row's
+    keys across programs (flash-decoding)."""
     wanted = os.environ.get("SPECLOOP_ATTENTION", "auto")
     if wanted not in ATTENTIONS:
         raise ValueError(f"SPECLOOP_ATTENTION must be one of {', '.join(ATTENTIONS)}, got {wanted!r}")

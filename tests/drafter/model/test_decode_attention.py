@@ -1,5 +1,6 @@
-"""drafter/model/decode_attention.py: the Triton decode-attention kernel against graph.py's `_attend`, and the
-bits a query's output may not depend on (its row's other queries, its index, the blocks the row visits).
+"""drafter/model/decode_attention.py: the Triton decode-attention kernels against graph.py's `_attend`, and the
+bits a query's output may not depend on (its row's other queries, its index, the blocks and splits the row
+visits, the pool's capacity).
 
 Without a GPU the kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before
 triton is imported); the module is skipped where triton is not installed. With CUDA the same tests run the
@@ -114,6 +115,16 @@ def test_query_bits_ignore_garbage_beyond_it():
     b = da.decode_attention(q, kc2, vc2, pos, SCALE)[:, 0]
     assert torch.equal(a, b)
     assert not torch.equal(da.decode_attention(q, kc2, vc2, pos, SCALE)[:, 1], da.decode_attention(q, kc, vc, pos, SCALE)[:, 1])
+
+
+def test_query_bits_ignore_the_pools_capacity():
+    """The same rows in a pool four times as long (splits beyond a row's furthest query exit unread): the
+    same bits, so a pool sized for long requests costs a short row nothing and changes none of its outputs."""
+    pos = _pos([3, 130, 250 - W])
+    q, kc, vc = _inputs(4, 2, pos, seed=31)
+    long_k, long_v = (torch.cat([t, _randn(S, 2, 3 * C, D, seed=32) * 50], dim=2) for t in (kc, vc))
+    assert da.splits(4 * C) == 4 * da.splits(C)
+    assert torch.equal(da.decode_attention(q, long_k, long_v, pos, SCALE), da.decode_attention(q, kc, vc, pos, SCALE))
 
 
 def test_rejects_mismatched_inputs():
