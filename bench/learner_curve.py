@@ -5,7 +5,7 @@ configuration (the fetched eagle head with suffix decoding beside it, the learne
 worker and learner are Ray actors, the embedded buffer), exactly the actors `specloop serve
 --learner klrl` runs, at a fixed draft length (`--serve-k 2`: every block drafts, so the learner
 gets records) or the controller's (`--serve-k auto`: where it turns speculation off, the learner
-gets no records). Every `--every` requests the version that served
+gets observed records of the steps left plain, one in `--observe-every`; with 0 it gets none). Every `--every` requests the version that served
 that request (the champion) is evaluated on held-out prompts of the same domain, alongside the
 fetched head frozen:
 - first-draft acceptance and τ at fixed k (every block drafts k), greedy;
@@ -112,7 +112,7 @@ def serve_traffic(args, traffic: Path, registry: Path) -> dict:
 
     cfg = ReplayConfig(verifier=args.verifier, drafter=args.drafter, kind="eagle", prompts=[traffic],
                        learner=args.learner, max_tokens=args.max_tokens, k=args.serve_k, registry=registry,
-                       seed=args.seed, worker_overrides={"speculators": ("suffix",)})
+                       seed=args.seed, worker_overrides={"speculators": ("suffix",)} | observing(args))
     t0 = time.perf_counter()
     replay = Replay(cfg)
     keys = ("index", "drafter_version", "drafted", "accepted", "block_efficiency", "blocks", "seconds")
@@ -122,6 +122,11 @@ def serve_traffic(args, traffic: Path, registry: Path) -> dict:
     from drift import _slim
 
     return {"wall_s": round(time.perf_counter() - t0, 1), "requests": rows, "summary": _slim(summary)}
+
+
+def observing(args) -> dict:
+    """The worker's `observe_every` where --observe-every sets it (0: no records of steps left plain)."""
+    return {} if args.observe_every is None else {"observe_every": args.observe_every}
 
 
 # ----------------------------------------------------------------------------- held-out evaluation
@@ -254,6 +259,8 @@ def main(argv=None) -> int:
                    help="draft length while serving the traffic: a number (every block drafts, so the learner "
                         "gets records whatever the machine's load) or auto (the controller chooses, as serve does)")
     p.add_argument("--learner", default="klrl")
+    p.add_argument("--observe-every", type=int, help="one plain step in N gives observed records (default: the "
+                   "worker's, 8; 0: none, as before they existed)")
     p.add_argument("--threads", type=int, default=2, help="threads of the held-out evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--registry", type=Path, help="default: runs/learner-curve-<tag>")
@@ -275,7 +282,7 @@ def main(argv=None) -> int:
     served = serve_traffic(args, traffic_file, registry)
     source = args.source.name if args.source else f"ShareGPT (training conversations from {args.start})"
     result = {"machine": machine_info(), "source": source, "learner": args.learner, "k": args.k,
-              "serve_k": args.serve_k or "auto",
+              "serve_k": args.serve_k or "auto", "observe_every": observing(args).get("observe_every", "default"),
               "max_tokens": args.max_tokens, "held_out_prompts": len(held_out), "traffic": served}
     result["held_out"] = evaluate(args, held_out, checkpoints(served["requests"], args.every), registry)
     OUT.mkdir(parents=True, exist_ok=True)

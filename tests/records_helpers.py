@@ -31,13 +31,18 @@ class Logged:
 class Tap:
     """generate() hooks that log every active row of every step, as the serving worker does."""
 
-    def __init__(self, kind: str, top_k: int = TOP_K, context: int = 128, version: str = "v0", temperature: float = 0.0):
+    def __init__(self, kind: str, top_k: int = TOP_K, context: int = 128, version: str = "v0", temperature: float = 0.0,
+                 observe: bool = False):
         self.kind, self.top_k, self.context, self.version, self.temperature = kind, top_k, context, version, temperature
+        self.observe = observe  # steps left plain are traced too (observed records, k = 0)
         self.logged: list[Logged] = []
         self.blocks: dict[int, int] = {}
 
     def swap(self, drafter, histories):
         return drafter
+
+    def observes_plain(self) -> bool:
+        return self.observe
 
     def traced(self, histories: list[list[int]], ids: list[str | None]):
         return lambda trace: self._on_step(trace, [list(h) for h in histories])

@@ -10,7 +10,8 @@ log-probabilities:
 - KL(p ‖ q)                      online distillation, every record in the window;
 - Σ min(p, q)                    expected acceptance of a sampled draft (the registry's gate
                                  figure for T > 0; for greedy records, argmax agreement).
-Policy terms (on-policy records only: drafted by the version the learner last published):
+Policy terms (on-policy drafted records only: drafted by the version the learner last published; an observed
+record, from a step left plain, drafted nothing and enters the distribution terms alone):
 - reward-masked CE  −mean_{r=1} log q(a)              credit where speculation succeeded;
 - REINFORCE         −mean (r − b) log q(a)            b = EMA of rewards (variance reduction);
 - entropy bonus     −w_ent H[q]                        optional.
@@ -65,6 +66,7 @@ class PositionBatch:
     rest_mass: torch.Tensor  # [N] float32
     temperature: torch.Tensor  # [N] float32 (0 = greedy)
     on_policy: torch.Tensor  # [N] bool: drafted by the learner's last published version(s)
+    drafted: torch.Tensor  # [N] bool: a drafted token with its reward (False: an observed record's position)
 
     def to(self, device) -> "PositionBatch":
         return PositionBatch(**{f: getattr(self, f).to(device) for f in self.__dataclass_fields__})
@@ -112,7 +114,8 @@ class Objective:
         log_p, log_q = bucket_logprobs(batch, q_logits)
         acc = float(expected_acceptance(log_p, log_q))
         acceptance = _ema(self.acceptance, acc, self.cfg.acceptance_decay)
-        info = {"sim_acceptance": acc, "reward": float(batch.rewards.mean())}
+        info = {"sim_acceptance": acc, "reward": float(_masked_mean(batch.rewards, batch.drafted.float())),
+                "observed": int((~batch.drafted).sum())}
         if self.cfg.name == "klrl":
             loss = self._klrl(batch, q_logits, log_p, log_q, info)
         else:
@@ -132,9 +135,10 @@ class Objective:
         info.update(lambda_pg=lam_pg, lambda_kl=lam_kl, on_policy=int(batch.on_policy.sum()))
         if lam_pg > 0:
             logp_a = policy_logprob(batch, q_logits)  # [N]
-            ce = -_masked_mean(logp_a, batch.rewards * batch.on_policy)
-            b = self.baseline if self.baseline is not None else float(batch.rewards.mean())
-            pg = -_masked_mean((batch.rewards - b) * logp_a, batch.on_policy.float())
+            policy = (batch.on_policy & batch.drafted).float()  # observed positions drafted nothing
+            ce = -_masked_mean(logp_a, batch.rewards * policy)
+            b = self.baseline if self.baseline is not None else info["reward"]
+            pg = -_masked_mean((batch.rewards - b) * logp_a, policy)
             loss = loss + lam_pg * (cfg.ce_weight * ce + cfg.rl_weight * pg)
             info.update(ce=float(ce.detach()), pg=float(pg.detach()), baseline=b)
         if cfg.entropy_weight:

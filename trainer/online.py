@@ -135,6 +135,7 @@ def position_batch(records: list[ReplayRecord], on_policy: set[str] | None) -> P
         top_logprobs=cat("top_logprobs"), rest_mass=cat("rest_mass"),
         temperature=torch.tensor([r.temperature for r in records for _ in range(r.positions)], dtype=torch.float32),
         on_policy=torch.tensor([f for r, f in zip(records, flags) for _ in range(r.positions)]),
+        drafted=torch.tensor([not r.observed for r in records for _ in range(r.positions)]),
     )
 
 

@@ -17,6 +17,13 @@ recompute its forward on the learner:
 
 (Per kind: `record_context` and `steer_rows` of its row in specloop.drafter.kinds.table.KINDS.)
 
+An observed record (k = 0) comes from a step the controller left plain (kinds whose records need nothing
+drafted: `KindSpec.observable`): one position, the verifier's distribution after the block's first input,
+which is what the drafter's first draft would have been judged against; `tokens` holds the token the
+verifier emitted there, `rewards` [0] and `draft_logprobs` [0] (nothing was drafted: the learner's policy
+terms skip it, its distillation term does not). The learner keeps learning where the controller has
+turned drafting off.
+
 Wire format (`encode` / `decode`): the magic b"SLRC", then a safetensors blob (numpy arrays;
 scalar fields in its string metadata, with the schema version). Decoding validates the magic,
 the schema, every array's dtype and shape, and the reward pattern; anything else raises
@@ -52,7 +59,7 @@ class ReplayRecord:
     drafter_version: str
     block: int  # block index within the request
     kind: str  # drafter kind that drafted it
-    k: int  # draft length of the block
+    k: int  # draft length of the block (0: an observed record, a step left plain)
     temperature: float  # sampling temperature of the request (0 = greedy)
     tokens: np.ndarray  # [m] int64 drafted tokens d_1..d_m
     rewards: np.ndarray  # [m] uint8: 1 accepted, 0 first reject (only ever last)
@@ -72,6 +79,11 @@ class ReplayRecord:
     @property
     def accepted(self) -> int:
         return int(self.rewards.sum())
+
+    @property
+    def observed(self) -> bool:
+        """Made on a step left plain: nothing was drafted (k = 0)."""
+        return self.k == 0
 
 
 ARRAYS = {  # name -> (dtype, rank)
@@ -152,8 +164,10 @@ def steer_rows(kind: str) -> int | None:
 def validate(r: ReplayRecord) -> None:
     """Shapes agree and rewards are 1…1 then at most one 0 at the end."""
     m = r.positions
-    if not 1 <= m <= r.k:
+    if not 1 <= m <= max(r.k, 1) or r.k < 0:
         raise RecordError(f"replay record has {m} positions for k={r.k}")
+    if r.observed and r.rewards[0] != 0:
+        raise RecordError("an observed record (k = 0) drafted nothing: its reward is 0")
     same = [r.rewards, r.draft_logprobs, r.rest_mass, r.top_ids, r.top_logprobs]
     if any(len(a) != m for a in same) or r.top_ids.shape != r.top_logprobs.shape:
         raise RecordError("replay record arrays disagree on the number of positions")
@@ -182,8 +196,8 @@ class BlockSnapshot:
 
     rows: list[int]  # batch rows this snapshot covers
     num_accepted: list[int]  # [R] n per row
-    k: int
-    tokens: np.ndarray  # [R, k] drafted tokens
+    k: int  # 0: a step left plain, observed
+    tokens: np.ndarray  # [R, k] drafted tokens (observed: [R, 1] the verifier's own)
     draft_logprobs: np.ndarray  # [R, k]
     top_ids: np.ndarray  # [R, m, K] verifier top-K at positions predicting d_1..d_m, m = max(n + 1) ≤ k
     top_logprobs: np.ndarray  # [R, m, K]
@@ -200,16 +214,18 @@ def snapshot(trace, rows: list[int], top_k: int = DEFAULT_TOP_K, k: int | None =
     idx = torch.tensor(rows, dtype=torch.long)
     k = k or trace.proposal.tokens.shape[1]
     n = trace.outcome.num_accepted[idx]
-    m = min(k, int(n.max()) + 1)
+    m = min(k, int(n.max()) + 1) if k else 1  # a step left plain (k = 0): its one position, observed
     logp = torch.log_softmax(trace.logits[idx.to(trace.logits.device), :m].float(), dim=-1)  # [R, m, V]
     top = logp.topk(min(top_k, logp.shape[-1]), dim=-1)
     rest = (1.0 - top.values.exp().sum(dim=-1)).clamp(min=0.0)  # [R, k]
     prop = trace.proposal
-    logprobs = prop.logprobs()[idx]
     hidden = next(iter(trace.hidden.values()), None)
+    if k:
+        tokens, logprobs = prop.tokens[idx, :k].cpu().numpy(), prop.logprobs()[idx, :k].float().cpu().numpy()
+    else:  # observed: the token the verifier emitted, nothing drafted
+        tokens, logprobs = trace.outcome.tokens[idx, :1].cpu().numpy(), np.zeros((len(rows), 1), np.float32)
     return BlockSnapshot(
-        rows=rows, num_accepted=n.tolist(), k=k,
-        tokens=prop.tokens[idx, :k].cpu().numpy(), draft_logprobs=logprobs[:, :k].float().cpu().numpy(),
+        rows=rows, num_accepted=n.tolist(), k=k, tokens=tokens, draft_logprobs=logprobs,
         top_ids=top.indices.cpu().numpy(), top_logprobs=top.values.cpu().numpy(), rest_mass=rest.cpu().numpy(),
         steer=None if prop.steer is None else prop.steer[idx.to(prop.steer.device)].float().cpu().numpy(),
         hidden=None if hidden is None else hidden[idx.to(hidden.device), :k].float().cpu().numpy(),
@@ -245,13 +261,13 @@ def record_context(kind: str, context: list[int], window: int = 1) -> list[int]:
 
 
 def records_from_snapshot(snap: BlockSnapshot, tags: list[RowTag], kind: str) -> list[ReplayRecord]:
-    """One record per row: positions 1..min(n + 1, k)."""
+    """One record per row: positions 1..min(n + 1, k) (an observed step's: its one position)."""
     out, rows = [], 1 if snap.steer is None else snap.steer.shape[1]
     by_context = steer_rows(kind) is None  # its steering rows follow the context kept: trimmed with it
     for j, (n, tag) in enumerate(zip(snap.num_accepted, tags)):
-        m = min(n + 1, snap.k)
+        m = min(n + 1, snap.k) if snap.k else 1  # observed (k = 0): one position, nothing drafted
         rewards = np.ones(m, dtype=np.uint8)
-        if n < snap.k:
+        if n < snap.k or not snap.k:
             rewards[-1] = 0
         out.append(ReplayRecord(
             request_id=tag.request_id, drafter_version=tag.drafter_version, block=tag.block, kind=kind,

@@ -508,9 +508,14 @@ class Engine:
         return time.perf_counter() - t0
 
     def _hooked(self, kmax: int):
-        if self.hooks is None or not kmax:
+        """The step's drafter (a drafting step first offers a swap) and its trace callback: every drafting
+        step's, and a plain step's where the hooks observe it (`observes_plain`: replay records of plain steps)."""
+        if self.hooks is None:
             return self.drafter, None
-        self.offer_swap()
+        if kmax:
+            self.offer_swap()
+        elif not (self.drafter is not None and getattr(self.hooks, "observes_plain", lambda: False)()):
+            return self.drafter, None
         ids = [r.request.id if r is not None else None for r in self.rows]
         return self.drafter, self.hooks.traced(self._histories(), ids)
 

@@ -97,6 +97,10 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
     follower = drafter if block.asked or follows_plain(drafter) else None
     record = tuple(follower.record_layers) if follower is not None and block.k and o.on_trace else ()
     capture = tuple(follower.verifier_layers) + record if follower is not None else ()
+    # a step planned plain and traced is observed for replay records: what a block drafted now would have
+    # started from, read before the drafter observes this step
+    observed = not plan.k and o.on_trace is not None
+    steer = steer_now(drafter) if observed else None
     start = cache.lens
     out = verifier.forward(cache, block_tokens(last, block, dev), capture=capture)
     logits = out.logits if plan.shaper is None else plan.shaper.apply(out.logits, block.proposal.tokens)
@@ -114,9 +118,10 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
         n = outcome.num_accepted
         view = VerifierView(cache, at_emitting_position(out.hidden, n), out.hidden, n + 1)
         follower.observe(outcome, plan.active, view)
-    if block.k and o.on_trace is not None:  # the proposal as verified, the logits it was verified against
-        hidden = {i: out.hidden[i] for i in record}
-        o.on_trace(StepTrace(block.proposal, out.logits, hidden, outcome, plan.active, block.limit))
+    if (block.k or observed) and o.on_trace is not None:  # the proposal as verified, the logits it was verified
+        hidden = {i: out.hidden[i] for i in record}  # against (observed: an empty one, with what it starts from)
+        proposal = block.proposal if block.k else replace(block.proposal, steer=steer)
+        o.on_trace(StepTrace(proposal, out.logits, hidden, outcome, plan.active, block.limit))
     return outcome
 
 
@@ -295,6 +300,14 @@ def follows_plain(drafter: Drafter | None) -> bool:
     return drafter is not None and getattr(drafter, "follows_plain", False)
 
 
+def steer_now(drafter: Drafter | None) -> torch.Tensor | None:
+    """What a block drafted now would be drafted from (a drafter's optional `steer_now`: the eagle head's
+    feature, the eagle-3 head's window; its proposals' `steer`), for an observed record of a step left plain;
+    None where the drafter keeps none (its records need none, or it cannot give observed records)."""
+    fn = getattr(drafter, "steer_now", None)
+    return None if fn is None else fn()
+
+
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
     """layer -> [B, hidden] at block index n: the position whose output is the emitted token (a plain step's
     only position: a view, no gather)."""
@@ -317,4 +330,6 @@ class StepHooks(Protocol):
         with the token the next step starts from."""
 
     def traced(self, histories: list[list[int]], ids: list[str | None]) -> Callable[[StepTrace], None] | None:
-        """A trace callback for the next step (same histories; ids[b]: the request in row b, None if empty)."""
+        """A trace callback for the next step (same histories; ids[b]: the request in row b, None if empty).
+        A drafting step is traced; a step left plain only where the hooks have an `observes_plain()` that says
+        so for it (optional: replay records of plain steps, `speculative_step`'s observed trace)."""

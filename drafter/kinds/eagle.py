@@ -281,6 +281,10 @@ class EagleDrafter:
         proposal.confidence = torch.stack(confidence, dim=1) if confidence else None
         return proposal
 
+    def steer_now(self) -> torch.Tensor:
+        """What a block drafted now starts from (its proposal's `steer`): an observed record's, on a step left plain."""
+        return self.feature[:, None].float()
+
     def _chained(self, chain: Replay, k: int) -> Proposal:
         """A greedy block from the captured chain: its first k drafts for this engine's rows (copies: the next
         replay overwrites the graph's outputs)."""

@@ -421,6 +421,11 @@ class Eagle3Drafter:
         proposal.confidence = torch.stack(confidence, dim=1) if confidence else None
         return proposal
 
+    def steer_now(self) -> torch.Tensor:
+        """What a block drafted now starts from (its proposal's `steer`): an observed record's, on a step left plain."""
+        assert self.win is not None  # start() ran
+        return self.win.raw.float()
+
     @torch.inference_mode()
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         dev = self.lean.device

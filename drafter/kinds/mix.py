@@ -74,6 +74,11 @@ class SpeculatorMix:
             if hasattr(member, "use_chain"):
                 member.use_chain(slots, depth, compiled)
 
+    def steer_now(self) -> torch.Tensor | None:
+        """The served ("adaptive") member's: an observed record of a step left plain is the adaptive drafter's."""
+        fn = getattr(self.members["adaptive"], "steer_now", None)
+        return None if fn is None else fn()
+
     # -- the choice
 
     def expected(self, name: str, k: int) -> float:

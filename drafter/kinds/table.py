@@ -76,6 +76,8 @@ class KindSpec:
     batch: int = 16  # the learner's default records per update
     record_context: RecordContext = "none"
     steer_rows: int | None = 0  # verifier feature rows of a record's `steer` (None: one per context token kept)
+    observable: bool = False  # a step left plain gives its records (observed, k = 0: their inputs need nothing
+    #                           drafted, only the context or the features the drafter holds: `steer_now`)
 
     def __post_init__(self):
         if (self.part is None) != (self.load_part is None):
@@ -165,16 +167,16 @@ def _eagle3_head(verifier: LoadedModel, lm: LoadedModel | None, drafter_dir: str
 # the defaults (1e-3, 16).
 KINDS: dict[str, KindSpec] = {spec.name: spec for spec in (
     KindSpec("pretrained", make=_plain_lm, needs_dir=True, stale_on_swap=True, loads_from=("sd2",),
-             method="distill", record_context="all"),
+             method="distill", record_context="all", observable=True),
     KindSpec("ngram", make=_ngram, model_free=True),
     KindSpec("suffix", make=_suffix, model_free=True),
     KindSpec("sd2", make=_steered_lm, needs_dir=True, part="steering", load_part=_steering, stale_on_swap=True,
              method="sd2", record_context="all", steer_rows=3),
     KindSpec("dvi", make=_dvi, part="head", load_part=_dvi_head, method="dvi"),
     KindSpec("eagle", make=_eagle, part="head", load_part=_eagle_head, mixable=True, method="eagle",
-             lr=2e-4, batch=64, record_context="last", steer_rows=1),
+             lr=2e-4, batch=64, record_context="last", steer_rows=1, observable=True),
     KindSpec("eagle3", make=_eagle3, part="head", load_part=_eagle3_head, mixable=True, method="eagle3",
-             lr=2e-4, batch=64, record_context="window", steer_rows=None),
+             lr=2e-4, batch=64, record_context="window", steer_rows=None, observable=True),
 )}
 DRAFTER_KINDS = tuple(KINDS)  # what --drafter-kind accepts
 TRAINABLE_KINDS = tuple(name for name, spec in KINDS.items() if spec.trainable)  # what the learner trains

@@ -89,10 +89,15 @@ class WorkerConfig:
     speculators: tuple[str, ...] = ()  # beside the served drafter, chosen per step and row (specloop.drafter.kinds.mix)
     prefix_caching: bool = True  # reuse the KV of prompt prefixes earlier requests computed (`specloop serve
     #                              --enable-prefix-caching`, on by default as in vLLM v1)
+    observe_every: int = 8  # one step in this many of those the controller left plain gives observed records
+    #                         (the verifier's next token where nothing was drafted: the learner keeps learning
+    #                         when speculation is turned down); 0: none (kinds with `observable` records only)
 
     def __post_init__(self):
         if self.swap_cache not in ("keep", "recompute"):
             raise ValueError(f"swap_cache must be 'keep' or 'recompute', not {self.swap_cache!r}")
+        if self.observe_every < 0:
+            raise ValueError(f"observe_every must be >= 0 (0: no records of plain steps), not {self.observe_every}")
 
 
 
@@ -282,6 +287,7 @@ class VerifierWorker:
         self.logger = (RecordLogger(buffer, cfg.kind, cfg.logger_queue, cfg.top_k, cfg.log_thread)
                        if buffer and cfg.log_records else None)
         self.stale_rows: set[str] = set()  # running requests whose drafter cache predates the serving version
+        self.plain_steps = 0  # steps left plain that asked to be observed (`observes_plain`)
         self.on_step: list = []  # callables(updates, engine, version) after every step (metrics)
         if self.watcher is not None:
             self.watcher.poll()  # the champion serves from the first request (the one wait on the registry)
@@ -351,9 +357,21 @@ class VerifierWorker:
     def traced(self, histories: list[list[int]], ids: list[str | None]):
         return lambda trace: self._on_step(trace, histories, ids)
 
+    def observes_plain(self) -> bool:
+        """Whether this step left plain gives observed records: one in `observe_every`, where records are logged
+        and the served kind's records need nothing drafted (`KindSpec.observable`)."""
+        if self.logger is None or not self.cfg.observe_every or not self.builder.spec.observable:
+            return False
+        self.plain_steps += 1
+        return self.plain_steps % self.cfg.observe_every == 0
+
     def _on_step(self, trace: StepTrace, histories: list[list[int]], ids: list[str | None]) -> None:
         slots = torch.nonzero(trace.active).flatten().tolist()
         kmax = trace.proposal.tokens.shape[1]
+        if not kmax:  # a step left plain, observed: the served version's records of the verifier's own next token
+            if self.logger is not None:
+                self.logger.submit(trace, slots, [self._tag(ids[b], histories[b], self.version) for b in slots], 0)
+            return
         sources = trace.proposal.sources
         by_k: dict[tuple[int, str], list[int]] = {}
         for b in slots:

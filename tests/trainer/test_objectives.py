@@ -28,7 +28,8 @@ def verifier_logits(n: int, seed: int = 0, scale: float = 2.0) -> torch.Tensor:
     return scale * torch.randn(n, V, generator=torch.Generator().manual_seed(seed))
 
 
-def make_batch(p_logits: torch.Tensor, tokens=None, rewards=None, on_policy=None, temperature: float = 0.0) -> PositionBatch:
+def make_batch(p_logits: torch.Tensor, tokens=None, rewards=None, on_policy=None, temperature: float = 0.0,
+               drafted=None) -> PositionBatch:
     """What a record logs for verifier logits p_logits [N, V]: its top-K log-probs and the rest mass."""
     n = len(p_logits)
     logp = F.log_softmax(p_logits.float(), -1)
@@ -40,6 +41,7 @@ def make_batch(p_logits: torch.Tensor, tokens=None, rewards=None, on_policy=None
         rest_mass=(1.0 - top.values.exp().sum(-1)).clamp(min=0.0),
         temperature=torch.full((n,), temperature),
         on_policy=torch.as_tensor(on_policy if on_policy is not None else [True] * n, dtype=torch.bool),
+        drafted=torch.as_tensor(drafted if drafted is not None else [True] * n, dtype=torch.bool),
     )
 
 
@@ -222,6 +224,23 @@ def test_off_policy_positions_get_only_the_kl_gradient():
     (g_kl,) = torch.autograd.grad(0.3 * bucket_kl(batch, q), q)
     assert torch.allclose(g[1:], g_kl[1:], atol=1e-7)  # off-policy rows: KL only
     assert not torch.allclose(g[0], g_kl[0], atol=1e-4)  # the on-policy row gets the policy terms too
+
+
+def test_observed_positions_get_only_the_kl_gradient_and_leave_the_reward_baseline_alone():
+    # an observed record (a step left plain) drafted nothing: its token is the verifier's own, its reward a
+    # placeholder 0; on-policy or not, only the distillation term may see it
+    p = verifier_logits(3)
+    obj = klrl_after_warm_up(kl_weight=0.3, kl_weight_min=0.3, ce_weight=1.0, baseline_decay=0.0)
+    batch = make_batch(p, tokens=[5, 9, 2], rewards=[1.0, 0.0, 0.0], drafted=[True, False, False])
+    obj(batch, torch.zeros(3, V))
+    assert obj.baseline == pytest.approx(1.0)  # the drafted position's reward alone (all three: 1/3)
+    q = verifier_logits(3, seed=2).requires_grad_(True)
+    loss, info = obj(batch, q)
+    assert info["observed"] == 2 and info["reward"] == pytest.approx(1.0)
+    (g,) = torch.autograd.grad(loss, q)
+    (g_kl,) = torch.autograd.grad(0.3 * bucket_kl(batch, q), q)
+    assert torch.allclose(g[1:], g_kl[1:], atol=1e-7)  # observed rows: KL only
+    assert not torch.allclose(g[0], g_kl[0], atol=1e-4)  # the drafted row gets the policy terms too
 
 
 def test_a_batch_with_no_on_policy_positions_has_exactly_the_kl_gradient():

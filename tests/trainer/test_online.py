@@ -230,6 +230,31 @@ def test_record_logits_reproduce_the_serving_drafters_log_probs_at_every_logged_
     assert float((got - want).abs().max()) < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "pretrained"])
+def test_an_observed_record_is_the_first_position_of_a_block_drafted_at_the_same_point(verifier, checkpoints, prompts,
+                                                                                        kind):
+    # greedy output is the verifier's whatever k, so a step left plain (k = 0, observed) and a drafting step
+    # (k = 1) that start from the same committed tokens have the same inputs and the same verifier distribution
+    # at the block's first position; the learner's forward on the observed record gives the draft made there
+    drafter = build_drafter(kind, verifier, checkpoints[kind])
+    drafted = log_blocks(verifier, drafter, kind, prompts[:3], k=1, max_tokens=12)
+    observed = {tuple(item.history): item.record for item in log_blocks(
+        verifier, build_drafter(kind, verifier, checkpoints[kind]), kind, prompts[:3], k=0, max_tokens=12, observe=True)}
+    pairs = [(observed[tuple(item.history)], item.record) for item in drafted if tuple(item.history) in observed]
+    assert len(pairs) >= 6 and len(observed) == 3 * 12  # one a step (each step emits one token a row)
+    for seen, made in pairs:
+        assert seen.observed and seen.positions == 1 and seen.rewards.tolist() == [0] and not made.observed
+        assert np.array_equal(seen.context, made.context)
+        assert (seen.steer is None) == (made.steer is None) and (seen.steer is None or np.array_equal(seen.steer, made.steer))
+        assert np.array_equal(seen.top_ids[0], made.top_ids[0])
+        assert np.allclose(seen.top_logprobs[0], made.top_logprobs[0], atol=1e-5)
+        assert int(seen.tokens[0]) == int(made.top_ids[0, 0])  # greedy: the verifier emitted its argmax
+    student = serving_student(kind, verifier, checkpoints[kind])
+    with torch.no_grad():
+        first = record_logits(student, [seen for seen, _ in pairs]).argmax(dim=-1)
+    assert first.tolist() == [int(made.tokens[0]) for _, made in pairs]
+
+
 def test_steering_matters_for_the_consistency_check(verifier, checkpoints, served):
     """The same records scored without steering (W_s = 0) do not reproduce the served log-probs."""
     records = served["sd2"]
@@ -259,7 +284,8 @@ def test_record_logits_reproduce_sampled_drafts_log_probs_at_their_temperature(v
 
 def make_learner(kind: str, verifier, checkpoint, **cfg) -> OnlineLearner:
     torch.manual_seed(0)
-    config = LearnerConfig(kind=kind, objective=ObjectiveConfig(name="kl"), lr=3e-3, lm_lr=1e-3, batch_records=8,
+    objective = cfg.pop("objective", ObjectiveConfig(name="kl"))
+    config = LearnerConfig(kind=kind, objective=objective, lr=3e-3, lm_lr=1e-3, batch_records=8,
                            holdout_every=4, replay_ratio=10.0, seed=0, **cfg)
     return OnlineLearner(config, serving_student(kind, verifier, checkpoint))
 
@@ -286,6 +312,21 @@ def test_thirty_kl_updates_raise_simulated_acceptance_on_the_held_out_records(ve
     now = learner.weights()
     assert now.keys() == trained.keys() and all(torch.equal(now[n], trained[n]) for n in now)
     assert learner.evaluate() == pytest.approx(after, abs=1e-6)
+
+
+def test_updates_on_observed_records_alone_raise_simulated_acceptance(verifier, checkpoints, prompts):
+    # speculation off (k = 0), every step observed: the learner still has its distillation term to learn from
+    kind = "eagle"
+    sampled = [item.record for item in log_blocks(verifier, build_drafter(kind, verifier, checkpoints[kind]), kind,
+                                                  prompts, k=0, max_tokens=16, temperature=1.0, observe=True)]
+    assert sampled and all(r.observed for r in sampled)
+    learner = make_learner(kind, verifier, checkpoints[kind], objective=ObjectiveConfig(name="klrl", warmup_updates=0))
+    learner.ingest(sampled)
+    before = learner.evaluate()
+    for _ in range(30):
+        info = learner.update()
+        assert info is not None and info.skipped is None and info.terms["observed"] > 0
+    assert learner.evaluate() > before + 1e-3
 
 
 def test_training_is_deterministic_for_a_seed(verifier, checkpoints, served):

@@ -376,11 +376,21 @@ def test_valid_reward_patterns_are_accepted(record, rewards):
     assert back.rewards.tolist() == rewards
 
 
+def test_an_observed_record_has_one_position_and_no_reward(record):
+    # k = 0: a step left plain, the verifier's distribution at the block's first position, nothing drafted
+    back = decode(_encoded_with(record, k=0, **_positions(record, 1, [0])))
+    assert back.observed and back.positions == 1 and not record.observed
+    for change in (_positions(record, 1, [1]), _positions(record, 2, [1, 0])):
+        with pytest.raises(RecordError, match="observed|positions"):
+            decode(_encoded_with(record, k=0, **change))
+
+
 def test_records_with_inconsistent_shapes_or_dtypes_are_refused(record):
     m = record.positions
     bad = [
         dict(tokens=np.zeros(0, np.int64)),  # no positions
-        dict(k=m - 1) if m > 1 else dict(k=0),  # more positions than k
+        dict(k=m - 1) if m > 1 else dict(k=0, **_positions(record, 2, [1, 0])),  # more positions than k
+        dict(k=-1),
         dict(draft_logprobs=np.zeros(m + 1, np.float32)),
         dict(top_ids=record.top_ids[:, :-1]),  # top ids and log-probs disagree on K
         dict(steer=np.zeros((2, record.steer.shape[1]), np.float32)),

@@ -1,11 +1,13 @@
 """The verifier worker: hot swaps stay lossless, registry versions serve, roll back and get logged."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -522,6 +524,37 @@ def test_a_mix_of_speculators_logs_the_models_blocks_only_and_serves_the_verifie
         worker.close()
 
 
-def test_an_unknown_swap_cache_mode_is_refused(tiny_pair):
+@pytest.mark.parametrize("observe_every", [0, 1, 3])
+def test_steps_left_plain_give_observed_records_of_the_verifiers_own_tokens(tiny_pair, observe_every):
+    """Speculation off (k = 0) for every request: an eagle worker logs one step in `observe_every` as observed
+    records (k = 0: the verifier's next token, the head's feature it would have drafted from), none with 0."""
+    buffer = MemoryBuffer()
+    config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=None, kind="eagle", observe_every=observe_every)
+    worker = VerifierWorker(config, buffer)
+    try:
+        reqs = [dataclasses.replace(r, k=0) for r in requests(worker.verifier)[:3]]
+        results = serve_all(worker, reqs)
+        worker.drain()
+        assert [r.token_ids for r in results] == verifier_alone(worker, reqs)
+        records = [decode(e.payload) for e in buffer.read("test", count=100_000)]
+        steps = sum(len(r.token_ids) for r in results)  # one request at a time: a token a step
+        assert worker.plain_steps == (steps if observe_every else 0)
+        assert len(records) == (steps // observe_every if observe_every else 0)
+        for record in records:
+            assert record.observed and record.kind == "eagle" and record.drafter_version == "base"
+            assert record.steer.shape == (1, worker.verifier.lean.hidden_size) and np.isfinite(record.steer).all()
+            res = next(r for r in results if r.id == record.request_id)
+            text = next(q for q in reqs if q.id == record.request_id).prompt_ids + res.token_ids
+            at = [i for i in range(1, len(text)) if text[i - 1] == int(record.context[-1])
+                  and text[i] == int(record.tokens[0])]
+            assert at, "an observed record's token follows its context in the request's text"
+        assert worker.stats().records.logged == len(records)
+    finally:
+        worker.close()
+
+
+def test_an_unknown_swap_cache_mode_or_a_negative_observation_interval_is_refused(tiny_pair):
     with pytest.raises(ValueError, match="swap_cache"):
         WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", swap_cache="flush")
+    with pytest.raises(ValueError, match="observe_every"):
+        WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", observe_every=-1)
