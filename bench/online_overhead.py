@@ -7,7 +7,9 @@ the median of per-round ratios against no logging, and Redis memory per 1,000 bl
 USAGE of the stream after the run / blocks logged).
 
     .venv/bin/python bench/online_overhead.py --prompts 40 --rounds 3
-Writes bench/results/online_overhead.json.
+    # speculation off (every step plain): what observed records of one step in N cost
+    .venv/bin/python bench/online_overhead.py --kind eagle --k 0 --observe-every 8
+Writes bench/results/online_overhead_<kind>.json (_k0_every<N> for --k 0).
 """
 from __future__ import annotations
 
@@ -44,15 +46,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--redis", default="redis://127.0.0.1:6379")
+    p.add_argument("--k", type=lambda v: None if v == "auto" else int(v), default=None,
+                   help="every request's draft length (default auto; 0: plain steps, whose records are observed ones)")
+    p.add_argument("--observe-every", type=int, help="the logging workers' observe_every (default: the worker's)")
     args = p.parse_args()
     torch.set_num_threads(1)
     prefix = f"bench-overhead-{uuid.uuid4().hex[:8]}"
     redis_buffer = open_buffer(args.redis, prefix=prefix)
     drafter = None if args.kind == "dvi" else SHARED / "models" / "drafter"
     cfg = dict(verifier=str(SHARED / "models" / "verifier"), drafter=str(drafter) if drafter else None, kind=args.kind)
+    logging = {} if args.observe_every is None else {"observe_every": args.observe_every}
     workers = {"none": VerifierWorker(WorkerConfig(**cfg, log_records=False)),
-               "memory": VerifierWorker(WorkerConfig(**cfg), MemoryBuffer(1_000_000)),
-               "redis": VerifierWorker(WorkerConfig(**cfg), redis_buffer)}
+               "memory": VerifierWorker(WorkerConfig(**cfg, **logging), MemoryBuffer(1_000_000)),
+               "redis": VerifierWorker(WorkerConfig(**cfg, **logging), redis_buffer)}
     tok = workers["none"].verifier.tokenizer
     chat = load_prompts(SHARED / "prompts" / "chat_dev.jsonl")[: args.prompts // 2]
     code = load_prompts(SHARED / "prompts" / "code_dev.jsonl")[: args.prompts - len(chat)]
@@ -63,7 +69,8 @@ def main() -> None:
         for i, ids in enumerate(prompts):
             outs = {}
             for mode in (list(workers) if (rnd + i) % 2 == 0 else list(reversed(workers))):
-                r = workers[mode].serve(CompletionRequest(str(i), ids, max_tokens=args.max_tokens, stream_index=i))
+                r = workers[mode].serve(CompletionRequest(str(i), ids, max_tokens=args.max_tokens, stream_index=i,
+                                                          k=args.k))
                 per_block[mode].append(r.seconds / r.blocks)
                 outs[mode] = r.token_ids
             if len({tuple(t) for t in outs.values()}) != 1:
@@ -77,13 +84,15 @@ def main() -> None:
     redis.Redis.from_url(args.redis).delete(f"{prefix}:replay")
     ratios = {m: statistics.median(a / b for a, b in zip(per_block[m], per_block["none"])) for m in ("memory", "redis")}
     result = {"machine": machine_info(), "kind": args.kind, "prompts": len(prompts), "rounds": args.rounds,
+              "k": "auto" if args.k is None else args.k, "observe_every": workers["redis"].cfg.observe_every,
               "blocks_per_mode": blocks, "median_ms_per_block": {m: 1e3 * statistics.median(v) for m, v in per_block.items()},
               "median_ratio_vs_no_logging": ratios,
               "records": {m: None if (rec := w.stats().records) is None else asdict(rec) for m, w in workers.items()},
               "redis_stream_entries": stream_len, "redis_memory_bytes": mem,
               "redis_bytes_per_1000_blocks": None if not mem or not stream_len else 1000 * mem / stream_len}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"online_overhead_{args.kind}.json").write_text(json.dumps(result, indent=1))
+    tail = "" if args.k != 0 else f"_k0_every{workers['redis'].cfg.observe_every}"
+    (OUT / f"online_overhead_{args.kind}{tail}.json").write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
     for w in workers.values():
         w.close()

@@ -60,6 +60,14 @@ class VerifierView:
     recent_lens: torch.Tensor | None = None  # [B] int64
 
 
+def steer_now(drafter) -> torch.Tensor | None:
+    """What a block drafted now would be drafted from (a drafter's optional `steer_now`: the eagle head's
+    feature, the eagle-3 head's window; its proposals' `steer`), for an observed record of a step left plain;
+    None where the drafter keeps none (its records need none, or it cannot give observed records)."""
+    fn = getattr(drafter, "steer_now", None)
+    return None if fn is None else fn()
+
+
 class Drafter(Protocol):
     kind: str
     verifier_layers: tuple[int, ...]  # hidden states it needs from the verifier (SD² steering)

@@ -14,7 +14,7 @@ import torch
 
 from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
-from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
+from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView, steer_now
 from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, rejection_sample
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
 from specloop.drafter.decode.shaping import StepShaper
@@ -298,14 +298,6 @@ def follows_plain(drafter: Drafter | None) -> bool:
     """Whether plain steps (k = 0) keep this drafter up to date (it reads only the verifier's
     features and committed tokens: observing a plain step costs nothing), so it is never behind."""
     return drafter is not None and getattr(drafter, "follows_plain", False)
-
-
-def steer_now(drafter: Drafter | None) -> torch.Tensor | None:
-    """What a block drafted now would be drafted from (a drafter's optional `steer_now`: the eagle head's
-    feature, the eagle-3 head's window; its proposals' `steer`), for an observed record of a step left plain;
-    None where the drafter keeps none (its records need none, or it cannot give observed records)."""
-    fn = getattr(drafter, "steer_now", None)
-    return None if fn is None else fn()
 
 
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import cast
 import torch
 
 from specloop.drafter.decode.controller import Acceptance, Calibration, ControllerConfig, expected_tokens
-from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView
+from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView, steer_now
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.suffix import SuffixDrafter, proposal_of
@@ -76,8 +76,7 @@ class SpeculatorMix:
 
     def steer_now(self) -> torch.Tensor | None:
         """The served ("adaptive") member's: an observed record of a step left plain is the adaptive drafter's."""
-        fn = getattr(self.members["adaptive"], "steer_now", None)
-        return None if fn is None else fn()
+        return steer_now(self.members["adaptive"])
 
     # -- the choice
 

@@ -524,12 +524,14 @@ def test_a_mix_of_speculators_logs_the_models_blocks_only_and_serves_the_verifie
         worker.close()
 
 
-@pytest.mark.parametrize("observe_every", [0, 1, 3])
-def test_steps_left_plain_give_observed_records_of_the_verifiers_own_tokens(tiny_pair, observe_every):
-    """Speculation off (k = 0) for every request: an eagle worker logs one step in `observe_every` as observed
-    records (k = 0: the verifier's next token, the head's feature it would have drafted from), none with 0."""
+@pytest.mark.parametrize("observe_every, speculators", [(0, ()), (1, ()), (3, ()), (3, ("suffix",))])
+def test_steps_left_plain_give_observed_records_of_the_verifiers_own_tokens(tiny_pair, observe_every, speculators):
+    """Speculation off (k = 0) for every request: an eagle worker (alone, or the served default's mix with suffix
+    decoding) logs one step in `observe_every` as observed records (k = 0: the verifier's next token, the head's
+    feature it would have drafted from), none with 0."""
     buffer = MemoryBuffer()
-    config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=None, kind="eagle", observe_every=observe_every)
+    config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=None, kind="eagle", observe_every=observe_every,
+                          speculators=speculators)
     worker = VerifierWorker(config, buffer)
     try:
         reqs = [dataclasses.replace(r, k=0) for r in requests(worker.verifier)[:3]]
