@@ -211,5 +211,5 @@ def summary_line(summary: ReplaySummary) -> str:
                  f" promoted={promoted} canaries={len(lrn.canaries)} rolled back={rolled}"
                  f" champion={lrn.champion}")
     if w.records is not None:
-        line += f", records logged={w.records.logged} dropped={w.records.dropped}"
+        line += f", records logged={w.records.logged} (observed {w.records.observed}) dropped={w.records.dropped}"
     return line + f"; registry {summary.registry}"

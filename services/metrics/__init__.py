@@ -82,7 +82,8 @@ request), histograms `specloop:step_forward_seconds` / `specloop:step_seconds`,
 `specloop:drafter_swaps_total`, `specloop:drafter_rollbacks_total`, `specloop:drafter_load_failures_total`,
 `specloop:registry_up`, `specloop:drafter_info{drafter_version}` (1 for the serving version),
 `specloop:worker_info{worker}`, `specloop:replay_records_logged_total`,
-`specloop:replay_records_dropped_total`, `specloop:prefix_cache_queries_total` /
+`specloop:replay_records_dropped_total`, `specloop:replay_records_observed_total` (of the logged, those of steps
+left plain), `specloop:prefix_cache_queries_total` /
 `specloop:prefix_cache_hits_total` (prompt tokens looked up in the verifier's prefix cache, and served from it:
 drafter/decode/prefix_cache.py; also as vLLM's `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`).
 

@@ -42,7 +42,7 @@ def attach_metrics(loop, metrics) -> None:
         if worker.logger is not None and time.monotonic() - seen["records_at"] > 1.0:
             seen["records_at"] = time.monotonic()
             rec = worker.logger.stats()
-            metrics.records(rec.logged, rec.dropped)
+            metrics.records(rec.logged, rec.dropped, rec.observed)
         if worker.watcher is not None and time.monotonic() - seen["registry_at"] > 1.0:
             seen["registry_at"] = time.monotonic()
             metrics.registry_reachable(not worker.watcher.down)

@@ -111,7 +111,9 @@ class WorkerMetrics(Exporter):
         self.drafter_info = self._gauge("drafter_info", "1 for the drafter version that serves.", v)
         self._gauge("worker_info", "1, labelled with the worker's name.", ("worker",)).labels(worker).set(1)
         self.totals = Totals({PREFIX + "replay_records_logged": "Replay records handed to the buffer.",
-                               PREFIX + "replay_records_dropped": "Replay records dropped (buffer or queue full)."},
+                               PREFIX + "replay_records_dropped": "Replay records dropped (buffer or queue full).",
+                               PREFIX + "replay_records_observed": "Replay records of steps left plain (observed: "
+                               "the verifier's next token where nothing was drafted) handed to the buffer."},
                               self.constant)
         self.registry.register(self.totals)
         queries, hits = "Prompt tokens looked up in the prefix cache.", "Prompt tokens served from the prefix cache."
@@ -243,8 +245,9 @@ class WorkerMetrics(Exporter):
 
     # -- replay logging
 
-    def records(self, logged_total: int, dropped_total: int) -> None:
+    def records(self, logged_total: int, dropped_total: int, observed_total: int = 0) -> None:
         """The replay logger's running totals (absolute values, not increments)."""
         self.totals.set(PREFIX + "replay_records_logged", logged_total)
         self.totals.set(PREFIX + "replay_records_dropped", dropped_total)
+        self.totals.set(PREFIX + "replay_records_observed", observed_total)
 

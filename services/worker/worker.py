@@ -143,6 +143,7 @@ class RecordStats:
     logged: int
     dropped: int
     bytes: int  # encoded payload bytes
+    observed: int = 0  # of those appended, observed records (steps left plain: `WorkerConfig.observe_every`)
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,7 @@ class RecordLogger:
     def __init__(self, buffer: ReplayBuffer, kind: str, maxsize: int, top_k: int, threaded: bool):
         self.buffer, self.kind, self.top_k = buffer, kind, top_k
         self.queue: queue.Queue = queue.Queue(maxsize=maxsize)
-        self.appended = self.dropped = self.bytes = 0  # dropped: from the logger queue only
+        self.appended = self.dropped = self.bytes = self.observed = 0  # dropped: from the logger queue only
         self.thread = threading.Thread(target=self._run, name="record-logger", daemon=True) if threaded else None
         if self.thread is not None:
             self.thread.start()
@@ -229,6 +230,7 @@ class RecordLogger:
             self.bytes += len(payload)
             self.buffer.append(payload)  # a refusal is counted in the buffer's stats
             self.appended += 1
+            self.observed += record.observed
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
@@ -243,7 +245,8 @@ class RecordLogger:
 
     def stats(self) -> RecordStats:
         lost = self.buffer.cached_stats().dropped  # counters only: no I/O on the serving thread
-        return RecordStats(logged=self.appended - lost, dropped=self.dropped + lost, bytes=self.bytes)
+        return RecordStats(logged=self.appended - lost, dropped=self.dropped + lost, bytes=self.bytes,
+                           observed=self.observed)
 
     def close(self) -> None:
         if self.thread is not None:

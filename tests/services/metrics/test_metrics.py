@@ -126,9 +126,10 @@ def test_replay_record_totals_are_set_to_absolute_values():
     m = WorkerMetrics()
     assert value(m, "specloop:replay_records_logged_total") == 0
     m.records(logged_total=10, dropped_total=1)
-    m.records(logged_total=25, dropped_total=3)
+    m.records(logged_total=25, dropped_total=3, observed_total=7)
     assert value(m, "specloop:replay_records_logged_total") == 25
     assert value(m, "specloop:replay_records_dropped_total") == 3
+    assert value(m, "specloop:replay_records_observed_total") == 7
     body, _ = m.render()
     assert b"# TYPE specloop:replay_records_dropped_total counter" in body
 

@@ -550,7 +550,7 @@ def test_steps_left_plain_give_observed_records_of_the_verifiers_own_tokens(tiny
             at = [i for i in range(1, len(text)) if text[i - 1] == int(record.context[-1])
                   and text[i] == int(record.tokens[0])]
             assert at, "an observed record's token follows its context in the request's text"
-        assert worker.stats().records.logged == len(records)
+        assert worker.stats().records.logged == worker.stats().records.observed == len(records)
     finally:
         worker.close()
 
