@@ -107,6 +107,8 @@ class StepTiming:
     draft_s: float = 0.0  # drafter.propose
     verify_s: float = 0.0  # the verify pass and the verdict
     resync_s: float = 0.0  # restarting drafter rows that fell behind during plain steps
+    trace_s: float = 0.0  # the trace callback (replay records, inline): not priced by the controller, whose
+    #                       choice would follow the logger's costs (a cold first record: tens of ms) otherwise
     choice: Choice | None = None  # the controller's k for the auto rows (None: no auto row, or no drafter)
 
 
@@ -390,7 +392,8 @@ class Engine:
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s if clock else 0.0,
-                            verify_s=clock.verify_s if clock else t2 - t1, resync_s=resync_s, choice=plan.choice)
+                            verify_s=clock.verify_s if clock else t2 - t1, resync_s=resync_s,
+                            trace_s=clock.trace_s if clock else 0.0, choice=plan.choice)
         return self._commit(plan, outcome, scoring, timing, t0)
 
     def _step_cache(self, m: int) -> KVCache:
@@ -458,9 +461,9 @@ class Engine:
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
         if self.drafter is None:  # nothing to choose: the verifier alone measures nothing for the controller
             return updates
-        self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s,
-                                           self.timing.total_s - draft_s - verify_s - resync_s, blocks, resync_s,
-                                           plan.k, confident, plan.lookup))
+        rest = self.timing.total_s - draft_s - verify_s - resync_s - timing.trace_s
+        self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s, rest, blocks,
+                                           resync_s, plan.k, confident, plan.lookup))
         return updates
 
     def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> int:

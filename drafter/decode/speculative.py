@@ -50,6 +50,7 @@ class StepClock:
 
     draft_s: float = 0.0
     verify_s: float = 0.0
+    trace_s: float = 0.0  # the step's trace callback (replay records): timed apart, not a cost of decoding
     _marks: int = 0  # marks made this step (CUDA: which of the device's three events the next one records)
 
     def mark(self, device: torch.device):
@@ -121,7 +122,10 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
     if (block.k or observed) and o.on_trace is not None:  # the proposal as verified, the logits it was verified
         hidden = {i: out.hidden[i] for i in record}  # against (observed: an empty one, with what it starts from)
         proposal = block.proposal if block.k else replace(block.proposal, steer=steer)
+        t_trace = time.perf_counter()
         o.on_trace(StepTrace(proposal, out.logits, hidden, outcome, plan.active, block.limit))
+        if o.clock is not None:
+            o.clock.trace_s = time.perf_counter() - t_trace
     return outcome
 
 

@@ -1,6 +1,8 @@
 """Continuous batching: requests that join and leave a running pool decode exactly as they would alone."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -200,6 +202,41 @@ def test_explicit_k_rows_keep_their_k_and_auto_rows_take_the_controllers(verifie
     assert {u.id: u.k for u in second} == {"fixed": 1, "r0": 3}
     stats = engine.get("r0").gen.stats
     assert stats.drafted == 4 and stats.drafted_per_position == [2, 1, 1, 0] and stats.blocks == 2
+
+
+def test_the_controller_prices_a_step_without_its_trace_callback(verifier, tiny_pair):
+    # replay logging runs inside the step (inline): its time is reported apart and never taken for a cost of
+    # decoding (a cold first record of tens of ms made plain steps look dear and kept a losing drafter on)
+    samples = []
+
+    class Watching(Controller):
+        def observe(self, step):
+            samples.append(step)
+            super().observe(step)
+
+    class SlowLogger:
+        def swap(self, drafter, histories):
+            return drafter
+
+        def observes_plain(self):
+            return True
+
+        def traced(self, histories, ids):
+            return lambda trace: (calls.append(1), time.sleep(0.05))
+
+    calls: list[int] = []
+    engine = Engine(verifier.lean, _drafter("eagle", verifier, tiny_pair), slots=1, capacity=96,
+                    stop_rule=StopRule(verifier.eos_ids), controller=Watching(), hooks=SlowLogger())
+    engine.admit(_auto(_requests(verifier)[:1]))
+    traced = 0
+    for _ in range(4):  # plain steps (observed) and probes (unless the confidence cut left nothing to verify)
+        before = len(calls)
+        engine.step()
+        if len(calls) > before:
+            traced += 1
+            assert engine.timing.trace_s >= 0.05 and engine.timing.total_s >= 0.05
+    assert traced >= 2 and len(samples) == 4
+    assert all(s.overhead_s < 0.04 for s in samples), [s.overhead_s for s in samples]
 
 
 def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
