@@ -282,7 +282,8 @@ def main(argv=None) -> int:
     served = serve_traffic(args, traffic_file, registry)
     source = args.source.name if args.source else f"ShareGPT (training conversations from {args.start})"
     result = {"machine": machine_info(), "source": source, "learner": args.learner, "k": args.k,
-              "serve_k": args.serve_k or "auto", "observe_every": observing(args).get("observe_every", "default"),
+              "serve_k": "auto" if args.serve_k is None else args.serve_k,
+              "observe_every": observing(args).get("observe_every", "default"),
               "max_tokens": args.max_tokens, "held_out_prompts": len(held_out), "traffic": served}
     result["held_out"] = evaluate(args, held_out, checkpoints(served["requests"], args.every), registry)
     OUT.mkdir(parents=True, exist_ok=True)

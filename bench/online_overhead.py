@@ -42,6 +42,9 @@ OUT = ROOT / "bench" / "results"
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kind", default="pretrained")
+    p.add_argument("--models", type=Path, default=SHARED / "models",
+                   help="DIR with verifier/ and drafter/ (default: the reference pair; the fetched pair: "
+                        "~/.cache/specloop/models/smollm2-135m-instruct)")
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -53,8 +56,8 @@ def main() -> None:
     torch.set_num_threads(1)
     prefix = f"bench-overhead-{uuid.uuid4().hex[:8]}"
     redis_buffer = open_buffer(args.redis, prefix=prefix)
-    drafter = None if args.kind == "dvi" else SHARED / "models" / "drafter"
-    cfg = dict(verifier=str(SHARED / "models" / "verifier"), drafter=str(drafter) if drafter else None, kind=args.kind)
+    drafter = None if args.kind == "dvi" else args.models / "drafter"
+    cfg = dict(verifier=str(args.models / "verifier"), drafter=str(drafter) if drafter else None, kind=args.kind)
     logging = {} if args.observe_every is None else {"observe_every": args.observe_every}
     workers = {"none": VerifierWorker(WorkerConfig(**cfg, log_records=False)),
                "memory": VerifierWorker(WorkerConfig(**cfg, **logging), MemoryBuffer(1_000_000)),
@@ -83,7 +86,8 @@ def main() -> None:
     stream_len = redis_buffer.stats().depth
     redis.Redis.from_url(args.redis).delete(f"{prefix}:replay")
     ratios = {m: statistics.median(a / b for a, b in zip(per_block[m], per_block["none"])) for m in ("memory", "redis")}
-    result = {"machine": machine_info(), "kind": args.kind, "prompts": len(prompts), "rounds": args.rounds,
+    result = {"machine": machine_info(), "models": str(args.models), "kind": args.kind, "prompts": len(prompts),
+              "rounds": args.rounds,
               "k": "auto" if args.k is None else args.k, "observe_every": workers["redis"].cfg.observe_every,
               "blocks_per_mode": blocks, "median_ms_per_block": {m: 1e3 * statistics.median(v) for m, v in per_block.items()},
               "median_ratio_vs_no_logging": ratios,

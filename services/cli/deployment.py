@@ -58,6 +58,7 @@ class ServeConfig:
     drafter_weights: str = "auto"
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own template)
     prefix_caching: bool = True  # --enable-prefix-caching (the workers' WorkerConfig.prefix_caching)
+    observe_every: int = 8  # --observe-every (the workers' WorkerConfig.observe_every: records of steps left plain)
     uvicorn_log_level: str = "warning"  # --uvicorn-log-level
 
 
@@ -201,7 +202,8 @@ class Deployment:
                     "registry": str(self.registry) if learning else None, "threads": cfg.worker_threads,
                     "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
                     "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
-                    "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching}
+                    "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching,
+                    "observe_every": cfg.observe_every}
             actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,  # type: ignore[attr-defined]
                                          resources=cfg.worker_resources or None, **detached)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))

@@ -287,6 +287,10 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
           workers: Annotated[int, typer.Option(help="verifier worker actors")] = 1,
           max_queue: Annotated[int, typer.Option(help="waiting requests per worker before 503")] = 64,
           registry: Registry = None,
+          observe_every: Annotated[int, typer.Option(
+              help="with the learner on: one step in N the controller left plain gives observed replay records "
+                   "(the verifier's next token where nothing was drafted), so the drafter keeps learning where "
+                   "speculation is turned down; 0: none")] = 8,
           worker_resource: Annotated[Optional[list[str]], typer.Option(
               metavar="NAME", help="a Ray custom resource each worker asks for (repeatable; places workers on "
                                    "chosen nodes)")] = None,
@@ -301,6 +305,8 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
 
     if workers < 1:
         raise UsageError("--workers must be >= 1")
+    if observe_every < 0:
+        raise UsageError("--observe-every must be >= 0 (0: no records of steps left plain)")
     slots = capacity.seqs()
     capacity.context()  # a value below 1, or two that differ: refused before any model is looked at
     if learner is not None and learner not in ("off", "kl", "klrl", "lk"):
@@ -334,7 +340,7 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
                       worker_threads=max(1, glob.threads // 2), worker_resources={r: 1 for r in worker_resource or ()},
                       weights=mode, drafter_weights=weights.drafter_weights, cache=cache,
                       chat_template=chat_template, prefix_caching=enable_prefix_caching,
-                      uvicorn_log_level=endpoint.uvicorn_log_level)
+                      uvicorn_log_level=endpoint.uvicorn_log_level, observe_every=observe_every)
     return run_serve(cfg)
 
 

@@ -46,7 +46,7 @@ class ReplayConfig:
     learner: str = "klrl"  # off | kl | klrl | lk
     buffer: str = "memory"  # memory | redis://HOST:PORT[/DB]
     max_tokens: int = 64
-    k: int | None = 4  # None: auto (the controller chooses k step by step)
+    k: int | None = 4  # None: auto (the controller chooses k step by step); 0: plain steps only (observed records)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -64,9 +64,9 @@ class ReplayConfig:
     def __post_init__(self):
         if self.learner not in LEARNERS:
             raise ValueError(f"unknown learner {self.learner!r}; choose one of {', '.join(LEARNERS)}")
-        if (self.k is not None and self.k < (0 if self.learner == "off" else 1)) or self.max_tokens < 1:
-            raise ValueError("--k (auto or a number) and --max-tokens must be >= 1 (k = 0, the verifier alone: "
-                             "learner off)")
+        if (self.k is not None and self.k < 0) or self.max_tokens < 1:
+            raise ValueError("--k must be auto or >= 0 (0: the verifier alone; a learner then learns from the "
+                             "observed records of its plain steps) and --max-tokens >= 1")
         if self.learner != "off" and self.kind not in TRAINABLE_KINDS:
             raise ValueError(f"the learner trains {', '.join(TRAINABLE_KINDS)} drafters, not {self.kind!r}")
         if not self.prompts:

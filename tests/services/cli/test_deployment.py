@@ -60,6 +60,8 @@ def test_serve_refuses_bad_flags_with_exit_code_2(tiny_pair, capsys):
     assert "--workers must be >= 1" in capsys.readouterr().err
     assert main(base + ["--learner", "sgd"]) == 2
     assert "unknown learner" in capsys.readouterr().err
+    assert main(base + ["--observe-every", "-1"]) == 2
+    assert "--observe-every must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--verifier", str(tiny_pair[0]), "--learner", "klrl"]) == 2  # no drafter: suffix decoding
     assert "--drafter" in capsys.readouterr().err
 
