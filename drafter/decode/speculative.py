@@ -119,7 +119,7 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
         n = outcome.num_accepted
         view = VerifierView(cache, at_emitting_position(out.hidden, n), out.hidden, n + 1)
         follower.observe(outcome, plan.active, view)
-    if (block.k or observed) and o.on_trace is not None:  # the proposal as verified, the logits it was verified
+    if o.on_trace is not None and (block.k or observed):  # the proposal as verified, the logits it was verified
         hidden = {i: out.hidden[i] for i in record}  # against (observed: an empty one, with what it starts from)
         proposal = block.proposal if block.k else replace(block.proposal, steer=steer)
         t_trace = time.perf_counter()

@@ -372,8 +372,8 @@ class VerifierWorker:
         slots = torch.nonzero(trace.active).flatten().tolist()
         kmax = trace.proposal.tokens.shape[1]
         if not kmax:  # a step left plain, observed: the served version's records of the verifier's own next token
-            if self.logger is not None:
-                self.logger.submit(trace, slots, [self._tag(ids[b], histories[b], self.version) for b in slots], 0)
+            assert self.logger is not None  # `observes_plain` asks for plain steps only where records are logged
+            self.logger.submit(trace, slots, [self._tag(ids[b], histories[b], self.version) for b in slots], 0)
             return
         sources = trace.proposal.sources
         by_k: dict[tuple[int, str], list[int]] = {}
