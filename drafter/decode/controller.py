@@ -59,7 +59,10 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   (a mix's suffix member) teach the calibration, never the acceptance k is chosen by: that prices the
   drafter that costs a pass.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
-  until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs.
+  until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs. A step
+  left plain while no probe is due is not timed (`Choice.timed`: the engine reads no clock and reports
+  nothing), but for the last `side_by_side` before a probe: where speculation is off, the controller
+  costs the host a choice a step and nothing more (on CUDA a timed step records three events).
 """
 from __future__ import annotations
 
@@ -351,6 +354,7 @@ class Choice:
     k: int  # drafts per block for the controller's rows
     probe: bool = False  # chosen to measure, not because it is expected to win
     speedup: float = 1.0  # expected tokens/s of this choice over the cheapest one (k = the explicit rows' max)
+    timed: bool = True  # False: a step left plain that nothing learns from (the engine times and reports none)
 
 
 class Confident(NamedTuple):
@@ -504,6 +508,9 @@ class Controller:
                 if not again:
                     self.interval = self.cfg.explore_min if e.cheap else min(2 * self.interval, self.cfg.explore_max)
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
+            # left plain with no probe due: untimed but for the last `side_by_side` steps before one, the plain
+            # reference the probe is priced against (a plain step's cost moves slowly; timing it costs the host)
+            return self._chose(Choice(0, timed=again or self.idle + 1 + self.cfg.side_by_side >= due * switch))
         return self._chose(Choice(base))
 
     def _chose(self, choice: Choice) -> Choice:

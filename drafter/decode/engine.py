@@ -382,7 +382,7 @@ class Engine:
             self.behind.update(plan.live)
         cache = self._step_cache(m)
         narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
-        clock = StepClock() if self.drafter is not None else None  # the controller's costs: only where it chooses
+        clock = StepClock() if self._timed(plan) else None  # the controller's costs: only where it learns them
         scoring = scoring_for({s: top for s in plan.live if (top := self._row(s).request.logprobs) is not None})
         options = StepOptions(self.sampler, on_trace, clock, scoring, self._gate(plan))
         t1 = time.perf_counter()
@@ -432,6 +432,11 @@ class Engine:
                         lookup=width > 0, confidence_cut=cut, shaper=shaper, m=m, live=tuple(live),
                         row_k=tuple(ks), choice=choice)
 
+    def _timed(self, plan: StepPlan) -> bool:
+        """Whether the controller learns from this step (its clock read, its costs observed): not the verifier
+        alone's, nor a step the controller left plain while no probe is due (`Choice.timed`)."""
+        return self.drafter is not None and (plan.k > 0 or plan.choice is None or plan.choice.timed)
+
     def _gate(self, plan: StepPlan) -> Gate | None:
         """Each row's draft length from its confidence (the controller's `cut`), where the plan lets it cut."""
         if not plan.confidence_cut:
@@ -459,7 +464,7 @@ class Engine:
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
-        if self.drafter is None:  # nothing to choose: the verifier alone measures nothing for the controller
+        if not self._timed(plan):  # the verifier alone, or a plain step nothing learns from: nothing to observe
             return updates
         rest = self.timing.total_s - draft_s - verify_s - resync_s - timing.trace_s
         self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s, rest, blocks,

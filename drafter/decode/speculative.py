@@ -52,6 +52,7 @@ class StepClock:
     verify_s: float = 0.0
     trace_s: float = 0.0  # the step's trace callback (replay records): timed apart, not a cost of decoding
     _marks: int = 0  # marks made this step (CUDA: which of the device's three events the next one records)
+    _stream: object = None  # CUDA: the stream the step runs on, looked up once (each lookup makes a Stream object)
 
     def mark(self, device: torch.device):
         """A point on the step's timeline: a CUDA event recorded on the stream (three per step, kept by this
@@ -62,8 +63,10 @@ class StepClock:
         self._marks = self._marks % 3 + 1
         while len(events) < self._marks:
             events.append(torch.cuda.Event(enable_timing=True))
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream(device)
         event = events[self._marks - 1]
-        event.record()
+        event.record(self._stream)
         return event
 
     def read(self, start, drafted, verified) -> None:

@@ -204,6 +204,7 @@ class EagleDrafter:
         self.verifier_layers: tuple[int, ...] = (feature_layer(head.cfg, verifier.num_layers),)
         self.vocab = None if vocab is None else vocab.to(verifier.device)
         self.chain: Replay | None = None  # greedy drafts as one captured graph (`use_chain`), else the loop
+        self._chain_key: tuple = ()  # what the chain was captured for (use_chain's arguments, the head's tensors)
         self._linears(head)
 
     def _linears(self, head: FeatureHead) -> None:
@@ -248,9 +249,14 @@ class EagleDrafter:
         (model.graph.Replay: a CUDA graph replayed where the eager loop launches ~20 kernels per draft), or,
         with slots None, through the eager loop. The engine's graph backend asks (Engine._graph_drafter). The
         compiled chain is one function for every head of these shapes (`draft_chain`, its weights passed in):
-        a version swapped in is captured again (milliseconds), not compiled again."""
-        self.chain = None
+        a version swapped in is captured again (milliseconds), not compiled again. A chain of the same slots, depth and
+        compilation is kept: each engine asks (`generate` makes one per batch), and a capture per engine cost the
+        GPU's batch-1 runs one capture per request."""
         head = (self.lean.embed, *self.weights())
+        key = (slots, depth, compiled, tuple(map(id, head)))
+        if self.chain is not None and key == self._chain_key:
+            return
+        self.chain, self._chain_key = None, key
         if slots is None or not all(isinstance(w, torch.Tensor) for w in head):
             return  # the eager loop (quantized heads run the verifier's own kernels)
         self._depth = depth

@@ -26,15 +26,20 @@ def verify_time(T: int, rows: int = 1, slope: float = 0.05, batch_slope: float =
 
 
 def run(controller: Controller, steps: int, accepted, rows: int = 1, draft_s: float = 0.0005,
-        slope: float = 0.05, batch_slope: float = 0.0) -> list[int]:
-    """Drive the controller through `steps` steps of a batch of auto rows; accepted(k) = drafts accepted per row."""
+        slope: float = 0.05, batch_slope: float = 0.0, choices: list | None = None) -> list[int]:
+    """Drive the controller through `steps` steps of a batch of auto rows; accepted(k) = drafts accepted per row.
+    As the engine does, a step the controller leaves untimed is not observed (`choices` gets every Choice)."""
     chosen = []
     for _ in range(steps):
-        k = controller.choose(Batch(rows, rows)).k
+        choice = controller.choose(Batch(rows, rows))
+        k = choice.k
         n = min(k, accepted(k))
-        controller.observe(StepSample(rows, k, draft_s * k, verify_time(k + 1, rows, slope, batch_slope),
-                                      OVERHEAD_S, ((k, n),) * rows if k else ()))
+        if choice.timed:
+            controller.observe(StepSample(rows, k, draft_s * k, verify_time(k + 1, rows, slope, batch_slope),
+                                          OVERHEAD_S, ((k, n),) * rows if k else ()))
         chosen.append(k)
+        if choices is not None:
+            choices.append(choice)
     return chosen
 
 
@@ -72,6 +77,28 @@ def test_rarely_accepted_drafts_keep_the_verifier_alone_and_probes_are_rare():
     assert gaps == sorted(gaps) and gaps[-1] >= c.cfg.explore_max  # backs off up to the longest interval
     assert sum(chosen[1000:]) <= 1000 // c.cfg.explore_max * c.cfg.k_max
     assert c.choose(Batch(1, 1)).k == 0
+
+
+def test_a_controller_that_left_speculation_off_times_only_the_steps_before_a_probe():
+    # where speculation is off, a plain step costs the host a choice and nothing more: no clock, nothing observed,
+    # but for the last side_by_side steps before each probe (its plain reference); the probes come as before
+    c, choices = Controller(), []
+    chosen = run(c, 2000, accepted=lambda k: 0, choices=choices)
+    plain = [x for x in choices if not x.k]
+    assert sum(x.timed for x in plain) < 0.1 * len(plain)
+    assert all(x.timed for x in choices if x.k)
+    probes = [i for i, x in enumerate(choices) if x.probe and x.k]
+    assert len(probes) >= 6
+    for i in probes:  # a timed plain step within side_by_side steps before every probe
+        assert any(choices[j].timed and not choices[j].k for j in range(max(0, i - c.cfg.side_by_side), i))
+    # timing every step changes no choice
+    every = Controller()
+    for k in chosen:
+        assert every.choose(Batch(1, 1)).k == k
+        every.observe(StepSample(1, k, 0.0005 * k, verify_time(k + 1), OVERHEAD_S, ((k, 0),) if k else ()))
+    paying: list = []
+    run(Controller(), 200, accepted=lambda k: k, choices=paying)
+    assert all(x.timed for x in paying[20:])  # where drafting pays, every step is timed
 
 
 def test_high_acceptance_with_a_cheap_verify_pass_drafts_the_most():

@@ -239,6 +239,37 @@ def test_the_controller_prices_a_step_without_its_trace_callback(verifier, tiny_
     assert all(s.overhead_s < 0.04 for s in samples), [s.overhead_s for s in samples]
 
 
+def test_a_controller_that_turned_speculation_off_learns_from_few_plain_steps_and_output_is_unchanged(
+        verifier, tiny_pair):
+    # an untrained eagle head (drafts the verifier rarely takes): once the controller leaves speculation off, its
+    # plain steps are neither timed nor observed, but for the few before each probe
+    samples = []
+
+    class Watching(Controller):
+        def observe(self, step):
+            samples.append(step)
+            super().observe(step)
+
+    rule, req = StopRule(()), _auto(_requests(verifier, max_tokens=240)[:1])[0]
+    controller = Watching(ControllerConfig(explore_max=64))
+    engine = Engine(verifier.lean, _drafter("eagle", verifier, tiny_pair), slots=1,
+                    capacity=positions_needed(len(req.prompt), req.params.max_tokens, None), stop_rule=rule,
+                    controller=controller)
+    engine.admit([req])
+    tokens, steps, untimed = [], 0, 0
+    while engine.running:
+        for u in engine.step():
+            tokens += u.new_tokens
+        steps += 1
+        choice = engine.timing.choice
+        untimed += not choice.timed
+        assert choice.timed or (choice.k == 0 and engine.timing.draft_s == 0)
+    assert tokens == generate(verifier.lean, None, [req.prompt], req.params, 0, rule)[0].token_ids
+    drafting = sum(1 for s in samples if s.k)
+    assert drafting < steps / 8 and untimed > steps / 2  # speculation off most of the time, and untimed
+    assert len(samples) == steps - untimed, (steps, untimed, drafting)
+
+
 def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
     swaps = []
 

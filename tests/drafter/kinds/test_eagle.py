@@ -141,5 +141,10 @@ def test_the_captured_chain_drafts_as_the_loop_does(verifier, vocab):
     inputs = (torch.zeros(4, lean.hidden_size), torch.zeros(4, dtype=torch.long), lean.embed, *d.weights())
     explained = torch._dynamo.explain(draft_chain)(*inputs, vocab=vocab, depth=4, vocab_size=60, eps=1e-5)
     assert explained.graph_break_count == 0
+    kept = d.chain
+    d.use_chain(slots=4, depth=4, compiled=False)  # the next engine of the same shape: the same capture
+    assert d.chain is kept
+    d.use_chain(slots=8, depth=4, compiled=False)  # another pool: captured again
+    assert d.chain is not kept and d.chain is not None and len(d.chain.buffers[0]) == 8
     d.use_chain(None)
     assert d.chain is None
