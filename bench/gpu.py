@@ -26,7 +26,8 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
 - pair (with --models): the reference pair end to end through specloop.drafter.decode.engine.generate, greedy, 64 new
   tokens, batch 1 and 8: the verifier alone (graph and eager backends), and the pretrained, n-gram and
   eagle (untrained head: cost only) drafters at k = auto and k = 4 on the graph backend: tokens/s
-  (median over alternating rounds after a warm-up pass that compiles), τ = 1 + accepted / blocks, and
+  (median over alternating rounds after a warm-up pass that compiles; a k-auto system keeps one controller
+  over all of them, as a server's engine does: --fresh-controllers for one per batch), τ = 1 + accepted / blocks, and
   greedy output identical to the graph verifier alone (prompts identical on every pass / prompts).
   Prompts: the first 8 of chat_dev.jsonl and of code_dev.jsonl whose engines share one pool shape
   (`one_pool`; --any-length: the first 8 whatever their length, one compile per pool shape).
@@ -691,6 +692,7 @@ class System:
     error: str | None = None  # a failed build or run: the system sits out the passes after
     env: dict[str, str] = field(default_factory=dict)  # the step's path (PATHS) where not the default
     split: list[dict] = field(default_factory=list)  # per pass: seconds in admissions (prefills), in steps, the rest
+    controller: object = None  # k auto: one controller over every pass, as a server's engine keeps one (`--fresh`: None)
 
 
 def build_systems(verifier, models: Path, eagle_head: Path | None = None) -> list[System]:
@@ -735,6 +737,8 @@ def pair_section(plan: Plan, args, report: Report, budget: Budget, clock: Clock)
         prompts += [ids for ids in encoded if len(ids) in fits][: plan.per_file]
     widest = max(plan.pair_batches)
     prompts = prompts[: max(widest, len(prompts) // widest * widest)]  # whole batches: every engine has the same slots
+    out.update(controllers="a new one per batch of prompts" if args.fresh_controllers else
+               "one per k-auto system over the warm-up pass and every round (as a server keeps its engine's)")
     out.update(verifier=str(args.models / "verifier"), served=verifier.served, prompts=len(prompts),
                prompt_tokens=[len(p) for p in prompts], prompt_lengths_kept=[fits.start, fits.stop - 1] if plan.one_pool
                else "any", max_tokens=plan.max_tokens)
@@ -769,16 +773,20 @@ def one_pool(lean, plan: Plan) -> range:
 def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, budget: Budget, clock: Clock) -> dict:
     from specloop.drafter.decode.engine import generate
 
+    from specloop.drafter.decode.controller import Controller
+
     systems = build_systems(verifier, args.models, args.eagle_head)
     if args.systems:  # alone-graph stays: the reference every other system is compared with
         systems = [s for s in systems if s.name == "alone-graph" or s.name in args.systems.split(",")]
+    for system in systems:  # a server's engine keeps its controller; generate() per batch would start a new one
+        system.controller = None if args.fresh_controllers or system.k is not None else Controller()
 
     def run(system: System):
         gens, t0 = [], time.perf_counter()
         with scoped_env(system.env), split_time(clock) as split:
             for lo in range(0, len(prompts), batch):
                 gens += generate(verifier.lean, system.drafter, prompts[lo : lo + batch], params, system.k, rule,
-                                 backend=system.backend)
+                                 backend=system.backend, controller=system.controller)
         clock.sync()
         system.split.append(split)
         return gens, time.perf_counter() - t0
@@ -813,7 +821,7 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
                        f"identical {sum(same)}/{len(same)}")
         passes.append(time.perf_counter() - t_pass)
     out = pair_rows(systems, batch, passes, budget)
-    profiled = [s for s in systems if s.name in ("alone-graph", "ngram-k4", "eagle-k4") and not s.error]
+    profiled = [s for s in systems if s.name in ("alone-graph", "ngram-k4", "eagle-k4", "eagle-auto") and not s.error]
     out["host_profile"] = {s.name: host_profile(run, s) for s in profiled if budget.allows(5.0)}
     out["device_profile"] = {s.name: device_profile(run, s) for s in profiled if budget.allows(5.0)}
     return out
@@ -1132,6 +1140,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--rounds", type=int)
     ap.add_argument("--systems", help="pair: only these systems (alone-graph always; default: all)")
+    ap.add_argument("--fresh-controllers", action="store_true",
+                    help="pair: a new controller for every batch of prompts (default: one per system, as served)")
     ap.add_argument("--eagle-head", type=Path, help="pair: a trained eagle head's directory (the fetched pair's drafter)")
     ap.add_argument("--any-length", action="store_true",
                     help="pair: the first --per-file prompts whatever their length (default: those of one pool shape)")
