@@ -771,9 +771,8 @@ def one_pool(lean, plan: Plan) -> range:
 
 
 def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, budget: Budget, clock: Clock) -> dict:
-    from specloop.drafter.decode.engine import generate
-
     from specloop.drafter.decode.controller import Controller
+    from specloop.drafter.decode.engine import generate
 
     systems = build_systems(verifier, args.models, args.eagle_head)
     if args.systems:  # alone-graph stays: the reference every other system is compared with

@@ -90,7 +90,7 @@ class ControllerConfig:
     prior_overhead_ratio: float = 2.0  # a drafting step's overhead ≈ ratio · a plain step's before measuring
     explore_min: int = 16  # steps without drafting before a probe (an unmeasured shape, or a reset)
     explore_max: int = 256  # the longest interval between probes
-    refresh: int = 8  # plain steps of the same batch shape that reuse the last evaluation (it costs ~30 µs)
+    refresh: int = 8  # observed plain steps of the same batch shape that reuse the last evaluation (~20-30 µs)
     cheap_draft: float = 0.02  # drafting per token at most this share of a plain pass (a lookup): probes stay frequent
     calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
     lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
@@ -407,7 +407,7 @@ class Controller:
         self.interval = self.cfg.explore_min
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after the plain reference is measured
         self._cached: tuple[Batch, Evaluation] | None = None  # the last evaluation, and its batch
-        self._age = 0  # steps it has been reused
+        self._age = 0  # steps observed since it was made
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.lookup_misses = 0  # lookups in a row that earned no token
@@ -428,6 +428,7 @@ class Controller:
             self._looked_up(any(row.accepted for row in rows), bool(rows))
         if step.drafting:
             self._cached = None
+        self._age += 1  # another observed step since the last evaluation
 
     def drafter_swapped(self) -> None:
         """A new drafter (version) serves: its acceptance is unknown; the old estimate stays as a weak
@@ -471,10 +472,10 @@ class Controller:
                 for k in range(self.cfg.k_max + 1)]
 
     def _evaluate(self, batch: Batch) -> Evaluation:
-        """What the choice rests on, reused for `refresh` steps of the same batch until a step drafts (what the
-        reuse can miss, plain steps' costs, moves slowly; drafting steps bring new acceptance and shapes)."""
+        """What the choice rests on, reused until `refresh` steps of the same batch were observed since, or a step
+        drafted (what the reuse can miss, plain steps' costs, moves slowly; drafting steps bring new acceptance and
+        shapes): a step nothing observes (`Choice.timed`) changes no estimate, and costs no evaluation."""
         if self._cached is not None and self._cached[0] == batch and self._age < self.cfg.refresh:
-            self._age += 1
             return self._cached[1]
         rates, b = self.rates(batch), bucket(batch.rows)
         base = min(max(batch.fixed, default=0), self.cfg.k_max)  # paid for by explicit rows anyway

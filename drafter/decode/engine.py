@@ -13,7 +13,10 @@ Pure torch, no processes: `generate()` and the serving worker both drive an `Eng
   keep theirs. When every row's k is 0 the step is plain decoding: no drafter call at all, so the
   drafter falls behind on those rows; before a row drafts again, `join` restarts it from the row's
   committed tokens (exact; a drafter LM re-prefills them, an SD² drafter's steering inputs are zeros
-  for that first block: fewer accepted drafts, never other output).
+  for that first block: fewer accepted drafts, never other output). A drafter that follows plain steps
+  lazily (an eagle head: `follows_lazily`) skips the plain steps the controller does not time (no probe due)
+  where no hook observes plain steps; a row it skipped decodes the next drafting step plain, which it follows,
+  and drafts from the one after: where speculation is off, the step costs what the verifier alone's does.
 - Free drafts: on a step the controller leaves plain, a drafter with a `lookup` (suffix decoding,
   alone or in a mix of speculators) is still asked for the drafts that cost no model pass, and each
   row keeps what its confidence pays for (the controller's `cut`); rows with none verify `last`
@@ -144,6 +147,7 @@ class Engine:
         self._slot_of: dict[str, int] = {}  # running request id -> slot
         self.last = torch.zeros(self.slots, dtype=torch.long)
         self.behind: set[int] = set()  # slots whose drafter state missed plain steps
+        self.stale: set[int] = set()  # slots whose following drafter skipped untimed plain steps (`_lazy`)
         # finished requests whose history the prefix cache takes when the engine is idle (`cache_finished`):
         # slot -> (prompt length, prompt + output); dropped when the slot is reused first
         self.finished: dict[int, tuple[int, list[int]]] = {}
@@ -263,6 +267,7 @@ class Engine:
             self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
         self.behind.difference_update(slots)
+        self.stale.difference_update(slots)
         return slots
 
     def _check(self, r: EngineRequest) -> None:
@@ -310,6 +315,7 @@ class Engine:
         del self._slot_of[row.request.id]
         self.rows[slot] = None
         self.behind.discard(slot)
+        self.stale.discard(slot)
         if self.prefix_cache is not None and self.prefix_cache.outputs and row.gen.finish_reason is not None:
             self.finished[slot] = (len(row.request.prompt), row.history)
 
@@ -377,11 +383,14 @@ class Engine:
         m = plan.m
         drafter, on_trace = self._hooked(plan.k)
         resync_s = self._resync([s for s in plan.live if plan.row_k[s] and s in self.behind]) if plan.k else 0.0
-        follow = bool(plan.k) or follows_plain(drafter)
-        if not plan.k and self.drafter is not None and not follow:
+        lazy = self._lazy(plan)
+        follow = bool(plan.k) or (follows_plain(drafter) and not lazy)
+        if not plan.k and self.drafter is not None and not follow and not lazy:
             self.behind.update(plan.live)
+        (self.stale.update if lazy else self.stale.difference_update)(plan.live)
+        drafter = None if lazy else drafter  # the step runs as the verifier alone's: nothing captured or observed
         cache = self._step_cache(m)
-        narrowed = drafter.narrow(m) if follow and m < self.slots else drafter
+        narrowed = drafter.narrow(m) if drafter is not None and follow and m < self.slots else drafter
         clock = StepClock() if self._timed(plan) else None  # the controller's costs: only where it learns them
         scoring = scoring_for({s: top for s in plan.live if (top := self._row(s).request.logprobs) is not None})
         options = StepOptions(self.sampler, on_trace, clock, scoring, self._gate(plan))
@@ -389,6 +398,7 @@ class Engine:
         outcome = speculative_step(self.verifier, cache, self.last[:m], narrowed, plan, options=options)
         t2 = time.perf_counter()
         if narrowed is not drafter:
+            assert drafter is not None and narrowed is not None  # narrowed from it
             drafter.widen(narrowed, m)
         self.cache.lens[:m] = cache.lens  # after the drafter's: the verifier's lengths are the truth
         timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s if clock else 0.0,
@@ -418,6 +428,8 @@ class Engine:
         width = self._lookup(choice, rows, live)
         auto_k = width if width > 0 else 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
+        if self.stale:  # rows whose drafter skipped plain steps (`_lazy`) decode this one plain, and follow it
+            ks = [0 if s in self.stale else k for s, k in enumerate(ks)]
         kmax = max(ks[s] for s in live)
         params, limit = self._params(rows, live, ks, kmax)
         u_draft, u_accept = (None, None) if params.greedy else self._uniforms(rows, ks, kmax)
@@ -431,6 +443,15 @@ class Engine:
         return StepPlan(torch.tensor([r is not None for r in rows]), kmax, params, u_draft, u_accept, limit,
                         lookup=width > 0, confidence_cut=cut, shaper=shaper, m=m, live=tuple(live),
                         row_k=tuple(ks), choice=choice)
+
+    def _lazy(self, plan: StepPlan) -> bool:
+        """Whether this plain step leaves the drafter's rows stale instead of following (`follows_lazily`: an eagle
+        head, whose state is the verifier's newest feature): an untimed step (no probe due: nothing drafts soon),
+        where no hook observes plain steps (replay records of plain steps start from that feature). A row that is
+        stale when the controller drafts again decodes that step plain, following, and drafts from the next."""
+        if plan.k or self._timed(plan) or not getattr(self.drafter, "follows_lazily", False):
+            return False
+        return not (self.hooks is not None and getattr(self.hooks, "observes_some_plain", lambda: False)())
 
     def _timed(self, plan: StepPlan) -> bool:
         """Whether the controller learns from this step (its clock read, its costs observed): not the verifier

@@ -331,4 +331,6 @@ class StepHooks(Protocol):
     def traced(self, histories: list[list[int]], ids: list[str | None]) -> Callable[[StepTrace], None] | None:
         """A trace callback for the next step (same histories; ids[b]: the request in row b, None if empty).
         A drafting step is traced; a step left plain only where the hooks have an `observes_plain()` that says
-        so for it (optional: replay records of plain steps, `speculative_step`'s observed trace)."""
+        so for it (optional: replay records of plain steps, `speculative_step`'s observed trace), and then their
+        `observes_some_plain()` (optional) says whether any plain step may be: the engine's following drafter
+        skips no plain step while one may (`Engine._lazy`)."""

@@ -196,6 +196,7 @@ class EagleDrafter:
     kind = "eagle"
     record_layers: tuple[int, ...] = ()
     follows_plain = True  # plain (k = 0) steps also hand it the verifier's features: never behind
+    follows_lazily = True  # its state is the newest feature alone: a plain step it skipped is made up by following one
 
     def __init__(self, verifier: LeanDecoder, head: FeatureHead, vocab: torch.Tensor | None = None):
         if head.cfg.hidden != verifier.hidden_size:

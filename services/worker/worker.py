@@ -360,10 +360,15 @@ class VerifierWorker:
     def traced(self, histories: list[list[int]], ids: list[str | None]):
         return lambda trace: self._on_step(trace, histories, ids)
 
+    def observes_some_plain(self) -> bool:
+        """Whether steps left plain give observed records at all: where records are logged, `observe_every` is
+        set and the served kind's records need nothing drafted (`KindSpec.observable`). The engine then keeps a
+        following drafter up to date on every plain step (an observed record starts from its state)."""
+        return self.logger is not None and bool(self.cfg.observe_every) and self.builder.spec.observable
+
     def observes_plain(self) -> bool:
-        """Whether this step left plain gives observed records: one in `observe_every`, where records are logged
-        and the served kind's records need nothing drafted (`KindSpec.observable`)."""
-        if self.logger is None or not self.cfg.observe_every or not self.builder.spec.observable:
+        """Whether this step left plain gives observed records: one in `observe_every` (`observes_some_plain`)."""
+        if not self.observes_some_plain():
             return False
         self.plain_steps += 1
         return self.plain_steps % self.cfg.observe_every == 0

@@ -101,6 +101,21 @@ def test_a_controller_that_left_speculation_off_times_only_the_steps_before_a_pr
     assert all(x.timed for x in paying[20:])  # where drafting pays, every step is timed
 
 
+def test_steps_nothing_observes_reuse_the_last_evaluation():
+    # an untimed step changes no estimate: choosing the next one evaluates nothing again (a choice costs µs)
+    evaluations = []
+
+    class Counting(Controller):
+        def rates(self, batch):
+            evaluations.append(batch)
+            return super().rates(batch)
+
+    c, choices = Counting(), []
+    run(c, 2000, accepted=lambda k: 0, choices=choices)
+    observed = sum(x.timed for x in choices)
+    assert observed < 300 and len(evaluations) <= observed // c.cfg.refresh + sum(1 for x in choices if x.k) + 2
+
+
 def test_high_acceptance_with_a_cheap_verify_pass_drafts_the_most():
     c = Controller()
     chosen = run(c, 200, accepted=lambda k: k)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specloop.drafter.decode.capacity import positions_needed
-from specloop.drafter.decode.controller import Controller, ControllerConfig
+from specloop.drafter.decode.controller import Choice, Controller, ControllerConfig
 from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView
@@ -268,6 +268,44 @@ def test_a_controller_that_turned_speculation_off_learns_from_few_plain_steps_an
     drafting = sum(1 for s in samples if s.k)
     assert drafting < steps / 8 and untimed > steps / 2  # speculation off most of the time, and untimed
     assert len(samples) == steps - untimed, (steps, untimed, drafting)
+
+
+class _Untimed(Scripted):
+    """Scripted choices where -1 is a step left plain and untimed (no probe due: `Choice.timed` False)."""
+
+    def choose(self, batch):
+        k = self.ks[self.calls % len(self.ks)]
+        self.calls += 1
+        return Choice(0, timed=False) if k < 0 else Choice(k)
+
+
+def test_an_eagle_head_skips_untimed_plain_steps_and_a_row_it_skipped_follows_one_step_before_drafting(verifier):
+    # a lazy eagle head against one that follows every plain step, on the same schedule but for the step where
+    # the lazy one's rows were stale (decoded plain, followed): the same drafts, verdicts and tokens, step by step
+    from specloop.drafter.kinds.eagle import EagleDrafter
+    from tests.drafter_helpers import trained_eagle
+
+    rule, reqs = StopRule(()), _auto([r for r in _requests(verifier, max_tokens=30) if r.params.greedy][:2])
+    lazy_ks = [0, -1, -1, 3, 3, -1, 2, 2, 0]
+    eager_ks = [0, 0, 0, 0, 3, 0, 0, 2, 0]  # where a stale row decodes plain
+    runs = {}
+    for name, ks in (("lazy", lazy_ks), ("eager", eager_ks)):
+        head = EagleDrafter(verifier.lean, trained_eagle(verifier.lean))
+        head.follows_lazily, proposals, propose = name == "lazy", [], head.propose
+        head.propose = lambda *a, proposals=proposals, propose=propose: (p := propose(*a), proposals.append(p.tokens))[0]
+        drafter = _Counting(head)
+        engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule, controller=_Untimed(ks))
+        engine.admit(reqs)
+        steps = []
+        while engine.running:
+            observed = drafter.calls["observe"]
+            updates = engine.step()
+            steps.append(sorted((u.id, u.k, u.accepted, tuple(u.new_tokens)) for u in updates))
+            skipped = engine.timing.choice is not None and not engine.timing.choice.timed
+            assert (drafter.calls["observe"] == observed) == (skipped and name == "lazy")
+        runs[name] = steps, [p.tolist() for p in proposals]
+    assert runs["lazy"] == runs["eager"]  # the drafts too: drafted from the features a following head holds
+    assert len(runs["lazy"][1]) >= 4 and sum(k for step in runs["lazy"][0] for _, k, _, _ in step) > 0
 
 
 def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
