@@ -187,7 +187,7 @@ def build(kind: str | None, verifier, models: Path, slots: int):
 
 
 def run_pass(verifier, drafter, prompts, batch: int, k: int | None, max_tokens: int,
-             counter: OpCount | None = None):
+             counter: OpCount | None = None, controller=None):
     from specloop.drafter.decode.engine import generate
     from specloop.drafter.decode.requests import StopRule
     from specloop.drafter.decode.sampling import SamplingParams
@@ -195,7 +195,8 @@ def run_pass(verifier, drafter, prompts, batch: int, k: int | None, max_tokens: 
     params, rule, gens = SamplingParams(max_tokens=max_tokens), StopRule(verifier.eos_ids), []
     with StepTimer(counter) as timer:
         for lo in range(0, len(prompts), batch):
-            gens += generate(verifier.lean, drafter, prompts[lo: lo + batch], params, k, rule, backend="graph")
+            gens += generate(verifier.lean, drafter, prompts[lo: lo + batch], params, k, rule, backend="graph",
+                             controller=controller)
     tokens = sum(len(g.token_ids) for g in gens)
     blocks = sum(g.stats.blocks for g in gens)
     tau = (sum(g.stats.accepted for g in gens) + blocks) / blocks if blocks else None
@@ -211,6 +212,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--systems", default="")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kept-controller", action="store_true",
+                    help="k auto: one controller per system over every pass, as a server keeps its engine's (default: "
+                         "a new one per generate() call, each batch of prompts)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "host_step.json")
     add_compare(ap)
     args = ap.parse_args()
@@ -220,6 +224,7 @@ def main() -> None:
     # the model passes and the eagle chain are stubbed or held (a GPU replays them in one launch): nothing to
     # compile, and the stub stands under the uncompiled step's key (`stub_graphs`)
     os.environ["SPECLOOP_COMPILE"] = "0"
+    from specloop.drafter.decode.controller import Controller
     from specloop.drafter.model.loading import load_model
 
     graph._rerun = _timed_rerun
@@ -233,15 +238,17 @@ def main() -> None:
              ("eagle+suffix-auto", "eagle+suffix", None)]  # the served default last
     wanted = set(args.systems.split(",")) if args.systems else None
     report = {"benchmark": "host_step", "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "threads": args.threads, "verifier": str(args.models / "verifier"), "served": verifier.served,
+              "threads": args.threads, "controllers": "kept" if args.kept_controller else "one per generate()", "verifier": str(args.models / "verifier"), "served": verifier.served,
               "prompts": args.prompts, "max_tokens": args.max_tokens, "batches": {}}
     for batch in map(int, args.batches.split(",")):
         stub_graphs(verifier.lean, batch, 5)  # the controller's default k_max 4: W = 5
         systems = [System(n, kind, k) for n, kind, k in kinds if wanted is None or n in wanted]
         drafters = {s.name: build(s.kind, verifier, args.models, batch) for s in systems}
+        kept = {s.name: Controller() if args.kept_controller and s.k is None else None for s in systems}
         for r in range(args.rounds + 1):
             for s in systems if r % 2 == 0 else systems[::-1]:
-                timer, tokens, tau = run_pass(verifier, drafters[s.name], prompts, batch, s.k, args.max_tokens)
+                timer, tokens, tau = run_pass(verifier, drafters[s.name], prompts, batch, s.k, args.max_tokens,
+                                              controller=kept[s.name])
                 if r:  # pass 0 warms
                     s.step_us.append(1e6 * timer.seconds / timer.steps)
                     s.token_us.append(1e6 * timer.seconds / tokens)

@@ -29,7 +29,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
 
 - The reference: a batch bucket's first two steps are plain, whatever the estimates say (the first step
   of an engine carries one-time costs, and a lower second plain pass replaces it as the reference); a
-  first probe that does not pay is followed at once by a second (its first drafting step carried them too).
+  first probe that does not pay is followed at once by a second (its first drafting step carried them too),
+  and so is a probe whose verify shape was new at its bucket, with the same k (a new shape's first pass
+  carries them too: priced by it alone, the deeper drafts that pay were never tried again).
 - Exploration: while nothing drafts, a probe (the best k > 0 under the current estimates) runs once
   `idle` steps have passed without drafting: `explore_min` steps when the probe's verify shape was
   never measured at this bucket, else `interval`, which doubles after every probe (up to
@@ -412,6 +414,7 @@ class Controller:
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.lookup_misses = 0  # lookups in a row that earned no token
         self.lookup_wait = 0  # plain steps before the next lookup
+        self.new_shape = 0  # the k of a probe whose verify shape was new at its bucket: probed again at once (0: none)
 
     # -- inputs
 
@@ -503,11 +506,15 @@ class Controller:
         if base == 0:
             probe = e.probe
             due = self.cfg.explore_min if not e.probe_measured else self.interval
-            # the first drafting step carries one-time costs too: a second probe follows it at once
-            again = self.costs.samples(True, b) == 1
+            # the first drafting step carries one-time costs too, and so does the first verify pass of a shape: a
+            # second probe follows at once (of the same k, where its shape was new), and a lower sample replaces it
+            again = self.costs.samples(True, b) == 1 or self.new_shape > 0
+            probe = self.new_shape or probe
             if (again or self.idle >= due * switch) and not self.costs.stale(b, self.cfg.side_by_side):
                 if not again:
                     self.interval = self.cfg.explore_min if e.cheap else min(2 * self.interval, self.cfg.explore_max)
+                # a probe of a shape never measured here is probed again (once) at once
+                self.new_shape = 0 if again else probe * (not self.costs.measured(probe, b))
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
             # left plain with no probe due: untimed but for the last `side_by_side` steps before one, the plain
             # reference the probe is priced against (a plain step's cost moves slowly; timing it costs the host)

@@ -101,6 +101,27 @@ def test_a_controller_that_left_speculation_off_times_only_the_steps_before_a_pr
     assert all(x.timed for x in paying[20:])  # where drafting pays, every step is timed
 
 
+def test_a_probe_of_a_new_verify_shape_is_probed_again_so_its_one_time_costs_do_not_keep_drafting_off():
+    # host-bound steps (the graph backend): a drafting step's overhead is 2.7x a plain one's, every draft is
+    # accepted, and the first step of each verify shape costs 1.5-3x (first calls): drafting at k = 4 pays 1.7x.
+    # A probe of a new shape is probed again at once, so a lower second sample replaces the first
+    for first_cost in (1.5, 3.0):
+        c, seen, chosen = Controller(), set(), []
+        c.verify_at_one_width()
+        for i in range(800):
+            choice = c.choose(Batch(1, 1))
+            k = choice.k
+            wobble = 1 + 0.1 * ((i * 7919) % 13 - 6) / 6  # ±10 %, deterministic
+            verify, overhead = 80e-6 * (1 + 0.3 * k) * wobble, (160e-6 if k else 60e-6) * wobble
+            if k + 1 not in seen:
+                seen.add(k + 1)
+                verify, overhead = verify * first_cost, overhead * first_cost
+            if choice.timed:
+                c.observe(StepSample(1, k, 20e-6 * k, verify, overhead, ((k, k),) if k else ()))
+            chosen.append(k)
+        assert sum(k == c.cfg.k_max for k in chosen[-200:]) >= 190, (first_cost, chosen[:80])
+
+
 def test_steps_nothing_observes_reuse_the_last_evaluation():
     # an untimed step changes no estimate: choosing the next one evaluates nothing again (a choice costs µs)
     evaluations = []
