@@ -7,7 +7,7 @@ power of two):
 
     a_i   = P(draft i accepted | drafts < i accepted)       conditional per-position acceptance
     E(k)  = 1 + Σ_{i≤k} Π_{j≤i} a_j                          tokens a row gains from the block
-    S(k)  = overhead(k > 0, b) + k · draft(b) + verify(k + 1, b)   seconds of the step
+    S(k)  = overhead(k > 0, b) + draft(k, b) + verify(k + 1, b)    seconds of the step
     k*    = argmax_k  E(k) / S(k)                            (rows · E(k) with several rows)
 
 k* > 0 only if it beats k = 0 by `margin`. Rows with an explicit k ride along: their k is paid for
@@ -25,7 +25,12 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   bucket's slope (steeper for a larger batch) or the priors; the first sample of a shape may carry
   one-time costs, so a lower second sample replaces it. The decision needs only these ratios:
 
-      S(k) / verify(1) = overhead(k > 0) + k · draft + r(k + 1)
+      S(k) / verify(1) = overhead(k > 0) + draft(k) + r(k + 1)
+
+  Drafting is learned per k asked (a captured chain of k_max drafts costs one call whatever k; a drafter LM's
+  chain, a fixed cost and one per pass): between measured k linearly, beyond them in proportion to the nearest,
+  unmeasured per token. Once a bucket's drafting was measured at one k, the next probe tries k_max, so the
+  cost of a deep block is never only the shallow one's times k.
 
 - The reference: a batch bucket's first two steps are plain, whatever the estimates say (the first step
   of an engine carries one-time costs, and a lower second plain pass replaces it as the reference); a
@@ -201,6 +206,7 @@ class Costs:
     cfg: ControllerConfig
     ratio: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (T >= 2, bucket) -> verify(T) / verify(1)
     draft: dict[int, Ewma] = field(default_factory=dict)  # bucket -> drafting per token / verify(1)
+    drafted: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafting / verify(1)
     overhead: dict[tuple[bool, int], Ewma] = field(default_factory=dict)  # (drafting?, bucket) -> rest / verify(1)
     resync: dict[int, Ewma] = field(default_factory=dict)  # bucket -> restarting the drafter's rows / verify(1)
     offered: dict[tuple[int, int], Ewma] = field(default_factory=dict)  # (k asked, bucket) -> drafts verified
@@ -232,6 +238,7 @@ class Costs:
         asked = 0 if step.lookup else step.drafting  # a lookup's drafts say nothing of what asking the drafter costs
         if asked:
             self.add(self.draft, b, step.draft_s / asked / unit)
+            self.add(self.drafted, (asked, b), step.draft_s / unit)
             self.add(self.offered, (asked, b), float(step.k))
         if step.resync_s > 0:
             self.add(self.resync, b, step.resync_s / unit)
@@ -301,6 +308,22 @@ class Costs:
         near = self._nearest(b, set(self.draft))
         return self.cfg.prior_draft_ratio if near is None else self.draft[near].value
 
+    def draft_cost(self, k: int, b: int) -> float:
+        """Drafting k tokens at bucket b, relative to a plain pass: measured; between measured k (linear: a fixed
+        cost and one per token, as a captured chain of passes has); beyond them, in proportion to the nearest
+        (an upper bound past the deepest where part of its cost is fixed); else k times the per-token cost."""
+        pts = {kk: e.value for (kk, bb), e in self.drafted.items() if bb == b}
+        if k in pts:
+            return pts[k]
+        below, above = [x for x in pts if x < k], [x for x in pts if x > k]
+        if below and above:
+            lo, hi = max(below), min(above)
+            return pts[lo] + (pts[hi] - pts[lo]) * (k - lo) / (hi - lo)
+        if below or above:
+            near = max(below) if below else min(above)
+            return pts[near] * k / near
+        return k * self.draft_of(b)
+
     def overhead_of(self, drafting: bool, b: int) -> float:
         if (drafting, b) in self.overhead:
             return self.overhead[(drafting, b)].value
@@ -323,7 +346,7 @@ class Costs:
         t = self.offered_of(k, b)
         lo = int(t)
         verify = self.ratio_of(lo + 1, b) + (t - lo) * (self.ratio_of(lo + 2, b) - self.ratio_of(lo + 1, b))
-        return self.overhead_of(True, b) + k * self.draft_of(b) + verify
+        return self.overhead_of(True, b) + self.draft_cost(k, b) + verify
 
 
 # ----------------------------------------------------------------------------- the controller
@@ -504,12 +527,16 @@ class Controller:
                 return self._chose(Choice(0, True))
             return self._chose(Choice(best, False, rates[best] / rates[base]))
         if base == 0:
-            probe = e.probe
-            due = self.cfg.explore_min if not e.probe_measured else self.interval
+            # the deepest k is probed once its bucket's drafting was measured at another: what drafting costs per
+            # token is then known apart from what it costs per call (a captured chain of k_max drafts costs as much
+            # for one); priced from one shallow k alone, a deep block's cost was that k's times k
             # the first drafting step carries one-time costs too, and so does the first verify pass of a shape: a
             # second probe follows at once (of the same k, where its shape was new), and a lower sample replaces it
             again = self.costs.samples(True, b) == 1 or self.new_shape > 0
-            probe = self.new_shape or probe
+            deep = self.cfg.k_max if not again and (self.cfg.k_max, b) not in self.costs.drafted and any(
+                bb == b for (_, bb) in self.costs.drafted) else 0
+            probe = self.new_shape or deep or e.probe
+            due = self.cfg.explore_min if not (e.probe_measured and not deep) else self.interval
             if (again or self.idle >= due * switch) and not self.costs.stale(b, self.cfg.side_by_side):
                 if not again:
                     self.interval = self.cfg.explore_min if e.cheap else min(2 * self.interval, self.cfg.explore_max)

@@ -73,7 +73,8 @@ def test_rarely_accepted_drafts_keep_the_verifier_alone_and_probes_are_rare():
     chosen = run(c, 2000, accepted=lambda k: 0)
     probes = [i for i, k in enumerate(chosen) if k]
     assert len(probes) <= 2000 // c.cfg.explore_min
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    starts = [i for i in probes if i - 1 not in probes]  # a probe of a new shape is probed again at once
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
     assert gaps == sorted(gaps) and gaps[-1] >= c.cfg.explore_max  # backs off up to the longest interval
     assert sum(chosen[1000:]) <= 1000 // c.cfg.explore_max * c.cfg.k_max
     assert c.choose(Batch(1, 1)).k == 0
@@ -122,6 +123,35 @@ def test_a_probe_of_a_new_verify_shape_is_probed_again_so_its_one_time_costs_do_
         assert sum(k == c.cfg.k_max for k in chosen[-200:]) >= 190, (first_cost, chosen[:80])
 
 
+def test_a_drafter_whose_block_costs_one_call_whatever_k_is_probed_deep_and_drafts_where_that_pays():
+    # a captured chain drafts k_max tokens for one call's cost (the eagle head's on the graph backend): 2 plain
+    # passes whatever k. One draft never pays for that; four do (1.9x). Priced from k = 1 alone (four times
+    # its cost) the controller never tried k = 4; it probes the deepest k once another was measured
+    c, chosen = Controller(), []
+    c.verify_at_one_width()
+    for i in range(600):
+        choice = c.choose(Batch(1, 1))
+        k = choice.k
+        wobble = 1 + 0.1 * ((i * 7919) % 13 - 6) / 6
+        if choice.timed:
+            c.observe(StepSample(1, k, 200e-6 * wobble if k else 0.0, 100e-6 * wobble,
+                                 (80e-6 if k else 50e-6) * wobble, ((k, k),) if k else ()))
+        chosen.append(k)
+    assert sum(k == c.cfg.k_max for k in chosen[-300:]) >= 295  # a plain step now and then: the reference
+    assert c.costs.draft_cost(2, 1) == pytest.approx(c.costs.draft_cost(c.cfg.k_max, 1), rel=0.2)  # flat, learned
+
+
+def test_drafting_costs_are_interpolated_between_measured_k_and_scaled_beyond():
+    costs = Costs(ControllerConfig())
+    assert costs.draft_cost(3, 1) == pytest.approx(3 * costs.cfg.prior_draft_ratio)  # nothing measured: per token
+    costs.plain[1] = (0, 1.0)
+    for k, seconds in ((1, 0.3), (4, 0.6)):  # a fixed 0.2 and 0.1 per token
+        costs.steps = 1
+        costs.observe(StepSample(1, k, seconds, 1.0, 0.0))
+    assert costs.draft_cost(2, 1) == pytest.approx(0.4) and costs.draft_cost(3, 1) == pytest.approx(0.5)
+    assert costs.draft_cost(8, 1) == pytest.approx(1.2)  # beyond the deepest: in proportion to it
+
+
 def test_steps_nothing_observes_reuse_the_last_evaluation():
     # an untimed step changes no estimate: choosing the next one evaluates nothing again (a choice costs µs)
     evaluations = []
@@ -147,7 +177,7 @@ def test_high_acceptance_with_a_cheap_verify_pass_drafts_the_most():
 def test_a_costlier_verify_pass_at_a_larger_batch_drafts_less():
     def settle(rows: int) -> int:
         c = Controller()
-        return run(c, 400, accepted=lambda k: min(k, 2), rows=rows, batch_slope=0.12)[-1]
+        return run(c, 400, accepted=lambda k: min(k, 2), rows=rows, batch_slope=0.2)[-1]
 
     alone, batched = settle(1), settle(8)
     assert alone >= 2 and batched < alone
