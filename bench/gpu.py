@@ -816,8 +816,9 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
                 system.tau = (sum(g.stats.accepted for g in gens) + blocks) / blocks if blocks else None
             else:
                 system.rates.append(sum(len(g.token_ids) for g in gens) / seconds)
+            chosen = system.split[-1]["chosen_k"]
             budget.say(f"pair batch {batch} {'warm-up' if r == 0 else f'round {r}'} {system.name}: {seconds:.2f} s, "
-                       f"identical {sum(same)}/{len(same)}")
+                       f"identical {sum(same)}/{len(same)}" + (f", k chosen {chosen}" if chosen else ""))
         passes.append(time.perf_counter() - t_pass)
     out = pair_rows(systems, batch, passes, budget)
     profiled = [s for s in systems if s.name in ("alone-graph", "ngram-k4", "eagle-k4", "eagle-auto") and not s.error]
@@ -867,7 +868,9 @@ class split_time:
     synchronized at its end (a step reads its verdict back anyway)."""
 
     def __init__(self, clock: Clock):
-        self.clock, self.out = clock, {"admit_s": 0.0, "step_s": 0.0, "steps": 0, "wall_s": 0.0}
+        self.clock = clock
+        # chosen_k: the controller's k per step ("untimed": left plain, timed by nothing), where it chose
+        self.out: dict = {"admit_s": 0.0, "step_s": 0.0, "steps": 0, "wall_s": 0.0, "chosen_k": {}}
 
     def _timed(self, original, key: str):
         def wrapped(engine, *args, **kwargs):
@@ -876,6 +879,10 @@ class split_time:
             self.clock.sync()
             self.out[key + "_s"] += time.perf_counter() - t0
             self.out["steps"] += key == "step"
+            choice = engine.timing.choice if key == "step" else None
+            if choice is not None:
+                name = "untimed" if not getattr(choice, "timed", True) else str(choice.k)
+                self.out["chosen_k"][name] = self.out["chosen_k"].get(name, 0) + 1
             return result
         return wrapped
 
@@ -909,7 +916,7 @@ def pair_rows(systems: list[System], batch: int, passes: list[float], budget: Bu
             "tau": s.tau, "identical_to_graph_alone": f"{sum(s.identical)}/{len(s.identical)}",
             "first_pass_s": s.first_pass_s,
             "drafter_lm_graph_calls": lean.graph_calls if isinstance(lean, GraphDecoder) else None,
-            "split_per_pass": s.split,  # admit (prefills) / step / other seconds of every pass, warm-up first
+            "split_per_pass": s.split,  # admit (prefills) / step / other seconds, the k chosen: every pass, warm-up first
             "step_ms_median": _median([1e3 * x["step_s"] / x["steps"] for x in s.split[1:] if x["steps"]]),
         } | ({"note": s.note} if s.note else {}) | ({"error": s.error} if s.error else {})
         if s.rates:
