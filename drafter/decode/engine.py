@@ -254,7 +254,8 @@ class Engine:
         for s in slots:  # their rows are overwritten: an answer not yet cached is not (prompts still are)
             self.finished.pop(s, None)
         features, recent, lens = self._prefill(slots, prompts, layers, tail)
-        if self.drafter is not None:
+        deferred = self._defers_join(requests)
+        if self.drafter is not None and not deferred:
             self._drafter_prefix_cache()
             window = (recent, lens) if tail else (None, None)
             self.drafter.join(slots, prompts, VerifierView(self.cache, features, *window))
@@ -266,9 +267,19 @@ class Engine:
                                        shaping)
             self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
-        self.behind.difference_update(slots)
+        (self.behind.update if deferred else self.behind.difference_update)(slots)
         self.stale.difference_update(slots)
         return slots
+
+    def _defers_join(self, requests: list[EngineRequest]) -> bool:
+        """Whether admitted rows start in the drafter only when they first draft (`_resync`), not now: while the
+        controller leaves speculation off (its last step untimed), for a drafter that reads no verifier features
+        and falls behind on plain steps anyway (a drafter LM: its prefill of the prompt is saved where it never
+        drafts), and requests that leave k to the controller or decode plain."""
+        d, last = self.drafter, self.timing.choice
+        if d is None or follows_plain(d) or d.verifier_layers:
+            return False
+        return last is not None and not last.k and not last.timed and not any(r.k for r in requests)
 
     def _check(self, r: EngineRequest) -> None:
         if not r.prompt:

@@ -308,6 +308,39 @@ def test_an_eagle_head_skips_untimed_plain_steps_and_a_row_it_skipped_follows_on
     assert len(runs["lazy"][1]) >= 4 and sum(k for step in runs["lazy"][0] for _, k, _, _ in step) > 0
 
 
+def test_a_request_admitted_while_speculation_is_off_starts_in_a_drafter_lm_only_when_it_first_drafts(
+        verifier, tiny_pair):
+    # the drafter LM's prefill of a prompt is saved while the controller leaves speculation off (its last step
+    # untimed); the row starts in the drafter (resync) at its first drafting step, and decodes as the verifier alone
+    rule = StopRule(verifier.eos_ids)
+    first, second = _auto([r for r in _requests(verifier, max_tokens=24) if r.params.greedy][:2])
+    drafter = _Counting(_drafter("pretrained", verifier, tiny_pair))
+    engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule,
+                    controller=_Untimed([0, -1, -1, -1, -1, -1, 3, 3, -1, -1]))
+    engine.admit([first])
+    assert drafter.calls["join"] == 1  # an engine's first request: no step yet, nothing known
+    out: dict[str, list[int]] = {}
+    for _ in range(2):
+        for u in engine.step():
+            out.setdefault(u.id, []).extend(u.new_tokens)
+    assert not engine.timing.choice.timed
+    engine.admit([second])
+    assert drafter.calls["join"] == 1 and engine._slot_of[second.id] in engine.behind  # deferred
+    while engine.running:
+        for u in engine.step():
+            out.setdefault(u.id, []).extend(u.new_tokens)
+            assert u.k == 0 or drafter.calls["join"] >= 2  # it drafted only after it started in the drafter
+    assert drafter.calls["join"] >= 2  # the resync, at the first drafting step
+    for r in (first, second):
+        assert out[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+    engine = Engine(verifier.lean, _Counting(_drafter("pretrained", verifier, tiny_pair)), slots=2, capacity=96,
+                    stop_rule=rule, controller=_Untimed([0]))  # timed plain steps: a probe may come, join at once
+    engine.admit([first])
+    engine.step()
+    engine.admit([second])
+    assert engine.drafter.calls["join"] == 2 and engine._slot_of[second.id] not in engine.behind
+
+
 def test_a_drafter_swap_tells_the_controller(verifier, tiny_pair):
     swaps = []
 
