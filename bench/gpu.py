@@ -692,7 +692,8 @@ class System:
     error: str | None = None  # a failed build or run: the system sits out the passes after
     env: dict[str, str] = field(default_factory=dict)  # the step's path (PATHS) where not the default
     split: list[dict] = field(default_factory=list)  # per pass: seconds in admissions (prefills), in steps, the rest
-    controller: object = None  # k auto: one controller over every pass, as a server's engine keeps one (`--fresh`: None)
+    controller: object = None  # k auto: one controller over every pass, as a server's engine keeps one (None: a new
+    #                            one per batch, --fresh-controllers)
 
 
 def build_systems(verifier, models: Path, eagle_head: Path | None = None) -> list[System]:
@@ -881,7 +882,7 @@ class split_time:
             self.out["steps"] += key == "step"
             choice = engine.timing.choice if key == "step" else None
             if choice is not None:
-                name = "untimed" if not getattr(choice, "timed", True) else str(choice.k)
+                name = str(choice.k) if choice.timed else "untimed"
                 self.out["chosen_k"][name] = self.out["chosen_k"].get(name, 0) + 1
             return result
         return wrapped

@@ -23,7 +23,8 @@ SCHEDULE = [0, 0, 2, 0, 3, 1, 0, 4, 4, 0]  # plain steps, drafting after them (r
 
 class Scripted(Controller):
     """Chooses k from a fixed cycle whatever it measures, so every transition (plain → drafting → plain)
-    happens; rows with an explicit k set the floor, as with the real controller."""
+    happens; rows with an explicit k set the floor, as with the real controller. A k of -1 is a step left
+    plain and untimed (no probe due: `Choice.timed` False)."""
 
     def __init__(self, ks: list[int] = SCHEDULE, k_max: int = 4):
         super().__init__(ControllerConfig(k_max=k_max))
@@ -32,6 +33,8 @@ class Scripted(Controller):
     def choose(self, batch: Batch) -> Choice:
         k = self.ks[self.calls % len(self.ks)]
         self.calls += 1
+        if k < 0:
+            return Choice(0, timed=False)
         return Choice(max(k, min(max(batch.fixed, default=0), self.cfg.k_max)))
 
     def cut(self, confidence: list[list[float]], rows: int, sources=None) -> list[int]:

@@ -527,16 +527,16 @@ class Controller:
                 return self._chose(Choice(0, True))
             return self._chose(Choice(best, False, rates[best] / rates[base]))
         if base == 0:
-            # the deepest k is probed once its bucket's drafting was measured at another: what drafting costs per
-            # token is then known apart from what it costs per call (a captured chain of k_max drafts costs as much
-            # for one); priced from one shallow k alone, a deep block's cost was that k's times k
             # the first drafting step carries one-time costs too, and so does the first verify pass of a shape: a
             # second probe follows at once (of the same k, where its shape was new), and a lower sample replaces it
             again = self.costs.samples(True, b) == 1 or self.new_shape > 0
+            # the deepest k is probed once its bucket's drafting was measured at another: what drafting costs per
+            # token is then known apart from what it costs per call (a captured chain of k_max drafts costs as much
+            # for one); priced from one shallow k alone, a deep block's cost was that k's times k
             deep = self.cfg.k_max if not again and (self.cfg.k_max, b) not in self.costs.drafted and any(
                 bb == b for (_, bb) in self.costs.drafted) else 0
             probe = self.new_shape or deep or e.probe
-            due = self.cfg.explore_min if not (e.probe_measured and not deep) else self.interval
+            due = self.interval if e.probe_measured and not deep else self.cfg.explore_min
             if (again or self.idle >= due * switch) and not self.costs.stale(b, self.cfg.side_by_side):
                 if not again:
                     self.interval = self.cfg.explore_min if e.cheap else min(2 * self.interval, self.cfg.explore_max)

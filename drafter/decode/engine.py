@@ -394,7 +394,8 @@ class Engine:
         m = plan.m
         drafter, on_trace = self._hooked(plan.k)
         resync_s = self._resync([s for s in plan.live if plan.row_k[s] and s in self.behind]) if plan.k else 0.0
-        lazy = self._lazy(plan)
+        timed = self._timed(plan)
+        lazy = not timed and self._lazy(plan)
         follow = bool(plan.k) or (follows_plain(drafter) and not lazy)
         if not plan.k and self.drafter is not None and not follow and not lazy:
             self.behind.update(plan.live)
@@ -402,7 +403,7 @@ class Engine:
         drafter = None if lazy else drafter  # the step runs as the verifier alone's: nothing captured or observed
         cache = self._step_cache(m)
         narrowed = drafter.narrow(m) if drafter is not None and follow and m < self.slots else drafter
-        clock = StepClock() if self._timed(plan) else None  # the controller's costs: only where it learns them
+        clock = StepClock() if timed else None  # the controller's costs: only where it learns them
         scoring = scoring_for({s: top for s in plan.live if (top := self._row(s).request.logprobs) is not None})
         options = StepOptions(self.sampler, on_trace, clock, scoring, self._gate(plan))
         t1 = time.perf_counter()
@@ -415,7 +416,7 @@ class Engine:
         timing = StepTiming(forward_s=t2 - t1, draft_s=clock.draft_s if clock else 0.0,
                             verify_s=clock.verify_s if clock else t2 - t1, resync_s=resync_s,
                             trace_s=clock.trace_s if clock else 0.0, choice=plan.choice)
-        return self._commit(plan, outcome, scoring, timing, t0)
+        return self._commit(plan, outcome, scoring, timing, t0, timed)
 
     def _step_cache(self, m: int) -> KVCache:
         """The pool's first m rows as the step's cache, with lengths of its own (the step rolls them back; `step`
@@ -456,11 +457,11 @@ class Engine:
                         row_k=tuple(ks), choice=choice)
 
     def _lazy(self, plan: StepPlan) -> bool:
-        """Whether this plain step leaves the drafter's rows stale instead of following (`follows_lazily`: an eagle
-        head, whose state is the verifier's newest feature): an untimed step (no probe due: nothing drafts soon),
-        where no hook observes plain steps (replay records of plain steps start from that feature). A row that is
-        stale when the controller drafts again decodes that step plain, following, and drafts from the next."""
-        if plan.k or self._timed(plan) or not getattr(self.drafter, "follows_lazily", False):
+        """Whether this untimed plain step (no probe due: nothing drafts soon) leaves the drafter's rows stale instead
+        of following (`follows_lazily`: an eagle head, whose state is the verifier's newest feature), where no hook
+        observes plain steps (replay records of plain steps start from that feature). A row that is stale when the
+        controller drafts again decodes that step plain, following, and drafts from the next."""
+        if plan.k or not getattr(self.drafter, "follows_lazily", False):
             return False
         return not (self.hooks is not None and getattr(self.hooks, "observes_some_plain", lambda: False)())
 
@@ -476,9 +477,9 @@ class Engine:
         return lambda confidence, sources: self.controller.cut(confidence, plan.m, sources)
 
     def _commit(self, plan: StepPlan, outcome: BlockOutcome, scoring: Scoring | None, timing: StepTiming,
-                t0: float) -> list[RowUpdate]:
+                t0: float, timed: bool) -> list[RowUpdate]:
         """The step's outcome committed: each live row's update (finished requests leave), the next step's
-        `last`, the step's timing and what the controller learns from it."""
+        `last`, the step's timing and what the controller learns from it (where it was `timed`)."""
         ks, live = list(plan.row_k), plan.live
         if outcome.drafted is not None:
             drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
@@ -496,7 +497,7 @@ class Engine:
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
-        if not self._timed(plan):  # the verifier alone, or a plain step nothing learns from: nothing to observe
+        if not timed:  # the verifier alone, or a plain step nothing learns from: nothing to observe
             return updates
         rest = self.timing.total_s - draft_s - verify_s - resync_s - timing.trace_s
         self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s, rest, blocks,

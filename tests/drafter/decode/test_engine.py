@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specloop.drafter.decode.capacity import positions_needed
-from specloop.drafter.decode.controller import Choice, Controller, ControllerConfig
+from specloop.drafter.decode.controller import Controller, ControllerConfig
 from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView
@@ -270,15 +270,6 @@ def test_a_controller_that_turned_speculation_off_learns_from_few_plain_steps_an
     assert len(samples) == steps - untimed, (steps, untimed, drafting)
 
 
-class _Untimed(Scripted):
-    """Scripted choices where -1 is a step left plain and untimed (no probe due: `Choice.timed` False)."""
-
-    def choose(self, batch):
-        k = self.ks[self.calls % len(self.ks)]
-        self.calls += 1
-        return Choice(0, timed=False) if k < 0 else Choice(k)
-
-
 def test_an_eagle_head_skips_untimed_plain_steps_and_a_row_it_skipped_follows_one_step_before_drafting(verifier):
     # a lazy eagle head against one that follows every plain step, on the same schedule but for the step where
     # the lazy one's rows were stale (decoded plain, followed): the same drafts, verdicts and tokens, step by step
@@ -294,7 +285,7 @@ def test_an_eagle_head_skips_untimed_plain_steps_and_a_row_it_skipped_follows_on
         head.follows_lazily, proposals, propose = name == "lazy", [], head.propose
         head.propose = lambda *a, proposals=proposals, propose=propose: (p := propose(*a), proposals.append(p.tokens))[0]
         drafter = _Counting(head)
-        engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule, controller=_Untimed(ks))
+        engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule, controller=Scripted(ks))
         engine.admit(reqs)
         steps = []
         while engine.running:
@@ -316,7 +307,7 @@ def test_a_request_admitted_while_speculation_is_off_starts_in_a_drafter_lm_only
     first, second = _auto([r for r in _requests(verifier, max_tokens=24) if r.params.greedy][:2])
     drafter = _Counting(_drafter("pretrained", verifier, tiny_pair))
     engine = Engine(verifier.lean, drafter, slots=2, capacity=96, stop_rule=rule,
-                    controller=_Untimed([0, -1, -1, -1, -1, -1, 3, 3, -1, -1]))
+                    controller=Scripted([0, -1, -1, -1, -1, -1, 3, 3, -1, -1]))
     engine.admit([first])
     assert drafter.calls["join"] == 1  # an engine's first request: no step yet, nothing known
     out: dict[str, list[int]] = {}
@@ -334,7 +325,7 @@ def test_a_request_admitted_while_speculation_is_off_starts_in_a_drafter_lm_only
     for r in (first, second):
         assert out[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
     engine = Engine(verifier.lean, _Counting(_drafter("pretrained", verifier, tiny_pair)), slots=2, capacity=96,
-                    stop_rule=rule, controller=_Untimed([0]))  # timed plain steps: a probe may come, join at once
+                    stop_rule=rule, controller=Scripted([0]))  # timed plain steps: a probe may come, join at once
     engine.admit([first])
     engine.step()
     engine.admit([second])
