@@ -38,14 +38,21 @@ def render_nginx(values: dict[str, str]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    if argv in (["--help"], ["-h"]):
+        print(__doc__)
+        return 0
     if argv == ["--compose"]:
         NGINX_CONF.write_text(render_nginx(COMPOSE_NGINX))
         return 0
-    if not argv or any("=" not in a for a in argv[1:]):
+    if not argv or argv[0].startswith("-") or any("=" not in a for a in argv[1:]):
         print(__doc__, file=sys.stderr)
         return 2
     values = dict(a.split("=", 1) for a in argv[1:])
-    sys.stdout.write(render(Path(argv[0]).read_text(), values))
+    try:
+        sys.stdout.write(render(Path(argv[0]).read_text(), values))
+    except (OSError, KeyError) as exc:
+        print(f"render.py: {argv[0]}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

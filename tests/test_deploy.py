@@ -192,6 +192,17 @@ def test_render_refuses_a_missing_or_unknown_value():
     assert "$host" in rendered and "${" not in rendered  # nginx's own variables stay
 
 
+def test_render_cli_answers_help_and_refuses_bad_input_with_exit_code_2(tmp_path, capsys):
+    assert render.main(["--help"]) == 0 and "NAME=VALUE" in capsys.readouterr().out
+    assert render.main(["--bogus"]) == 2
+    assert render.main([str(tmp_path / "missing.template"), "A=1"]) == 2
+    assert "missing.template" in capsys.readouterr().err
+    template = tmp_path / "t.template"
+    template.write_text("listen ${LISTEN};\n")
+    assert render.main([str(template), "PORT=1"]) == 2 and "no value" in capsys.readouterr().err
+    assert render.main([str(template), "LISTEN=80"]) == 0 and capsys.readouterr().out == "listen 80;\n"
+
+
 def test_nginx_accepts_the_rendered_test_template(tmp_path):
     exe = program("nginx")
     conf = tmp_path / "nginx.conf"
