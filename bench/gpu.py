@@ -5,7 +5,10 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
 - steps (batch 1) and batches (8, 32): the graph step (GraphDecoder.forward, T = 1 at width W = 5)
   and its bare replay (the compiled step on prepared device inputs: the step without the wrapper's
   host work), and the eager LeanDecoder's one-token step (the old path): ms, tokens/s, fraction of the
-  HBM roofline = weight bytes / step time / peak bandwidth (also with the fp32 KV the step reads);
+  HBM roofline = weight bytes / step time / peak bandwidth (also with the KV the step reads, in the model's dtype);
+- kernels (batch 1 and the largest batch): the compiled step launched kernel by kernel under torch.profiler:
+  kernels per step and per layer, device µs by kind (GEMMs, attention, copies, fused pointwise) and the top
+  kernels, the GEMMs' bytes per second: where a layer's ~90 µs go (section 25: ~30 µs of it its weights);
 - paths (batch 1 and the largest batch): the step run the other ways (PATHS: cudagraph trees, other attentions,
   tuned GEMMs) beside the default;
 - long (batch 1): the same cached tokens in a pool of --long-capacity positions (4,096), each attention of LONG:
@@ -69,10 +72,12 @@ from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least
-SECTIONS = ("steps", "pair", "paths", "long", "batches", "inexact", "drafter", "verify", "compile", "anchor")
+SECTIONS = ("steps", "kernels", "pair", "paths", "long", "batches", "inexact", "drafter", "verify", "compile", "anchor")
 # the step's other ways of running (section paths), each against the default (direct CUDA graphs, torch's
 # attention): as environment settings read when a GraphDecoder is built
 PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
+         # section 25's default: the cache in fp32 whatever the model's dtype (the default now: the model's dtype)
+         "direct-kv32": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_KV_DTYPE": "float32"},
          # one memory-efficient attention kernel per layer for the torch path's two products and ~3 kernels
          "direct-sdpa": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "sdpa"},
          "direct-flex": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "flex"},  # flex decoding's split keys
@@ -345,7 +350,7 @@ def build_lean(shape: Shape, plan: Plan) -> tuple[LeanDecoder, int]:
 class ModelBytes:
     weights: int  # parameter count × 2 (the roofline's bytes)
     streamed: int  # what a step reads of them: all but an untied embedding table (a gather)
-    kv_per_row: int  # the fp32 KV a graph step attends per pool row: the pool's whole capacity
+    kv_per_row: int  # the KV a graph step attends per pool row: the pool's whole capacity, in the cache's dtype
 
     def moved(self, batch: int) -> int:
         return self.streamed + batch * self.kv_per_row
@@ -354,7 +359,7 @@ class ModelBytes:
 def model_bytes(shape: Shape, params: int, lean: LeanDecoder, plan: Plan) -> ModelBytes:
     _, n_kv, C, D = pool_shape(1, plan.capacity, lean)
     embed = 0 if shape.tied else shape.vocab * shape.hidden * 2
-    return ModelBytes(2 * params, 2 * params - embed, 2 * shape.layers * n_kv * C * D * 4)
+    return ModelBytes(2 * params, 2 * params - embed, 2 * shape.layers * n_kv * C * D * lean.kv_dtype.itemsize)
 
 
 class StepBench:
@@ -477,6 +482,37 @@ class StepBench:
                         + " | graph W=9 " + " ".join(f"{v:.2f}" for v in out["v_T_graph_w9"].values()))
         return out
 
+    def kernel_profile(self, batch: int, width: int, steps: int = 20) -> dict:
+        """The compiled step launched kernel by kernel (no CUDA graph: the same kernels, their device times
+        apart) under torch.profiler for `steps` steps: each kernel's device time, grouped by kind
+        (`kernel_table`), beside the step's replayed time in section steps. Where the replay takes longer than
+        its kernels' sum, the gaps between kernels (launch latency inside the graph) are the cost; where the
+        sum is most of it, the kernels themselves (the GEMMs' bandwidth)."""
+        from torch.profiler import ProfilerActivity, profile
+
+        graph = GraphDecoder(self.lean, batch, width, compiled=self.plan.compiled, direct=False)
+        cache = graph.new_cache(batch, self.plan.capacity)
+        call = self._replay(graph, cache, batch, last_only=False)
+        for _ in range(3):  # compile (a cache hit after section steps) and warm
+            call()
+        self.clock.sync()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.plan.cuda else [])
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                call()
+            self.clock.sync()
+        out = kernel_table(profile_events(prof, self.plan.cuda), steps, self.lean.num_layers)
+        out.update(model=self.name, batch=batch, width=width, device=self.report.tag["device"],
+                   streamed_bytes=self.bytes.streamed, kv_bytes=batch * self.bytes.kv_per_row)
+        gemm_us = out["by_kind"].get("gemm", {}).get("us_per_step")
+        if gemm_us:  # the weights' bytes over the GEMMs' own time: how near the roofline the products run
+            out["gemm_bytes_per_s"] = self.bytes.streamed / (gemm_us / 1e6)
+        self.budget.say(f"{self.name} kernels B={batch} W={width}: {out['kernels_per_step']:.0f} a step "
+                        f"({out['kernels_per_layer']:.1f} a layer), {out['device_us_per_step']:.0f} µs of device "
+                        "time: " + ", ".join(f"{k} {v['count_per_step']:.0f} × {v['us_per_step']:.0f} µs"
+                                             for k, v in out["by_kind"].items()))
+        return out
+
     def compile_times(self) -> dict:
         """The step at W = 5, batch 1: its cold compile (the model's first, from steps), a decoder compiled
         in this process since the last reset, a second decoder on the same shapes (new pool and static
@@ -494,6 +530,43 @@ class StepBench:
                         f"{_s(out['same_process_new_decoder']['first_call_s'])}, warm after reset "
                         f"{_s(out['warm_after_dynamo_reset']['first_call_s'])}")
         return out
+
+
+# kernel kinds by name (cuBLAS / CUTLASS / inductor's Triton kernels, by what their names say); the first match wins
+KERNEL_KINDS = (("gemm", ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "sm100_", "cublas", "addmm", "aten::mm",
+                          "aten::bmm", "aten::linear", "aten::addmm", "aten::matmul")),
+                ("attention", ("fmha", "flash", "attention", "attn", "decode_attention", "_partial", "_combine")),
+                ("copy", ("copy", "memcpy", "memset", "scatter", "index", "aten::cat")),
+                ("fused", ("triton_", "fused", "cpp_", "kernel")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def profile_events(prof, cuda: bool) -> list[tuple[str, float]]:
+    """(name, µs) of every kernel the profiler saw on the GPU; on the CPU (the smoke run) every top-level op, its
+    CPU time (the code path, not the numbers)."""
+    if cuda:
+        return [(e.name, e.time_range.elapsed_us()) for e in prof.events() if str(e.device_type).endswith("CUDA")]
+    return [(e.name, e.cpu_time_total) for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")]
+
+
+def kernel_table(events: list[tuple[str, float]], steps: int, layers: int, top: int = 15) -> dict:
+    """Kernels per step and per layer, device µs per step, and both by kind (KERNEL_KINDS) and for the `top`
+    kernels by time: what a layer of the step is made of."""
+    by_kind: dict[str, list[float]] = {}
+    by_name: dict[str, list[float]] = {}
+    for name, us in events:
+        by_kind.setdefault(kernel_kind(name), []).append(us)
+        by_name.setdefault(name, []).append(us)
+    per_step = lambda xs: {"count_per_step": len(xs) / steps, "us_per_step": sum(xs) / steps}  # noqa: E731
+    named = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"steps": steps, "kernels_per_step": len(events) / steps, "kernels_per_layer": len(events) / steps / layers,
+            "device_us_per_step": sum(us for _, us in events) / steps,
+            "by_kind": {k: per_step(v) for k, v in sorted(by_kind.items(), key=lambda kv: -sum(kv[1]))},
+            "top": [{"name": n[:120], "kind": kernel_kind(n), **per_step(v)} for n, v in named]}
 
 
 def _fraction(row: dict) -> str:
@@ -561,6 +634,16 @@ def steps_section(models: Models) -> None:
         attempt(res, f"graph_w{p.width}_b1", models.budget, bench.need(), lambda: bench.graph_step(1, p.width),
                 models.report)
         attempt(res, "eager_b1", models.budget, 5.0, lambda: bench.eager_step(1), models.report)
+
+
+def kernels_section(models: Models) -> None:
+    """Batch 1 and the largest of --batches, every model: the step's kernels and their device times
+    (`StepBench.kernel_profile`): where a layer's time goes, for the next change to the step."""
+    p = models.plan
+    for name, bench, res in models.each():
+        for b in sorted({1, max(p.batches)}):
+            attempt(res, f"kernels_w{p.width}_b{b}", models.budget, bench.need(),
+                    lambda: bench.kernel_profile(b, p.width), models.report)
 
 
 class scoped_env:
@@ -1178,7 +1261,7 @@ def main() -> None:
                f"compile {'on' if plan.compiled else 'off'}, HBM peak {f'{peak:.3g} B/s' if peak else 'unknown'}, "
                f"budget {args.budget_s:.0f} s")
     models = Models(plan, report, budget, clock)
-    run = {"steps": steps_section, "batches": batches_section, "drafter": drafter_section, "verify": verify_section,
+    run = {"steps": steps_section, "kernels": kernels_section, "batches": batches_section, "drafter": drafter_section, "verify": verify_section,
            "compile": compile_section, "inexact": inexact_section, "paths": paths_section,
            "long": long_section,
            "pair": lambda _: pair_section(plan, args, report, budget, clock),

@@ -194,10 +194,15 @@ class Engine:
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
         assert isinstance(self.verifier, GraphDecoder)  # _graph_backend wrapped it (on_backend, graph)
         seconds = self.verifier.warm(self.cache, {(), layers})
+        if self.verifier.chunked_prefill:  # admissions' prefills (kv_cache.prefill_rows, prefix_cache.prefill_row)
+            seconds += self.verifier.warm_prefill(self.cache.capacity, layers)
         lm = getattr(self.drafter, "lean", None)
         if isinstance(lm, GraphDecoder) and lm is not self.verifier:  # a drafter with an LM of its own
             biased = getattr(self.drafter, "graph_biased", False)  # an SD² drafter's passes carry MLP biases
-            seconds += lm.warm(cast(OwnLM, self.drafter).cache, {()}, last_only=True, biased=biased)
+            drafter_cache = cast(OwnLM, self.drafter).cache
+            seconds += lm.warm(drafter_cache, {()}, last_only=True, biased=biased)
+            if lm.chunked_prefill:
+                seconds += lm.warm_prefill(drafter_cache.capacity, ())
         return seconds
 
     def close(self) -> None:

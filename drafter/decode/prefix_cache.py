@@ -20,6 +20,11 @@ passes (`cache_output`: one prefill of the generated tokens, so the next turn â€
 A hit never covers the prompt's last pass (nor its last token, the first block's input), nor the last
 `tail` positions whose features a windowed drafter head reads (eagle3's `feature_window`).
 
+On a GPU, where prompts prefill in captured chunks (specloop.drafter.model.graph `chunked_prefill`), every chunk is
+one replay of the same static step, whose result for a position does not depend on how many of its queries are real:
+there a prompt's KV is the same bits however it is cut, the schedule above is not needed, and the rest after a hit
+goes in chunks (`_workspace`). Decode steps run another width, so their KV is still never cached.
+
 Blocks are keyed by a chained SHA-256 of (parent key, the block's tokens), which also hold their tokens and parent
 (checked on every match). They are copied into a slot's row on a hit (the pool is one contiguous row per slot, not
 paged), so no block is ever shared in place: no reference counts. Eviction is least recently used within a budget of
@@ -38,7 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from specloop.drafter.model.attention import QUERY_CHUNK
-from specloop.drafter.model.kv_cache import KVCache
+from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.graph import GraphDecoder, prefill_spans
+from specloop.drafter.model.kv_cache import KVCache, copy_positions
 
 BLOCK_SIZE = 32  # tokens per block: > QUERY_CHUNK, so every prefill pass is a long one, as a one-pass prefill is
 ROOT = b""  # the parent key of a prompt's first block
@@ -184,6 +191,19 @@ def _row(cache: KVCache, slot: int, length: int) -> KVCache:
                    torch.tensor([length], dtype=torch.long))
 
 
+def _workspace(lean, cache: KVCache, slot: int, length: int) -> tuple[LeanDecoder | GraphDecoder, KVCache, bool]:
+    """(step, row, chunked): where row `slot`'s prefill runs, its first `length` positions valid there. The
+    LeanDecoder's own passes on the row itself, in the schedule's aligned passes; or, where the decoder prefills in
+    captured chunks (a model.graph.GraphDecoder on a GPU: `chunked_prefill`), the prefiller's 1-row scratch pool,
+    copied into the row afterwards, in chunks (`prefill_spans`: any cut of a prompt gives the same bits there)."""
+    if isinstance(lean, GraphDecoder) and lean.chunked_prefill:
+        step = lean.prefiller()
+        row = step.scratch(cache.capacity)
+        row.lens = torch.tensor([length], dtype=torch.long)
+        return step, row, True
+    return getattr(lean, "eager", lean), _row(cache, slot, length), False
+
+
 def _read(row: KVCache) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
     return lambda a, b: (torch.stack([k[0, :, a:b] for k in row.keys]), torch.stack([v[0, :, a:b] for v in row.values]))
 
@@ -208,18 +228,22 @@ class RowPrefill:
 def prefill_row(lean, cache: KVCache, slot: int, tokens: list[int], prefix: PrefixCache,
                 capture: tuple[int, ...] = (), tail: int = 1) -> RowPrefill:
     """Row `slot` of `cache` holding `tokens` (a prompt but its last token): its longest cached prefix copied in, the
-    rest prefilled by the schedule's passes (`lean`: a LeanDecoder), the new blocks cached. Returns the hit and each
+    rest prefilled by the schedule's passes (`lean`: a LeanDecoder, or a GraphDecoder: `_workspace`), the new blocks
+    cached. Returns the hit and each
     captured layer's residual streams at the last min(max(tail, 1), len(tokens)) positions."""
     n, B = len(tokens), prefix.block_size
     blocks = prefix.match(tokens, reusable(n, B, tail))
-    row = _row(cache, slot, len(blocks) * B)
+    hit = len(blocks) * B
+    step, row, chunked = _workspace(lean, cache, slot, hit)
     _write(row, blocks)
     keep = min(max(tail, 1), n)
     kept: dict[int, torch.Tensor] = {}
-    for a, b in passes(len(blocks) * B, n, B):
-        out = lean.forward(row, torch.tensor([tokens[a:b]]), last_only=True, capture=capture)
+    for a, b in prefill_spans(hit, n) if chunked else passes(hit, n, B):
+        out = step.forward(row, torch.tensor([tokens[a:b]]), last_only=True, capture=capture)
         kept = {i: torch.cat([kept[i], out.hidden[i][0]])[-keep:] if kept else out.hidden[i][0, -keep:]
                 for i in capture}
+    if chunked:
+        copy_positions(row, 0, cache, slot, n)
     cache.lens[slot] = n
     prefix.insert(tokens, final_start(n, B), _read(row))
     return RowPrefill(len(blocks) * B, kept)
@@ -231,7 +255,7 @@ def prefill_cached(lean, cache: KVCache, slots: list[int], prompts: list[list[in
     """`specloop.drafter.model.kv_cache.prefill_rows` through the prefix cache, with the same result:
     (features [len(slots), hidden] per captured layer, recent [len(slots), tail, hidden] per layer, recent_lens).
     Prompts go one at a time, each into its row of the pool, and count in the cache's stats."""
-    eager = getattr(lean, "eager", lean)  # prefills run the LeanDecoder's own passes (model.graph)
+    eager = getattr(lean, "eager", lean)  # the LeanDecoder (lean may be a model.graph.GraphDecoder: `_workspace`)
     S = len(prompts)
     features = {i: torch.zeros(S, eager.hidden_size, device=eager.device, dtype=eager.dtype) for i in capture}
     recent = {i: torch.zeros(S, tail, eager.hidden_size, device=eager.device, dtype=eager.dtype) for i in capture}
@@ -241,7 +265,7 @@ def prefill_cached(lean, cache: KVCache, slots: list[int], prompts: list[list[in
             cache.lens[slot] = 0
             prefix.record(len(prompt), 0)
             continue
-        done = prefill_row(eager, cache, slot, prompt[:-1], prefix, capture, tail)
+        done = prefill_row(lean, cache, slot, prompt[:-1], prefix, capture, tail)
         prefix.record(len(prompt), done.hit)
         m = int(lens[b])
         for i in capture:
@@ -257,12 +281,13 @@ def cache_output(lean, cache: KVCache, slot: int, prompt_len: int, history: list
     reads it before the next admission) holds the schedule's KV up to its prompt's last pass; the blocks from there
     are prefilled again by the same aligned passes a later prompt extending this history runs (the KV the decode steps
     wrote is not what they compute). Returns the blocks added."""
-    eager = getattr(lean, "eager", lean)
     B = prefix.block_size
     start, end = final_start(max(0, prompt_len - 1), B), len(history) // B * B
     if end <= start:
         return 0
-    row = _row(cache, slot, start)
-    for a in range(start, end, B):
-        eager.forward(row, torch.tensor([history[a : a + B]]), last_only=True)
+    step, row, chunked = _workspace(lean, cache, slot, start)
+    if chunked:  # the scratch pool takes the row's prefilled positions first
+        copy_positions(cache, slot, row, 0, start)
+    for a, b in prefill_spans(start, end) if chunked else [(a, a + B) for a in range(start, end, B)]:
+        step.forward(row, torch.tensor([history[a:b]]), last_only=True)
     return prefix.insert(history, end, _read(row))

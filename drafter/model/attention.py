@@ -4,17 +4,37 @@ blocks; the rotary embedding (`_rope`); where a step's new tokens go (`StepPosit
 constants of the KV cache's layout (`KEY_BLOCK`, `KV_DTYPE`, `QUERY_CHUNK`)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 # Keys are attended in whole blocks of this many positions (the KV cache's capacity is a multiple).
 KEY_BLOCK = 64
-# The KV cache and attention are fp32 in every weight mode (bf16 keys and values are upcast exactly):
-# fp32 batched products cost a third of bf16 ones at decode shapes here, and no per-step conversion.
+# The KV cache and attention on the CPU, in every weight mode (bf16 keys and values are upcast exactly): fp32
+# batched products cost a third of bf16 ones at decode shapes there, and no per-step conversion. On a GPU the
+# cache takes the model's dtype (`kv_dtype`).
 KV_DTYPE = torch.float32
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # SPECLOOP_KV_DTYPE's values
 # Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
 QUERY_CHUNK = 16
+
+
+def kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for a decoder whose activations are `dtype` on `device`. "auto" (the default;
+    SPECLOOP_KV_DTYPE=float32 / bfloat16 chooses): fp32 on the CPU (its kernels read fp32 keys), on a GPU the
+    model's own dtype, as its keys and values come out of the projections: a bf16 model's cache in bf16 holds
+    the same values as an fp32 one (a bf16 key upcasts exactly) in half the bytes a step reads (at batch 8
+    and 512 cached tokens, a SmolLM2-1.7B step reads 1.8 GB of fp32 KV beside 3.4 GB of weights).
+    What changes is where attention rounds: its products and softmax in the cache's dtype. The graph step
+    is exact by construction whatever that dtype (its plain step and verify pass share every shape)."""
+    wanted = os.environ.get("SPECLOOP_KV_DTYPE", "auto")
+    if wanted not in KV_DTYPES:
+        raise ValueError(f"SPECLOOP_KV_DTYPE must be one of {', '.join(KV_DTYPES)}, got {wanted!r}")
+    chosen = KV_DTYPES[wanted]
+    if chosen is not None:
+        return chosen
+    return KV_DTYPE if device.type == "cpu" or dtype not in (torch.bfloat16, torch.float16) else dtype
 
 
 def _round_up(n: int, block: int) -> int:
@@ -89,7 +109,7 @@ def _attend(q, kc, vc, hidden, scale):
     values = vc[:, :, :L].reshape(B * Hkv * n, KEY_BLOCK, D)  # [B Hkv n, blk, D]
     parts = torch.stack([torch.bmm(probs[:, t].reshape(B * Hkv * n, rep, KEY_BLOCK), values).view(B * Hkv, n, rep, D)
                          for t in range(T)], 1)  # [B Hkv, T, n, rep, D]
-    out = _sum_over_key_blocks(parts)  # [B Hkv, T, rep, D]
+    out = _sum_over_key_blocks(parts.float())  # [B Hkv, T, rep, D]; a bf16 cache's block sums added in fp32
     return out.to(q.dtype).view(B, Hkv, T, rep, D).transpose(1, 2).reshape(B, T, H, D)
 
 

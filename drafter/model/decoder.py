@@ -32,6 +32,7 @@ from specloop.drafter.model.attention import (
     _rope,
     _round_up,
     exact_attention,
+    kv_dtype,
 )
 from specloop.drafter.model.kv_cache import KVCache
 from specloop.drafter.model.vocab import expand
@@ -100,7 +101,7 @@ class LeanDecoder:
         # exact_attention: the reference path
         widths = (self.hidden_size, int(self.config.intermediate_size))
         self.fused = (self.device.type == "cpu" and self.head_dim in (32, 64, 128, 256) and kernels.available()
-                      and all(w % 16 == 0 for w in widths))
+                      and all(w % 16 == 0 for w in widths) and kv_dtype(self.device, self.dtype) == KV_DTYPE)
         self._rope32 = (self.cos.float().contiguous(), self.sin.float().contiguous()) if self.fused else None
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
@@ -110,6 +111,11 @@ class LeanDecoder:
             raise ValueError("restrict the vocabulary once, before quantize_decoder")
         self.lm_head = self.lm_head[ids.to(self.lm_head.device)]
         self.vocab_ids = ids.to(self.device)
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype (specloop.drafter.model.attention.kv_dtype): fp32 where the CPU's own kernels run."""
+        return KV_DTYPE if self.fused else kv_dtype(self.device, self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -130,7 +136,7 @@ class LeanDecoder:
         if capacity > _round_up(self.cos.shape[0], KEY_BLOCK):  # positions() guards the table's own end
             raise ValueError(f"sequence of {capacity} positions exceeds the model's {self.cos.shape[0]}")
         shape = (batch, self.n_kv, _round_up(capacity, KEY_BLOCK), self.head_dim)  # whole key blocks
-        mk = lambda: torch.zeros(shape, device=self.device, dtype=KV_DTYPE)  # noqa: E731
+        mk = lambda: torch.zeros(shape, device=self.device, dtype=self.kv_dtype)  # noqa: E731
         return KVCache(
             keys=[mk() for _ in self.layers],
             values=[mk() for _ in self.layers],
@@ -283,8 +289,8 @@ class LeanDecoder:
         # positions() fills the eager fields wherever the fused kernels do not run
         assert at.cos is not None and at.sin is not None and at.mask is not None
         q, k = _rope(qk.view(B, T, H + Hkv, D), at.cos, at.sin).split((H, Hkv), dim=2)  # one pass for both
-        kc[at.rows, :, at.pos] = k.to(KV_DTYPE)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
-        vc[at.rows, :, at.pos] = v.view(B, T, Hkv, D).to(KV_DTYPE)
+        kc[at.rows, :, at.pos] = k.to(kc.dtype)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
+        vc[at.rows, :, at.pos] = v.view(B, T, Hkv, D).to(vc.dtype)
         return exact_attention(q, kc, vc, at.mask, self.scaling, wide=at.wide).reshape(B, T, H * D)
 
 

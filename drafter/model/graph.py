@@ -36,13 +36,15 @@ import torch
 import torch.nn.functional as F
 
 from specloop.drafter.model import decode_attention
-from specloop.drafter.model.attention import KEY_BLOCK, KV_DTYPE, _round_up
+from specloop.drafter.model.attention import KEY_BLOCK, _round_up
 from specloop.drafter.model.decoder import ForwardOut
-from specloop.drafter.model.kv_cache import KVCache
+from specloop.drafter.model.kv_cache import KVCache, copy_positions
 from specloop.drafter.model.weights.linears import Dense
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "eager", "graph")
+PREFILL_CHUNK = 64  # a prompt's prefill on a GPU: chunks of this many tokens, each one replay of a 1-row step
+PREFILLS = ("auto", "eager", "graph")  # SPECLOOP_PREFILL: auto = graph where the steps replay captured graphs
 ATTENTIONS = ("auto", "torch", "triton", "flex", "sdpa")
 
 
@@ -189,7 +191,7 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     if m.attention in ("torch", "sdpa"):  # what the attention reads of the queries' positions: a mask [S, W, C],
         visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None]
         if m.attention == "sdpa":  # as an additive bias, once for every layer
-            visible = _sdpa_bias(visible, m.n_heads // m.n_kv)
+            visible = _sdpa_bias(visible, m.n_heads // m.n_kv, keys[0].dtype)
     else:  # the positions [S, W] (triton), the rows' lengths [S] (flex)
         visible = lens if m.attention == "flex" else pos
     rows = torch.arange(S, device=dev)[:, None].expand(S, W)
@@ -220,8 +222,8 @@ def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_
         q = F.rms_norm(q, (D,), m.w(i, "q_norm"), m.eps)
         k = F.rms_norm(k, (D,), m.w(i, "k_norm"), m.eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    kc[rows, :, slot] = k.to(KV_DTYPE)  # [S, W, Hkv, D] into [S, Hkv, C, D]
-    vc[rows, :, slot] = v.to(KV_DTYPE)
+    kc[rows, :, slot] = k.to(kc.dtype)  # [S, W, Hkv, D] into [S, Hkv, C, D]
+    vc[rows, :, slot] = v.to(vc.dtype)
     if m.attention == "torch":  # visible: [S, W, C] bool
         att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
     elif m.attention == "flex":  # visible: the rows' lengths [S] (query j sits at lens + j)
@@ -246,7 +248,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """q [S, W, H, D] over the whole cache kc/vc [S, H_kv, C, D] where visible [S, W, C] → [S, W, H D], in
-    the cache's dtype (fp32): each query's scores, softmax and value sum reduce over all C keys, masked
+    the cache's dtype (`attention.kv_dtype`): each query's scores, softmax and value sum reduce over all C keys, masked
     ones exactly 0, whatever the row's length."""
     S, W, H, D = q.shape
     Hkv, C = kc.shape[1], kc.shape[2]
@@ -259,11 +261,11 @@ def _attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, visible: torch.
     return out.view(S, Hkv, W, rep, D).permute(0, 2, 1, 3, 4).reshape(S, W, H * D)
 
 
-def _sdpa_bias(visible: torch.Tensor, rep: int) -> torch.Tensor:
-    """The step's mask [S, W, C] as `_sdpa_attend`'s additive bias [S, 1, W rep, C] (fp32, the cache's dtype):
+def _sdpa_bias(visible: torch.Tensor, rep: int, dtype: torch.dtype) -> torch.Tensor:
+    """The step's mask [S, W, C] as `_sdpa_attend`'s additive bias [S, 1, W rep, C] in the cache's dtype:
     0 where a key is visible, -inf elsewhere, each query's row repeated for the `rep` heads sharing a KV head."""
     S, W, C = visible.shape
-    bias = torch.zeros(S, W, C, dtype=KV_DTYPE, device=visible.device).masked_fill(~visible, float("-inf"))
+    bias = torch.zeros(S, W, C, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
     return bias[:, None, :, None].expand(S, 1, W, rep, C).reshape(S, 1, W * rep, C)
 
 
@@ -305,7 +307,6 @@ def compile_step(model: StaticModel, device: torch.device, compiled: bool = True
     (`CapturedStep`), and replays it without dynamo's guards or the cudagraph trees' bookkeeping."""
     if not compiled:
         return model
-    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     mode = "reduce-overhead" if device.type == "cuda" and capture_mode() == "trees" else None
     if mode is None and os.environ.get("SPECLOOP_AUTOTUNE") == "1":  # Triton GEMMs tuned for the step's shapes
         from torch._inductor import config as inductor
@@ -429,8 +430,11 @@ class GraphDecoder:
     decoder's, and every other pass its own."""
 
     def __init__(self, lean, slots: int, width: int, compiled: bool = True, direct: bool | None = None):
-        self.lean, self.slots, self.width = lean, slots, width
+        self.lean, self.slots, self.width, self.compiled = lean, slots, width, compiled
         self.model = StaticModel(lean)
+        # every decoder's step is one code object to dynamo: each model, width and pool shape a compile of it (the
+        # verifier's, a drafter LM's and each one's prefiller: more than dynamo's default 8 in one process)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.step_fn = compile_step(self.model, lean.device, compiled)
         # on CUDA, the compiled step replays as this decoder's own CUDA graphs (CapturedStep); `direct`
         # forces it either way (on the CPU a "graph" re-runs the step: tests of the buffers around it)
@@ -441,6 +445,7 @@ class GraphDecoder:
         # pools by shape, each with the cache that holds it (a weak reference: a pool is free again once the
         # engine that took it is gone): a new engine of the same shape reuses a free pool, and its graphs
         self._pools: dict[tuple[int, ...], list[Held]] = {}
+        self._scratch: dict[tuple[int, ...], KVCache] = {}  # a prefiller's 1-row pools (`chunked_prefill`)
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["lean"], name)
@@ -483,7 +488,7 @@ class GraphDecoder:
         values: list[torch.Tensor] = []
         for _ in range(self.lean.num_layers):
             for store in (keys, values):
-                t = torch.zeros(shape, device=self.lean.device, dtype=KV_DTYPE)
+                t = torch.zeros(shape, device=self.lean.device, dtype=self.lean.kv_dtype)
                 # static for CUDA graphs, no identity guard: another pool of this shape reuses the compiled step
                 torch._dynamo.mark_static_address(t, guard=False)
                 t._specloop_pool = True  # type: ignore[attr-defined]  # a marker on the tensor object (read by _pool)
@@ -499,6 +504,67 @@ class GraphDecoder:
             return None
         full = lambda t: t if t._base is None else t._base  # noqa: E731
         return [full(t) for t in cache.keys], [full(t) for t in cache.values]
+
+    @property
+    def chunked_prefill(self) -> bool:
+        """Whether prompts are prefilled through `prefill_rows` (captured chunks) rather than the LeanDecoder's own
+        eager passes: where the steps replay captured graphs (a GPU), unless SPECLOOP_PREFILL=eager;
+        SPECLOOP_PREFILL=graph forces it (the CPU's tests)."""
+        wanted = os.environ.get("SPECLOOP_PREFILL", "auto")
+        if wanted not in PREFILLS:
+            raise ValueError(f"SPECLOOP_PREFILL must be one of {', '.join(PREFILLS)}, got {wanted!r}")
+        return wanted == "graph" or (wanted == "auto" and self.direct)
+
+    def prefiller(self) -> "GraphDecoder":
+        """The 1-row, PREFILL_CHUNK-wide static step of this decoder's model (one per model, `on_backend`)."""
+        return on_backend(self.lean, "graph", 1, PREFILL_CHUNK, self.compiled)
+
+    def scratch(self, capacity: int) -> KVCache:
+        """This (1-row) decoder's pool of `capacity` positions, kept for every prefill after: a prompt is
+        prefilled into it chunk by chunk, then copied into its row of the engine's pool."""
+        shape = pool_shape(1, capacity, self.lean)
+        if shape not in self._scratch:
+            self._scratch[shape] = self.new_cache(1, capacity)
+        return self._scratch[shape]
+
+    @torch.inference_mode()
+    def prefill_rows(self, cache: KVCache, slots: list[int], prompts: list[list[int]],
+                     capture: tuple[int, ...] = (), tail: int = 0):
+        """specloop.drafter.model.kv_cache.prefill_rows's contract through captured passes: each prompt (but its
+        last token) in chunks of PREFILL_CHUNK tokens, each chunk one replay of the 1-row static step over a
+        scratch pool (`prefiller`), then its KV copied into row `slots[b]` of `cache`. On a GPU the LeanDecoder's
+        eager prefill launches ~30 kernels a layer from Python per prompt (several ms for a 30-layer model,
+        most of an admission at batch 8); a chunk is one launch. One prompt at a time in a 1-row pool: a
+        prompt's KV does not depend on which others joined with it. Returns (features, recent, recent_lens)."""
+        step = self.prefiller()
+        scratch = step.scratch(cache.capacity)
+        dev, hidden_size, dtype = self.lean.device, self.lean.hidden_size, self.lean.dtype
+        capture = tuple(sorted(set(capture)))
+        features = {i: torch.zeros(len(prompts), hidden_size, device=dev, dtype=dtype) for i in capture}
+        recent = {i: torch.zeros(len(prompts), tail, hidden_size, device=dev, dtype=dtype) for i in capture}
+        lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
+        for b, (slot, prompt) in enumerate(zip(slots, prompts)):
+            n = len(prompt) - 1
+            cache.lens[slot] = max(n, 0)
+            if n < 1:
+                continue
+            scratch.lens = torch.zeros(1, dtype=torch.long)  # what was there before is beyond every query
+            tokens = torch.tensor([prompt[:n]])
+            parts = [step.forward(scratch, tokens[:, a:b], capture=capture).hidden for a, b in prefill_spans(0, n)]
+            copy_positions(scratch, 0, cache, slot, n)
+            m = int(lens[b])
+            for i in capture:
+                features[i][b] = parts[-1][i][0, -1]
+                if m:
+                    recent[i][b, :m] = torch.cat([h[i][0] for h in parts], dim=0)[-m:]
+        return features, recent, lens
+
+    @torch.inference_mode()
+    def warm_prefill(self, capacity: int, capture: tuple[int, ...]) -> float:
+        """Compile (and on CUDA capture) the prefiller's step for a pool of `capacity` before the first admission
+        needs it. Seconds."""
+        step = self.prefiller()
+        return step.warm(step.scratch(capacity), {capture})
 
     def _graphs_of(self, pool) -> dict:
         """The CUDA graphs captured on this pool (kept on its first tensor: they go when the pool goes)."""
@@ -604,6 +670,14 @@ class GraphDecoder:
         logits, choices = (logits[:B], choices[:B]) if last_only else (logits[:B, :T], choices[:B, :T])
         return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)},
                           choices=choices.clone())
+
+
+def prefill_spans(start: int, n: int) -> list[tuple[int, int]]:
+    """A chunked prefill's passes (first, end) over positions [start, n): PREFILL_CHUNK tokens each, the last
+    what is left. Each is one replay of the same static step, whose result for a position does not depend on
+    how many of its queries are real: the KV is the same bits however a prompt is cut (a prefix cache's hit
+    followed by the rest is a fresh prefill)."""
+    return [(a, min(a + PREFILL_CHUNK, n)) for a in range(start, n, PREFILL_CHUNK)]
 
 
 def _chain(step, depth: int):

@@ -19,6 +19,12 @@ class KVCache:
         return self.keys[0].shape[2]
 
 
+def copy_positions(src: KVCache, src_row: int, dst: KVCache, dst_row: int, n: int) -> None:
+    """Every layer's keys and values at positions [0, n) of row `src_row` of `src` into row `dst_row` of `dst`."""
+    for a, b in zip(dst.keys + dst.values, src.keys + src.values):
+        a[dst_row, :, :n] = b[src_row, :, :n]
+
+
 def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists → ([B, T] int64 right-padded, [B] lengths)."""
     lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
@@ -81,6 +87,8 @@ def prefill_rows(lean, cache: KVCache, slots: list[int], prompts: list[list[int]
     """`prefill` into rows `slots` of an existing cache (continuous batching: requests join a running
     batch); the other rows are untouched. Returns what `prefill_recent` captured for these rows:
     (features [len(slots), hidden] per layer, recent [len(slots), tail, hidden] per layer, recent_lens)."""
+    if getattr(lean, "chunked_prefill", False):  # a model.graph.GraphDecoder on a GPU: captured chunks
+        return lean.prefill_rows(cache, slots, prompts, capture, tail)
     width = max(len(p) for p in prompts)
     fresh, features, recent, lens = prefill_recent(getattr(lean, "eager", lean), prompts, width, capture, tail)
     idx = torch.tensor(slots, dtype=torch.long)

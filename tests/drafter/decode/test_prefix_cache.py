@@ -11,6 +11,7 @@ from specloop.drafter.decode.engine import Engine
 from specloop.drafter.decode.prefix_cache import (
     ROOT,
     PrefixCache,
+    cache_output,
     final_start,
     passes,
     prefill_cached,
@@ -20,6 +21,8 @@ from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.kinds.table import build_drafter
 from specloop.drafter.model.attention import QUERY_CHUNK
+from specloop.drafter.model.graph import on_backend
+from specloop.drafter.model.kv_cache import prefill_rows
 from specloop.drafter.model.loading import load_model
 
 B = 4  # block size of the unit tests
@@ -174,10 +177,10 @@ def test_a_prefill_that_finds_its_prefix_cached_writes_the_fresh_schedules_kv_bi
         assert torch.equal(f_cold[i], f_warm[i])
 
 
-def _chat(verifier, drafter, rule, turns, prefix, k=0, max_tokens=12, slots=1):
+def _chat(verifier, drafter, rule, turns, prefix, k=0, max_tokens=12, slots=1, backend="eager"):
     """A chat through the engine: turn t's prompt is turn t − 1's prompt + answer + a new message. Returns the
     answers, the hit of every turn, and the pool row's KV after each admission."""
-    engine = Engine(verifier.lean, drafter, slots, 1024, rule, prefix_cache=prefix)
+    engine = Engine(verifier.lean, drafter, slots, 1024, rule, prefix_cache=prefix, backend=backend)
     prompt, answers, hits, kv = [], [], [], []
     for t, message in enumerate(turns):
         prompt = prompt + message
@@ -262,8 +265,10 @@ def test_speculative_chats_with_the_cache_decode_as_the_verifier_alone(pair, rul
         assert hits != expected_hits(turns, answers)  # the window bounded some hit
 
 
-def test_the_graph_backend_with_the_cache_decodes_as_without(pair, rule, monkeypatch):
+@pytest.mark.parametrize("prefill", ["eager", "graph"])  # graph: a GPU's prefill in captured chunks
+def test_the_graph_backend_with_the_cache_decodes_as_without(pair, rule, monkeypatch, prefill):
     monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    monkeypatch.setenv("SPECLOOP_PREFILL", prefill)
     verifier = pair[0]
     turns = _turns(3, seed=3)
 
@@ -281,6 +286,7 @@ def test_the_graph_backend_with_the_cache_decodes_as_without(pair, rule, monkeyp
             answers.append(done.token_ids)
             prompt = prompt + done.token_ids
         assert engine.verifier.graph_calls > 0
+        assert engine.verifier.chunked_prefill == (prefill == "graph")
         return answers
 
     prefix = PrefixCache(budget=1024)
@@ -323,3 +329,47 @@ def test_a_finished_answer_whose_slot_is_reused_before_the_idle_work_is_not_cach
     engine.admit([EngineRequest("b", second, SamplingParams(max_tokens=4), 0, 0)])
     assert not engine.finished and engine.cache_finished() == 0
     assert not prefix.match(first, len(first)) and len(prefix.match(second, len(second))) > 0
+
+
+def test_with_chunked_prefills_a_hit_and_a_cached_answer_leave_a_fresh_prefills_kv_bit_for_bit(pair, rule, monkeypatch):
+    # a GPU's prefill (captured chunks of model.graph.PREFILL_CHUNK on a scratch pool): a hit's blocks, the rest in
+    # chunks from the hit, and the answers cached at each finish (prefilled again on the scratch pool) make the
+    # same KV as one fresh chunked prefill of the whole prompt
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
+    verifier = pair[0]
+    turns = _turns(4, seed=4)
+    prefix = PrefixCache(budget=2048)
+    answers, hits, kv = _chat(verifier, None, rule, turns, prefix, backend="graph")
+    assert hits == expected_hits(turns, answers) and all(h > 0 for h in hits[1:])
+    graph = on_backend(verifier.lean, "graph", 1, 5, compiled=False)
+    assert graph.chunked_prefill
+    prompt = []
+    for t, (message, answer) in enumerate(zip(turns, answers)):
+        prompt = prompt + message
+        n = len(prompt) - 1
+        cold = graph.new_cache(1, 1024)  # a pool of one row, as the chat's engine had
+        prefill_rows(graph, cold, [0], [prompt])
+        assert all(torch.equal(c[0, :, :n], w) for c, w in zip(cold.keys + cold.values, kv[t])), t
+        prompt = prompt + answer
+
+
+def test_a_chunked_cache_output_prefills_on_its_own_rows_kv_not_on_what_the_scratch_pool_last_held(pair, monkeypatch):
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
+    graph = on_backend(pair[0].lean, "graph", 2, 5, compiled=False)
+    prefix = PrefixCache(budget=2048)
+    a, b = _tokens(11, 70), _tokens(12, 50)
+    cache = graph.new_cache(2, 512)
+    prefill_cached(graph, cache, [0], [a], prefix)
+    prefill_cached(graph, cache, [1], [b], prefix)  # the prefiller's scratch pool holds b's KV now
+    history = a + _tokens(13, 40)
+    assert cache_output(graph, cache, 0, len(a), history, prefix) == 2  # blocks [64, 96) and [96, 128) were new
+    follow = history + _tokens(14, 20)
+    warm, cold = graph.new_cache(2, 512), graph.new_cache(2, 512)
+    before = prefix.stats().hits
+    prefill_cached(graph, warm, [0], [follow], prefix)
+    assert prefix.stats().hits - before == 96  # a's blocks and the cached answer's
+    prefill_rows(graph, cold, [0], [follow])
+    n = len(follow) - 1
+    assert all(torch.equal(c[0, :, :n], w[0, :, :n]) for c, w in zip(cold.keys + cold.values, warm.keys + warm.values))

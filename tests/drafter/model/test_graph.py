@@ -14,7 +14,7 @@ from specloop.drafter.decode.engine import Engine
 from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.kinds.table import build_drafter
-from specloop.drafter.model.graph import GraphDecoder, StaticModel, graph_ready, resolve_backend
+from specloop.drafter.model.graph import PREFILL_CHUNK, GraphDecoder, StaticModel, graph_ready, resolve_backend
 from specloop.drafter.model.kv_cache import KVCache, prefill_rows
 from specloop.drafter.model.loading import load_model
 from tests.drafter_helpers import POSITIONS, PROMPT, SETTINGS, VOCAB, WARPED, sampled_counts
@@ -132,13 +132,16 @@ def test_the_static_step_scores_as_the_lean_decoder_and_writes_only_real_tokens(
         assert not changed[2].any() or changed[2].nonzero().flatten().tolist() == [trash]  # the empty row: trash only
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_pair, dtype):
+@pytest.mark.parametrize("dtype, kv", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
+                                       (torch.bfloat16, "bfloat16")])  # the last: a GPU's cache for a bf16 model
+def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_pair, dtype, kv, monkeypatch):
     # the property that makes speculation exact: a token's logits do not depend on how many real queries
     # its pass had, nor on its index among them, nor on the other rows
+    monkeypatch.setenv("SPECLOOP_KV_DTYPE", kv)
     lean = load_model(tiny_pair[0], dtype=dtype).lean
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
     graph, cache = _pool(lean, prompts, slots=3, width=5)
+    assert cache.keys[0].dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
     _, stepwise = _pool(lean, prompts, slots=3, width=5)  # a second pool, stepped one token at a time
     block = torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])
     verify = graph.forward(KVCache([k[:2] for k in cache.keys], [v[:2] for v in cache.values], cache.lens[:2]),
@@ -191,6 +194,21 @@ def test_greedy_speculation_in_bf16_on_the_graph_backend_equals_its_plain_decodi
         assert _decode(verifier, build_drafter(kind, verifier, reference_pair[1]), prompts, 4) == plain
 
 
+def test_greedy_speculation_with_a_bf16_cache_equals_its_plain_decoding(reference_pair, monkeypatch):
+    # a GPU's default for a bf16 model (attention.kv_dtype), on the CPU through the environment: the cache, the
+    # drafter LM's cache and the eager prefills all in bf16, speculation still the engine's plain output
+    monkeypatch.setenv("SPECLOOP_KV_DTYPE", "bfloat16")
+    verifier = load_model(reference_pair[0], dtype=torch.bfloat16)
+    assert verifier.lean.kv_dtype == torch.bfloat16 and not verifier.lean.fused
+    prompts = _prompts(verifier)
+    plain = _decode(verifier, None, prompts, 0)
+    for kind, path, k in (("pretrained", reference_pair[1], 4), ("ngram", None, None), ("eagle", None, 4)):
+        drafter = build_drafter(kind, verifier, path)
+        assert _decode(verifier, drafter, prompts, k) == plain, kind
+        if kind == "pretrained":
+            assert drafter.lean.kv_dtype == torch.bfloat16
+
+
 def test_sampled_output_on_the_graph_backend_is_distributed_as_the_verifiers(monkeypatch):
     tiny = (build_model(llama_config(VOCAB, 2, 32), seed=11, init_std=0.6),
             build_model(llama_config(VOCAB, 1, 32), seed=12, init_std=0.6))  # test_speculative's pair
@@ -221,6 +239,91 @@ def test_warming_builds_the_graph_the_steps_then_run_and_prefills_never_run_it(t
     assert engine.verifier.graph_calls > 0 and counter.frame_count == built  # no step compiled anything new
     again = Engine(tiny_verifier.lean, None, 2, 150, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
     assert again.verifier is engine.verifier and counter.frame_count == built  # a pool of the same size: no recompile
+
+
+def _eager_rows(lean, prompts, capture, tail, capacity=256):
+    cache = lean.new_cache(len(prompts), capacity)
+    return cache, prefill_rows(lean, cache, list(range(len(prompts))), prompts, capture, tail)
+
+
+def test_a_chunked_prefill_holds_the_eager_prefills_kv_and_features(tiny_verifier, monkeypatch):
+    # the GPU's prefill (captured chunks of PREFILL_CHUNK tokens on a 1-row scratch pool, then a copy into the
+    # row): what a prompt leaves in its row and the features a drafter reads are the eager passes', to rounding
+    monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
+    lean = tiny_verifier.lean
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (PREFILL_CHUNK + 3, 1, 12, 2 * PREFILL_CHUNK + 1)]
+    graph = GraphDecoder(lean, 5, 5, compiled=False)
+    assert graph.chunked_prefill
+    cache = graph.new_cache(5, 256)
+    slots, layers = [4, 0, 2, 1], (0, 1)
+    before = graph.prefiller().graph_calls  # one prefiller per model: other tests' calls count there too
+    features, recent, lens = prefill_rows(graph, cache, slots, prompts, layers, tail=6)
+    eager, (e_features, e_recent, e_lens) = _eager_rows(lean, prompts, layers, 6)
+    assert graph.prefiller().graph_calls - before == 2 + 1 + 2  # chunks of each prompt but its last: 66, 0, 11, 128
+    assert torch.equal(lens, e_lens) and cache.lens.tolist() == [0, 128, 11, 0, 66]
+    for b, (slot, prompt) in enumerate(zip(slots, prompts)):
+        n = len(prompt) - 1
+        for got, want in zip(cache.keys + cache.values, eager.keys + eager.values):
+            assert torch.allclose(got[slot, :, :n], want[b, :, :n], atol=1e-5, rtol=1e-4)
+        for i in layers:
+            assert torch.allclose(features[i][b], e_features[i][b], atol=1e-5, rtol=1e-4)
+            assert torch.allclose(recent[i][b], e_recent[i][b], atol=1e-5, rtol=1e-4)  # a tail across two chunks
+    assert not features[0][1].any()  # a one-token prompt: nothing prefilled, no features
+
+
+def test_a_prompts_chunked_prefill_does_not_depend_on_what_was_prefilled_before_or_beside_it(tiny_verifier,
+                                                                                             monkeypatch):
+    monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
+    graph = GraphDecoder(tiny_verifier.lean, 3, 5, compiled=False)
+    long_one, short = list(range(10, 10 + 2 * PREFILL_CHUNK)), [7, 8, 9, 10, 11]
+    cache = graph.new_cache(3, 256)
+    prefill_rows(graph, cache, [0, 1], [long_one, short])  # the scratch pool now holds long_one's tail beyond 4
+    alone = graph.new_cache(3, 256)
+    prefill_rows(graph, alone, [2], [short])
+    for a, b in zip(cache.keys + cache.values, alone.keys + alone.values):
+        assert torch.equal(a[1, :, :4], b[2, :, :4])
+
+
+def test_the_chunked_prefill_is_the_default_where_steps_replay_graphs_and_the_environment_chooses(tiny_verifier,
+                                                                                                  monkeypatch):
+    monkeypatch.delenv("SPECLOOP_PREFILL", raising=False)
+    assert GraphDecoder(tiny_verifier.lean, 2, 5, compiled=False, direct=True).chunked_prefill  # a GPU's step
+    assert not GraphDecoder(tiny_verifier.lean, 2, 5, compiled=False, direct=False).chunked_prefill
+    monkeypatch.setenv("SPECLOOP_PREFILL", "eager")
+    assert not GraphDecoder(tiny_verifier.lean, 2, 5, compiled=False, direct=True).chunked_prefill
+    monkeypatch.setenv("SPECLOOP_PREFILL", "chunks")
+    with pytest.raises(ValueError, match="SPECLOOP_PREFILL must be one of auto, eager, graph, got 'chunks'"):
+        GraphDecoder(tiny_verifier.lean, 2, 5, compiled=False).chunked_prefill
+
+
+@pytest.mark.parametrize("kind", ["pretrained", "eagle"])
+def test_speculation_over_chunked_prefills_equals_its_plain_decoding_and_warming_built_the_prefill(
+        kind, reference_bf16, reference_pair, monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+
+    import specloop.drafter.model.graph as graph_module
+
+    monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
+    counter = CompileCounter()
+    monkeypatch.setattr(graph_module, "compile_step",
+                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
+    verifier = reference_bf16
+    prompts = _prompts(verifier)
+    plain = _decode(verifier, None, prompts, 0)
+    drafter = build_drafter(kind, verifier, reference_pair[1] if kind == "pretrained" else None)
+    engine = Engine(verifier.lean, drafter, 3, 256, StopRule(verifier.eos_ids), backend="graph", compile_graphs=True)
+    built = counter.frame_count
+    prefills = engine.verifier.prefiller().graph_calls  # one prefiller per model: earlier tests' calls count there
+    engine.admit([EngineRequest("a", prompts[0], SamplingParams(max_tokens=8), 4)])
+    while engine.running:
+        engine.step()
+    assert counter.frame_count == built  # warming built the prefills' steps (verifier's and drafter LM's) too
+    assert engine.verifier.prefiller().graph_calls == prefills + 1
+    if kind == "pretrained":
+        assert drafter.lean.prefiller().graph_calls == 1  # the drafter LM's prompts prefill in chunks too
+    assert _decode(verifier, build_drafter(kind, verifier, reference_pair[1] if kind == "pretrained" else None),
+                   prompts, 4) == plain
 
 
 def test_a_drafter_runs_as_each_engine_it_serves_needs(tiny_verifier, tiny_pair):
@@ -318,8 +421,10 @@ def test_replayed_graphs_decode_as_the_step_called_directly(kind, reference_pair
         monkeypatch.setattr(type(drafter), "_unspied", propose, raising=False)
         monkeypatch.setattr(type(drafter), "propose", spied)  # on the class: the engine drafts through narrowed copies
         out = _decode(verifier, drafter, _prompts(verifier), 3)  # k fixed: every step drafts
-        (graph,) = verifier.lean._graph_decoders.values()
-        assert graph.direct == direct and (graph.captures >= 1) == direct
+        # the engine's step; where graphs replay, prompts also prefill through a 1-row prefiller (captured too)
+        steps = [g for g in verifier.lean._graph_decoders.values() if g.width != PREFILL_CHUNK]
+        assert len(verifier.lean._graph_decoders) == 1 + direct and len(steps) == 1
+        assert steps[0].direct == direct and (steps[0].captures >= 1) == direct
         return out, drafts, drafter
 
     (called, drafted, eager), (replayed, redrafted, drafter) = run(False), run(True)
