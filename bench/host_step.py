@@ -10,7 +10,7 @@ This measures that work without a GPU: the engine's graph backend (GraphDecoder,
 step's model pass replaced by a stub of the same shapes and no arithmetic (its "replay" writes the next
 token of a fixed cycle of 13 tokens as one-hot logits: a text every drafter predicts, so τ is k + 1 and the
 figures are costs, not a drafter's quality), so the time per step is the host's, plus the CPU's cost of the eager ops the GPU
-would launch. Prefills run the real eager decoder and are not counted (steps only). Systems: the verifier
+would launch. Prefills run the real model and are not counted (steps only). Systems: the verifier
 alone, n-gram (auto, k=4), the pretrained drafter (its LM stubbed the same way, auto and k=4), eagle
 (k=4; its chain's replay costs nothing here, as on a GPU one launch; and k auto: the held chain's drafts are
 never accepted, so this is what a drafter the controller should turn off costs) and the served default, eagle

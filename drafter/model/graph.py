@@ -550,7 +550,8 @@ class GraphDecoder:
                 continue
             scratch.lens = torch.zeros(1, dtype=torch.long)  # what was there before is beyond every query
             tokens = torch.tensor([prompt[:n]])
-            parts = [step.forward(scratch, tokens[:, a:b], capture=capture).hidden for a, b in prefill_spans(0, n)]
+            parts = [step.forward(scratch, tokens[:, a:b], last_only=True, capture=capture).hidden  # no logits wanted
+                     for a, b in prefill_spans(0, n)]
             copy_positions(scratch, 0, cache, slot, n)
             m = int(lens[b])
             for i in capture:
@@ -564,7 +565,7 @@ class GraphDecoder:
         """Compile (and on CUDA capture) the prefiller's step for a pool of `capacity` before the first admission
         needs it. Seconds."""
         step = self.prefiller()
-        return step.warm(step.scratch(capacity), {capture})
+        return step.warm(step.scratch(capacity), {capture}, last_only=True)
 
     def _graphs_of(self, pool) -> dict:
         """The CUDA graphs captured on this pool (kept on its first tensor: they go when the pool goes)."""
