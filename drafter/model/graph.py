@@ -543,15 +543,22 @@ class GraphDecoder:
         features = {i: torch.zeros(len(prompts), hidden_size, device=dev, dtype=dtype) for i in capture}
         recent = {i: torch.zeros(len(prompts), tail, hidden_size, device=dev, dtype=dtype) for i in capture}
         lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
+        first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
         for b, (slot, prompt) in enumerate(zip(slots, prompts)):
             n = len(prompt) - 1
             cache.lens[slot] = max(n, 0)
             if n < 1:
                 continue
+            src = first.setdefault(tuple(prompt), b)
+            if src != b:
+                copy_positions(cache, slots[src], cache, slot, n)
+                for i in capture:
+                    features[i][b], recent[i][b] = features[i][src], recent[i][src]
+                continue
             scratch.lens = torch.zeros(1, dtype=torch.long)  # what was there before is beyond every query
             tokens = torch.tensor([prompt[:n]])
-            parts = [step.forward(scratch, tokens[:, a:b], last_only=True, capture=capture).hidden  # no logits wanted
-                     for a, b in prefill_spans(0, n)]
+            parts = [step.forward(scratch, tokens[:, lo:hi], last_only=True, capture=capture).hidden  # no logits
+                     for lo, hi in prefill_spans(0, n)]
             copy_positions(scratch, 0, cache, slot, n)
             m = int(lens[b])
             for i in capture:

@@ -272,6 +272,19 @@ def test_a_chunked_prefill_holds_the_eager_prefills_kv_and_features(tiny_verifie
     assert not features[0][1].any()  # a one-token prompt: nothing prefilled, no features
 
 
+def test_identical_prompts_prefill_once_in_chunks_and_every_row_holds_their_kv(tiny_verifier, monkeypatch):
+    monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
+    graph = GraphDecoder(tiny_verifier.lean, 3, 5, compiled=False)
+    prompt = list(range(20, 20 + PREFILL_CHUNK + 10))
+    cache = graph.new_cache(3, 256)
+    before = graph.prefiller().graph_calls
+    features, _, _ = prefill_rows(graph, cache, [2, 0, 1], [prompt, [5, 6, 7], prompt], (1,))
+    assert graph.prefiller().graph_calls - before == 2 + 1  # the repeated prompt's two chunks once, and [5, 6]
+    n = len(prompt) - 1
+    assert all(torch.equal(t[2, :, :n], t[1, :, :n]) for t in cache.keys + cache.values)
+    assert torch.equal(features[1][0], features[1][2]) and cache.lens.tolist() == [2, n, n]
+
+
 def test_a_prompts_chunked_prefill_does_not_depend_on_what_was_prefilled_before_or_beside_it(tiny_verifier,
                                                                                              monkeypatch):
     monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
