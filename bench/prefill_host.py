@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -104,9 +103,12 @@ def measure(path: Path, prompts_dir: Path, per_file: int, rounds: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="*", type=Path,
-                    default=[ROOT.parent / "shared" / "models" / "verifier",
-                             Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct" / "verifier"])
+    from specloop.services.cli.options import DEFAULT_CACHE
+    from specloop.trainer.fetch import DEFAULT_MODEL, default_out
+
+    ap.add_argument("--models", nargs="*", type=Path, help="verifier folders (default: the reference pair's, the "
+                    "fetched pair's)", default=[ROOT.parent / "shared" / "models" / "verifier",
+                                                default_out(DEFAULT_CACHE, DEFAULT_MODEL) / "verifier"])
     ap.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts")
     ap.add_argument("--per-file", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
@@ -126,8 +128,10 @@ def main() -> None:
         print(f"{path.parent.name}/{path.name} ({row['layers']} layers, {row['prompt_tokens_mean']:.0f} tokens a prompt): "
               + ", ".join(f"{m} {row[m]['ops_per_prompt']:.0f} ops {row[m]['host_us_per_prompt']:.0f} µs"
                           for m in MODES) + f" a prompt; ops ×{row['ops_eager_over_chunked']:.1f}")
-    report = {"benchmark": "prefill_host", "cpu": platform.processor() or platform.machine(),
-              "torch": torch.__version__, "threads": args.threads, "models": rows}
+    from bench.machine import machine_info
+
+    report = {"benchmark": "prefill_host", "machine": machine_info(), "torch": torch.__version__,
+              "threads": args.threads, "models": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
 
