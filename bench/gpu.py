@@ -77,7 +77,7 @@ SECTIONS = ("steps", "kernels", "pair", "paths", "long", "batches", "inexact", "
 # attention): as environment settings read when a GraphDecoder is built
 PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
          # section 25's default: the cache in fp32 whatever the model's dtype (the default now: the model's dtype)
-         "direct-kv32": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_KV_DTYPE": "float32"},
+         "direct-kv32": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_KV_CACHE_DTYPE": "float32"},
          # one memory-efficient attention kernel per layer for the torch path's two products and ~3 kernels
          "direct-sdpa": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "sdpa"},
          "direct-flex": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "flex"},  # flex decoding's split keys

@@ -15,22 +15,23 @@ KEY_BLOCK = 64
 # batched products cost a third of bf16 ones at decode shapes there, and no per-step conversion. On a GPU the
 # cache takes the model's dtype (`kv_dtype`).
 KV_DTYPE = torch.float32
-KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # SPECLOOP_KV_DTYPE's values
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # KV_CACHE_ENV's values
+KV_CACHE_ENV = "SPECLOOP_KV_CACHE_DTYPE"  # (`specloop serve --kv-cache-dtype` sets it in a worker's process)
 # Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
 QUERY_CHUNK = 16
 
 
 def kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype for a decoder whose activations are `dtype` on `device`. "auto" (the default;
-    SPECLOOP_KV_DTYPE=float32 / bfloat16 chooses): fp32 on the CPU (its kernels read fp32 keys), on a GPU the
+    SPECLOOP_KV_CACHE_DTYPE=float32 / bfloat16 chooses): fp32 on the CPU (its kernels read fp32 keys), on a GPU the
     model's own dtype, as its keys and values come out of the projections: a bf16 model's cache in bf16 holds
     the same values as an fp32 one (a bf16 key upcasts exactly) in half the bytes a step reads (at batch 8
     and 512 cached tokens, a SmolLM2-1.7B step reads 1.8 GB of fp32 KV beside 3.4 GB of weights).
     What changes is where attention rounds: its products and softmax in the cache's dtype. The graph step
     is exact by construction whatever that dtype (its plain step and verify pass share every shape)."""
-    wanted = os.environ.get("SPECLOOP_KV_DTYPE", "auto")
+    wanted = os.environ.get(KV_CACHE_ENV, "auto")
     if wanted not in KV_DTYPES:
-        raise ValueError(f"SPECLOOP_KV_DTYPE must be one of {', '.join(KV_DTYPES)}, got {wanted!r}")
+        raise ValueError(f"SPECLOOP_KV_CACHE_DTYPE must be one of {', '.join(KV_DTYPES)}, got {wanted!r}")
     chosen = KV_DTYPES[wanted]
     if chosen is not None:
         return chosen

@@ -58,6 +58,8 @@ class ServeConfig:
     drafter_weights: str = "auto"
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own template)
     prefix_caching: bool = True  # --enable-prefix-caching (the workers' WorkerConfig.prefix_caching)
+    kv_cache_dtype: str = "auto"  # --kv-cache-dtype (the workers' WorkerConfig.kv_cache_dtype)
+    enforce_eager: bool = False  # --enforce-eager (the workers' WorkerConfig.enforce_eager)
     observe_every: int = 8  # --observe-every (the workers' WorkerConfig.observe_every: records of steps left plain)
     uvicorn_log_level: str = "warning"  # --uvicorn-log-level
 
@@ -84,6 +86,18 @@ def default_registry(root: Path, verifier: Path, drafter: Path | None, kind: str
     drafter never serve another."""
     key = "|".join([str(Path(verifier).resolve()), str(Path(drafter).resolve()) if drafter else "-", kind])
     return Path(root) / hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def worker_fields(cfg: ServeConfig, registry: Path | None, prefix: str, redis_url: str | None) -> dict:
+    """The WorkerConfig fields (specloop.services.worker.worker) a serve deployment's worker actors are started
+    with, as plain values for Ray; `registry`: the learner's (None: no learner, no replay records)."""
+    return {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
+            "registry": _opt(registry), "threads": cfg.worker_threads, "prefix": prefix,
+            "log_records": registry is not None, "redis_url": redis_url, "slots": cfg.slots,
+            "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
+            "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching,
+            "kv_cache_dtype": cfg.kv_cache_dtype, "enforce_eager": cfg.enforce_eager,
+            "observe_every": cfg.observe_every}
 
 
 class Deployment:
@@ -197,13 +211,8 @@ class Deployment:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         model = cfg.model_id or Path(cfg.verifier).name
         self.workers = []
+        wcfg = worker_fields(cfg, self.registry if learning else None, prefix, redis_url)
         for i in range(cfg.workers):
-            wcfg = {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "kind": cfg.kind,
-                    "registry": str(self.registry) if learning else None, "threads": cfg.worker_threads,
-                    "prefix": prefix, "log_records": learning, "redis_url": redis_url, "slots": cfg.slots,
-                    "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
-                    "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching,
-                    "observe_every": cfg.observe_every}
             actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,  # type: ignore[attr-defined]
                                          resources=cfg.worker_resources or None, **detached)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))

@@ -29,8 +29,10 @@ from specloop.services.cli.options import (
     DraftLenAuto,
     Dtype,
     Endpoint,
+    EnforceEager,
     Globals,
     Json,
+    KvCacheDtype,
     Learner,
     MaxTokens,
     Models,
@@ -49,6 +51,7 @@ from specloop.services.cli.options import (
     Weights,
     parse_speculative_config,
     read_chat_template,
+    served_kv_dtype,
     served_weights,
 )
 from specloop.services.cli.runtime import Greedy, run, show_version, use_threads
@@ -278,7 +281,8 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
           served_model_name: Annotated[Optional[str], typer.Option(
               show_default=False, help="the model id clients ask for (default: MODEL's Hugging Face id, else the "
                                        "verifier folder's name)")] = None,
-          enable_prefix_caching: PrefixCaching = True, endpoint: Endpoint, weights: Weights,
+          enable_prefix_caching: PrefixCaching = True, kv_cache_dtype: KvCacheDtype = "auto",
+          enforce_eager: EnforceEager = False, endpoint: Endpoint, weights: Weights,
           speculators: Speculators = None, glob: Globals,
           learner: Annotated[Optional[str], typer.Option(
               show_default=False, help="the online learner: off | kl | klrl | lk (default: klrl for a drafter it "
@@ -312,6 +316,7 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
     if learner is not None and learner not in ("off", "kl", "klrl", "lk"):
         raise UsageError(f"unknown learner {learner!r}; choose off, kl, klrl or lk")
     mode = served_weights(dtype, quantization, weights.weights)
+    kv_dtype = served_kv_dtype(kv_cache_dtype)
     chat_template = read_chat_template(endpoint.chat_template)
     explicit_kind, num_tokens = _serve_drafter(pair, drafter_kind, speculative_config)
     use_threads(glob.threads)
@@ -340,6 +345,7 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
                       worker_threads=max(1, glob.threads // 2), worker_resources={r: 1 for r in worker_resource or ()},
                       weights=mode, drafter_weights=weights.drafter_weights, cache=cache,
                       chat_template=chat_template, prefix_caching=enable_prefix_caching,
+                      kv_cache_dtype=kv_dtype, enforce_eager=enforce_eager,
                       uvicorn_log_level=endpoint.uvicorn_log_level, observe_every=observe_every)
     return run_serve(cfg)
 

@@ -87,7 +87,7 @@ class VersionEngines:
         assert w.registry is not None  # without one, ServingLoop._validate refuses requests naming another version
         weights = w.registry.load_weights(version)
         return Engine(w.verifier.lean, w.builder.build(weights), self.slots, w.max_context, w.stop_rule,
-                      grammars=w.grammars, prefix_cache=w.prefix_cache)
+                      grammars=w.grammars, prefix_cache=w.prefix_cache, backend=w.engine.backend)
 
     def _evict_idle(self, reserved: frozenset[str]) -> bool:
         idle = [v for v, e in self.engines.items() if not e.running and v not in reserved]

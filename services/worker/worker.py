@@ -29,6 +29,7 @@ Per step (`specloop.drafter.decode.speculative.StepHooks`):
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ from specloop.drafter.decode.requests import EngineRequest, RowUpdate, StopRule
 from specloop.drafter.decode.speculative import StepTrace
 from specloop.drafter.decode.stats import AcceptanceStats
 from specloop.drafter.kinds.table import DrafterBuilder
+from specloop.drafter.model.attention import KV_CACHE_ENV, KV_DTYPES
 from specloop.drafter.model.loading import load_model
 from specloop.services.buffer.types import ReplayBuffer
 from specloop.services.event_log import EventLog
@@ -89,6 +91,9 @@ class WorkerConfig:
     speculators: tuple[str, ...] = ()  # beside the served drafter, chosen per step and row (specloop.drafter.kinds.mix)
     prefix_caching: bool = True  # reuse the KV of prompt prefixes earlier requests computed (`specloop serve
     #                              --enable-prefix-caching`, on by default as in vLLM v1)
+    kv_cache_dtype: str = "auto"  # the KV caches' dtype in this process (drafter.model.attention.kv_dtype: auto = the
+    #                               model's on a GPU, fp32 on the CPU; `specloop serve --kv-cache-dtype`)
+    enforce_eager: bool = False  # the engine's eager backend on a GPU too (`specloop serve --enforce-eager`)
     observe_every: int = 8  # one step in this many of those the controller left plain gives observed records
     #                         (the verifier's next token where nothing was drafted: the learner keeps learning
     #                         when speculation is turned down); 0: none (kinds with `observable` records only)
@@ -96,6 +101,8 @@ class WorkerConfig:
     def __post_init__(self):
         if self.swap_cache not in ("keep", "recompute"):
             raise ValueError(f"swap_cache must be 'keep' or 'recompute', not {self.swap_cache!r}")
+        if self.kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.observe_every < 0:
             raise ValueError(f"observe_every must be >= 0 (0: no records of plain steps), not {self.observe_every}")
 
@@ -264,8 +271,11 @@ class VerifierWorker:
     def __init__(self, cfg: WorkerConfig, buffer: ReplayBuffer | None = None):
         torch.set_num_threads(cfg.threads)
         self.cfg = cfg
+        if cfg.kv_cache_dtype != "auto":  # the process's: the verifier's cache and every drafter LM's
+            os.environ[KV_CACHE_ENV] = cfg.kv_cache_dtype
         self.verifier = load_model(cfg.verifier, weights=cfg.weights)
-        log.info("verifier %s served as %s", cfg.verifier, self.verifier.served)
+        log.info("verifier %s served as %s, its KV cache in %s", cfg.verifier, self.verifier.served,
+                 str(self.verifier.lean.kv_dtype).removeprefix("torch."))
         tok = self.verifier.tokenizer
         self.stop_rule = StopRule(self.verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
         self.builder = DrafterBuilder(cfg.kind, self.verifier, cfg.drafter, cfg.drafter_weights, tuple(cfg.speculators))
@@ -275,7 +285,8 @@ class VerifierWorker:
         # the verifier's prompt-prefix KV, shared by every engine of this verifier (as many positions as the pool's)
         self.prefix_cache = PrefixCache(cfg.slots * self.max_context) if cfg.prefix_caching else None
         self.engine = Engine(self.verifier.lean, self.builder.build(), cfg.slots, self.max_context, self.stop_rule,
-                             hooks=self, grammars=self.grammars, prefix_cache=self.prefix_cache)
+                             hooks=self, grammars=self.grammars, prefix_cache=self.prefix_cache,
+                             backend="eager" if cfg.enforce_eager else None)
         if self.engine.backend == "graph":
             log.info("graph backend: decode steps compiled for %d slots in %.1f s", cfg.slots, self.engine.warm_s)
         self.version = BASE_VERSION

@@ -11,7 +11,7 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object: no GPU
 
 
 def test_the_cache_is_fp32_on_the_cpu_and_takes_a_half_precision_models_dtype_on_a_gpu(monkeypatch):
-    monkeypatch.delenv("SPECLOOP_KV_DTYPE", raising=False)
+    monkeypatch.delenv("SPECLOOP_KV_CACHE_DTYPE", raising=False)
     assert kv_dtype(CPU, torch.bfloat16) == torch.float32  # the CPU's own kernels read fp32 keys
     assert kv_dtype(CPU, torch.float32) == torch.float32
     assert kv_dtype(CUDA, torch.bfloat16) == torch.bfloat16
@@ -20,12 +20,12 @@ def test_the_cache_is_fp32_on_the_cpu_and_takes_a_half_precision_models_dtype_on
 
 
 def test_the_environment_chooses_the_caches_dtype_and_a_wrong_value_is_refused(monkeypatch):
-    monkeypatch.setenv("SPECLOOP_KV_DTYPE", "float32")
+    monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "float32")
     assert kv_dtype(CUDA, torch.bfloat16) == torch.float32
-    monkeypatch.setenv("SPECLOOP_KV_DTYPE", "bfloat16")
+    monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "bfloat16")
     assert kv_dtype(CPU, torch.float32) == torch.bfloat16
-    monkeypatch.setenv("SPECLOOP_KV_DTYPE", "fp8")
-    with pytest.raises(ValueError, match="SPECLOOP_KV_DTYPE must be one of auto, float32, bfloat16, got 'fp8'"):
+    monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="SPECLOOP_KV_CACHE_DTYPE must be one of auto, float32, bfloat16, got 'fp8'"):
         kv_dtype(CUDA, torch.bfloat16)
 
 

@@ -137,7 +137,7 @@ def test_the_static_step_scores_as_the_lean_decoder_and_writes_only_real_tokens(
 def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_pair, dtype, kv, monkeypatch):
     # the property that makes speculation exact: a token's logits do not depend on how many real queries
     # its pass had, nor on its index among them, nor on the other rows
-    monkeypatch.setenv("SPECLOOP_KV_DTYPE", kv)
+    monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", kv)
     lean = load_model(tiny_pair[0], dtype=dtype).lean
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
     graph, cache = _pool(lean, prompts, slots=3, width=5)
@@ -197,7 +197,7 @@ def test_greedy_speculation_in_bf16_on_the_graph_backend_equals_its_plain_decodi
 def test_greedy_speculation_with_a_bf16_cache_equals_its_plain_decoding(reference_pair, monkeypatch):
     # a GPU's default for a bf16 model (attention.kv_dtype), on the CPU through the environment: the cache, the
     # drafter LM's cache and the eager prefills all in bf16, speculation still the engine's plain output
-    monkeypatch.setenv("SPECLOOP_KV_DTYPE", "bfloat16")
+    monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "bfloat16")
     verifier = load_model(reference_pair[0], dtype=torch.bfloat16)
     assert verifier.lean.kv_dtype == torch.bfloat16 and not verifier.lean.fused
     prompts = _prompts(verifier)

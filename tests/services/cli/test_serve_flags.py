@@ -11,6 +11,7 @@ import specloop.services.cli.deployment as deployment
 from specloop.services.cli.deployment import Deployment, ServeConfig
 from specloop.services.cli.main import KV_BUDGET, MIN_DEFAULT_CONTEXT, default_context, main
 from specloop.services.cli.options import UsageError, parse_speculative_config, served_weights
+from specloop.services.worker.worker import WorkerConfig
 from tests.tiny import llama_config
 
 
@@ -286,3 +287,17 @@ def test_an_uncached_hugging_face_id_exits_2_with_one_line(served, capsys, tmp_p
     assert err.startswith("specloop: error: owner/not-cached is neither a local directory nor in the local "
                           "Hugging Face cache") and "`hf download owner/not-cached`" in err
     assert served == []
+
+
+def test_kv_cache_dtype_and_enforce_eager_reach_the_workers_and_fp8_is_refused_by_name(model_dir, served, capsys):
+    assert _serve([model_dir], capsys)[0] == 0
+    assert (served[-1].kv_cache_dtype, served[-1].enforce_eager) == ("auto", False)
+    assert _serve([model_dir, "--kv-cache-dtype", "bf16", "--enforce-eager"], capsys)[0] == 0
+    assert (served[-1].kv_cache_dtype, served[-1].enforce_eager) == ("bfloat16", True)
+    worker = WorkerConfig(**deployment.worker_fields(served[-1], None, "specloop", None))  # what each actor gets
+    assert (worker.kv_cache_dtype, worker.enforce_eager, worker.log_records) == ("bfloat16", True, False)
+    for value, message in (("fp8", "specloop keeps no fp8 KV cache"), ("fp8_e5m2", "no fp8 KV cache"),
+                           ("half", "no float16 KV cache; use bfloat16"), ("int4", "choose auto, bfloat16")):
+        served.clear()
+        code, err = _serve([model_dir, "--kv-cache-dtype", value], capsys)
+        assert code == 2 and message in err and not served, value

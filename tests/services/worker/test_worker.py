@@ -15,6 +15,7 @@ from specloop.drafter.decode.engine import generate
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.kinds.table import DrafterBuilder
+from specloop.drafter.model.attention import KV_CACHE_ENV
 from specloop.drafter.model.loading import load_model
 from specloop.services.buffer.memory import MemoryBuffer
 from specloop.services.buffer.redis_stream import RedisStreamBuffer
@@ -560,3 +561,26 @@ def test_an_unknown_swap_cache_mode_or_a_negative_observation_interval_is_refuse
         WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", swap_cache="flush")
     with pytest.raises(ValueError, match="observe_every"):
         WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", observe_every=-1)
+
+
+def test_enforce_eager_and_the_kv_cache_dtype_reach_the_engine_and_its_drafter_lm(tiny_pair, monkeypatch):
+    # `specloop serve --enforce-eager --kv-cache-dtype ...`: the engine on the eager backend where the graph one would
+    # run (SPECLOOP_BACKEND=graph stands in for a GPU's default), and the caches in the dtype asked for
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    monkeypatch.setenv("SPECLOOP_BACKEND", "graph")
+    monkeypatch.setenv(KV_CACHE_ENV, "auto")  # restored after: the worker sets it for its process
+    fields = dict(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained", log_records=False)
+    for eager, kv, want in ((False, "auto", torch.float32), (True, "bfloat16", torch.bfloat16)):
+        worker = VerifierWorker(WorkerConfig(**fields, enforce_eager=eager, kv_cache_dtype=kv))
+        try:
+            assert worker.engine.backend == ("eager" if eager else "graph")
+            assert worker.engine.cache.keys[0].dtype == want
+            assert worker.engine.drafter.cache.keys[0].dtype == want  # the drafter LM's own cache
+            reqs = requests(worker.verifier)[:2]
+            alone = [generate(worker.verifier.lean, None, [r.prompt_ids], r.sampling(), 0, worker.stop_rule,
+                              backend=worker.engine.backend)[0].token_ids for r in reqs]  # the same backend's
+            assert [r.token_ids for r in serve_all(worker, reqs)] == alone
+        finally:
+            worker.close()
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, not 'fp8'"):
+        WorkerConfig(**fields, kv_cache_dtype="fp8")
