@@ -140,6 +140,7 @@ class Plan:
     pool_prompt: int = 96
     compiled: bool = True  # SPECLOOP_COMPILE=0: the static step runs uncompiled
     compile_guess_s: float = 60.0  # a first compile's cost before one was seen
+    paths: tuple[str, ...] = tuple(PATHS)  # sections paths and long: the step's other ways run (--paths)
 
     @property
     def capacity(self) -> int:
@@ -676,7 +677,7 @@ def paths_section(models: Models) -> None:
     section steps: what the direct graphs and the attention kernel each bring."""
     p = models.plan
     for name, bench, res in models.each():
-        for label, env in PATHS.items():
+        for label, env in ((k, v) for k, v in PATHS.items() if k in p.paths):
             if env.get("SPECLOOP_ATTENTION") == "triton" and not p.cuda:  # the kernel runs interpreted in tests only
                 res[f"{label}"] = "skipped: the Triton kernel needs a GPU here"
                 continue
@@ -691,7 +692,7 @@ def long_section(models: Models) -> None:
     requests running a short one), each attention of LONG: what the pool's size costs a short row."""
     p = models.plan
     for name, bench, res in models.each():
-        for label in LONG:
+        for label in (x for x in LONG if x == "direct-torch" or x in p.paths):
             if label == "direct-triton" and not p.cuda:  # the kernel runs interpreted in tests only
                 res[f"{label}_c{p.long_capacity}"] = "skipped: the Triton kernel needs a GPU here"
                 continue
@@ -1210,6 +1211,11 @@ def make_plan(args) -> Plan:
         if getattr(args, key) is not None:
             setattr(plan, key, getattr(args, key))
     plan.one_pool = not args.any_length
+    if args.paths:
+        unknown = [p for p in args.paths.split(",") if p not in PATHS]
+        if unknown:
+            raise SystemExit(f"unknown path {unknown[0]!r}; choose from {', '.join(PATHS)}")
+        plan.paths = tuple(args.paths.split(","))
     return plan
 
 
@@ -1220,6 +1226,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=Path, default=ROOT.parent / "shared" / "prompts")
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"in this order, from {', '.join(SECTIONS)}")
     ap.add_argument("--shapes", help=f"comma-separated, from {', '.join(SHAPES)}")
+    ap.add_argument("--paths", help=f"sections paths and long: only these of {', '.join(PATHS)} (default: all)")
     ap.add_argument("--batches", help="section shapes' batch sizes (default 1,8,32)")
     ap.add_argument("--pair-batches", help="section pair's batch sizes (default 1,8)")
     ap.add_argument("--context", type=int)

@@ -228,9 +228,9 @@ class RowPrefill:
 def prefill_row(lean, cache: KVCache, slot: int, tokens: list[int], prefix: PrefixCache,
                 capture: tuple[int, ...] = (), tail: int = 1) -> RowPrefill:
     """Row `slot` of `cache` holding `tokens` (a prompt but its last token): its longest cached prefix copied in, the
-    rest prefilled by the schedule's passes (`lean`: a LeanDecoder, or a GraphDecoder: `_workspace`), the new blocks
-    cached. Returns the hit and each
-    captured layer's residual streams at the last min(max(tail, 1), len(tokens)) positions."""
+    rest prefilled by the schedule's passes or in chunks (`lean`: a LeanDecoder, or a GraphDecoder: `_workspace`),
+    the new blocks cached. Returns the hit and each captured layer's residual streams at the last
+    min(max(tail, 1), len(tokens)) positions."""
     n, B = len(tokens), prefix.block_size
     blocks = prefix.match(tokens, reusable(n, B, tail))
     hit = len(blocks) * B
