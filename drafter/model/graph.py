@@ -446,6 +446,7 @@ class GraphDecoder:
         # engine that took it is gone): a new engine of the same shape reuses a free pool, and its graphs
         self._pools: dict[tuple[int, ...], list[Held]] = {}
         self._scratch: dict[tuple[int, ...], KVCache] = {}  # a prefiller's 1-row pools (`chunked_prefill`)
+        self._widest: dict[tuple[bool, bool], tuple[int, ...]] = {}  # `_capture_set`: per kind of pass
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["lean"], name)
@@ -574,6 +575,19 @@ class GraphDecoder:
         step = self.prefiller()
         return step.warm(step.scratch(capacity), {capture}, last_only=True)
 
+    def _capture_set(self, capture: tuple[int, ...], last_only: bool, biased: bool) -> tuple[int, ...]:
+        """The layers a pass that asks `capture` runs capturing: the widest set run so far by passes of its kind
+        (last_only, biased), grown to cover `capture` where it does not. Every pass of an engine with a drafter then
+        runs one graph (the verifier's step captures the drafter's layers on plain steps too: a compile and a CUDA
+        graph fewer at start-up, and a plain step and a verify pass are the same graph by construction); the extra
+        residual streams a pass did not ask for are written, not copied out."""
+        key = (last_only, biased)
+        widest = self._widest.get(key, ())
+        if not set(capture) <= set(widest):
+            widest = tuple(sorted(set(widest) | set(capture)))
+            self._widest[key] = widest
+        return widest
+
     def _graphs_of(self, pool) -> dict:
         """The CUDA graphs captured on this pool (kept on its first tensor: they go when the pool goes)."""
         return pool[0][0].__dict__.setdefault("_specloop_graphs", {})
@@ -620,9 +634,9 @@ class GraphDecoder:
     @torch.inference_mode()
     def warm(self, cache: KVCache, captures: set[tuple[int, ...]], last_only: bool = False,
              biased: bool = False) -> float:
-        """Compile (and on CUDA capture) the step for each capture set before any request needs it: a pass
-        over `cache`'s pool in which no row has a real token (only the trash slot is written); `biased`:
-        the passes carry per-layer MLP biases (an SD² drafter's LM). Seconds."""
+        """Compile (and on CUDA capture) the step before any request needs it, capturing every layer of `captures`
+        (one graph for them all: `_capture_set`): a pass over `cache`'s pool in which no row has a real token (only
+        the trash slot is written); `biased`: the passes carry per-layer MLP biases (an SD² drafter's LM). Seconds."""
         pool = self._pool(cache)
         if pool is None:
             raise ValueError("warm() takes the pool this decoder's new_cache made")
@@ -631,14 +645,15 @@ class GraphDecoder:
         m = self.model
         bias = [torch.zeros(S, m.w(i, "gate_up").shape[0] // 2, dtype=m.dtype, device=dev)
                 for i in range(m.num_layers)] if biased else None
-        for capture in sorted(captures):  # inputs as forward passes them: distinct tensors (dynamo guards on aliasing)
-            capture = tuple(sorted(set(capture)))
-            if self.direct:
-                try:
-                    self._captured(pool, capture, last_only, bias)
-                    continue
-                except Exception as exc:  # noqa: BLE001 - any failure of a capture falls back, logged
-                    self._fall_back(exc)
+        capture = self._capture_set(tuple(i for c in captures for i in c), last_only, biased)
+        captured = False
+        if self.direct:
+            try:
+                self._captured(pool, capture, last_only, bias)
+                captured = True
+            except Exception as exc:  # noqa: BLE001 - any failure of a capture falls back, logged
+                self._fall_back(exc)
+        if not captured:  # inputs as forward passes them: distinct tensors (dynamo guards on aliasing)
             tokens, counts, lens = (torch.zeros(shape, dtype=torch.long, device=dev) for shape in ((S, W), (S,), (S,)))
             self.step_fn(*pool, tokens, counts, lens, bias, capture, last_only)
         if dev.type == "cuda":
@@ -657,7 +672,8 @@ class GraphDecoder:
         n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new.cpu()
         S, W, dev = self.slots, self.width, self.lean.device
         meta = _meta(n_new, cache.lens, S)  # counts, lens: one copy to the device
-        capture = tuple(sorted(set(capture)))
+        wanted = set(capture)
+        capture = self._capture_set(tuple(wanted), last_only, mlp_up_bias is not None)
         step = None
         if self.direct:
             try:
@@ -674,10 +690,10 @@ class GraphDecoder:
             logits, hidden, choices = self.step_fn(*pool, padded, counts, lens, bias, capture, last_only)
         self.graph_calls += 1
         cache.lens = cache.lens + n_new
-        # copies: a captured graph's outputs are overwritten by its next replay
+        # copies, of the layers asked for: a captured graph's outputs are overwritten by its next replay
         logits, choices = (logits[:B], choices[:B]) if last_only else (logits[:B, :T], choices[:B, :T])
-        return ForwardOut(logits=logits.clone(), hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden)},
-                          choices=choices.clone())
+        return ForwardOut(logits=logits.clone(), choices=choices.clone(),
+                          hidden={i: h[:B, :T].clone() for i, h in zip(capture, hidden) if i in wanted})
 
 
 def prefill_spans(start: int, n: int) -> list[tuple[int, int]]:

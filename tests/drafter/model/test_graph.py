@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specloop.drafter.decode.controller import ControllerConfig
-from specloop.drafter.decode.engine import Engine
+from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.kinds.table import build_drafter
@@ -239,6 +239,32 @@ def test_warming_builds_the_graph_the_steps_then_run_and_prefills_never_run_it(t
     assert engine.verifier.graph_calls > 0 and counter.frame_count == built  # no step compiled anything new
     again = Engine(tiny_verifier.lean, None, 2, 150, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
     assert again.verifier is engine.verifier and counter.frame_count == built  # a pool of the same size: no recompile
+
+
+def test_an_engine_with_a_drafter_runs_one_verifier_graph_for_plain_and_drafting_steps(tiny_pair, monkeypatch):
+    # plain steps ask no layers, drafting and followed steps the eagle head's: one graph captures them for both
+    # (`GraphDecoder._capture_set`), one compile at warm-up, and greedy output stays the verifier alone's
+    from torch._dynamo.testing import CompileCounter
+
+    import specloop.drafter.model.graph as graph_module
+
+    counter = CompileCounter()
+    monkeypatch.setattr(graph_module, "compile_step",
+                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
+    verifier = load_model(tiny_pair[0])  # a decoder no earlier engine wrapped
+    drafter = build_drafter("eagle", verifier, None)
+    engine = Engine(verifier.lean, drafter, 2, 128, StopRule(verifier.eos_ids), backend="graph", compile_graphs=True)
+    assert counter.frame_count == 1 and drafter.verifier_layers  # the step with the head's layers, alone
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    engine.admit([EngineRequest(f"r{i}", p, SamplingParams(max_tokens=10), k) for i, (p, k) in
+                  enumerate(zip(prompts, (0, 3)))])  # a plain row and a drafting one
+    done = {}
+    while engine.running:
+        done.update({u.id: u.generation.token_ids for u in engine.step() if u.generation is not None})
+    assert counter.frame_count == 1
+    alone = [generate(verifier.lean, None, [p], SamplingParams(max_tokens=10), 0, StopRule(verifier.eos_ids),
+                      backend="graph")[0].token_ids for p in prompts]
+    assert [done["r0"], done["r1"]] == alone
 
 
 def _eager_rows(lean, prompts, capture, tail, capacity=256):
