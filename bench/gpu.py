@@ -1268,8 +1268,8 @@ def main() -> None:
                f"compile {'on' if plan.compiled else 'off'}, HBM peak {f'{peak:.3g} B/s' if peak else 'unknown'}, "
                f"budget {args.budget_s:.0f} s")
     models = Models(plan, report, budget, clock)
-    run = {"steps": steps_section, "kernels": kernels_section, "batches": batches_section, "drafter": drafter_section, "verify": verify_section,
-           "compile": compile_section, "inexact": inexact_section, "paths": paths_section,
+    run = {"steps": steps_section, "kernels": kernels_section, "batches": batches_section, "drafter": drafter_section,
+           "verify": verify_section, "compile": compile_section, "inexact": inexact_section, "paths": paths_section,
            "long": long_section,
            "pair": lambda _: pair_section(plan, args, report, budget, clock),
            "anchor": lambda m: (m.free(), anchor_section(plan, report, budget, clock, m.compiles))}
