@@ -25,11 +25,12 @@ The raw window is also what a replay record carries (`steer`), so the learner tr
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,6 +43,7 @@ from specloop.drafter.decode.sampling import RowParams, SamplingParams
 from specloop.drafter.kinds.eagle import head_rows, pick
 from specloop.drafter.kinds.sd2 import MANIFEST
 from specloop.drafter.model.decoder import LeanDecoder
+from specloop.drafter.model.graph import Replay
 from specloop.drafter.model.weights.linears import linear
 from specloop.drafter.model.weights.quant import quantize_like
 
@@ -308,6 +310,40 @@ def shifted_in(old: torch.Tensor, new: torch.Tensor, count: torch.Tensor) -> tor
     return both.gather(1, idx.view(*idx.shape, *([1] * (old.dim() - 2))).expand(-1, -1, *old.shape[2:]))
 
 
+MATRICES = ("fuse", "fc", "qkv", "o", "gate_up", "down")
+VECTORS = ("norm_layers", "norm_feature", "norm_token", "norm_attn", "norm_mlp", "norm_out", "bias")
+
+
+def draft_chain(keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor, newest: torch.Tensor,
+                embed: torch.Tensor, head: torch.Tensor, *tensors: torch.Tensor, cfg: Eagle3Config,
+                vocab: torch.Tensor | None, depth: int, vocab_size: int):
+    """`depth` greedy drafts for every row from its window (keys, values [S, W, H, hd], valid [S, W], newest [S, d]):
+    (tokens [S, depth], confidence [S, depth], logits [S, depth, V]), the arithmetic of Eagle3Drafter.propose's loop
+    as one function of tensors (the head's MATRICES then VECTORS, plain tensors), so that it compiles once for every
+    head of these shapes (`compiled_chain`) and runs as one captured graph on a GPU."""
+    w = Weights(**dict(zip(MATRICES + VECTORS, tensors)), cfg=cfg, exact=True)
+    win = Window(raw=newest, tokens=valid, valid=valid, keys=keys, values=values, newest=newest)  # (raw, tokens unread)
+    drafted: list[torch.Tensor] = []
+    confidence: list[float | torch.Tensor] = []
+    logits: list[torch.Tensor] = []
+
+    def greedy(i: int, out: torch.Tensor) -> torch.Tensor:
+        choice, p = pick(out, vocab, vocab_size, SamplingParams(), None)
+        confidence.append((confidence[-1] if confidence else 1.0) * p)  # the drafts so far all taken
+        drafted.append(choice.token)
+        logits.append(choice.logits)
+        return choice.token
+
+    chain(w, win, lambda t: F.embedding(t, embed).to(newest.dtype), head, depth, greedy)
+    return torch.stack(drafted, 1), torch.stack(cast(list[torch.Tensor], confidence), 1), torch.stack(logits, 1)
+
+
+@functools.cache
+def compiled_chain():
+    """`draft_chain` compiled once per process (torch.compile keeps a graph per shapes), on first use."""
+    return torch.compile(draft_chain, fullgraph=True, dynamic=False)
+
+
 # ----------------------------------------------------------------------------- serving
 
 
@@ -329,6 +365,9 @@ class Eagle3Drafter:
         self.w = self._prepared(head)
         self.head = quantize_like(verifier, head_rows(verifier, self.vocab))
         self.win: Window | None = None
+        self.chain: Replay | None = None  # greedy drafts as one captured graph (`use_chain`), else the loop
+        self._chain_key: tuple = ()  # what the chain was captured for (use_chain's arguments, the head's tensors)
+        self._depth = 0
 
     def _prepared(self, head: Eagle3Head) -> Weights:
         """The head's matrices as the verifier's own linears are (model.weights.quant); the rest in its dtype."""
@@ -399,9 +438,48 @@ class Eagle3Drafter:
             parts.append(t)
         self.win = Window(*parts)
 
+    def use_chain(self, slots: int | None, depth: int = 0, compiled: bool = True) -> None:
+        """Draft greedy blocks of up to `depth` tokens for an engine of `slots` rows through one captured graph
+        (model.graph.Replay: on a GPU one launch where the loop launches a few dozen kernels a draft), or, with
+        slots None, through the loop; the engine's graph backend asks (Engine._graph_drafter). One compiled
+        function for every head of these shapes (`draft_chain`, the weights passed in): a version swapped in is
+        captured again, not compiled again; a chain of the same slots, depth, compilation and tensors is kept."""
+        tensors = (self.lean.embed, self.head, *(getattr(self.w, n) for n in MATRICES + VECTORS))
+        key = (slots, depth, compiled, tuple(map(id, tensors)))
+        if self.chain is not None and key == self._chain_key:
+            return
+        self.chain, self._chain_key = None, key
+        if slots is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+            return  # the loop (quantized matrices run the verifier's own kernels)
+        self._depth = depth
+        fn = compiled_chain() if compiled else draft_chain
+        cfg, vocab, vocab_size = self.w.cfg, self.vocab, self.lean.vocab_size
+        dev, dt = self.lean.device, self.lean.dtype
+        kv = (slots, cfg.window, cfg.heads, cfg.head_dim)
+        buffers = [torch.zeros(kv, device=dev, dtype=dt), torch.zeros(kv, device=dev, dtype=dt),
+                   torch.ones(slots, cfg.window, dtype=torch.bool, device=dev),  # rows past the engine's: finite
+                   torch.zeros(slots, cfg.hidden, device=dev, dtype=dt)]
+        with torch.inference_mode():
+            self.chain = Replay(lambda *win: fn(*win, *tensors, cfg=cfg, vocab=vocab, depth=depth,
+                                                vocab_size=vocab_size), buffers)
+
+    def _chained(self, chain: Replay, k: int) -> Proposal:
+        """A greedy block from the captured chain: its first k drafts for this engine's rows (copies: the next
+        replay overwrites the graph's outputs)."""
+        assert self.win is not None  # start() ran
+        m = len(self.win.newest)
+        tokens, confidence, logits = chain(self.win.keys, self.win.values, self.win.valid, self.win.newest)
+        kept = logits[:m, :k].clone()
+        return Proposal(tokens=tokens[:m, :k].clone(), probs=None, logits=list(kept.unbind(1)),
+                        steer=self.win.raw.float(), confidence=confidence[:m, :k].clone())
+
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
         assert self.win is not None  # start() ran
+        captured = self.chain
+        if params.greedy and captured is not None and 0 < k <= self._depth and len(self.win.newest) <= len(
+                captured.buffers[0]):
+            return self._chained(captured, k)
         steps: list[Choice] = []
         confidence: list[torch.Tensor] = []
         run: list[float | torch.Tensor] = [1.0]

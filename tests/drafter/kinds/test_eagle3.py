@@ -12,12 +12,15 @@ from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.decode.speculative import speculative_step
 from specloop.drafter.kinds.eagle3 import (
+    MATRICES,
+    VECTORS,
     Eagle3Config,
     Eagle3Drafter,
     Eagle3Head,
     Window,
     chain,
     default_layers,
+    draft_chain,
     shifted_in,
     ttt_logits,
     window_entries,
@@ -145,6 +148,55 @@ def test_a_narrowed_view_drafts_its_rows_as_the_pool_does(verifier):
     d.widen(view, 2)
     assert d.win.raw.shape[0] == 4
     assert torch.equal(whole.steer, d.win.raw.float())  # the raw window: what a replay record keeps
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 60, 3)])
+def test_the_captured_chain_drafts_as_the_loop_does(verifier, vocab):
+    # the graph backend's greedy drafts (use_chain: k_max drafts for the pool's rows as one function, one graph on
+    # a GPU) against the loop on the same windows: tokens, confidence, logits and steer of the first k; the
+    # function traces with no graph break
+    lean = LeanDecoder(verifier)
+    d = Eagle3Drafter(lean, trained_like(lean, seed=3), vocab)
+    start(lean, d, PROMPTS)
+    loop = d.propose(3, SamplingParams(), None)
+    d.use_chain(slots=6, depth=4, compiled=False)  # more slots than rows: the engine's pool, partly empty
+    assert d.chain is not None
+    chained = d.propose(3, SamplingParams(), None)
+    assert torch.equal(chained.tokens, loop.tokens) and torch.equal(chained.confidence, loop.confidence)
+    assert all(torch.equal(a, b) for a, b in zip(chained.logits, loop.logits)) and len(chained.logits) == 3
+    assert torch.equal(chained.steer, loop.steer)
+    assert torch.equal(d.narrow(2).propose(2, SamplingParams(), None).tokens, loop.tokens[:2, :2])  # a narrowed view
+    assert d.propose(2, SamplingParams(temperature=1.0), torch.rand(4, 2)).probs is not None  # sampling: the loop
+    win = d.win
+    assert win is not None
+    explained = torch._dynamo.explain(draft_chain)(
+        win.keys, win.values, win.valid, win.newest, lean.embed, d.head, *(getattr(d.w, n) for n in MATRICES + VECTORS),
+        cfg=d.w.cfg, vocab=d.vocab, depth=4, vocab_size=60)
+    assert explained.graph_break_count == 0
+    kept = d.chain
+    d.use_chain(slots=6, depth=4, compiled=False)  # the next engine of the same shape: the same capture
+    assert d.chain is kept
+    d.use_chain(None)
+    assert d.chain is None
+
+
+def test_greedy_speculation_through_the_captured_chain_reproduces_the_verifier_alone(verifier, monkeypatch):
+    # the engine's graph backend where its steps replay captured graphs (forced here: on the CPU a "replay"
+    # calls again): the head drafts through its chain, and the output is the verifier alone's
+    import specloop.drafter.model.graph as graph_module
+
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    monkeypatch.setattr(graph_module, "direct_capture", lambda device, compiled: True)
+    lean = LeanDecoder(verifier)
+    params = SamplingParams(max_tokens=20)
+    ref = generate(lean, None, PROMPTS, params, 0, StopRule(), backend="graph")
+    d = Eagle3Drafter(lean, trained_like(lean, seed=1))
+    chained: list[int] = []
+    real = Eagle3Drafter._chained  # spied on the class: the engine drafts through narrowed copies too
+    monkeypatch.setattr(Eagle3Drafter, "_chained", lambda self, captured, k: chained.append(k) or real(self, captured, k))
+    out = generate(lean, d, PROMPTS, params, 3, StopRule(), backend="graph")
+    assert [g.token_ids for g in out] == [g.token_ids for g in ref]
+    assert d.chain is not None and chained and set(chained) == {3}
 
 
 def test_the_head_round_trips_and_builds_from_its_checkpoint(tmp_path, tiny_pair):
