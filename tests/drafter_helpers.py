@@ -155,3 +155,16 @@ SETTINGS = {
 # Every kind under the full transform (temperature, top-p: each kind warps its own q); plain T = 1, the
 # same code with an identity transform, for the verifier alone and one drafter kind (suite time).
 WARPED = "T=0.7,top-p=0.9"
+
+
+def chained_like_the_loop(drafter, k: int, slots: int, depth: int = 4):
+    """A head's greedy block of k drafts from its loop, then from its captured chain (`use_chain`, uncompiled: on the
+    CPU a replay calls again) on the same state, checked equal bit for bit: tokens, confidence and logits. Returns
+    (loop, chained) proposals; the chain is left in place."""
+    loop = drafter.propose(k, SamplingParams(), None)
+    drafter.use_chain(slots=slots, depth=depth, compiled=False)  # more slots than rows: the engine's pool, partly empty
+    assert drafter.chain is not None
+    chained = drafter.propose(k, SamplingParams(), None)
+    assert torch.equal(chained.tokens, loop.tokens) and torch.equal(chained.confidence, loop.confidence)
+    assert all(torch.equal(a, b) for a, b in zip(chained.logits, loop.logits)) and len(chained.logits) == k
+    return loop, chained

@@ -14,6 +14,7 @@ from specloop.drafter.kinds.eagle import EagleConfig, EagleDrafter, FeatureHead,
 from specloop.drafter.kinds.table import build_drafter
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import prefill
+from tests.drafter_helpers import chained_like_the_loop
 from tests.drafter_helpers import trained_eagle as trained_like
 from tests.tiny import build_model, llama_config
 
@@ -128,12 +129,7 @@ def test_the_captured_chain_drafts_as_the_loop_does(verifier, vocab):
     cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
     d = EagleDrafter(lean, trained_like(lean), vocab)
     d.start(PROMPTS, 32, VerifierView(cache, feats))
-    loop = d.propose(3, SamplingParams(), None)
-    d.use_chain(slots=4, depth=4, compiled=False)  # more slots than rows: the engine's pool, partly empty
-    assert d.chain is not None
-    chained = d.propose(3, SamplingParams(), None)
-    assert torch.equal(chained.tokens, loop.tokens) and torch.equal(chained.confidence, loop.confidence)
-    assert all(torch.equal(a, b) for a, b in zip(chained.logits, loop.logits)) and len(chained.logits) == 3
+    chained_like_the_loop(d, 3, slots=4)
     sampled = d.propose(2, SamplingParams(temperature=1.0), torch.rand(3, 2))  # sampling: the loop
     assert sampled.probs is not None
     from specloop.drafter.kinds.eagle import draft_chain

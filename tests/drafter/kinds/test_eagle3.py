@@ -28,6 +28,7 @@ from specloop.drafter.kinds.eagle3 import (
 from specloop.drafter.kinds.table import build_drafter
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import prefill_recent
+from tests.drafter_helpers import chained_like_the_loop
 from tests.drafter_helpers import trained_eagle3 as trained_like
 from tests.tiny import build_model, llama_config
 
@@ -158,12 +159,7 @@ def test_the_captured_chain_drafts_as_the_loop_does(verifier, vocab):
     lean = LeanDecoder(verifier)
     d = Eagle3Drafter(lean, trained_like(lean, seed=3), vocab)
     start(lean, d, PROMPTS)
-    loop = d.propose(3, SamplingParams(), None)
-    d.use_chain(slots=6, depth=4, compiled=False)  # more slots than rows: the engine's pool, partly empty
-    assert d.chain is not None
-    chained = d.propose(3, SamplingParams(), None)
-    assert torch.equal(chained.tokens, loop.tokens) and torch.equal(chained.confidence, loop.confidence)
-    assert all(torch.equal(a, b) for a, b in zip(chained.logits, loop.logits)) and len(chained.logits) == 3
+    loop, chained = chained_like_the_loop(d, 3, slots=6)
     assert torch.equal(chained.steer, loop.steer)
     assert torch.equal(d.narrow(2).propose(2, SamplingParams(), None).tokens, loop.tokens[:2, :2])  # a narrowed view
     assert d.propose(2, SamplingParams(temperature=1.0), torch.rand(4, 2)).probs is not None  # sampling: the loop
