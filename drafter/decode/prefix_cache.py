@@ -45,7 +45,7 @@ import torch
 from specloop.drafter.model.attention import QUERY_CHUNK
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import GraphDecoder, prefill_spans
-from specloop.drafter.model.kv_cache import KVCache, copy_positions
+from specloop.drafter.model.kv_cache import KVCache, PromptFeatures, copy_positions
 
 BLOCK_SIZE = 32  # tokens per block: > QUERY_CHUNK, so every prefill pass is a long one, as a one-pass prefill is
 ROOT = b""  # the parent key of a prompt's first block
@@ -255,11 +255,7 @@ def prefill_cached(lean, cache: KVCache, slots: list[int], prompts: list[list[in
     """`specloop.drafter.model.kv_cache.prefill_rows` through the prefix cache, with the same result:
     (features [len(slots), hidden] per captured layer, recent [len(slots), tail, hidden] per layer, recent_lens).
     Prompts go one at a time, each into its row of the pool, and count in the cache's stats."""
-    eager = getattr(lean, "eager", lean)  # the LeanDecoder (lean may be a model.graph.GraphDecoder: `_workspace`)
-    S = len(prompts)
-    features = {i: torch.zeros(S, eager.hidden_size, device=eager.device, dtype=eager.dtype) for i in capture}
-    recent = {i: torch.zeros(S, tail, eager.hidden_size, device=eager.device, dtype=eager.dtype) for i in capture}
-    lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
+    got = PromptFeatures.zeros(getattr(lean, "eager", lean), prompts, capture, tail)
     for b, (slot, prompt) in enumerate(zip(slots, prompts)):
         if len(prompt) < 2:
             cache.lens[slot] = 0
@@ -267,12 +263,8 @@ def prefill_cached(lean, cache: KVCache, slots: list[int], prompts: list[list[in
             continue
         done = prefill_row(lean, cache, slot, prompt[:-1], prefix, capture, tail)
         prefix.record(len(prompt), done.hit)
-        m = int(lens[b])
-        for i in capture:
-            features[i][b] = done.hidden[i][-1]
-            if m:
-                recent[i][b, :m] = done.hidden[i][-m:]
-    return features, recent, lens
+        got.keep(b, done.hidden)
+    return got.parts()
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from specloop.drafter.model import decode_attention
 from specloop.drafter.model.attention import KEY_BLOCK, _round_up
 from specloop.drafter.model.decoder import ForwardOut
-from specloop.drafter.model.kv_cache import KVCache, copy_positions
+from specloop.drafter.model.kv_cache import KVCache, PromptFeatures, copy_positions
 from specloop.drafter.model.weights.linears import Dense
 
 log = logging.getLogger(__name__)
@@ -539,11 +539,7 @@ class GraphDecoder:
         prompt's KV does not depend on which others joined with it. Returns (features, recent, recent_lens)."""
         step = self.prefiller()
         scratch = step.scratch(cache.capacity)
-        dev, hidden_size, dtype = self.lean.device, self.lean.hidden_size, self.lean.dtype
-        capture = tuple(sorted(set(capture)))
-        features = {i: torch.zeros(len(prompts), hidden_size, device=dev, dtype=dtype) for i in capture}
-        recent = {i: torch.zeros(len(prompts), tail, hidden_size, device=dev, dtype=dtype) for i in capture}
-        lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
+        got = PromptFeatures.zeros(self.lean, prompts, capture, tail)
         first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
         for b, (slot, prompt) in enumerate(zip(slots, prompts)):
             n = len(prompt) - 1
@@ -553,20 +549,15 @@ class GraphDecoder:
             src = first.setdefault(tuple(prompt), b)
             if src != b:
                 copy_positions(cache, slots[src], cache, slot, n)
-                for i in capture:
-                    features[i][b], recent[i][b] = features[i][src], recent[i][src]
+                got.copy(b, src)
                 continue
             scratch.lens = torch.zeros(1, dtype=torch.long)  # what was there before is beyond every query
             tokens = torch.tensor([prompt[:n]])
             parts = [step.forward(scratch, tokens[:, lo:hi], last_only=True, capture=capture).hidden  # no logits
                      for lo, hi in prefill_spans(0, n)]
             copy_positions(scratch, 0, cache, slot, n)
-            m = int(lens[b])
-            for i in capture:
-                features[i][b] = parts[-1][i][0, -1]
-                if m:
-                    recent[i][b, :m] = torch.cat([h[i][0] for h in parts], dim=0)[-m:]
-        return features, recent, lens
+            got.keep(b, {i: torch.cat([h[i][0] for h in parts]) for i in capture})
+        return got.parts()
 
     @torch.inference_mode()
     def warm_prefill(self, capacity: int, capture: tuple[int, ...]) -> float:

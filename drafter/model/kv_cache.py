@@ -19,6 +19,42 @@ class KVCache:
         return self.keys[0].shape[2]
 
 
+@dataclass
+class PromptFeatures:
+    """What prefills capture for a drafter, per prompt b of an admission: features {layer: [B, hidden]} (the residual
+    stream at the position that produced the prompt's last token), recent {layer: [B, tail, hidden]} (those at the
+    positions that produced its last `tail` tokens, oldest first) and lens [B] (how many of them are real:
+    min(tail, len(prompt) − 1)). Zeros where a prompt has one token."""
+
+    features: dict[int, torch.Tensor]
+    recent: dict[int, torch.Tensor]
+    lens: torch.Tensor
+
+    @classmethod
+    def zeros(cls, lean, prompts: list[list[int]], capture: tuple[int, ...], tail: int) -> "PromptFeatures":
+        def z(*shape: int) -> torch.Tensor:
+            return torch.zeros(len(prompts), *shape, lean.hidden_size, device=lean.device, dtype=lean.dtype)
+        return cls({i: z() for i in capture}, {i: z(tail) for i in capture},
+                   torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long))
+
+    def keep(self, b: int, hidden: dict[int, torch.Tensor]) -> None:
+        """Prompt b's from its prefill's residual streams (hidden {layer: [T, hidden]}, its last positions, newest
+        last: at least lens[b] of them)."""
+        m = int(self.lens[b])
+        for i, h in hidden.items():
+            self.features[i][b] = h[-1]
+            if m:
+                self.recent[i][b, :m] = h[-m:]
+
+    def copy(self, b: int, src: int) -> None:
+        """Prompt b's as prompt src's (the same prompt)."""
+        for i in self.features:
+            self.features[i][b], self.recent[i][b] = self.features[i][src], self.recent[i][src]
+
+    def parts(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor], torch.Tensor]:
+        return self.features, self.recent, self.lens
+
+
 def copy_positions(src: KVCache, src_row: int, dst: KVCache, dst_row: int, n: int) -> None:
     """Every layer's keys and values at positions [0, n) of row `src_row` of `src` into row `dst_row` of `dst`, in one
     call (torch's multi-tensor copy: one dispatch from Python for all 2 × layers tensors)."""
@@ -56,10 +92,7 @@ def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple
     recent_lens [B]); row b's first recent_lens[b] = min(tail, len(prompt) − 1) are real, oldest first."""
     cache = lean.new_cache(len(prompts), capacity)  # a graph pool where `lean` is a model.graph.GraphDecoder
     lean = getattr(lean, "eager", lean)  # prefills run the LeanDecoder's own passes
-    features = {i: torch.zeros(len(prompts), lean.hidden_size, device=lean.device, dtype=lean.dtype) for i in capture}
-    recent = {i: torch.zeros(len(prompts), tail, lean.hidden_size, device=lean.device, dtype=lean.dtype)
-              for i in capture}
-    lens = torch.tensor([min(tail, max(0, len(p) - 1)) for p in prompts], dtype=torch.long)
+    got = PromptFeatures.zeros(lean, prompts, capture, tail)
     first: dict[tuple[int, ...], int] = {}  # identical prompts (n > 1, repeated requests) are computed once
     for b, prompt in enumerate(prompts):
         if len(prompt) < 2:
@@ -69,18 +102,13 @@ def prefill_recent(lean, prompts: list[list[int]], capacity: int, capture: tuple
             for layer in cache.keys + cache.values:
                 layer[b] = layer[src]
             cache.lens[b] = cache.lens[src]
-            for i in capture:
-                features[i][b], recent[i][b] = features[i][src], recent[i][src]
+            got.copy(b, src)
             continue
         row = KVCache([k[b : b + 1] for k in cache.keys], [v[b : b + 1] for v in cache.values], cache.lens[b : b + 1])
         out = lean.forward(row, torch.tensor([prompt[:-1]]), last_only=True, capture=capture, prefill=True)
         cache.lens[b] = row.lens[0]
-        m = int(lens[b])
-        for i in capture:
-            features[i][b] = out.hidden[i][0, -1]
-            if m:
-                recent[i][b, :m] = out.hidden[i][0, -m:]
-    return cache, features, recent, lens
+        got.keep(b, {i: out.hidden[i][0] for i in capture})
+    return cache, *got.parts()
 
 
 def prefill_rows(lean, cache: KVCache, slots: list[int], prompts: list[list[int]],
