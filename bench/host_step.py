@@ -238,7 +238,8 @@ def main() -> None:
              ("eagle+suffix-auto", "eagle+suffix", None)]  # the served default last
     wanted = set(args.systems.split(",")) if args.systems else None
     report = {"benchmark": "host_step", "cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
-              "threads": args.threads, "controllers": "kept" if args.kept_controller else "one per generate()", "verifier": str(args.models / "verifier"), "served": verifier.served,
+              "threads": args.threads, "controllers": "kept" if args.kept_controller else "one per generate()",
+              "verifier": str(args.models / "verifier"), "served": verifier.served,
               "prompts": args.prompts, "max_tokens": args.max_tokens, "batches": {}}
     for batch in map(int, args.batches.split(",")):
         stub_graphs(verifier.lean, batch, 5)  # the controller's default k_max 4: W = 5

@@ -136,7 +136,8 @@ class LeanDecoder:
         if capacity > _round_up(self.cos.shape[0], KEY_BLOCK):  # positions() guards the table's own end
             raise ValueError(f"sequence of {capacity} positions exceeds the model's {self.cos.shape[0]}")
         shape = (batch, self.n_kv, _round_up(capacity, KEY_BLOCK), self.head_dim)  # whole key blocks
-        mk = lambda: torch.zeros(shape, device=self.device, dtype=self.kv_dtype)  # noqa: E731
+        dtype = self.kv_dtype
+        mk = lambda: torch.zeros(shape, device=self.device, dtype=dtype)  # noqa: E731
         return KVCache(
             keys=[mk() for _ in self.layers],
             values=[mk() for _ in self.layers],

@@ -40,6 +40,19 @@ def reference_bf16(reference_pair):
     return load_model(reference_pair[0], dtype=torch.bfloat16)
 
 
+@pytest.fixture
+def compiles(monkeypatch):
+    """Every step a GraphDecoder compiles from now on, counted (torch.compile's graphs, run without inductor)."""
+    from torch._dynamo.testing import CompileCounter
+
+    import specloop.drafter.model.graph as graph_module
+
+    counter = CompileCounter()
+    monkeypatch.setattr(graph_module, "compile_step",
+                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
+    return counter
+
+
 def _pool(lean, prompts: list[list[int]], slots: int, width: int, capacity: int = 128):
     graph = GraphDecoder(lean, slots, width, compiled=False)
     cache = graph.new_cache(slots, capacity)
@@ -220,48 +233,34 @@ def test_sampled_output_on_the_graph_backend_is_distributed_as_the_verifiers(mon
     assert min(pvalues) > 0.01, pvalues
 
 
-def test_warming_builds_the_graph_the_steps_then_run_and_prefills_never_run_it(tiny_verifier, monkeypatch):
-    from torch._dynamo.testing import CompileCounter
-
-    import specloop.drafter.model.graph as graph_module
-
-    counter = CompileCounter()
-    monkeypatch.setattr(graph_module, "compile_step",
-                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
+def test_warming_builds_the_graph_the_steps_then_run_and_prefills_never_run_it(tiny_verifier, compiles):
     engine = Engine(tiny_verifier.lean, None, 2, 128, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
-    built = counter.frame_count
+    built = compiles.frame_count
     assert built == 1  # the verifier alone: one capture set
     engine.admit([EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=6), 0),
                   EngineRequest("b", [8, 9], SamplingParams(max_tokens=6), 0)])  # short prompts: prefills as wide as W
     assert engine.verifier.graph_calls == 0  # prefills run the LeanDecoder's own passes
     while engine.running:
         engine.step()
-    assert engine.verifier.graph_calls > 0 and counter.frame_count == built  # no step compiled anything new
+    assert engine.verifier.graph_calls > 0 and compiles.frame_count == built  # no step compiled anything new
     again = Engine(tiny_verifier.lean, None, 2, 150, StopRule(tiny_verifier.eos_ids), backend="graph", compile_graphs=True)
-    assert again.verifier is engine.verifier and counter.frame_count == built  # a pool of the same size: no recompile
+    assert again.verifier is engine.verifier and compiles.frame_count == built  # a pool of the same size: no recompile
 
 
-def test_an_engine_with_a_drafter_runs_one_verifier_graph_for_plain_and_drafting_steps(tiny_pair, monkeypatch):
+def test_an_engine_with_a_drafter_runs_one_verifier_graph_for_plain_and_drafting_steps(tiny_pair, compiles):
     # plain steps ask no layers, drafting and followed steps the eagle head's: one graph captures them for both
     # (`GraphDecoder._capture_set`), one compile at warm-up, and greedy output stays the verifier alone's
-    from torch._dynamo.testing import CompileCounter
-
-    import specloop.drafter.model.graph as graph_module
-
-    counter = CompileCounter()
-    monkeypatch.setattr(graph_module, "compile_step",
-                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
     verifier = load_model(tiny_pair[0])  # a decoder no earlier engine wrapped
     drafter = build_drafter("eagle", verifier, None)
     engine = Engine(verifier.lean, drafter, 2, 128, StopRule(verifier.eos_ids), backend="graph", compile_graphs=True)
-    assert counter.frame_count == 1 and drafter.verifier_layers  # the step with the head's layers, alone
+    assert compiles.frame_count == 1 and drafter.verifier_layers  # the step with the head's layers, alone
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     engine.admit([EngineRequest(f"r{i}", p, SamplingParams(max_tokens=10), k) for i, (p, k) in
                   enumerate(zip(prompts, (0, 3)))])  # a plain row and a drafting one
     done = {}
     while engine.running:
         done.update({u.id: u.generation.token_ids for u in engine.step() if u.generation is not None})
-    assert counter.frame_count == 1
+    assert compiles.frame_count == 1
     alone = [generate(verifier.lean, None, [p], SamplingParams(max_tokens=10), 0, StopRule(verifier.eos_ids),
                       backend="graph")[0].token_ids for p in prompts]
     assert [done["r0"], done["r1"]] == alone
@@ -338,26 +337,19 @@ def test_the_chunked_prefill_is_the_default_where_steps_replay_graphs_and_the_en
 
 @pytest.mark.parametrize("kind", ["pretrained", "eagle"])
 def test_speculation_over_chunked_prefills_equals_its_plain_decoding_and_warming_built_the_prefill(
-        kind, reference_bf16, reference_pair, monkeypatch):
-    from torch._dynamo.testing import CompileCounter
-
-    import specloop.drafter.model.graph as graph_module
-
+        kind, reference_bf16, reference_pair, monkeypatch, compiles):
     monkeypatch.setenv("SPECLOOP_PREFILL", "graph")
-    counter = CompileCounter()
-    monkeypatch.setattr(graph_module, "compile_step",
-                        lambda model, device, compiled: torch.compile(model, fullgraph=True, dynamic=False, backend=counter))
     verifier = reference_bf16
     prompts = _prompts(verifier)
     plain = _decode(verifier, None, prompts, 0)
     drafter = build_drafter(kind, verifier, reference_pair[1] if kind == "pretrained" else None)
     engine = Engine(verifier.lean, drafter, 3, 256, StopRule(verifier.eos_ids), backend="graph", compile_graphs=True)
-    built = counter.frame_count
+    built = compiles.frame_count
     prefills = engine.verifier.prefiller().graph_calls  # one prefiller per model: earlier tests' calls count there
     engine.admit([EngineRequest("a", prompts[0], SamplingParams(max_tokens=8), 4)])
     while engine.running:
         engine.step()
-    assert counter.frame_count == built  # warming built the prefills' steps (verifier's and drafter LM's) too
+    assert compiles.frame_count == built  # warming built the prefills' steps (verifier's and drafter LM's) too
     assert engine.verifier.prefiller().graph_calls == prefills + 1
     if kind == "pretrained":
         assert drafter.lean.prefiller().graph_calls == 1  # the drafter LM's prompts prefill in chunks too
