@@ -182,6 +182,32 @@ def compiled_chain():
     return torch.compile(draft_chain, fullgraph=True, dynamic=False)
 
 
+def chain_to_capture(drafter, slots: int | None, depth: int, compiled: bool, tensors: tuple) -> bool:
+    """`use_chain`'s bookkeeping, the same for every head (eagle, eagle-3): whether a chain is to be captured now for
+    `slots` rows and `depth` drafts from the head's `tensors`. Not where the held one (`drafter.chain`) was captured for
+    the same (each engine asks: `generate` makes one per batch, and a capture per engine cost the GPU's batch-1 runs
+    one per request); nor where slots is None or a tensor is not a plain one (quantized heads run the verifier's own
+    kernels): then the drafter drafts through its loop (`drafter.chain` None)."""
+    key = (slots, depth, compiled, tuple(map(id, tensors)))
+    if drafter.chain is not None and key == drafter._chain_key:
+        return False
+    drafter.chain, drafter._chain_key = None, key
+    if slots is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return False
+    drafter._depth = depth
+    return True
+
+
+def chained_proposal(out: tuple[torch.Tensor, torch.Tensor, torch.Tensor], m: int, k: int,
+                     steer: torch.Tensor) -> Proposal:
+    """A greedy block from a captured chain's outputs (tokens, confidence, logits for every slot and depth): the first
+    k drafts of the engine's m rows, copied (the next replay overwrites the graph's outputs)."""
+    tokens, confidence, logits = out
+    kept = logits[:m, :k].clone()
+    return Proposal(tokens=tokens[:m, :k].clone(), probs=None, logits=list(kept.unbind(1)), steer=steer,
+                    confidence=confidence[:m, :k].clone())
+
+
 def feature_layer(cfg: EagleConfig, num_layers: int) -> int:
     """The 0-based verifier layer the head reads."""
     layer = cfg.layer if cfg.layer >= 0 else num_layers + cfg.layer
@@ -206,6 +232,7 @@ class EagleDrafter:
         self.vocab = None if vocab is None else vocab.to(verifier.device)
         self.chain: Replay | None = None  # greedy drafts as one captured graph (`use_chain`), else the loop
         self._chain_key: tuple = ()  # what the chain was captured for (use_chain's arguments, the head's tensors)
+        self._depth = 0  # the chain's drafts
         self._linears(head)
 
     def _linears(self, head: FeatureHead) -> None:
@@ -250,17 +277,12 @@ class EagleDrafter:
         (model.graph.Replay: a CUDA graph replayed where the eager loop launches ~20 kernels per draft), or,
         with slots None, through the eager loop. The engine's graph backend asks (Engine._graph_drafter). The
         compiled chain is one function for every head of these shapes (`draft_chain`, its weights passed in):
-        a version swapped in is captured again (milliseconds), not compiled again. A chain of the same slots, depth and
-        compilation is kept: each engine asks (`generate` makes one per batch), and a capture per engine cost the
-        GPU's batch-1 runs one capture per request."""
+        a version swapped in is captured again (milliseconds), not compiled again; a chain of the same slots, depth,
+        compilation and tensors is kept (`chain_to_capture`)."""
         head = (self.lean.embed, *self.weights())
-        key = (slots, depth, compiled, tuple(map(id, head)))
-        if self.chain is not None and key == self._chain_key:
+        if not chain_to_capture(self, slots, depth, compiled, head):
             return
-        self.chain, self._chain_key = None, key
-        if slots is None or not all(isinstance(w, torch.Tensor) for w in head):
-            return  # the eager loop (quantized heads run the verifier's own kernels)
-        self._depth = depth
+        assert slots is not None  # chain_to_capture says so
         fn = compiled_chain() if compiled else draft_chain
         vocab, vocab_size, eps = self.vocab, self.lean.vocab_size, self.head_module.cfg.eps
         dev, dt = self.lean.device, self.lean.dtype
@@ -295,11 +317,8 @@ class EagleDrafter:
     def _chained(self, chain: Replay, k: int) -> Proposal:
         """A greedy block from the captured chain: its first k drafts for this engine's rows (copies: the next
         replay overwrites the graph's outputs)."""
-        m = len(self.feature)
-        tokens, confidence, logits = chain(self.feature, self.last.to(self.lean.device))
-        kept = logits[:m, :k].clone()
-        return Proposal(tokens=tokens[:m, :k].clone(), probs=None, logits=list(kept.unbind(1)),
-                        steer=self.feature[:, None].float(), confidence=confidence[:m, :k].clone())
+        return chained_proposal(chain(self.feature, self.last.to(self.lean.device)), len(self.feature), k,
+                                self.feature[:, None].float())
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView) -> None:
         new = view.features[self.verifier_layers[0]].to(self.feature.dtype)

@@ -40,7 +40,7 @@ from torch.nn import functional as F
 from specloop.drafter.decode.proposer import Choice, Proposal, VerifierView, first_rows, stack_proposal, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
-from specloop.drafter.kinds.eagle import head_rows, pick
+from specloop.drafter.kinds.eagle import chain_to_capture, chained_proposal, head_rows, pick
 from specloop.drafter.kinds.sd2 import MANIFEST
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import Replay
@@ -443,15 +443,12 @@ class Eagle3Drafter:
         (model.graph.Replay: on a GPU one launch where the loop launches a few dozen kernels a draft), or, with
         slots None, through the loop; the engine's graph backend asks (Engine._graph_drafter). One compiled
         function for every head of these shapes (`draft_chain`, the weights passed in): a version swapped in is
-        captured again, not compiled again; a chain of the same slots, depth, compilation and tensors is kept."""
+        captured again, not compiled again; a chain of the same slots, depth, compilation and tensors is kept
+        (`eagle.chain_to_capture`)."""
         tensors = (self.lean.embed, self.head, *(getattr(self.w, n) for n in MATRICES + VECTORS))
-        key = (slots, depth, compiled, tuple(map(id, tensors)))
-        if self.chain is not None and key == self._chain_key:
+        if not chain_to_capture(self, slots, depth, compiled, tensors):
             return
-        self.chain, self._chain_key = None, key
-        if slots is None or not all(isinstance(t, torch.Tensor) for t in tensors):
-            return  # the loop (quantized matrices run the verifier's own kernels)
-        self._depth = depth
+        assert slots is not None  # chain_to_capture says so
         fn = compiled_chain() if compiled else draft_chain
         cfg, vocab, vocab_size = self.w.cfg, self.vocab, self.lean.vocab_size
         dev, dt = self.lean.device, self.lean.dtype
@@ -466,12 +463,9 @@ class Eagle3Drafter:
     def _chained(self, chain: Replay, k: int) -> Proposal:
         """A greedy block from the captured chain: its first k drafts for this engine's rows (copies: the next
         replay overwrites the graph's outputs)."""
-        assert self.win is not None  # start() ran
-        m = len(self.win.newest)
-        tokens, confidence, logits = chain(self.win.keys, self.win.values, self.win.valid, self.win.newest)
-        kept = logits[:m, :k].clone()
-        return Proposal(tokens=tokens[:m, :k].clone(), probs=None, logits=list(kept.unbind(1)),
-                        steer=self.win.raw.float(), confidence=confidence[:m, :k].clone())
+        win = self.win
+        assert win is not None  # start() ran
+        return chained_proposal(chain(win.keys, win.values, win.valid, win.newest), len(win.newest), k, win.raw.float())
 
     @torch.inference_mode()
     def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
