@@ -193,7 +193,7 @@ class Engine:
             return 0.0
         layers = tuple(self.drafter.verifier_layers) if self.drafter is not None else ()
         assert isinstance(self.verifier, GraphDecoder)  # _graph_backend wrapped it (on_backend, graph)
-        seconds = self.verifier.warm(self.cache, {(), layers})
+        seconds = self.verifier.warm(self.cache, {layers})  # plain steps run that graph too (`_capture_set`)
         if self.verifier.chunked_prefill:  # admissions' prefills (kv_cache.prefill_rows, prefix_cache.prefill_row)
             seconds += self.verifier.warm_prefill(self.cache.capacity, layers)
         lm = getattr(self.drafter, "lean", None)
