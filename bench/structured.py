@@ -1,13 +1,16 @@
 """Structured output under speculation on the real pair: 50 JSON schemas × prompts, greedy, batch 1.
 
 For each schema (generated from a pool of typed fields, every one required, no others allowed, strings and arrays
-bounded so a whole value fits `--max-tokens`) and its prompt, four systems take turns (the first rotating):
+bounded so a whole value fits `--max-tokens`) and its prompt, five systems take turns (the first rotating):
 - alone+json: the verifier alone under the schema's grammar;
-- spec+json: the default speculator of the fetched pair (what `specloop serve` runs) under the same grammar;
+- spec+json: the default speculator of the fetched pair (what `specloop serve` runs) under the same grammar, with
+  what the grammar forces drafted free (`Engine.grammar_drafts`, the default);
+- spec+json-unforced: the same without forced drafts (the engine before them);
 - alone, spec: the same two without a grammar (the prompt still asks for JSON), for the ratio speculation earns
   without one.
-Checks: every grammar output parses and holds exactly the schema's fields; spec+json's tokens equal alone+json's
-on every prompt (greedy: lossless under the grammar). Reports τ (tokens per verify pass) and tokens/s with and without
+Each speculating system has a drafter of its own (a suffix member's store of earlier outputs holds its own answers
+alone). Checks: every grammar output parses and holds exactly the schema's fields; spec+json's (and spec+json-unforced's)
+tokens equal alone+json's on every prompt (greedy: lossless under the grammar). Reports τ (tokens per verify pass) and tokens/s with and without
 the grammar, and the speed-up of speculation in each case.
 
     .venv/bin/python bench/structured.py --schemas 50 --max-tokens 160 --out bench/results/structured.json
@@ -43,7 +46,7 @@ FIELDS = {
 TOPICS = ["a famous scientist", "a city you like", "a new phone", "a book", "a football player", "a recipe",
           "a car", "a movie", "a programming language", "a painting", "a mountain", "a startup", "a song",
           "a museum", "a holiday trip"]
-SYSTEMS = ("alone+json", "spec+json", "alone", "spec")
+SYSTEMS = ("alone+json", "spec+json", "spec+json-unforced", "alone", "spec")
 
 
 @dataclass
@@ -69,7 +72,8 @@ def schemas(n: int, seed: int = 0) -> list[tuple[dict, str]]:
     return out
 
 
-def decode(verifier, drafter, controller, grammars, prompt: list[int], spec, max_tokens: int, run: Run) -> None:
+def decode(verifier, drafter, controller, grammars, prompt: list[int], spec, max_tokens: int, run: Run,
+           forced: bool = True) -> None:
     from specloop.drafter.decode.capacity import positions_needed
     from specloop.drafter.decode.engine import Engine
     from specloop.drafter.decode.requests import EngineRequest, StopRule
@@ -78,7 +82,7 @@ def decode(verifier, drafter, controller, grammars, prompt: list[int], spec, max
     k = 0 if drafter is None else None
     t0 = time.perf_counter()
     engine = Engine(verifier.lean, drafter, 1, positions_needed(len(prompt), max_tokens, k, controller.cfg.k_max),
-                    StopRule(verifier.eos_ids), controller=controller, grammars=grammars)
+                    StopRule(verifier.eos_ids), controller=controller, grammars=grammars, grammar_drafts=forced)
     engine.admit([EngineRequest("q", prompt, SamplingParams(max_tokens=max_tokens), k, grammar=spec)])
     gen = None
     while engine.running:
@@ -103,7 +107,7 @@ def summarize(runs: list[Run]) -> dict:
         tokens, seconds, blocks = sum(r.tokens for r in rs), sum(r.seconds for r in rs), sum(r.blocks for r in rs)
         out[s] = {"requests": len(rs), "tokens": tokens, "tokens_per_s": tokens / seconds if seconds else 0.0,
                   "tau": tokens / blocks if blocks else 0.0}
-        if s.endswith("+json"):
+        if "+json" in s:
             out[s]["parsed"] = sum(bool(r.parsed) for r in rs)
 
     def speedup(a: str, b: str) -> float:
@@ -111,9 +115,13 @@ def summarize(runs: list[Run]) -> dict:
                   for ra, rb in zip(by[a], by[b])]
         return statistics.median(ratios) if ratios else 0.0
 
-    out["speedup_median"] = {"with_grammar": speedup("alone+json", "spec+json"), "without": speedup("alone", "spec")}
-    pairs = list(zip(by["alone+json"], by["spec+json"]))
-    out["identical_under_grammar"] = sum(a.token_ids == b.token_ids for a, b in pairs)
+    out["speedup_median"] = {"with_grammar": speedup("alone+json", "spec+json"),
+                             "with_grammar_unforced": speedup("alone+json", "spec+json-unforced"),
+                             "forced_over_unforced": speedup("spec+json-unforced", "spec+json"),
+                             "without": speedup("alone", "spec")}
+    for s in ("spec+json", "spec+json-unforced"):
+        pairs = list(zip(by["alone+json"], by[s]))
+        out[f"identical_under_grammar ({s})"] = sum(a.token_ids == b.token_ids for a, b in pairs)
     return out
 
 
@@ -123,11 +131,12 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
-    a.bar(["τ no grammar", "τ JSON grammar"], [summary["spec"]["tau"], summary["spec+json"]["tau"]])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 3.8))
+    labels = ["no grammar", "JSON, unforced", "JSON, forced drafts"]
+    a.bar(labels, [summary[s]["tau"] for s in ("spec", "spec+json-unforced", "spec+json")])
     a.set_title("tokens per verify pass (speculation)")
-    b.bar(["no grammar", "JSON grammar"], [summary["speedup_median"]["without"],
-                                           summary["speedup_median"]["with_grammar"]])
+    speedups = summary["speedup_median"]
+    b.bar(labels, [speedups["without"], speedups["with_grammar_unforced"], speedups["with_grammar"]])
     b.axhline(1.0, color="grey", lw=0.8)
     b.set_title("speculation / verifier alone (median)")
     fig.tight_layout()
@@ -161,22 +170,25 @@ def main() -> None:
     verifier_dir, drafter_dir = args.verifier or pair / "verifier", args.drafter or pair / "drafter"
     verifier = load_model(verifier_dir, weights="auto")
     kind = resolve_kind(None, drafter_dir) or "pretrained"
-    drafter = build_drafter(kind, verifier, drafter_dir, "auto", default_speculators(kind))
+    # a drafter per speculating system: a suffix member's store of earlier outputs must not hold another system's
+    # answer to the same prompt (spec+json and spec+json-unforced write the same tokens)
+    drafters = {s: build_drafter(kind, verifier, drafter_dir, "auto", default_speculators(kind))
+                for s in SYSTEMS if s.startswith("spec")}
     grammars = grammar_compiler(verifier.tokenizer, verifier.lean.vocab_size, verifier.eos_ids)
     controllers = {s: Controller() for s in SYSTEMS}
     runs: list[Run] = []
     for i, (schema, text) in enumerate(schemas(args.schemas)):
         prompt = encode(verifier.tokenizer, PromptRecord(str(i), messages=({"role": "user", "content": text},)))
         spec = GrammarSpec("json_schema", json.dumps(schema))
-        order = SYSTEMS[i % 4:] + SYSTEMS[: i % 4]
+        order = SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[: i % len(SYSTEMS)]
         for s in order:
             run = Run(s, i)
-            decode(verifier, drafter if s.startswith("spec") else None, controllers[s], grammars, prompt,
-                   spec if s.endswith("+json") else None, args.max_tokens, run)
-            if s.endswith("+json"):
+            decode(verifier, drafters.get(s), controllers[s], grammars, prompt,
+                   spec if "+json" in s else None, args.max_tokens, run, forced=not s.endswith("-unforced"))
+            if "+json" in s:
                 run.parsed = check(verifier.tokenizer.decode(run.token_ids, skip_special_tokens=True), schema)
             runs.append(run)
-        print(f"schema {i}: " + " ".join(f"{r.system} {r.tokens / r.seconds:.0f} tok/s" for r in runs[-4:]),
+        print(f"schema {i}: " + " ".join(f"{r.system} {r.tokens / r.seconds:.0f} tok/s" for r in runs[-len(SYSTEMS):]),
               flush=True)
     summary = summarize(runs)
     result = {"machine": machine_info(), "threads": args.threads, "verifier": str(verifier_dir),

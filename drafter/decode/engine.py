@@ -50,7 +50,7 @@ from specloop.drafter.decode.grammar import GrammarCompiler, GrammarSpec
 from specloop.drafter.decode.logprobs import Scoring, TokenScore, scoring_for
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.prefix_cache import PrefixCache, cache_output, prefill_cached
-from specloop.drafter.decode.proposer import Drafter, VerifierView
+from specloop.drafter.decode.proposer import FREE_SOURCES, Drafter, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome, rejection_sample
 from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate, StopRule
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, make_generators, warp_key
@@ -134,6 +134,9 @@ class Engine:
     # steps the controller leaves plain still verify the drafter's free drafts (`Drafter.lookup`: suffix decoding
     # over the request's prompt and turns) where their confidence pays for them; False: plain means plain
     lookups: bool = True
+    # what a row's grammar forces next (a schema's keys, its punctuation) is drafted free where the drafter follows
+    # the verdict (`_forced`): on drafting steps where its own draft is shorter, and as a lookup on steps left plain
+    grammar_drafts: bool = True
     # structured output: matchers for requests that name a grammar (None: such requests are refused)
     grammars: GrammarCompiler | None = None
     # prefix caching (drafter/decode/prefix_cache.py): prompts reuse the KV of prefixes earlier requests computed
@@ -442,7 +445,10 @@ class Engine:
         m = live[-1] + 1
         rows = self.rows[:m]
         choice = self._choose(rows, live, m)
-        width = self._lookup(choice, rows, live)
+        shaping = tuple(r.shaping if r is not None else None for r in rows)
+        shaper = StepShaper(shaping) if any(x is not None for x in shaping) else None
+        forced = self._forced(shaper, choice, live)
+        width = self._lookup(choice, rows, live, forced is not None)
         auto_k = width if width > 0 else 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
         if self.stale:  # rows whose drafter skipped plain steps (`_lazy`) decode this one plain, and follow it
@@ -455,11 +461,21 @@ class Engine:
         # drafts, and make the host wait for the drafts' confidence between the draft and the verify pass
         every_auto = choice is not None and all(r.request.k is None for r in rows if r is not None)
         cut = every_auto and self.backend != "graph"
-        shaping = tuple(r.shaping if r is not None else None for r in rows)
-        shaper = StepShaper(shaping) if any(x is not None for x in shaping) else None
         return StepPlan(torch.tensor([r is not None for r in rows]), kmax, params, u_draft, u_accept, limit,
-                        lookup=width > 0, confidence_cut=cut, shaper=shaper, m=m, live=tuple(live),
-                        row_k=tuple(ks), choice=choice)
+                        lookup=width > 0, confidence_cut=cut, shaper=shaper, forced=forced if kmax else None, m=m,
+                        live=tuple(live), row_k=tuple(ks), choice=choice)
+
+    def _forced(self, shaper: StepShaper | None, choice: Choice | None, live: list[int]
+                ) -> tuple[list[int], ...] | None:
+        """The tokens each row's grammar forces next, up to a lookup's width (None: none anywhere): drafted free
+        (`speculative.with_forced`) where the drafter follows the verdict, not its own drafts (`follows_plain`:
+        an eagle head, suffix decoding, a mix of them; a drafter LM's cache holds what it drafted), and not on a
+        probe of a plain pass (it prices the pass alone)."""
+        if not (self.grammar_drafts and shaper is not None and follows_plain(self.drafter)):
+            return None
+        if choice is not None and choice.probe and not choice.k:
+            return None
+        return shaper.forced(self._lookup_width(live))
 
     def _lazy(self, plan: StepPlan) -> bool:
         """Whether this untimed plain step (no probe due: nothing drafts soon) leaves the drafter's rows stale instead
@@ -492,9 +508,8 @@ class Engine:
             drafted = ks if outcome.tokens.shape[1] > 1 else [0] * len(ks)
         # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
         # they teach the calibration alone)
-        free = getattr(self.drafter, "free_sources", ())
         blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
-            outcome.sources is None or outcome.sources[s] not in free))
+            outcome.sources is None or outcome.sources[s] not in FREE_SOURCES))
         confident = () if outcome.predicted is None else tuple(
             Confident(float(outcome.predicted[s]), outcome.accepted(s),
                       None if outcome.sources is None else outcome.sources[s], drafted[s]) for s in live if drafted[s])
@@ -509,14 +524,18 @@ class Engine:
                                            resync_s, plan.k, confident, plan.lookup))
         return updates
 
-    def _lookup(self, choice: Choice | None, rows: list, live: list[int]) -> int:
+    def _lookup(self, choice: Choice | None, rows: list, live: list[int], forced: bool) -> int:
         """How many free drafts per row this step of auto rows verifies instead (`Drafter.lookup`; 0: none):
         where the controller left it plain (not to measure a plain pass), or gave a mix's model members k
-        drafts but every row's free draft promises as much (`prefers_free`: a copy is not cut to k)."""
-        if not (self.lookups and choice is not None and not choice.probe and hasattr(self.drafter, "lookup")
-                and all(rows[s].request.k is None for s in live)):
+        drafts but every row's free draft promises as much (`prefers_free`: a copy is not cut to k). Where a
+        row's grammar forces tokens (`forced`), a step left plain verifies them (they are all but certain)."""
+        if not (choice is not None and not choice.probe and all(rows[s].request.k is None for s in live)):
             return 0
         width = self._lookup_width(live)
+        if not choice.k and forced:
+            return width
+        if not (self.lookups and hasattr(self.drafter, "lookup")):
+            return 0
         if not choice.k:
             return width if self.controller.lookup_due() else 0
         prefers = getattr(self.drafter, "prefers_free", None)

@@ -5,7 +5,9 @@ tokens a request commits and rolled back after each draft it checks.
 Under speculation (drafter/decode/shaping.py): a row's drafts are cut before the verify pass at the first one the
 grammar refuses (`valid_prefix`: it would be rejected anyway, p = 0 there), and the verifier's logits at each drafted
 position are masked by the grammar state reached after the drafts before it (`masks`). The verdict then preserves
-the masked distribution exactly, as the verifier decoding alone under the same grammar would produce it.
+the masked distribution exactly, as the verifier decoding alone under the same grammar would produce it. What the
+grammar forces next (`forced`: a schema's keys and punctuation) is drafted for free where the drafter's own draft
+is shorter (drafter/decode/speculative.py `with_forced`): verified like any draft, so still lossless.
 """
 from __future__ import annotations
 
@@ -130,17 +132,30 @@ class RowGrammar:
         return int(self.matcher.validate_tokens(drafts)) if drafts else 0
 
     def masks(self, drafts: list[int]) -> torch.Tensor:
-        """[len(drafts) + 1, V] bool: the tokens allowed after the committed tokens and drafts[:j], for each j.
-        `drafts` must be a valid prefix; the matcher is left where it was."""
+        """[len(drafts) + 1, V] bool: the tokens allowed after the committed tokens and drafts[:j], for each j
+        (none after a draft that ends the output). `drafts` must be a valid prefix; the matcher is left where it
+        was."""
         words = torch.zeros(len(drafts) + 1, (self.vocab_size + 31) // 32, dtype=torch.int32)
+        consumed = 0
         for j in range(len(drafts) + 1):
+            if self.matcher.is_stopped():  # a draft ended the output (EOS): nothing after it is ever committed, and
+                break  #                     a stopped matcher's mask is not asked (llguidance then cannot roll back)
             row = words[j]
             self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
             if j < len(drafts):
                 self.matcher.consume_token(drafts[j])
-        if drafts:
-            self.matcher.rollback(len(drafts))
+                consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
         return unpack(words, self.vocab_size)
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next, from the committed state (llguidance's fast-forward
+        tokens: where one continuation is the only one its bytes allow, as after `{` of a schema's object, the
+        key); none where the next token is a choice, or the matcher stopped."""
+        if limit < 1 or self.matcher.is_stopped():
+            return []
+        return list(self.matcher.compute_ff_tokens()[:limit])
 
     def commit(self, tokens: list[int]) -> None:
         if tokens and not self.matcher.is_stopped():

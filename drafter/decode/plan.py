@@ -31,9 +31,11 @@ class StepPlan:
     u_accept: torch.Tensor | None = None  # [B, k + 1] float: columns [0, k) the accept tests, column k the emitted
     #                                       token's (None when greedy)
     limit: torch.Tensor | None = None  # [B] int64: row b accepts at most limit[b] <= k drafts (None: every row k)
-    lookup: bool = False  # the drafter's free drafts only (`Drafter.lookup`: no model pass), up to k per row
+    lookup: bool = False  # free drafts only (`Drafter.lookup`, or `forced`: no model pass), up to k per row
     confidence_cut: bool = False  # the controller's `cut` may shorten each row's draft by its confidence
     shaper: StepShaper | None = None  # rows' sampling controls and grammars (None: no row has any)
+    forced: tuple[list[int], ...] | None = None  # [B] the tokens each row's grammar forces next, drafted free where
+    #                                              the row's own draft is shorter (None: none anywhere, or not offered)
     # the engine's bookkeeping, not read by the step itself
     m: int = 0  # rows [0, m) of the pool the step runs over (the occupied prefix): B = m
     live: tuple[int, ...] = ()  # the occupied slots, ascending (each < m)

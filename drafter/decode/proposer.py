@@ -20,6 +20,10 @@ from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, sample, warp
 from specloop.drafter.model.kv_cache import KVCache
 
+GRAMMAR = "grammar"  # the source (`Proposal.sources`) of a row whose drafts are the tokens its grammar forces
+FREE_SOURCES = frozenset({"suffix", GRAMMAR})  # speculators whose drafts cost no model pass: their rows teach the
+#                                                controller nothing of what asking k earns, and are no replay records
+
 
 @dataclass
 class Proposal:

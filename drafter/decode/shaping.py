@@ -86,6 +86,10 @@ class RowShaping:
         out[~out.any(dim=-1)] = self.ends  # nothing left: only the end
         return out
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens this row's grammar forces next (none without one)."""
+        return [] if self.grammar is None else self.grammar.forced(limit)
+
     def commit(self, tokens: list[int]) -> None:
         """The tokens the request committed this step (as the stop rule kept them)."""
         self.out += len(tokens)
@@ -108,6 +112,11 @@ class StepShaper:
             return None
         host = drafts.cpu().tolist()
         return torch.tensor([len(d) if r is None else r.valid_drafts(d) for r, d in zip(self.rows, host)])
+
+    def forced(self, limit: int) -> tuple[list[int], ...] | None:
+        """[B] up to `limit` tokens each row's grammar forces next (None: no row has any)."""
+        rows = tuple([] if r is None else r.forced(limit) for r in self.rows)
+        return rows if any(rows) else None
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
         """The verifier's logits [B, J, V] at a block's positions (`drafts` [B, J − 1] the tokens before positions

@@ -14,7 +14,7 @@ import torch
 
 from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
-from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView, steer_now
+from specloop.drafter.decode.proposer import GRAMMAR, Drafter, Proposal, VerifierView, steer_now
 from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, rejection_sample
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
 from specloop.drafter.decode.shaping import StepShaper
@@ -151,8 +151,7 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
     proposal, or an empty draft (the verifier alone); gated by confidence, cut to the rows' lengths and given
     its q. Each stage derives a new `Proposal`: the one the drafter returned is never written."""
     dev, k, u_accept = verifier.device, plan.k, plan.u_accept
-    # the engine plans a lookup only for a drafter that has one (`hasattr(drafter, "lookup")`)
-    proposal = cast(LooksUp, drafter).lookup(k, plan.params) if k and plan.lookup else None
+    proposal = free_drafts(drafter, plan) if k and plan.lookup else None
     if plan.lookup and proposal is None:  # no free draft anywhere: a plain step
         k, u_accept = 0, plan.accept_uniforms(0)
     if k:
@@ -165,6 +164,8 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
         proposal = gated(proposal, gate, k)
     if k and plan.shaper is not None:
         proposal = within_grammar(proposal, plan.shaper, k)
+    if k and plan.forced is not None:
+        proposal = with_forced(proposal, plan.forced, k)
     if proposal.lengths is not None:  # rows drafted fewer than k tokens: verify up to the longest only
         proposal, limit = cut_to_lengths(proposal, plan.active, k, limit)
         k = proposal.tokens.shape[1]
@@ -288,6 +289,46 @@ def within_grammar(proposal: Proposal, shaper: StepShaper, k: int) -> Proposal:
         return proposal
     lengths = proposal.lengths if proposal.lengths is not None else torch.full((len(proposal.tokens),), k)
     return replace(proposal, lengths=torch.minimum(lengths.cpu(), allowed))
+
+
+def free_drafts(drafter: Drafter | None, plan: StepPlan) -> Proposal | None:
+    """A lookup step's drafts (the engine plans one for a drafter with free drafts, or for rows whose grammar
+    forces tokens): the drafter's own (`LooksUp.lookup`: suffix decoding), else the forced tokens alone (merged
+    into the drafter's after the grammar's cut, `with_forced`); None where no row has any."""
+    own = cast(LooksUp, drafter).lookup(plan.k, plan.params) if hasattr(drafter, "lookup") else None
+    if own is None and plan.forced is not None:
+        return with_forced(None, plan.forced, plan.k)
+    return own
+
+
+def with_forced(proposal: Proposal | None, forced: tuple[list[int], ...], k: int) -> Proposal:
+    """Each row whose grammar forces more tokens than it has drafts (after `within_grammar`'s cut; none where
+    `proposal` is None) drafts those tokens instead: free drafts with a one-hot q and confidence 1 (the verifier's
+    masked distribution allows them alone, or they are rejected as any draft), source GRAMMAR. The engine plans
+    forced tokens only for drafters that follow the verdict rather than their own drafts (`follows_plain`)."""
+    B = len(forced)
+    want = [f[:k] for f in forced]
+    n = torch.tensor([len(f) for f in want], dtype=torch.long)
+    tokens = torch.tensor([f + [0] * (k - len(f)) for f in want], dtype=torch.long).reshape(B, k)
+    sure = (torch.arange(k)[None, :] < n[:, None]).float()
+    if proposal is None:
+        return Proposal(tokens, None, lengths=n, confidence=sure, sources=[GRAMMAR] * B, one_hot=True)
+    had = proposal.lengths.cpu() if proposal.lengths is not None else torch.full((B,), k)
+    take = n > had
+    if not bool(take.any()):
+        return proposal
+    dev = proposal.tokens.device
+    pick = take.to(dev)
+    probs = proposal.probs
+    if probs is not None:
+        one_hot = torch.nn.functional.one_hot(tokens, probs.shape[-1]).to(probs)
+        probs = torch.where(pick[:, None, None], one_hot.to(dev), probs)
+    confidence = proposal.confidence
+    if confidence is not None:
+        confidence = torch.where(take[:, None], sure, confidence.float().cpu())
+    sources = [GRAMMAR if t else s for t, s in zip(take.tolist(), proposal.sources or ["adaptive"] * B)]
+    return replace(proposal, tokens=torch.where(pick[:, None], tokens.to(dev), proposal.tokens), probs=probs,
+                   lengths=torch.where(take, n, had), confidence=confidence, sources=sources)
 
 
 def predicted(proposal: Proposal, drafted: torch.Tensor | None) -> torch.Tensor | None:

@@ -39,7 +39,6 @@ from specloop.drafter.kinds.suffix import SuffixDrafter, proposal_of
 
 SPECULATORS = ("static", "suffix")  # what may join the served ("adaptive") drafter
 MODELS = ("adaptive", "static")
-FREE = frozenset({"suffix"})  # members whose drafts cost no model pass
 
 
 class SpeculatorMix:
@@ -57,7 +56,6 @@ class SpeculatorMix:
         self.verifier_layers = tuple(sorted({i for d in members.values() for i in d.verifier_layers}))
         self.record_layers = tuple(members["adaptive"].record_layers)
         self.follows_plain = True
-        self.free_sources = FREE  # decode.engine: their rows do not teach the controller what asking k earns
         self.feature_window = max(getattr(d, "feature_window", 0) for d in members.values())
         self.explore = explore
         cfg = ControllerConfig(k_max=8)
@@ -163,8 +161,8 @@ class SpeculatorMix:
         for b in torch.nonzero(active).flatten().tolist():
             drafted = k if outcome.drafted is None else int(outcome.drafted[b])
             n = outcome.accepted(b)
-            if not drafted:
-                continue
+            if not drafted or (outcome.sources is not None and outcome.sources[b] not in self.members):
+                continue  # a row whose grammar drafted for it (`speculative.with_forced`): no member's draft
             self.served[sources[b]] += 1
             if sources[b] == "suffix":
                 self.calibration.observe(sum(predicted[b][:drafted]), n)

@@ -43,7 +43,7 @@ import torch
 from specloop.drafter.decode.engine import Engine
 from specloop.drafter.decode.grammar import GrammarCompiler
 from specloop.drafter.decode.prefix_cache import PrefixCache, PrefixCacheStats
-from specloop.drafter.decode.proposer import Drafter
+from specloop.drafter.decode.proposer import FREE_SOURCES, Drafter
 from specloop.drafter.decode.requests import EngineRequest, RowUpdate, StopRule
 from specloop.drafter.decode.speculative import StepTrace
 from specloop.drafter.decode.stats import AcceptanceStats
@@ -399,7 +399,7 @@ class VerifierWorker:
             source = "adaptive" if sources is None else sources[b]
             if k and source == "adaptive":  # the served version's own drafts (a mix: not static's or suffix's)
                 self.monitor.observe(self.version, k, n)
-            if k and source != "suffix":  # a model's drafts are records; static's train the KL term only
+            if k and source not in FREE_SOURCES:  # a model's drafts are records; static's train the KL term only
                 by_k.setdefault((k, source), []).append(b)
             if ids[b] in self.stale_rows:
                 self.stale.observe(k, n)
