@@ -379,10 +379,12 @@ class ContextFacts:
     kv_bytes_per_position: int
 
 
-def context_facts(path: str | Path) -> ContextFacts:
+def context_facts(path: str | Path, kv_cache_dtype: str = "auto", gpu: bool = False) -> ContextFacts:
     """A model directory's ContextFacts, read from its config.json (a GGUF model `specloop models fetch`
-    converted has the one transformers wrote from the GGUF's metadata): no weights are read."""
-    from specloop.drafter.model.attention import KV_DTYPE
+    converted has the one transformers wrote from the GGUF's metadata): no weights are read. The cache's
+    dtype as the workers choose it (`attention.kv_dtype`): `kv_cache_dtype` where it names one (float32,
+    bfloat16), else fp32 on a CPU and, on a GPU (`gpu`), the checkpoint's own 16-bit dtype."""
+    from specloop.drafter.model.attention import KV_DTYPE, KV_DTYPES
 
     path = Path(path)
     _require_dir(path)
@@ -392,5 +394,8 @@ def context_facts(path: str | Path) -> ContextFacts:
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    per_position = int(config.num_hidden_layers) * 2 * kv_heads * head_dim * KV_DTYPE.itemsize
+    named = KV_DTYPES[kv_cache_dtype]
+    stored = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "")
+    size = named.itemsize if named is not None else 2 if gpu and stored.endswith("float16") else KV_DTYPE.itemsize
+    per_position = int(config.num_hidden_layers) * 2 * kv_heads * head_dim * size
     return ContextFacts(positions, per_position)

@@ -237,11 +237,15 @@ def default_context(max_positions: int, kv_bytes_per_position: int, slots: int) 
                        f"(give --max-model-len to choose)")
 
 
-def _serve_context(verifier: Path, capacity: Capacity, slots: int) -> int:
-    """--max-model-len (or --max-context), checked against the model's maximum, else `default_context`."""
+def _serve_context(verifier: Path, capacity: Capacity, slots: int, kv_cache_dtype: str = "auto",
+                   weights: str = "auto") -> int:
+    """--max-model-len (or --max-context), checked against the model's maximum, else `default_context`, whose
+    budget counts the KV cache's bytes as the workers will keep it (--kv-cache-dtype; auto: the checkpoint's
+    16-bit dtype where this machine has a GPU and --weights does not ask fp32, fp32 otherwise)."""
     from specloop.drafter.model.loading import context_facts
 
-    facts = context_facts(verifier)  # a missing / bad directory: ModelError, exit code 2
+    gpu = weights != "fp32" and torch_cuda()
+    facts = context_facts(verifier, kv_cache_dtype, gpu)  # a missing / bad directory: ModelError, exit code 2
     given = capacity.context()
     if given is None:
         positions, why = default_context(facts.max_positions, facts.kv_bytes_per_position, slots)
@@ -252,6 +256,13 @@ def _serve_context(verifier: Path, capacity: Capacity, slots: int) -> int:
         raise UsageError(f"{flag} {positions} exceeds the model's maximum of {facts.max_positions} positions "
                          f"(max_position_embeddings in {verifier / 'config.json'})")
     return positions
+
+
+def torch_cuda() -> bool:
+    """Whether this machine's torch sees a GPU (the workers' device where Ray places them on this one)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _serve_drafter(pair: Models, drafter_kind: str | None, spec_json: str | None) -> tuple[str | None, int | None]:
@@ -321,7 +332,7 @@ def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantizati
     explicit_kind, num_tokens = _serve_drafter(pair, drafter_kind, speculative_config)
     use_threads(glob.threads)
     verifier, drafter = _default_pair(pair, cache, glob.threads)
-    max_context = _serve_context(verifier, capacity, slots)
+    max_context = _serve_context(verifier, capacity, slots, kv_dtype, mode)
     kind = "suffix" if explicit_kind is None and drafter is None else _kind(explicit_kind, drafter)
     if learner is None:
         learner = "klrl" if kind in TRAINABLE_KINDS else "off"

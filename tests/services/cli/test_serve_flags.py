@@ -118,6 +118,27 @@ def test_a_capped_default_context_is_logged(tmp_path, served, capsys, caplog):
     assert "--max-model-len 2048: the model allows 65536" in caplog.text
 
 
+def test_the_default_context_counts_the_kv_cache_in_the_dtype_the_workers_keep(tmp_path, served, capsys,
+                                                                                 monkeypatch):
+    """--kv-cache-dtype bfloat16 halves the bytes a position takes (twice the default context under the same
+    budget); auto keeps fp32 on a machine without a GPU, and takes a bf16 checkpoint's dtype where one is seen,
+    unless --weights fp32."""
+    big = tmp_path / "big"
+    config = llama_config(vocab=64, layers=64, hidden=512, num_attention_heads=4, num_key_value_heads=4,
+                          max_position_embeddings=65536)
+    config.dtype = "bfloat16"
+    config.save_pretrained(big)
+    assert _serve([big, "--kv-cache-dtype", "bfloat16"], capsys)[0] == 0
+    assert served[-1].max_context == 4096  # 4 GiB / (8 slots x 128 KiB)
+    assert _serve([big], capsys)[0] == 0
+    assert served[-1].max_context == 2048  # no GPU here: the CPU's fp32 cache
+    monkeypatch.setattr("specloop.services.cli.main.torch_cuda", lambda: True)
+    assert _serve([big], capsys)[0] == 0
+    assert served[-1].max_context == 4096  # a GPU: the checkpoint's bf16
+    assert _serve([big, "--weights", "fp32"], capsys)[0] == 0
+    assert served[-1].max_context == 2048
+
+
 @pytest.mark.parametrize("dtype,quantization,weights,mode", [
     ("auto", None, "auto", "auto"), ("bfloat16", None, "auto", "bf16"), ("bf16", None, "auto", "bf16"),
     ("float32", None, "auto", "fp32"), ("float", None, "auto", "fp32"), ("fp32", None, "fp32", "fp32"),
