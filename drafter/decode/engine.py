@@ -510,9 +510,10 @@ class Engine:
         # they teach the calibration alone)
         blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in FREE_SOURCES))
-        confident = () if outcome.predicted is None else tuple(
-            Confident(float(outcome.predicted[s]), outcome.accepted(s),
-                      None if outcome.sources is None else outcome.sources[s], drafted[s]) for s in live if drafted[s])
+        predicted = None if outcome.predicted is None else outcome.predicted.tolist()  # one read, not one a row
+        confident = () if predicted is None else tuple(
+            Confident(predicted[s], outcome.accepted(s), None if outcome.sources is None else outcome.sources[s],
+                      drafted[s]) for s in live if drafted[s])
         updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)

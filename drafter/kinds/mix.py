@@ -158,8 +158,9 @@ class SpeculatorMix:
         sources, predicted = self._last
         self._last = None
         k = outcome.tokens.shape[1] - 1
+        rows = None if outcome.drafted is None else outcome.drafted.tolist()  # one read, not one a row
         for b in torch.nonzero(active).flatten().tolist():
-            drafted = k if outcome.drafted is None else int(outcome.drafted[b])
+            drafted = k if rows is None else rows[b]
             n = outcome.accepted(b)
             if not drafted or (outcome.sources is not None and outcome.sources[b] not in self.members):
                 continue  # a row whose grammar drafted for it (`speculative.with_forced`): no member's draft

@@ -64,12 +64,11 @@ def copy_positions(src: KVCache, src_row: int, dst: KVCache, dst_row: int, n: in
 
 def pad_right(rows: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists → ([B, T] int64 right-padded, [B] lengths)."""
-    lens = torch.tensor([len(r) for r in rows], dtype=torch.long)
-    width = max(1, int(lens.max())) if rows else 1
-    out = torch.full((len(rows), width), pad, dtype=torch.long)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return out, lens
+    sizes = [len(r) for r in rows]
+    width = max(1, *sizes) if rows else 1
+    # built as lists: one tensor made, not a copy per row (a drafting step of a drafter LM pads every row)
+    out = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long).reshape(len(rows), width)
+    return out, torch.tensor(sizes, dtype=torch.long)
 
 
 def prefill(lean, prompts: list[list[int]], capacity: int, capture: tuple[int, ...] = ()):
