@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from specloop.drafter.decode.controller import Controller
 from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.grammar import GrammarCompiler, GrammarSpec, check
 from specloop.drafter.decode.requests import Generation, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.decode.stats import AcceptanceStats
@@ -38,6 +39,7 @@ class GenerateConfig:
     weights: str = "auto"  # the verifier's weight mode (drafter.model.weights.quant; auto = as stored / its manifest)
     drafter_weights: str = "fp32"
     speculators: tuple[str, ...] = ()  # beside the drafter, chosen per step and row (specloop.drafter.kinds.mix)
+    grammar: GrammarSpec | None = None  # structured output for every answer (--json-schema, --regex, --grammar-file)
 
     def __post_init__(self):
         check_speculators(self.drafter_kind, self.speculators)
@@ -109,13 +111,18 @@ def run_generate(cfg: GenerateConfig, progress: bool = True, summary: RunSummary
     tok = verifier.tokenizer
     rule = StopRule(verifier.eos_ids, lambda ids: tok.decode(ids, skip_special_tokens=True))
     k = cfg.draft_len
+    grammars = None
+    if cfg.grammar is not None:  # checked against this tokenizer: a GrammarError (exit 2) before any prompt
+        grammars = GrammarCompiler(tok, verifier.lean.vocab_size, frozenset(verifier.eos_ids))
+        check(cfg.grammar, grammars.tokenizer)
     controller = Controller()  # one for the run: what it measured on a batch serves the next ones
     summary = summary if summary is not None else RunSummary(k)
     bar = tqdm(total=len(records), desc="generate", unit="prompt", disable=not progress)
     for lo in range(0, len(records), cfg.batch_size):
         batch = encoded[lo : lo + cfg.batch_size]
         t0 = time.perf_counter()
-        gens = generate(verifier.lean, drafter, batch, cfg.sampling, k, rule, first_request=lo, controller=controller)
+        gens = generate(verifier.lean, drafter, batch, cfg.sampling, k, rule, first_request=lo, controller=controller,
+                        grammar=cfg.grammar, grammars=grammars)
         summary.seconds += time.perf_counter() - t0
         for rec, gen in zip(records[lo : lo + cfg.batch_size], gens):
             summary.add(gen)

@@ -31,7 +31,9 @@ from specloop.services.cli.options import (
     Endpoint,
     EnforceEager,
     Globals,
+    GrammarFile,
     Json,
+    JsonSchema,
     KvCacheDtype,
     Learner,
     MaxTokens,
@@ -40,6 +42,7 @@ from specloop.services.cli.options import (
     Prompts,
     Quantization,
     RayAddress,
+    Regex,
     Registry,
     Sampling,
     Seed,
@@ -49,6 +52,7 @@ from specloop.services.cli.options import (
     Temperature,
     UsageError,
     Weights,
+    grammar_option,
     parse_speculative_config,
     read_chat_template,
     served_kv_dtype,
@@ -85,11 +89,13 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
              limit: Annotated[Optional[int], typer.Option(help="only the first N prompts")] = None,
              no_speculation: Annotated[bool, typer.Option(
                  "--no-speculation", help="the verifier alone (the reference)")] = False,
-             as_json: Json = False) -> int:
+             as_json: Json = False, json_schema: JsonSchema = None, regex: Regex = None,
+             grammar_file: GrammarFile = None) -> int:
     """Decode a prompt file with speculative decoding."""
     from specloop.drafter.kinds.table import resolve_kind
     from specloop.services.cli.generation import GenerateConfig, RunSummary, run_generate
 
+    grammar = grammar_option(json_schema, regex, grammar_file)
     use_threads(glob.threads)
     kind = resolve_kind(drafter_kind, pair.drafter)
     if kind is None and not no_speculation:
@@ -100,7 +106,7 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
                          seed=sampling.seed, batch_size=batch_size, stop=tuple(stop or ()),
                          no_speculation=no_speculation, limit=limit, weights=weights.weights,
                          drafter_weights=weights.drafter_weights,
-                         speculators=_speculators(speculators, kind or "pretrained"))
+                         speculators=_speculators(speculators, kind or "pretrained"), grammar=grammar)
     summary = RunSummary(cfg.draft_len)
     for result in run_generate(cfg, progress=not as_json, summary=summary):
         print(json.dumps(result), flush=True) if as_json else _print_human(result)

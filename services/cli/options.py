@@ -60,6 +60,14 @@ MaxTokens = Annotated[int, typer.Option(help="new tokens per request")]
 Temperature = Annotated[float, typer.Option(help="0 = greedy")]
 Seed = Annotated[int, typer.Option(help="random seed")]
 Json = Annotated[bool, typer.Option("--json", envvar="SPECLOOP_JSON", help="JSON lines on stdout")]
+JsonSchema = Annotated[Optional[str], typer.Option(
+    "--json-schema", metavar="SCHEMA|FILE", show_default=False,
+    help="every answer JSON matching this schema (its JSON text, or a file holding it), as llama.cpp's --json-schema")]
+Regex = Annotated[Optional[str], typer.Option(
+    "--regex", metavar="PATTERN", show_default=False, help="every answer matching this regular expression")]
+GrammarFile = Annotated[Optional[Path], typer.Option(
+    "--grammar-file", metavar="FILE", show_default=False,
+    help="every answer in this grammar: Lark (llguidance's dialect) or GBNF (llama.cpp's --grammar-file), converted")]
 Learner = Annotated[str, typer.Option(help="the online learner: off | kl | klrl | lk")]
 RayAddress = Annotated[Optional[str], typer.Option(help="join this Ray cluster (default: a local instance)")]
 Registry = Annotated[Optional[Path], typer.Option(
@@ -356,3 +364,64 @@ class Globals:
         help="YAML file of option defaults (keys: option long names; the command line and SPECLOOP_* "
              "environment variables take precedence)")] = None
     sources: dict = field(default_factory=dict, init=False, repr=False)
+
+
+def grammar_option(json_schema: str | None, regex: str | None, grammar_file: Path | None):
+    """--json-schema / --regex / --grammar-file as one structured-output spec (specloop.drafter.decode.grammar
+    GrammarSpec; None: none given), compiled once here: two given, a file that cannot be read, a schema that is
+    not JSON or a grammar that does not compile is a UsageError."""
+    from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check
+
+    given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar-file", grammar_file))
+             if v is not None]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)}: give one structured-output constraint")
+    if not given:
+        return None
+    if json_schema is not None:
+        spec = GrammarSpec("json_schema", _schema_text(json_schema))
+    elif regex is not None:
+        spec = GrammarSpec("regex", regex)
+    else:
+        assert grammar_file is not None
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        try:
+            spec = GrammarSpec("lark", any_to_lark(_read(grammar_file, "--grammar-file")))
+        except UsageError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the GBNF converter's own errors
+            raise UsageError(f"--grammar-file {grammar_file}: neither Lark nor GBNF that converts to it: "
+                             f"{str(exc).strip()[:300]}") from None
+    try:
+        check(spec)
+    except GrammarError as exc:
+        raise UsageError(f"{given[0]}: {exc}") from None
+    return spec
+
+
+def _schema_text(value: str) -> str:
+    """--json-schema's JSON text: the value itself where it is JSON (or looks like an object), else the file it
+    names."""
+    try:
+        schema = json.loads(value)
+    except ValueError as exc:
+        if value.lstrip().startswith("{"):
+            raise UsageError(f"--json-schema: not a JSON schema ({exc})") from None
+        try:
+            schema = json.loads(_read(Path(value), "--json-schema"))
+        except ValueError as exc:
+            raise UsageError(f"--json-schema {value}: not a JSON schema ({exc})") from None
+    if not isinstance(schema, dict):
+        raise UsageError("--json-schema: not a JSON schema (a schema is a JSON object)")
+    return json.dumps(schema)
+
+
+def _read(path: Path, flag: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{flag} {path}: not text") from None
+

@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -86,6 +87,48 @@ def test_bad_arguments_exit_with_code_2_and_a_clear_message(tiny_pair, tmp_path,
         args += ["--drafter", tiny_pair[1]]
     code, _, err = _run(args, capsys)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("flag,value,whole", [
+    ("--json-schema", json.dumps(PERSON), lambda t: set(json.loads(t)) == {"name", "n"}),
+    ("--json-schema", "FILE", lambda t: set(json.loads(t)) == {"name", "n"}),
+    ("--regex", "[a-z]{3} [0-9]{2}", lambda t: re.fullmatch("[a-z]{3} [0-9]{2}", t) is not None),
+    ("--grammar-file", 'root ::= "yes" | "no"', lambda t: t in ("yes", "no")),  # GBNF, converted
+])
+def test_generate_constrains_every_answer_and_speculation_keeps_the_verifiers_tokens(reference_pair, tmp_path, capsys,
+                                                                                   flag, value, whole):
+    v, d = reference_pair
+    if flag == "--grammar-file" or value == "FILE":
+        path = tmp_path / "constraint"
+        path.write_text(json.dumps(PERSON) if value == "FILE" else value)
+        value = path
+    common = ["generate", v, "--prompts", _prompts(tmp_path, ROWS), "--max-tokens", 40, "--json", flag, value]
+    code, ref, err = _run(common + ["--no-speculation"], capsys)
+    assert code == 0, err
+    _, spec, _ = _run(common + ["--drafter", d], capsys)
+    _, suffix, _ = _run(common + ["--drafter-kind", "suffix", "--k", 4], capsys)
+    results = [json.loads(line) for line in ref.splitlines()]
+    tokens = lambda out: [json.loads(line)["token_ids"] for line in out.splitlines()]  # noqa: E731
+    assert tokens(spec) == tokens(suffix) == [r["token_ids"] for r in results]
+    finished = [r["text"] for r in results if r["finish_reason"] == "stop"]
+    assert finished and all(whole(t) for t in finished)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--json-schema", "{not json"], "--json-schema: not a JSON schema"),
+    (["--json-schema", "/nonexistent/schema.json"], "--json-schema /nonexistent/schema.json: No such file"),
+    (["--json-schema", "[1, 2]"], "--json-schema: not a JSON schema (a schema is a JSON object)"),
+    (["--regex", "(open"], "--regex: regex"),
+    (["--grammar-file", "/nonexistent/g.lark"], "--grammar-file /nonexistent/g.lark: No such file"),
+    (["--regex", "a+", "--json-schema", "{}"], "--json-schema and --regex: give one"),
+])
+def test_a_bad_constraint_exits_with_code_2_before_any_model_loads(tmp_path, capsys, extra, message):
+    code, out, err = _run(["generate", tmp_path / "no-model", "--prompts", _prompts(tmp_path, ROWS), *extra], capsys)
+    assert code == 2 and out == "" and message in err and "Traceback" not in err
 
 
 def test_an_empty_prompt_exits_with_code_2(tiny_pair, tmp_path, capsys):
