@@ -27,10 +27,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / "shared" / "prompts"
-# (name, prompt file, temperature, batch size)
-CONDITIONS = (("chat T=0", "chat_dev.jsonl", 0.0, 1), ("chat T=1", "chat_dev.jsonl", 1.0, 1),
-              ("chat T=1.3", "chat_dev.jsonl", 1.3, 1), ("code T=0", "code_dev.jsonl", 0.0, 1),
-              ("chat T=1.3 batch 8", "chat_dev.jsonl", 1.3, 8))
+# every answer one JSON object (`specloop generate --json-schema`): structured output as users run it
+ANSWER = json.dumps({"type": "object", "properties": {"topic": {"type": "string", "maxLength": 40},
+                                                      "answer": {"type": "string", "maxLength": 300},
+                                                      "confident": {"type": "boolean"}},
+                     "required": ["topic", "answer", "confident"], "additionalProperties": False})
+# (name, prompt file, temperature, batch size, extra flags for both systems)
+CONDITIONS = (("chat T=0", "chat_dev.jsonl", 0.0, 1, ()), ("chat T=1", "chat_dev.jsonl", 1.0, 1, ()),
+              ("chat T=1.3", "chat_dev.jsonl", 1.3, 1, ()), ("code T=0", "code_dev.jsonl", 0.0, 1, ()),
+              ("chat T=1.3 batch 8", "chat_dev.jsonl", 1.3, 8, ()),
+              ("chat JSON T=0", "chat_dev.jsonl", 0.0, 1, ("--json-schema", ANSWER)))
 SYSTEMS = {"alone": ["--no-speculation"], "default": []}
 PAIR = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"  # `specloop models fetch`
 SUMMARY = re.compile(r"(\d+) prompts, (\d+) tokens in ([\d.]+)s = ([\d.]+) tokens/s")
@@ -42,11 +48,11 @@ def held_out(path: Path, n: int, into: Path) -> Path:
     return into
 
 
-def run(system: str, prompts: Path, temperature: float, batch: int, args) -> dict:
+def run(system: str, prompts: Path, temperature: float, batch: int, args, extra: tuple[str, ...] = ()) -> dict:
     cmd = [str(ROOT / ".venv" / "bin" / "specloop"), "generate", str(args.pair / "verifier"), "--drafter",
            str(args.pair / "drafter"), "--prompts", str(prompts), "--threads", str(args.threads),
            "--max-tokens", str(args.max_tokens), "--temperature", str(temperature), "--batch-size", str(batch),
-           "--seed", "0", "--json", *SYSTEMS[system]]
+           "--seed", "0", "--json", *extra, *SYSTEMS[system]]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
@@ -72,12 +78,12 @@ def main() -> None:
     wanted = {c.strip() for c in args.conditions.split(",")}
     tmp = Path(tempfile.mkdtemp(prefix="specloop-whole-"))
     results = []
-    for name, file, temperature, batch in (c for c in CONDITIONS if c[0] in wanted):
+    for name, file, temperature, batch, extra in (c for c in CONDITIONS if c[0] in wanted):
         prompts = held_out(SHARED / file, args.prompts_per_set, tmp / file)
         rounds = []
         for r in range(args.rounds):
             order = list(SYSTEMS) if r % 2 == 0 else list(reversed(SYSTEMS))
-            got = {s: run(s, prompts, temperature, batch, args) for s in order}
+            got = {s: run(s, prompts, temperature, batch, args, extra) for s in order}
             rounds.append(got)
             print(f"{name} round {r + 1}: " + "  ".join(
                 f"{s} {g['whole_tps']:.1f} tok/s whole ({g['inproc_tps']} in-process, τ {g['tau'] or 0:.2f})"
