@@ -152,12 +152,12 @@ def following_drafters(v):
 
 
 def run_engine(pair, grammars, spec, drafter, k, prompts, params=SamplingParams(max_tokens=48), grammar_drafts=True,
-               first_request=0):
+               first_request=0, backend=None):
     """(outputs, speculators of the rows' steps, steps) of one engine decoding `prompts` under `spec`."""
     v = pair[0]
     capacity = positions_needed(max(map(len, prompts)), params.max_tokens, k, 8)
     engine = Engine(v.lean, drafter, len(prompts), capacity, StopRule(frozenset([v.tokenizer.eos_token_id])),
-                    grammars=grammars, grammar_drafts=grammar_drafts)
+                    grammars=grammars, grammar_drafts=grammar_drafts, backend=backend)
     engine.admit([EngineRequest(str(i), p, params, k, first_request + i, grammar=spec) for i, p in enumerate(prompts)])
     out, speculators, steps = {}, Counter(), 0
     while engine.running:
@@ -201,6 +201,19 @@ def test_forced_drafts_keep_greedy_output_and_take_fewer_steps(pair, grammars, i
                                                              prompts, grammar_drafts=False)
             assert without == alone and speculators_off[GRAMMAR] == 0
             assert steps < steps_off, (name, k, steps, steps_off)
+
+
+def test_forced_drafts_on_the_graph_backend_keep_greedy_output(pair, grammars, monkeypatch):
+    """The GPU's step on the CPU (uncompiled): an eagle head's captured chain, forced drafts merged into its
+    proposal and verified in the fixed-width pass: the graph verifier alone's output under the grammar."""
+    monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    v = pair[0]
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
+    prompts = [chat(v.tokenizer, p) for p in PROMPTS]
+    alone, _, _ = run_engine(pair, grammars, spec, None, 0, prompts, backend="graph")
+    for k in (4, None):
+        got, speculators, _ = run_engine(pair, grammars, spec, following_drafters(v)["mix"], k, prompts, backend="graph")
+        assert got == alone and speculators[GRAMMAR] > 0, k
 
 
 def test_a_drafter_lm_is_given_no_forced_drafts(pair, grammars):
