@@ -216,6 +216,28 @@ def test_forced_drafts_on_the_graph_backend_keep_greedy_output(pair, grammars, m
         assert got == alone and speculators[GRAMMAR] > 0, k
 
 
+def test_forced_drafts_in_a_batch_mixing_grammar_and_free_rows(pair, grammars):
+    """Two requests under a grammar beside one without, in one engine with a mix drafting: every output is what that
+    request gives decoded alone by the verifier (the free row's drafts are never replaced)."""
+    v = pair[0]
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[2]))
+    prompts = [chat(v.tokenizer, p) for p in PROMPTS]
+    specs = [spec, None, spec]
+    alone = [run_engine(pair, grammars, s, None, 0, [p])[0][0] for s, p in zip(specs, prompts)]
+    params = SamplingParams(max_tokens=48)
+    engine = Engine(v.lean, following_drafters(v)["mix"], 3, positions_needed(max(map(len, prompts)), 48, None, 8),
+                    StopRule(frozenset([v.tokenizer.eos_token_id])), grammars=grammars)
+    engine.admit([EngineRequest(str(i), p, params, None, i, grammar=s) for i, (p, s) in enumerate(zip(prompts, specs))])
+    out, speculators = {}, Counter()
+    while engine.running:
+        for u in engine.step():
+            speculators[(u.id, u.speculator)] += 1
+            if u.generation is not None:
+                out[u.id] = u.generation.token_ids
+    assert [out[str(i)] for i in range(3)] == alone
+    assert speculators[("0", GRAMMAR)] + speculators[("2", GRAMMAR)] > 0 and speculators[("1", GRAMMAR)] == 0
+
+
 def test_a_drafter_lm_is_given_no_forced_drafts(pair, grammars):
     """A drafter LM's cache holds what it drafted: the grammar does not draft for its rows."""
     v, d = pair
