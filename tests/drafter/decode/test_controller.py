@@ -451,14 +451,16 @@ def test_lookups_that_earn_nothing_back_off_and_one_that_earns_brings_the_next_a
     assert c.lookup_due() and c.lookup_due()  # after one that earned: every step
 
 
-def test_a_lookup_that_verified_nothing_waits_one_step():
-    """No draft matched (or the gate cut them all): it cost the lookup alone, so the next comes soon."""
+def test_lookups_that_verified_nothing_back_off_too():
+    """No draft matched (or the gate cut them all): the matching still costs, so such lookups back off as those
+    whose drafts were rejected (every other step before)."""
     c, pattern = Controller(ControllerConfig(lookup_backoff=4)), []
-    for _ in range(8):
+    for _ in range(12):
         due = c.lookup_due()
         pattern.append(due)
         c.observe(StepSample(1, 0, 0.0, 0.01, 0.0, lookup=due))
-    assert pattern == [True, False] * 4 and c.lookup_misses == 0
+    assert pattern == [True, False, True, False, False, False, True, False, False, False, False, True]
+    assert c.lookup_misses == 4
 
 
 def test_a_long_sure_draft_is_cut_where_that_speculators_drafts_stop_being_accepted():
