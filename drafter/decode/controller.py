@@ -60,9 +60,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
   spent by then and does not enter. Where asking costs little (drafting per token ≤ `cheap_draft` of a
   plain pass: a lookup), probes keep the shortest interval.
-- Free drafts (specloop.drafter.decode.engine: a lookup on a step left plain): one whose verified drafts earned no token
-  makes the next wait 1, then 3, then `lookup_backoff` steps; one that verified nothing (no match, or all
-  cut) waits one step; one that earned a token brings the next at once. Rows a free speculator drafted
+- Free drafts (specloop.drafter.decode.engine: a lookup on a step left plain): one whose drafts earned no token
+  (rejected, or all cut by the gate) makes the next wait 1, then 3, then `lookup_backoff` steps; one that matched
+  nothing waits one step; one that earned a token brings the next at once. Rows a free speculator drafted
   (a mix's suffix member) teach the calibration, never the acceptance k is chosen by: that prices the
   drafter that costs a pass.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
@@ -409,6 +409,8 @@ class StepSample:
     #                           (suffix) may draft less, and the verify pass covers only what it drafted
     confident: tuple[Confident, ...] = ()  # every row whose draft carried confidence (plain tuples are read as one)
     lookup: bool = False  # the drafts were free ones on a step left plain (decode.engine `lookup`): no drafting cost
+    cut: bool = False  # a lookup whose drafts were all cut before the verify pass (its gate: their confidence did
+    #                    not pay), as against one that matched nothing
 
     @property
     def drafting(self) -> int:
@@ -451,8 +453,8 @@ class Controller:
             if row.drafted:
                 self.depth(row.source).observe(row.drafted, row.accepted)
         if step.lookup:
-            self._looked_up(any(row.accepted for row in rows))
-        if step.drafting:
+            self._looked_up(any(row.accepted for row in rows), bool(rows) or step.cut)
+        if step.drafting and not step.lookup:  # a lookup's free drafts say nothing of what asking k earns
             self._cached = None
         self._age += 1  # another observed step since the last evaluation
 
@@ -466,14 +468,18 @@ class Controller:
         self.interval = self.cfg.explore_min
         self._cached = None
 
-    def _looked_up(self, earned: bool) -> None:
-        """After a lookup: the next one comes at once if this one earned a token; after 1, 3, ... steps (at most
-        `lookup_backoff`) while lookups keep earning nothing, so that where the free drafts never pay they cost
-        next to nothing. A lookup that verified nothing (no draft matched, or the gate cut them all) counts as
-        one that earned nothing: its matching is not free (on the fetched pair at T = 1, where every other step
-        was such a lookup, 0.17 ms of a 4 ms step: bench/README section 32)."""
+    def _looked_up(self, earned: bool, tried: bool) -> None:
+        """After a lookup: the next one comes at once if this one earned a token; after one step if nothing
+        matched (in grounded text a copy starts anywhere: the next match is looked for soon); after 1, 3, ...
+        steps (at most `lookup_backoff`) while lookups that found drafts (`tried`: verified, or all cut by the
+        gate) keep earning nothing, so that where free drafts never pay they cost next to nothing: a gate that
+        cuts every draft is not free either (at T = 1 on the fetched pair every other step was such a lookup,
+        0.17 ms of a 4 ms step: bench/README section 32)."""
         if earned:
             self.lookup_misses = self.lookup_wait = 0
+            return
+        if not tried:
+            self.lookup_wait = 1
             return
         self.lookup_misses = min(self.lookup_misses + 1, 16)
         self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff)
@@ -498,7 +504,8 @@ class Controller:
     def _evaluate(self, batch: Batch) -> Evaluation:
         """What the choice rests on, reused until `refresh` steps of the same batch were observed since, or a step
         drafted (what the reuse can miss, plain steps' costs, moves slowly; drafting steps bring new acceptance and
-        shapes): a step nothing observes (`Choice.timed`) changes no estimate, and costs no evaluation."""
+        shapes; a lookup's free drafts do not: the drafter was not asked): a step nothing observes (`Choice.timed`)
+        changes no estimate, and costs no evaluation."""
         if self._cached is not None and self._cached[0] == batch and self._age < self.cfg.refresh:
             return self._cached[1]
         rates, b = self.rates(batch), bucket(batch.rows)

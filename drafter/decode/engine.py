@@ -522,7 +522,7 @@ class Engine:
             return updates
         rest = self.timing.total_s - draft_s - verify_s - resync_s - timing.trace_s
         self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s, rest, blocks,
-                                           resync_s, plan.k, confident, plan.lookup))
+                                           resync_s, plan.k, confident, plan.lookup, lookup_cut(plan, outcome)))
         return updates
 
     def _lookup(self, choice: Choice | None, rows: list, live: list[int], forced: bool) -> int:
@@ -631,6 +631,12 @@ class Engine:
         if done:
             self._leave(s)
         return update
+
+
+def lookup_cut(plan: StepPlan, outcome: BlockOutcome) -> bool:
+    """Whether a lookup step found drafts and cut every one before the verify pass (the gate, or a grammar: each
+    row's length 0, so its verdict covers `last` alone), as against one that matched nothing (no lengths)."""
+    return plan.lookup and outcome.tokens.shape[1] == 1 and outcome.drafted is not None
 
 
 def generate(

@@ -538,3 +538,19 @@ def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
         assert int(engine.cache.lens[0]) <= capacity
     assert got == want
     assert max(ks) > controller.cfg.k_max and max(ks) <= controller.cfg.lookup_max
+
+
+def test_a_lookup_whose_drafts_were_all_cut_is_told_apart_from_one_that_matched_nothing():
+    """The controller backs lookups off after drafts that earned nothing, cut ones included, but looks again one
+    step after a lookup that matched nothing (decode.controller `_looked_up`): the engine tells the two apart."""
+    from specloop.drafter.decode.engine import lookup_cut
+    from specloop.drafter.decode.rejection import BlockOutcome
+
+    plan = StepPlan(torch.tensor([True, True]), 16, SamplingParams(), lookup=True)
+    last_only = torch.tensor([[5], [6]])
+    none = torch.zeros(2, dtype=torch.long)
+    assert lookup_cut(plan, BlockOutcome(last_only, none, drafted=torch.zeros(2, dtype=torch.long)))  # all cut
+    assert not lookup_cut(plan, BlockOutcome(last_only, none))  # nothing matched: no lengths at all
+    verified = BlockOutcome(torch.tensor([[5, 7], [6, 8]]), none, drafted=torch.tensor([1, 0]))
+    assert not lookup_cut(plan, verified)  # a draft was verified: its verdict says what it earned
+    assert not lookup_cut(StepPlan(plan.active, 0, SamplingParams()), BlockOutcome(last_only, none))  # not a lookup
