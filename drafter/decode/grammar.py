@@ -70,6 +70,17 @@ def grammar_text(spec: GrammarSpec) -> str:
         raise GrammarError(f"{spec.kind}: {str(exc)[:300]}") from None
 
 
+def lark_from(text: str) -> str:
+    """A grammar as llguidance's Lark dialect: Lark as given, or GBNF (llama.cpp's) converted; GrammarError where it
+    is neither (the API's `guided_grammar` and `specloop generate --grammar-file` read grammars so)."""
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        return any_to_lark(text)
+    except Exception as exc:  # noqa: BLE001 - the GBNF converter's own errors
+        raise GrammarError(f"neither Lark nor GBNF that converts to it: {str(exc).strip()}") from None
+
+
 def choice_lark(choices: list[str]) -> str:
     """The Lark grammar of a choice of strings."""
     return "start: " + " | ".join(json.dumps(c) for c in choices)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from llguidance.gbnf_to_lark import any_to_lark
-
-from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check
+from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check, lark_from
 from specloop.services.api.schemas import invalid
 
 MAX_GUIDED_CHARS = 64 * 1024  # characters of one schema (as JSON text), pattern, grammar or choice list
@@ -159,10 +157,9 @@ def lark_spec(grammar: Any, param: str) -> dict:
         raise invalid(f"{param} must be a non-empty grammar (Lark, or GBNF)", param)
     _bound(grammar, param)
     try:
-        lark = any_to_lark(grammar)
-    except Exception as exc:  # the GBNF converter's own errors
-        raise invalid(f"{param}: the grammar is neither Lark nor GBNF that converts to it: {_short(exc)}",
-                      param) from None
+        lark = lark_from(grammar)
+    except GrammarError as exc:
+        raise invalid(f"{param}: the grammar is {_short(exc)}", param) from None
     return checked("lark", lark, param, "grammar")
 
 

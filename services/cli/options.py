@@ -370,7 +370,7 @@ def grammar_option(json_schema: str | None, regex: str | None, grammar_file: Pat
     """--json-schema / --regex / --grammar-file as one structured-output spec (specloop.drafter.decode.grammar
     GrammarSpec; None: none given), compiled once here: two given, a file that cannot be read, a schema that is
     not JSON or a grammar that does not compile is a UsageError."""
-    from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check
+    from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check, lark_from
 
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar-file", grammar_file))
              if v is not None]
@@ -378,22 +378,14 @@ def grammar_option(json_schema: str | None, regex: str | None, grammar_file: Pat
         raise UsageError(f"{' and '.join(given)}: give one structured-output constraint")
     if not given:
         return None
-    if json_schema is not None:
-        spec = GrammarSpec("json_schema", _schema_text(json_schema))
-    elif regex is not None:
-        spec = GrammarSpec("regex", regex)
-    else:
-        assert grammar_file is not None
-        from llguidance.gbnf_to_lark import any_to_lark
-
-        try:
-            spec = GrammarSpec("lark", any_to_lark(_read(grammar_file, "--grammar-file")))
-        except UsageError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the GBNF converter's own errors
-            raise UsageError(f"--grammar-file {grammar_file}: neither Lark nor GBNF that converts to it: "
-                             f"{str(exc).strip()[:300]}") from None
     try:
+        if json_schema is not None:
+            spec = GrammarSpec("json_schema", _schema_text(json_schema))
+        elif regex is not None:
+            spec = GrammarSpec("regex", regex)
+        else:
+            assert grammar_file is not None
+            spec = GrammarSpec("lark", lark_from(_read(grammar_file, "--grammar-file")))
         check(spec)
     except GrammarError as exc:
         raise UsageError(f"{given[0]}: {exc}") from None

@@ -131,6 +131,14 @@ def test_a_bad_constraint_exits_with_code_2_before_any_model_loads(tmp_path, cap
     assert code == 2 and out == "" and message in err and "Traceback" not in err
 
 
+def test_a_grammar_file_neither_lark_nor_gbnf_exits_with_code_2(tmp_path, capsys):
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text('root ::= ( "a" | ')
+    code, out, err = _run(["generate", tmp_path / "no-model", "--prompts", _prompts(tmp_path, ROWS),
+                           "--grammar-file", bad], capsys)
+    assert code == 2 and out == "" and "--grammar-file: neither Lark nor GBNF" in err and "Traceback" not in err
+
+
 def test_an_empty_prompt_exits_with_code_2(tiny_pair, tmp_path, capsys):
     f = _prompts(tmp_path, [{"id": "x", "prompt": ""}])
     code, _, err = _run(["generate", "--verifier", tiny_pair[0], "--drafter-kind", "ngram", "--prompts", f], capsys)
