@@ -9,8 +9,11 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
 - kernels (batch 1 and the largest batch): the compiled step launched kernel by kernel under torch.profiler:
   kernels per step and per layer, device µs by kind (GEMMs, attention, copies, fused pointwise) and the top
   kernels, the GEMMs' bytes per second: where a layer's ~90 µs go (section 25: ~30 µs of it its weights);
+- products (W rows and W · the largest batch): each weight product of a layer and the head, cuBLAS against
+  the skinny Triton product (drafter/model/skinny_linear.py) at its own tiling and a sweep around it, µs and
+  bytes/s, each in a CUDA graph over weights L2 cannot hold; the fastest tilings go to <out>.tiles.json;
 - paths (batch 1 and the largest batch): the step run the other ways (PATHS: cudagraph trees, other attentions,
-  tuned GEMMs) beside the default;
+  tuned GEMMs, the skinny products at their own and at section products' fastest tilings) beside the default;
 - long (batch 1): the same cached tokens in a pool of --long-capacity positions (4,096), each attention of LONG:
   what a server sized for long requests costs a short row (the torch and sdpa attentions read the whole
   capacity, the Triton kernel a row's own keys);
@@ -31,7 +34,9 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
   eagle (untrained head: cost only) drafters at k = auto and k = 4 on the graph backend: tokens/s
   (median over alternating rounds after a warm-up pass that compiles; a k-auto system keeps one controller
   over all of them, as a server's engine does: --fresh-controllers for one per batch), τ = 1 + accepted / blocks, and
-  greedy output identical to the graph verifier alone (prompts identical on every pass / prompts).
+  greedy output identical to the graph verifier alone (prompts identical on every pass / prompts); on a GPU also
+  the verifier alone, n-gram k = 4 and the served default with the skinny products, each against the
+  verifier alone on that path.
   Prompts: the first 8 of chat_dev.jsonl and of code_dev.jsonl whose engines share one pool shape
   (`one_pool`; --any-length: the first 8 whatever their length, one compile per pool shape).
 
@@ -72,7 +77,8 @@ from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least
-SECTIONS = ("steps", "kernels", "pair", "paths", "long", "batches", "inexact", "drafter", "verify", "compile", "anchor")
+SECTIONS = ("steps", "kernels", "pair", "products", "paths", "long", "batches", "inexact", "drafter", "verify",
+            "compile", "anchor")
 # the step's other ways of running (section paths), each against the default (direct CUDA graphs, torch's
 # attention): as environment settings read when a GraphDecoder is built
 PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
@@ -83,6 +89,13 @@ PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": 
          "direct-flex": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "flex"},  # flex decoding's split keys
          # each row's own keys, split across programs (one program per row and KV head lost on an H200)
          "direct-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "triton"},
+         # the weight products through drafter/model/skinny_linear.py's kernel: its own tiling, the fastest tiling
+         # section products timed (TILES_FROM_PRODUCTS: filled in at run time), and with the Triton attention
+         "direct-skinny": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_LINEAR": "skinny"},
+         "direct-skinny-tuned": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_LINEAR": "skinny",
+                                 "SPECLOOP_SKINNY_TILES": "TILES_FROM_PRODUCTS"},
+         "direct-skinny-triton": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_LINEAR": "skinny",
+                                  "SPECLOOP_ATTENTION": "triton"},
          "direct-autotune": {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_AUTOTUNE": "1"}}  # slow to compile: last
 # section long: the attentions whose cost may grow with the pool's capacity (torch, sdpa: the whole capacity,
 # masked; flex: every block, masked) against one that reads each row's own keys (triton)
@@ -141,6 +154,8 @@ class Plan:
     compiled: bool = True  # SPECLOOP_COMPILE=0: the static step runs uncompiled
     compile_guess_s: float = 60.0  # a first compile's cost before one was seen
     paths: tuple[str, ...] = tuple(PATHS)  # sections paths and long: the step's other ways run (--paths)
+    tiles: Path | None = None  # section products' fastest tilings (JSON), which path direct-skinny-tuned runs
+    product_replays: int = 20  # section products: products a CUDA graph holds, back to back
 
     @property
     def capacity(self) -> int:
@@ -678,13 +693,117 @@ def paths_section(models: Models) -> None:
     p = models.plan
     for name, bench, res in models.each():
         for label, env in ((k, v) for k, v in PATHS.items() if k in p.paths):
-            if env.get("SPECLOOP_ATTENTION") == "triton" and not p.cuda:  # the kernel runs interpreted in tests only
-                res[f"{label}"] = "skipped: the Triton kernel needs a GPU here"
+            why = path_missing(env, p)
+            if why:
+                res[f"{label}"] = f"skipped: {why}"
                 continue
+            env = env | ({"SPECLOOP_SKINNY_TILES": str(p.tiles)} if "SPECLOOP_SKINNY_TILES" in env else {})
             for b in sorted({1, max(p.batches)}):
                 with scoped_env(env):
                     attempt(res, f"graph_w{p.width}_b{b}_{label}", models.budget, bench.need(),
                             lambda: bench.graph_step(b, p.width, path=f"graph-{label}"), models.report)
+
+
+def path_missing(env: dict[str, str], p: Plan) -> str | None:
+    """Why a path of PATHS cannot run here (None: it can)."""
+    if not p.cuda and (env.get("SPECLOOP_ATTENTION") == "triton" or env.get("SPECLOOP_LINEAR") == "skinny"):
+        return "the Triton kernels need a GPU here (they run interpreted in tests only)"
+    if "SPECLOOP_SKINNY_TILES" in env and not (p.tiles and p.tiles.exists()):
+        return "no tilings: section products did not run before it"
+    return None
+
+
+def products_section(models: Models) -> None:
+    """Each model's weight products (layer 0's qkv, o, gate-up and down, and the head) at M = W rows (batch 1) and
+    W · the largest batch: cuBLAS (F.linear, the default step's) against the skinny kernel
+    (drafter/model/skinny_linear.py) at its own tiling and at the tilings of `sweep_tilings`, µs a product and
+    bytes/s, each timed as one CUDA graph of `product_replays` products back to back over as many copies of the
+    weight as keep them out of L2 (launches excluded, as in a captured step). The fastest tiling of each shape
+    goes to plan.tiles, which path direct-skinny-tuned runs (SPECLOOP_SKINNY_TILES)."""
+    p = models.plan
+    tiles: dict[str, list[int]] = json.loads(p.tiles.read_text()) if p.tiles and p.tiles.exists() else {}
+    for name, bench, res in models.each():
+        out = res.setdefault("products", {})
+        for label, weight in product_weights(bench.lean):
+            for rows in sorted({p.width, p.width * max(p.batches)}):
+                key = f"{rows},{weight.shape[0]},{weight.shape[1]}"
+                timed = attempt(out, f"{label}_m{rows}", models.budget, 5.0,
+                                lambda: time_product(weight, rows, p, models.clock), models.report)
+                if isinstance(timed, dict) and timed.get("best_tiling"):
+                    tiles[key] = timed["best_tiling"]
+                    if p.tiles:
+                        p.tiles.write_text(json.dumps(tiles, indent=1) + "\n")
+                if isinstance(timed, dict):
+                    models.budget.say(f"{name} {label} M={rows}: cuBLAS {timed['cublas_us']:.1f} µs, skinny "
+                                      f"{_s(timed.get('skinny_us'))} µs, best {_s(timed.get('best_us'))} µs "
+                                      f"{timed.get('best_tiling')}")
+
+
+def product_weights(lean) -> list[tuple[str, torch.Tensor]]:
+    from specloop.drafter.model.graph import _float_weight
+
+    layer = lean.layers[0]
+    return [(n, _float_weight(getattr(layer, n))[0]) for n in ("qkv", "o", "gate_up", "down")] + [
+        ("head", _float_weight(lean.lm_head)[0])]
+
+
+def sweep_tilings(m: int, n: int, k: int, sms: int) -> list:
+    """The skinny kernel's own tiling, and around it: 32-128 outputs and 64-256 inputs a tile, half and twice
+    the split (each an exact tiling: the split stays a function of the shapes)."""
+    from specloop.drafter.model import skinny_linear as sl
+
+    own = sl.tiling(m, n, k, sms)
+    found = {own}
+    for block_n in (32, 64, 128):
+        for block_k in (64, 128, 256):
+            base = sl.tiling(m, n, k, sms, block_n=block_n, block_k=block_k).split
+            for split in {max(1, base // 2), base, base * 2}:
+                found.add(sl.ranges(m, k, block_n, block_k, split, 4, 4))
+    return [own] + sorted(found - {own}, key=lambda t: (t.block_n, t.block_k, t.split))
+
+
+def time_product(weight: torch.Tensor, rows: int, p: Plan, clock: Clock) -> dict:
+    """µs of one [rows, K] × weightᵀ product: F.linear, then (on a GPU) the skinny kernel at each tiling."""
+    import torch.nn.functional as F
+
+    from specloop.drafter.model import skinny_linear as sl
+
+    n, k = weight.shape
+    nbytes = weight.numel() * weight.element_size()
+    copies = [weight] + [weight.clone() for _ in range(max(0, -(-(200 << 20) // nbytes) - 1))] if p.cuda else [weight]
+    x = torch.randn(rows, k, device=p.device, dtype=weight.dtype)
+    cublas = _product_us(lambda w: F.linear(x, w), copies, p, clock)
+    out = {"rows": rows, "n": n, "k": k, "weight_bytes": nbytes, "cublas_us": cublas,
+           "cublas_bytes_per_s": nbytes / cublas * 1e6}
+    if not (sl.available() and (p.cuda or os.environ.get("TRITON_INTERPRET") == "1")):  # interpreted: the code path
+        return out | {"skinny": "needs a GPU"}
+    expected = F.linear(x, weight).float()
+    tried = []
+    for t in sweep_tilings(rows, n, k, sl.sm_count(str(p.device))):
+        err = (sl.skinny_linear(x, weight, tiles=t).float() - expected).abs().max().item()
+        us = _product_us(lambda w, t=t: sl.skinny_linear(x, w, tiles=t), copies, p, clock)
+        tried.append({"tiling": [t.block_n, t.block_k, t.split, t.warps, t.stages], "us": us,
+                      "bytes_per_s": nbytes / us * 1e6, "max_abs_diff_vs_cublas": err})
+    best = min(tried, key=lambda r: r["us"])
+    del copies
+    return out | {"skinny_us": tried[0]["us"], "skinny_bytes_per_s": tried[0]["bytes_per_s"], "tilings": tried,
+                  "best_us": best["us"], "best_tiling": best["tiling"], "best_bytes_per_s": best["bytes_per_s"]}
+
+
+def _product_us(fn, copies: list[torch.Tensor], p: Plan, clock: Clock) -> float:
+    """Median µs of one product: a CUDA graph of p.product_replays calls, weights taken in turn from
+    `copies` (so that L2 holds none of them), replayed p.repeats times; on the CPU, calls one by one."""
+    fn(copies[0])
+    if not p.cuda:
+        return statistics.median(clock.ms(lambda: fn(copies[0]), p.repeats, 1)) * 1e3
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(p.product_replays):
+            fn(copies[i % len(copies)])
+    per = statistics.median(clock.ms(graph.replay, p.repeats, 2)) * 1e3 / p.product_replays
+    del graph
+    return per
 
 
 def long_section(models: Models) -> None:
@@ -693,8 +812,9 @@ def long_section(models: Models) -> None:
     p = models.plan
     for name, bench, res in models.each():
         for label in (x for x in LONG if x == "direct-torch" or x in p.paths):
-            if label == "direct-triton" and not p.cuda:  # the kernel runs interpreted in tests only
-                res[f"{label}_c{p.long_capacity}"] = "skipped: the Triton kernel needs a GPU here"
+            why = path_missing(PATHS.get(label, {}), p)
+            if why:
+                res[f"{label}_c{p.long_capacity}"] = f"skipped: {why}"
                 continue
             with scoped_env(PATHS.get(label, {"SPECLOOP_CUDA_GRAPHS": "direct", "SPECLOOP_ATTENTION": "torch"})):
                 attempt(res, f"graph_w{p.width}_b1_{label}_c{p.long_capacity}", models.budget, bench.need(),
@@ -775,6 +895,7 @@ class System:
     first_pass_s: float | None = None
     error: str | None = None  # a failed build or run: the system sits out the passes after
     env: dict[str, str] = field(default_factory=dict)  # the step's path (PATHS) where not the default
+    reference: str = "alone-graph"  # the system whose outputs this one's must equal (the verifier alone, same path)
     split: list[dict] = field(default_factory=list)  # per pass: seconds in admissions (prefills), in steps, the rest
     controller: object = None  # k auto: one controller over every pass, as a server's engine keeps one (None: a new
     #                            one per batch, --fresh-controllers)
@@ -801,7 +922,22 @@ def build_systems(verifier, models: Path, eagle_head: Path | None = None) -> lis
             drafter, error = None, f"build: {type(exc).__name__}: {str(exc)[:500]}"
         for suffix, k in (("auto", None),) if beside else (("auto", None), ("k4", 4)):
             systems.append(System(f"{kind}-{suffix}", drafter, k, "graph", note, error=error))
-    return systems
+    return systems + skinny_systems(systems)
+
+
+def skinny_systems(systems: list[System]) -> list[System]:
+    """The verifier alone, n-gram k = 4 and the served default with the step's products through the skinny kernel
+    (path direct-skinny), each compared with the verifier alone on that path (its own rounding): on a GPU only."""
+    if not torch.cuda.is_available():
+        return []
+    env = PATHS["direct-skinny"]
+    out = [System("alone-skinny", None, 0, "graph", "products through the skinny kernel", env=env,
+                  reference="alone-skinny")]
+    for s in systems:
+        if s.name in ("ngram-k4", "eagle+suffix-auto"):
+            out.append(System(f"{s.name}-skinny", s.drafter, s.k, "graph", s.note, error=s.error, env=env,
+                              reference="alone-skinny"))
+    return out
 
 
 def pair_section(plan: Plan, args, report: Report, budget: Budget, clock: Clock) -> None:
@@ -860,8 +996,10 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
     from specloop.drafter.decode.engine import generate
 
     systems = build_systems(verifier, args.models, args.eagle_head)
-    if args.systems:  # alone-graph stays: the reference every other system is compared with
-        systems = [s for s in systems if s.name == "alone-graph" or s.name in args.systems.split(",")]
+    if args.systems:  # the references stay: alone-graph and the alone of every path kept
+        wanted = set(args.systems.split(","))
+        kept = {s.reference for s in systems if s.name in wanted} | {"alone-graph"}
+        systems = [s for s in systems if s.name in wanted | kept]
     for system in systems:  # a server's engine keeps its controller; generate() per batch would start a new one
         system.controller = None if args.fresh_controllers or system.k is not None else Controller()
 
@@ -875,7 +1013,8 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
         system.split.append(split)
         return gens, time.perf_counter() - t0
 
-    reference, passes = None, []
+    references: dict[str, list[list[int]]] = {}  # the verifier alone's outputs on each path (System.reference)
+    passes = []
     for r in range(1 + plan.rounds):  # pass 0: every pool shape's compile, the reference outputs, τ
         if r and not budget.allows(min(passes)):  # a timed pass costs about the fastest one so far
             budget.say(f"pair batch {batch}: round {r} skipped (budget)")
@@ -891,8 +1030,9 @@ def pair_batch(verifier, prompts, batch: int, params, rule, plan: Plan, args, bu
                 budget.say(f"pair batch {batch} {system.name}: FAILED {system.error[:300]}")
                 traceback.print_exc()
                 continue
-            if system.name == "alone-graph" and reference is None:
-                reference = [g.token_ids for g in gens]
+            if system.name == system.reference and system.name not in references:
+                references[system.name] = [g.token_ids for g in gens]
+            reference = references.get(system.reference)
             same = [reference is not None and g.token_ids == ref for g, ref in zip(gens, reference or gens)]
             system.identical = same if not system.identical else [a and b for a, b in zip(system.identical, same)]
             if r == 0:
@@ -999,6 +1139,7 @@ def pair_rows(systems: list[System], batch: int, passes: list[float], budget: Bu
             "tokens_per_s_rounds": s.rates,
             "x_alone_graph": _median([a / b for a, b in zip(s.rates, base)]) if len(s.rates) == len(base) else None,
             "tau": s.tau, "identical_to_graph_alone": f"{sum(s.identical)}/{len(s.identical)}",
+            "identical_to": s.reference,
             "first_pass_s": s.first_pass_s,
             "drafter_lm_graph_calls": lean.graph_calls if isinstance(lean, GraphDecoder) else None,
             "split_per_pass": s.split,  # admit (prefills) / step / other seconds, the k chosen: every pass, warm-up first
@@ -1211,6 +1352,7 @@ def make_plan(args) -> Plan:
         if getattr(args, key) is not None:
             setattr(plan, key, getattr(args, key))
     plan.one_pool = not args.any_length
+    plan.tiles = args.out.with_suffix(".tiles.json")
     if args.paths:
         unknown = [p for p in args.paths.split(",") if p not in PATHS]
         if unknown:
@@ -1270,6 +1412,7 @@ def main() -> None:
     models = Models(plan, report, budget, clock)
     run = {"steps": steps_section, "kernels": kernels_section, "batches": batches_section, "drafter": drafter_section,
            "verify": verify_section, "compile": compile_section, "inexact": inexact_section, "paths": paths_section,
+           "products": products_section,
            "long": long_section,
            "pair": lambda _: pair_section(plan, args, report, budget, clock),
            "anchor": lambda m: (m.free(), anchor_section(plan, report, budget, clock, m.compiles))}

@@ -35,7 +35,7 @@ from typing import Callable, Literal, overload
 import torch
 import torch.nn.functional as F
 
-from specloop.drafter.model import decode_attention
+from specloop.drafter.model import decode_attention, skinny_linear
 from specloop.drafter.model.attention import KEY_BLOCK, _round_up
 from specloop.drafter.model.decoder import ForwardOut
 from specloop.drafter.model.kv_cache import KVCache, PromptFeatures, copy_positions
@@ -46,6 +46,7 @@ BACKENDS = ("auto", "eager", "graph")
 PREFILL_CHUNK = 64  # a prompt's prefill on a GPU: chunks of this many tokens, each one replay of a 1-row step
 PREFILLS = ("auto", "eager", "graph")  # SPECLOOP_PREFILL: auto = graph where the steps replay captured graphs
 ATTENTIONS = ("auto", "torch", "triton", "flex", "sdpa")
+LINEARS = ("auto", "torch", "skinny")  # SPECLOOP_LINEAR
 
 
 def resolve_attention(device: torch.device) -> str:
@@ -74,6 +75,21 @@ def resolve_attention(device: torch.device) -> str:
     if not decode_attention.available():
         raise ValueError("SPECLOOP_ATTENTION=triton: triton does not import here")
     return "triton"
+
+
+def resolve_linear() -> str:
+    """The step's weight products: "torch" (F.linear: cuBLAS on a GPU; the default, auto) or "skinny"
+    (SPECLOOP_LINEAR=skinny: specloop.drafter.model.skinny_linear's Triton kernel for products of at most
+    skinny_linear.MAX_ROWS rows, a fixed split of K over enough programs to stream the weights; exact by
+    construction; not yet measured on a GPU: bench/gpu.py's path direct-skinny and section products)."""
+    wanted = os.environ.get("SPECLOOP_LINEAR", "auto")
+    if wanted not in LINEARS:
+        raise ValueError(f"SPECLOOP_LINEAR must be one of {', '.join(LINEARS)}, got {wanted!r}")
+    if wanted != "skinny":
+        return "torch"
+    if not skinny_linear.available():
+        raise ValueError("SPECLOOP_LINEAR=skinny: triton does not import here")
+    return "skinny"
 
 
 def resolve_backend(backend: str | None, device: torch.device) -> str:
@@ -131,6 +147,9 @@ class StaticModel(torch.nn.Module):
         self.attention = resolve_attention(lean.device)  # a constant of the traced step
         if self.attention == "triton":
             decode_attention.build()  # the kernel's op, before any trace sees it
+        self.linear = resolve_linear()  # a constant of the traced step, as the attention
+        if self.linear == "skinny":
+            skinny_linear.build()
         head, head_bias = _float_weight(lean.lm_head)
         self._put("embed", lean.embed)
         self._put("final_norm", lean.final_norm)
@@ -205,7 +224,7 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     if last_only:
         x = x[torch.arange(S, device=dev), (n_new - 1).clamp(min=0)][:, None]  # [S, 1, hidden]
     x = F.rms_norm(x, (m.hidden_size,), m.final_norm, m.eps)
-    logits = F.linear(x, m.lm_head, m.lm_head_bias)
+    logits = _linear(m, x, m.lm_head, m.lm_head_bias)
     if m.vocab_ids is not None:  # FR-Spec: the head holds the draft vocabulary's rows only
         full = logits.new_full((*logits.shape[:-1], m.vocab_size), float("-inf"))
         logits = full.index_copy(-1, m.vocab_ids, logits)
@@ -216,7 +235,7 @@ def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_
     S, W, _ = x.shape
     H, Hkv, D = m.n_heads, m.n_kv, m.head_dim
     h = F.rms_norm(x, (m.hidden_size,), m.w(i, "in_norm"), m.eps)
-    q, k, v = F.linear(h, m.w(i, "qkv"), m.w(i, "qkv_bias")).split((H * D, Hkv * D, Hkv * D), dim=-1)
+    q, k, v = _linear(m, h, m.w(i, "qkv"), m.w(i, "qkv_bias")).split((H * D, Hkv * D, Hkv * D), dim=-1)
     q, k, v = q.view(S, W, H, D), k.view(S, W, Hkv, D), v.view(S, W, Hkv, D)
     if m.w(i, "q_norm") is not None:  # Qwen3: per-head RMSNorm of queries and keys
         q = F.rms_norm(q, (D,), m.w(i, "q_norm"), m.eps)
@@ -232,12 +251,20 @@ def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_
         att = _sdpa_attend(q, kc, vc, visible, m.scaling)
     else:  # visible: the queries' positions [S, W]
         att = decode_attention.decode_attention(q, kc, vc, visible, m.scaling)
-    x = x + F.linear(att.to(x.dtype), m.w(i, "o"))
+    x = x + _linear(m, att.to(x.dtype), m.w(i, "o"))
     h = F.rms_norm(x, (m.hidden_size,), m.w(i, "post_norm"), m.eps)
-    gate, up = F.linear(h, m.w(i, "gate_up")).chunk(2, dim=-1)
+    gate, up = _linear(m, h, m.w(i, "gate_up")).chunk(2, dim=-1)
     if up_bias is not None:
         up = up + up_bias[:, None]
-    return x + F.linear(F.silu(gate) * up, m.w(i, "down"))
+    return x + _linear(m, F.silu(gate) * up, m.w(i, "down"))
+
+
+def _linear(m: StaticModel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A weight product of the step: the skinny kernel where the step chose it and the product's shape fits
+    (`skinny_linear.fits`: a decision of shapes, the same on every replay), else F.linear."""
+    if m.linear == "skinny" and skinny_linear.fits(x, weight):
+        return skinny_linear.skinny_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -749,7 +776,7 @@ def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True
         return lean
     graphs = lean.__dict__.setdefault("_graph_decoders", {})
     tuned = os.environ.get("SPECLOOP_AUTOTUNE") == "1"
-    key = (slots, width, compiled, capture_mode(), resolve_attention(lean.device), tuned)  # the env's choices
+    key = (slots, width, compiled, capture_mode(), resolve_attention(lean.device), resolve_linear(), tuned)  # the env's
     if key not in graphs:
         graphs[key] = GraphDecoder(lean, slots, width, compiled)
     return graphs[key]

@@ -30,11 +30,6 @@ def uncompiled(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_verifier(tiny_pair):
-    return load_model(tiny_pair[0])
-
-
-@pytest.fixture(scope="module")
 def reference_bf16(reference_pair):
     """The reference verifier served in bf16 (where a width-dependent product would show)."""
     return load_model(reference_pair[0], dtype=torch.bfloat16)
