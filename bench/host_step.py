@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from bench.runs import add_compare, labelled_runs  # noqa: E402
 from specloop.drafter.kinds import eagle  # noqa: E402
 from specloop.drafter.model import graph  # noqa: E402
-from specloop.drafter.model.graph import GraphDecoder, capture_mode, resolve_attention  # noqa: E402
+from specloop.drafter.model.graph import GraphDecoder, decoder_key  # noqa: E402
 from specloop.drafter.model.weights.linears import Dense  # noqa: E402
 
 # the step's outputs as this checkout's static_forward returns them (an earlier commit's had no argmax: the same
@@ -81,8 +81,7 @@ def stub_graphs(lean, slots: int, width: int) -> GraphDecoder:
     compiled off), replaying `StubStep` as a captured graph would."""
     dec = GraphDecoder(lean, slots, width, compiled=False, direct=True)
     dec.step_fn = StubStep(lean)
-    key = (slots, width, False, capture_mode(), resolve_attention(lean.device), False)
-    lean.__dict__.setdefault("_graph_decoders", {})[key] = dec
+    lean.__dict__.setdefault("_graph_decoders", {})[decoder_key(lean, slots, width, False)] = dec
     return dec
 
 

@@ -66,7 +66,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   (a mix's suffix member) teach the calibration, never the acceptance k is chosen by: that prices the
   drafter that costs a pass.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
-  until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs. A step
+  until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs. The step
+  costs it rests on are priced again after `refresh` steps, a probe, or a step at a new shape: a steadily
+  drafting step re-weighs only the acceptance. A step
   left plain while no probe is due is not timed (`Choice.timed`: the engine reads no clock and reports
   nothing), but for the last `side_by_side` before a probe: where speculation is off, the controller
   costs the host a choice a step and nothing more (on CUDA a timed step records three events).
@@ -253,7 +255,10 @@ class Costs:
         """Whether a step asking k drafts at bucket b was measured (k = 0: a plain pass)."""
         if not k:
             return b in self.plain
-        return (k, b) in self.offered and self.verify_shape(k, b) in [T for (T, bb) in self.ratio if bb == b] + [1]
+        if (k, b) not in self.offered:
+            return False
+        T = self.verify_shape(k, b)
+        return T == 1 or (T, b) in self.ratio
 
     def verify_shape(self, k: int, b: int) -> int:
         """The verify pass's T a step asking k drafts is expected to have (rounded): k + 1, or less for
@@ -435,6 +440,9 @@ class Controller:
         self.idle = self.cfg.explore_min - 1  # the first probe comes right after the plain reference is measured
         self._cached: tuple[Batch, Evaluation] | None = None  # the last evaluation, and its batch
         self._age = 0  # steps observed since it was made
+        self._step_costs: dict[int, list[float]] = {}  # bucket -> S(k) for k = 0..k_max, in use (`step_costs`)
+        self._costs_age = 0  # steps observed since they were priced
+        self._probing = False  # the last choice was a probe of drafting: its costs are priced again at once
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.lookup_misses = 0  # lookups in a row that earned no token
@@ -444,6 +452,13 @@ class Controller:
     # -- inputs
 
     def observe(self, step: StepSample) -> None:
+        # what a drafting step brings that the step costs in use lack: a probe's costs, or a shape never measured
+        if step.drafting and not step.lookup and (
+                self._probing or not self.costs.measured(step.drafting, bucket(step.rows))):
+            self._step_costs.clear()
+        self._costs_age += 1
+        if self._costs_age >= self.cfg.refresh:
+            self._step_costs.clear()
         self.costs.observe(step)
         for k, n in step.blocks:
             self.acceptance.observe(k, n)
@@ -498,8 +513,21 @@ class Controller:
         a, b = self.acceptance.rates(), bucket(batch.rows)
         floor = max(batch.fixed, default=0)
         fixed_tokens = sum(expected_tokens(a, k) for k in batch.fixed)
-        return [(batch.auto * expected_tokens(a, k) + fixed_tokens) / self.costs.step_cost(max(k, floor), b)
+        costs = self.step_costs(b) if floor <= self.cfg.k_max else [self.costs.step_cost(floor, b)] * (floor + 1)
+        return [(batch.auto * expected_tokens(a, k) + fixed_tokens) / costs[max(k, floor)]
                 for k in range(self.cfg.k_max + 1)]
+
+    def step_costs(self, b: int) -> list[float]:
+        """S(k) for k = 0..k_max at bucket b (`Costs.step_cost`), priced again after `refresh` observed steps, a
+        probe that drafted, or a step that drafted at a shape never measured; in between, only the acceptance
+        moves the choice (it is what changes step by step). Pricing every k on every drafting step cost the host
+        ~0.1 ms a step (ngram at batch 8 on an H200: 0.91× the verifier alone where k = 4 fixed made 1.02×,
+        bench/README.md section 34)."""
+        if b not in self._step_costs:
+            if not self._step_costs:
+                self._costs_age = 0
+            self._step_costs[b] = [self.costs.step_cost(k, b) for k in range(self.cfg.k_max + 1)]
+        return self._step_costs[b]
 
     def _evaluate(self, batch: Batch) -> Evaluation:
         """What the choice rests on, reused until `refresh` steps of the same batch were observed since, or a step
@@ -555,6 +583,7 @@ class Controller:
 
     def _chose(self, choice: Choice) -> Choice:
         self.idle = 0 if choice.k else self.idle + 1
+        self._probing = choice.probe and choice.k > 0
         return choice
 
     # -- confidence

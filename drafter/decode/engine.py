@@ -562,7 +562,10 @@ class Engine:
 
     def _resync(self, slots: list[int]) -> float:
         """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`);
-        returns the seconds it took (0 when no row needed it)."""
+        returns the seconds it took (0 when no row needed it), on CUDA waiting for its passes: timed from the host
+        alone, a resync that costs the device ~10-20 ms (a drafter LM's prefill of 8 rows) read as µs and probes
+        came at a plain drafter's interval, each paying it (the pretrained drafter at batch 8 on an H200, kept
+        mostly off, 0.75× the verifier alone: bench/README.md section 33)."""
         if not slots:
             return 0.0
         assert self.drafter is not None  # rows fall behind, and resync, only on a drafting engine
@@ -570,6 +573,8 @@ class Engine:
         features = {i: torch.zeros(len(slots), self.verifier.hidden_size, device=self.verifier.device,
                                    dtype=self.verifier.dtype) for i in self.drafter.verifier_layers}
         self.drafter.join(slots, [self._row(s).history for s in slots], VerifierView(self.cache, features))
+        if self.verifier.device.type == "cuda":  # the join's passes run asynchronously: what it costs is the device's
+            torch.cuda.synchronize(self.verifier.device)
         self.behind.difference_update(slots)
         return time.perf_counter() - t0
 

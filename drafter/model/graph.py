@@ -766,6 +766,13 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+def decoder_key(lean, slots: int, width: int, compiled: bool) -> tuple:
+    """Which GraphDecoder `on_backend` keeps for `lean`: its shape, and the environment's choices of the step
+    (capture, attention, products and their tilings, autotuning)."""
+    return (slots, width, compiled, capture_mode(), resolve_attention(lean.device), resolve_linear(),
+            os.environ.get("SPECLOOP_SKINNY_TILES"), os.environ.get("SPECLOOP_AUTOTUNE") == "1")
+
+
 def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True):
     """`lean` (a LeanDecoder, or a GraphDecoder an earlier engine made) as an engine of `slots` rows runs it:
     the LeanDecoder itself (eager), or its GraphDecoder for (slots, width): one per decoder and shape,
@@ -775,8 +782,7 @@ def on_backend(lean, backend: str, slots: int, width: int, compiled: bool = True
     if backend == "eager":
         return lean
     graphs = lean.__dict__.setdefault("_graph_decoders", {})
-    tuned = os.environ.get("SPECLOOP_AUTOTUNE") == "1"
-    key = (slots, width, compiled, capture_mode(), resolve_attention(lean.device), resolve_linear(), tuned)  # the env's
+    key = decoder_key(lean, slots, width, compiled)
     if key not in graphs:
         graphs[key] = GraphDecoder(lean, slots, width, compiled)
     return graphs[key]

@@ -1,6 +1,8 @@
 """The cost-aware controller: synthetic acceptance and step times in, draft lengths out (no clock, no models)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from specloop.drafter.decode.controller import (
@@ -477,3 +479,21 @@ def test_a_long_sure_draft_is_cut_where_that_speculators_drafts_stop_being_accep
     sure = [[1.0] * 16]
     assert c.cut(sure, rows=1, sources=["copy"]) == [16]
     assert c.cut(sure, rows=1, sources=["guess"]) == [2]
+
+
+def test_steady_drafting_prices_the_step_costs_once_per_refresh_and_reweighs_the_acceptance_every_step(monkeypatch):
+    # pricing S(k) for every k on every drafting step cost the host ~0.1 ms a step at batch 8 (bench/README section
+    # 34): while drafting pays, the costs are priced again every `refresh` steps; the acceptance, every step
+    c = Controller()
+    run(c, 100, accepted=lambda k: k, rows=8)
+    priced = []
+    plain = c.costs.step_cost
+    monkeypatch.setattr(c.costs, "step_cost", lambda k, b: priced.append(k) or plain(k, b))
+    chosen = run(c, 80, accepted=lambda k: k, rows=8)
+    assert min(chosen) == max(chosen) == c.cfg.k_max  # steady drafting (no probe, no new shape)
+    assert len(priced) <= (80 // c.cfg.refresh + 1) * (c.cfg.k_max + 1)
+    # the drafts stop paying: the choice follows the acceptance down as a controller pricing every step does
+    every = copy.deepcopy(c)
+    dropped = run(c, 40, accepted=lambda k: 0, rows=8)
+    monkeypatch.setattr(every, "step_costs", lambda b: [every.costs.step_cost(k, b) for k in range(every.cfg.k_max + 1)])
+    assert dropped == run(every, 40, accepted=lambda k: 0, rows=8) and dropped[-1] == 0
