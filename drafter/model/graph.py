@@ -150,6 +150,7 @@ class StaticModel(torch.nn.Module):
         self.linear = resolve_linear()  # a constant of the traced step, as the attention
         if self.linear == "skinny":
             skinny_linear.build()
+            skinny_linear.read_tiles()
         head, head_bias = _float_weight(lean.lm_head)
         self._put("embed", lean.embed)
         self._put("final_norm", lean.final_norm)

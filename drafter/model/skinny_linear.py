@@ -88,9 +88,18 @@ def override(m: int, n: int, k: int) -> Tiling | None:
     path = os.environ.get("SPECLOOP_SKINNY_TILES")
     if not path:
         return None
+    return (_READ.get(path) or read_tiles(path)).get(f"{m},{n},{k}")
+
+
+def read_tiles(path: str | None = None) -> dict[str, Tiling]:
+    """The tilings file (`override`), read once; graph.StaticModel reads it when built, so that a traced step
+    finds it read (a file opened inside torch.compile's trace would break the graph)."""
+    path = path or os.environ.get("SPECLOOP_SKINNY_TILES")
+    if not path:
+        return {}
     if path not in _READ:
         _READ[path] = _tiles(path)
-    return _READ[path].get(f"{m},{n},{k}")
+    return _READ[path]
 
 
 _READ: dict[str, dict[str, Tiling]] = {}  # a tilings file, read once (plain dicts: a traced step reads them)

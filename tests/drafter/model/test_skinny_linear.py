@@ -5,6 +5,7 @@ graph step through it (SPECLOOP_LINEAR=skinny).
 Without a GPU the kernel runs under Triton's interpreter on CPU tensors (TRITON_INTERPRET=1, set before triton is
 imported), where bf16 tiles are widened to fp32 before tl.dot (the module's docstring); with CUDA the same tests
 run the compiled kernel, bf16 on the tensor cores."""
+import json
 import os
 
 import pytest
@@ -137,6 +138,26 @@ def test_the_graph_step_runs_its_products_through_the_kernel(tiny_verifier, monk
     assert len(calls) == 4 * lean.num_layers + 1  # qkv, o, gate-up, down a layer; the head
     real = torch.tensor([[True, True, True], [True, False, False]])
     torch.testing.assert_close(got[0][real], expected[0][real], rtol=1e-4, atol=1e-4)
+
+
+def test_the_step_with_a_tilings_file_traces_as_one_graph(tiny_verifier, tmp_path, monkeypatch):
+    """StaticModel reads SPECLOOP_SKINNY_TILES when built: the traced step opens no file (a graph break)."""
+    from specloop.drafter.model.graph import StaticModel
+
+    lean = tiny_verifier.lean
+    path = tmp_path / "tiles.json"
+    path.write_text(json.dumps({f"6,{lean.vocab_size},{lean.hidden_size}": [32, 32, 2, 4, 3]}))
+    monkeypatch.setenv("SPECLOOP_LINEAR", "skinny")
+    monkeypatch.setenv("SPECLOOP_SKINNY_TILES", str(path))
+    monkeypatch.setattr(sl, "_READ", {})
+    model = StaticModel(lean)
+    keys = [torch.zeros(2, lean.n_kv, 64, lean.head_dim, dtype=lean.dtype) for _ in range(lean.num_layers)]
+    args = (keys, [torch.zeros_like(t) for t in keys], torch.tensor([[5, 6, 7], [8, 0, 0]]), torch.tensor([3, 1]),
+            torch.tensor([0, 0]))
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(model)(*args)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    assert sl.override(6, lean.vocab_size, lean.hidden_size).split == 2  # the head's product, from the file
 
 
 def test_an_unknown_linear_is_refused(monkeypatch):
