@@ -32,3 +32,29 @@ def row_by_row_dot(monkeypatch):
         return out
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", by_rows)
+
+
+@pytest.fixture
+def graph_decode(tiny_pair):
+    """decode(kind, k, check) → each prompt's greedy tokens from a fresh engine on the graph backend (the step
+    the test's environment sets: SPECLOOP_COMPILE=0 on the CPU), the tiny pair's `kind` drafter at k (0: the
+    verifier alone); `check` is called with the engine first (what the test asserts of its step)."""
+    from specloop.drafter.decode.engine import Engine
+    from specloop.drafter.decode.requests import EngineRequest, StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
+    from specloop.drafter.kinds.table import build_drafter
+
+    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+
+    def decode(kind: str, k: int, check=lambda engine: None) -> list[list[int]]:
+        verifier = load_model(tiny_pair[0])
+        drafter = build_drafter(kind, verifier, tiny_pair[1] if kind == "pretrained" else None) if k else None
+        engine = Engine(verifier.lean, drafter, 3, 128, StopRule(verifier.eos_ids), backend="graph")
+        check(engine)
+        engine.admit([EngineRequest(str(i), p, SamplingParams(max_tokens=12), k) for i, p in enumerate(prompts)])
+        out = {}
+        while engine.running:
+            out.update((u.id, u.generation.token_ids) for u in engine.step() if u.generation is not None)
+        return [out[str(i)] for i in range(len(prompts))]
+
+    return decode

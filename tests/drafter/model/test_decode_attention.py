@@ -166,28 +166,13 @@ def test_fake_impl_gives_the_output_metadata():
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "ngram"])
-def test_speculation_through_the_kernel_equals_plain_decoding(kind, tiny_pair, monkeypatch):
+def test_speculation_through_the_kernel_equals_plain_decoding(kind, graph_decode, monkeypatch):
     # the graph step with the kernel as its attention (SPECLOOP_ATTENTION=triton; uncompiled on the CPU, the
     # kernel interpreted): greedy speculation equals the same engine's plain decoding, as with `_attend`
-    from specloop.drafter.decode.engine import Engine
-    from specloop.drafter.decode.requests import EngineRequest, StopRule
-    from specloop.drafter.decode.sampling import SamplingParams
-    from specloop.drafter.kinds.table import build_drafter
-    from specloop.drafter.model.loading import load_model
-
     monkeypatch.setenv("SPECLOOP_ATTENTION", "triton")
     monkeypatch.setenv("SPECLOOP_COMPILE", "0")
-    prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
 
-    def decode(k: int) -> list[list[int]]:
-        verifier = load_model(tiny_pair[0])
-        drafter = build_drafter(kind, verifier, tiny_pair[1] if kind == "pretrained" else None) if k else None
-        engine = Engine(verifier.lean, drafter, 3, 128, StopRule(verifier.eos_ids), backend="graph")
+    def check(engine):
         assert engine.verifier.model.attention == "triton"
-        engine.admit([EngineRequest(str(i), p, SamplingParams(max_tokens=12), k) for i, p in enumerate(prompts)])
-        out = {}
-        while engine.running:
-            out.update((u.id, u.generation.token_ids) for u in engine.step() if u.generation is not None)
-        return [out[str(i)] for i in range(len(prompts))]
 
-    assert decode(3) == decode(0)
+    assert graph_decode(kind, 3, check) == graph_decode(kind, 0, check)
