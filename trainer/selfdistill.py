@@ -165,7 +165,8 @@ def vocab_index(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
 
 def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor | None, cfg: DistillConfig,
             progress: bool = True) -> list[Sequence]:
-    """Sequences within cfg.collect_minutes: batches of the verifier's own answers, each followed by
+    """Sequences within cfg.collect_minutes (the first batch always, however short the budget: reading the prompts
+    could spend a short one on a loaded machine): batches of the verifier's own answers, each followed by
     teacher-forced documents for `forced_share` of the time when asked (a pass over a document
     yields ~2.4x the positions per second of decoding, but the answers are what the head will be
     asked to predict)."""
@@ -178,7 +179,7 @@ def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor 
     bar = tqdm(desc="verifier answers", unit="tok", disable=not progress, file=sys.stderr)
     for round_ in itertools.count():
         batch = [p for _, p in itertools.islice(prompts, cfg.batch)]
-        if not batch or time.monotonic() > deadline:
+        if not batch or (seqs and time.monotonic() > deadline):  # the first batch whatever the budget: never none
             break
         t0 = time.monotonic()
         new = decode_batch(verifier, batch, cfg.max_new, layers, index, 1.0 if round_ % 2 else 0.0, generator)
