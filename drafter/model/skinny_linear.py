@@ -85,10 +85,7 @@ def tiling(m: int, n: int, k: int, sms: int, block_n: int = 64, block_k: int = 1
 def override(m: int, n: int, k: int) -> Tiling | None:
     """A tiling set by SPECLOOP_SKINNY_TILES (bench/gpu.py's section products writes the fastest it timed):
     a JSON object {"m,n,k": [block_n, block_k, split, warps, stages]}; None where it names no such shape."""
-    path = os.environ.get("SPECLOOP_SKINNY_TILES")
-    if not path:
-        return None
-    return (_READ.get(path) or read_tiles(path)).get(f"{m},{n},{k}")
+    return read_tiles().get(f"{m},{n},{k}")
 
 
 def read_tiles(path: str | None = None) -> dict[str, Tiling]:
