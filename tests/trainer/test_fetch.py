@@ -76,7 +76,9 @@ def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(tmp_pat
     assert json.loads((out / "verifier" / "manifest.json").read_text())["grouped_tensors"] == 210  # the GGUF's Q4_1
     manifest = json.loads((out / "drafter" / "manifest.json").read_text())
     assert manifest["kind"] == "eagle" and manifest["draft_vocab"]["size"] == 2048 and manifest["data"] == "self-distilled"
-    assert summary["check"]["tokens"] > 0  # fetch_models raises unless speculation reproduced the verifier
+    check = summary["check"]  # fetch_models raises unless speculation reproduced the verifier
+    assert check["tokens"] > 0 and check["drafter"] == "eagle+suffix, k auto"  # as generate serves it by default
+    assert check["served_as"].startswith("w4a8") and "tokens_per_s" not in str(check)  # no cold 32-token speed
     v = load_model(out / "verifier", weights="int8")
     prompt = v.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                              add_generation_prompt=True)
