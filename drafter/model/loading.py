@@ -15,10 +15,10 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from specloop.drafter.model.architecture import Architecture, StaticRope, check_config, fuse_layer
+from specloop.drafter.model.config import plain_config
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.weights.groups import open_safetensors
 
@@ -115,6 +115,8 @@ def _tokenizer(path: Path):
         from transformers import TokenizersBackend
 
         return TokenizersBackend.from_pretrained(path)
+    from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -179,6 +181,8 @@ def _converted(lean: LeanDecoder, mode: str | None, path: Path, layers=None) -> 
 
 def _load_module(path: Path, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     try:
+        from transformers import AutoModelForCausalLM
+
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
@@ -187,15 +191,24 @@ def _load_module(path: Path, device: torch.device, dtype: torch.dtype) -> torch.
 
 
 def _load_config(path: Path):
+    """The directory's config: read plainly where it is a plain Llama config.json (specloop.drafter.model.config:
+    the same values, without importing transformers' config modules), else transformers' own."""
+    plain = plain_config(path)
+    if plain is not None:
+        return plain
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot load a causal LM from {path}: {exc}") from exc
 
 
-def _generation_config(path: Path) -> GenerationConfig:
+def _generation_config(path: Path):
     """The generation config `from_pretrained` gives the module: generation_config.json, else the one
     derived from config.json."""
+    from transformers import GenerationConfig
+
     try:
         return GenerationConfig.from_pretrained(path)
     except OSError:

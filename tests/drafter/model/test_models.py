@@ -143,12 +143,11 @@ def test_a_tokenizers_backend_directory_loads_without_autotokenizer_and_tokenize
     chat prompt exactly as AutoTokenizer's tokenizer does."""
     import json
 
+    import transformers
     from transformers import AutoTokenizer
 
-    from specloop.drafter.model import loading as models
-
     reference = AutoTokenizer.from_pretrained(reference_pair[0])
-    monkeypatch.setattr(models, "AutoTokenizer", None)  # any use would fail
+    monkeypatch.setattr(transformers, "AutoTokenizer", None)  # any use would fail (loading imports it where used)
     tok = load_tokenizer(reference_pair[0])
     assert type(tok) is type(reference)
     prompts = Path(reference_pair[0]).parent.parent / "prompts" / "chat_dev.jsonl"
