@@ -1,0 +1,130 @@
+"""Benchmark: what a `specloop` process costs before it decodes, as users meet it (whole processes).
+
+Each command runs as its own process, one token of one short prompt where it generates, so its wall time is
+start-up: imports, the model's load and conversion, the drafter's, the tokenizer. Per process: wall seconds and
+peak resident memory (the child's own rusage). Checkouts named by --revisions (git revisions, `.` = this working
+tree) run from worktrees of this repository (PYTHONPATH: the worktree's `specloop` package comes first),
+alternating round by round; medians over rounds. Every process gets --threads explicitly.
+
+    .venv/bin/python bench/startup.py --revisions HEAD~1,. --rounds 3 --out bench/results/startup.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PAIR = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"  # `specloop models fetch`
+
+
+def commands(pair: Path, prompts: Path, threads: int) -> dict[str, list[str]]:
+    one = ["generate", str(pair / "verifier"), "--drafter", str(pair / "drafter"), "--prompts", str(prompts),
+           "--max-tokens", "1", "--json"]
+    return {"--help": ["--help"], "generate --no-speculation": ["--threads", str(threads), *one, "--no-speculation"],
+            "generate (default)": ["--threads", str(threads), *one]}
+
+
+def measure(checkout: Path, args: list[str]) -> dict:
+    """One process: wall seconds and peak RSS (MB) of `python -m specloop ARGS` run from `checkout`."""
+    env = dict(os.environ, PYTHONPATH=str(checkout))
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "specloop", *args], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    err = proc.stderr.read() if proc.stderr else ""
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{checkout}: specloop {' '.join(args)} exited {proc.returncode}:\n{err[-2000:]}")
+    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def checkouts(revisions: list[str], into: Path) -> dict[str, Path]:
+    """Each revision's tree: this working tree for `.`, else a detached worktree under `into`."""
+    trees = {}
+    for rev in revisions:
+        if rev == ".":
+            trees[rev] = ROOT
+            continue
+        tree = into / rev.replace("/", "_").replace("~", "-")
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-f", str(tree), rev], check=True,
+                       capture_output=True)
+        trees[rev] = tree
+    return trees
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--revisions", default=".", help="comma-separated git revisions; . = this working tree")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pair", type=Path, default=PAIR, help="a fetched pair: verifier/ and drafter/")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "startup.json")
+    args = ap.parse_args()
+    from bench.machine import machine_info
+
+    tmp = Path(tempfile.mkdtemp(prefix="specloop-startup-"))
+    prompts = tmp / "one.jsonl"
+    prompts.write_text(json.dumps({"id": "one", "prompt": "Hello"}) + "\n")
+    revisions = [r.strip() for r in args.revisions.split(",") if r.strip()]
+    trees = checkouts(revisions, tmp)
+    runs: dict[str, dict[str, list[dict]]] = {rev: {} for rev in revisions}
+    try:
+        for r in range(args.rounds):
+            order = revisions if r % 2 == 0 else list(reversed(revisions))
+            for name, cmd in commands(args.pair, prompts, args.threads).items():
+                for rev in order:
+                    got = measure(trees[rev], cmd)
+                    runs[rev].setdefault(name, []).append(got)
+                    print(f"round {r + 1} {rev:>10} {name:28} {got['wall_s']:.2f} s  {got['peak_rss_mb']:.0f} MB",
+                          flush=True)
+    finally:
+        for rev, tree in trees.items():
+            if tree != ROOT:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
+    medians = {rev: {name: {"wall_s": statistics.median(g["wall_s"] for g in got),
+                            "peak_rss_mb": statistics.median(g["peak_rss_mb"] for g in got)}
+                     for name, got in per.items()} for rev, per in runs.items()}
+    for rev, per in medians.items():
+        for name, m in per.items():
+            print(f"== {rev:>10} {name:28} median {m['wall_s']:.2f} s, {m['peak_rss_mb']:.0f} MB")
+    commits = {rev: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD" if rev == "." else rev],
+                                   capture_output=True, text=True).stdout.strip() for rev in revisions}
+    out = {"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "commits": commits,
+           "runs": runs, "medians": medians}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1))
+    plot(medians, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and .png")
+
+
+def plot(medians: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = list(next(iter(medians.values())))
+    width = 0.8 / len(medians)
+    for i, (rev, per) in enumerate(medians.items()):
+        xs = [j + (i - (len(medians) - 1) / 2) * width for j in range(len(names))]
+        axes[0].bar(xs, [per[n]["wall_s"] for n in names], width, label=rev)
+        axes[1].bar(xs, [per[n]["peak_rss_mb"] for n in names], width, label=rev)
+    for ax, label in zip(axes, ("wall seconds (median)", "peak RSS, MB (median)")):
+        ax.set_xticks(range(len(names)), names, rotation=10, fontsize=8)
+        ax.set_ylabel(label)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
