@@ -3,8 +3,8 @@
 Each command runs as its own process, one token of one short prompt where it generates, so its wall time is
 start-up: imports, the model's load and conversion, the drafter's, the tokenizer. Per process: wall seconds and
 peak resident memory (the child's own rusage). Checkouts named by --revisions (git revisions, `.` = this working
-tree) run from worktrees of this repository (PYTHONPATH: the worktree's `specloop` package comes first),
-alternating round by round; medians over rounds. Every process gets --threads explicitly.
+tree) run from worktrees of this repository (as the working directory and PYTHONPATH: its `specloop` is imported),
+after one untimed run each, alternating round by round (checkouts and commands); medians over rounds. Every process gets --threads explicitly.
 
     .venv/bin/python bench/startup.py --revisions HEAD~1,. --rounds 3 --out bench/results/startup.json
 """
@@ -36,8 +36,9 @@ def measure(checkout: Path, args: list[str]) -> dict:
     """One process: wall seconds and peak RSS (MB) of `python -m specloop ARGS` run from `checkout`."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "specloop", *args], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    # cwd: `python -m` puts the working directory first on sys.path, before PYTHONPATH
+    proc = subprocess.Popen([sys.executable, "-m", "specloop", *args], env=env, cwd=checkout,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     err = proc.stderr.read() if proc.stderr else ""
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - start
@@ -77,10 +78,13 @@ def main() -> None:
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()]
     trees = checkouts(revisions, tmp)
     runs: dict[str, dict[str, list[dict]]] = {rev: {} for rev in revisions}
+    cmds = commands(args.pair, prompts, args.threads)
     try:
+        for rev in revisions:  # untimed: a checkout's first run builds its CPU kernels (~40 s, once per tree)
+            measure(trees[rev], cmds["generate (default)"])
         for r in range(args.rounds):
             order = revisions if r % 2 == 0 else list(reversed(revisions))
-            for name, cmd in commands(args.pair, prompts, args.threads).items():
+            for name, cmd in (cmds.items() if r % 2 == 0 else reversed(cmds.items())):
                 for rev in order:
                     got = measure(trees[rev], cmd)
                     runs[rev].setdefault(name, []).append(got)
