@@ -5,8 +5,10 @@ completion request gets a 503 `shutting_down` with `Retry-After` (a client retri
 replica). The requests in flight (streams included) go on to their end, for at most
 `drain_timeout` seconds; whatever is still running then is cut in-band (a stream gets an error
 event and `data: [DONE]`, a plain request a 503). Then uvicorn shuts down: it closes the listening
-socket and idle connections and waits for the last responses to be written. A second signal stops
-the process at once.
+socket and idle connections and waits for the last responses to be written. A second signal moves the
+deadline to now (what is in flight is cut in-band at once, and the process stops within `CUT_GRACE_S`:
+a client still gets its error and `[DONE]`, the log no traceback); a third stops it at once (uvicorn's
+force exit, which cancels what is still open).
 
 `Drain` is the app's state (`app.state.drain`: the routes read it); `DrainingServer` is uvicorn's
 server with signals that start the drain instead of stopping it.
@@ -55,6 +57,11 @@ class Drain:
     def leave(self, token: int) -> None:
         self.active.pop(token, None)
 
+    def cut_now(self) -> None:
+        """Move the deadline to now: the next `tick` cuts what is in flight, and the drain is over
+        `CUT_GRACE_S` later."""
+        self.timeout_s = self.elapsed()
+
     def elapsed(self) -> float:
         return 0.0 if self.started_at is None else time.monotonic() - self.started_at
 
@@ -65,7 +72,7 @@ class Drain:
             return False
         if self.active and not self.cut and self.elapsed() >= self.timeout_s:
             self.cut = True
-            log.warning("drain timeout: cutting %d request(s) short", len(self.active))
+            log.warning("drain deadline: cutting %d request(s) short", len(self.active))
             for cut in list(self.active.values()):
                 cut()
         return not self.active or self.elapsed() >= self.timeout_s + CUT_GRACE_S
@@ -77,13 +84,20 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float = DRAIN_TIMEOUT_S):
         super().__init__(config)
         self.drain, self.drain_timeout = drain, drain_timeout
+        self.cut_short = False  # a signal moved the drain's deadline to now
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.drain.draining:  # a second signal: stop now (uvicorn's force exit)
-            self.should_exit = self.force_exit = True
-        else:
-            log.warning("specloop API: %s received", signal.Signals(sig).name)
+        name = signal.Signals(sig).name
+        if not self.drain.draining:
+            log.warning("specloop API: %s received", name)
             self.drain.start(self.drain_timeout)
+        elif not (self.cut_short or self.drain.cut):  # a second signal: the deadline is now
+            log.warning("specloop API: %s received again", name)
+            self.cut_short = True
+            self.drain.cut_now()
+        else:  # a third (or a second after the deadline): stop at once
+            log.warning("specloop API: %s received while cutting: stopping now", name)
+            self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and self.drain.tick():

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import httpx
 
 from specloop.services.api.app import api_server
-from specloop.services.api.drain import Drain
+from specloop.services.api.drain import CUT_GRACE_S, Drain
 from tests.api_helpers import MODEL, Streamer, scripted, scripted_app
 from tests.redis_helpers import free_port
 
@@ -93,15 +93,29 @@ def test_a_stream_still_running_at_the_drain_deadline_ends_in_band_then_done(tin
     assert len(stream.events) < len(backend.tokens) and backend.open_streams == 0
 
 
-def test_a_second_signal_stops_at_once(tiny_pair):
+def test_a_second_signal_cuts_what_is_in_flight_in_band_and_a_third_stops_at_once(tiny_pair):
     backend = scripted(tiny_pair[0], "Sure, here is an example of how you could write", delay_s=0.5)
     with draining_server(scripted_app(backend), drain_timeout=30) as (url, server, thread):
         stream = Streamer(url)
         stream.start()
         stream.wait_for(1)
         server.handle_exit(signal.SIGTERM, None)
+        t0 = time.monotonic()
         server.handle_exit(signal.SIGINT, None)
+        stream.join(5)
         thread.join(5)
-        assert not thread.is_alive()
+        assert not thread.is_alive() and time.monotonic() - t0 < CUT_GRACE_S + 1.5  # not the 30 s drain
+    *_, error, done = stream.events
+    assert done == "[DONE]" and json.loads(error)["error"]["code"] == "shutting_down"  # cut in-band, not dropped
+    assert backend.open_streams == 0
+
+    backend = scripted(tiny_pair[0], "Sure, here is an example of how you could write", delay_s=0.5)
+    with draining_server(scripted_app(backend), drain_timeout=30) as (url, server, thread):
+        stream = Streamer(url)
+        stream.start()
+        stream.wait_for(1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGINT):
+            server.handle_exit(sig, None)
+        thread.join(5)
+        assert not thread.is_alive() and server.force_exit
     stream.join(5)
-    assert stream.cut and "[DONE]" not in stream.events
