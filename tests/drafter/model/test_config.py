@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import subprocess
 import sys
 
@@ -91,10 +92,12 @@ def test_other_attributes_are_transformers_own_with_what_was_set_here(reference_
     assert plain.full.num_labels == 3 and plain.num_labels == 3
 
 
-def test_a_copy_does_not_load_transformers_config(reference_pair):
+def test_a_copy_or_a_pickle_does_not_load_transformers_config(reference_pair):
     plain = plain_config(reference_pair[0])
-    other = copy.deepcopy(plain)
-    assert isinstance(other, PlainConfig) and other.hidden_size == plain.hidden_size and plain._full is None
+    for other in (copy.deepcopy(plain), pickle.loads(pickle.dumps(plain))):  # a Ray actor's arguments are pickled
+        assert isinstance(other, PlainConfig) and other.hidden_size == plain.hidden_size and other._full is None
+        assert other.rope_parameters == plain.rope_parameters and other.dtype is torch.float32
+    assert plain._full is None
 
 
 def test_loading_a_plain_checkpoint_imports_no_transformers_config_module(reference_pair):
