@@ -2,7 +2,7 @@
 
 Each command runs as its own process, one token of one short prompt where it generates, so its wall time is
 start-up: imports, the model's load and conversion, the drafter's, the tokenizer. Per process: wall seconds and
-peak resident memory (the child's own rusage). Checkouts named by --revisions (git revisions, `.` = this working
+peak resident memory (the child's own rusage); for `serve`, the seconds from its start to the first 200 of /ready. Checkouts named by --revisions (git revisions, `.` = this working
 tree) run from worktrees of this repository (as the working directory and PYTHONPATH: its `specloop` is imported),
 after one untimed run each, alternating round by round (checkouts and commands); medians over rounds. Every process gets --threads explicitly.
 
@@ -25,14 +25,47 @@ sys.path.insert(0, str(ROOT))
 PAIR = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"  # `specloop models fetch`
 
 
+SERVE = "serve (to /ready)"
+
+
 def commands(pair: Path, prompts: Path, threads: int) -> dict[str, list[str]]:
     one = ["generate", str(pair / "verifier"), "--drafter", str(pair / "drafter"), "--prompts", str(prompts),
            "--max-tokens", "1", "--json"]
     return {"--help": ["--help"], "generate --no-speculation": ["--threads", str(threads), *one, "--no-speculation"],
-            "generate (default)": ["--threads", str(threads), *one]}
+            "generate (default)": ["--threads", str(threads), *one],
+            SERVE: [str(pair / "verifier"), "--drafter", str(pair / "drafter"), "--learner", "off"]}
 
 
-def measure(checkout: Path, args: list[str]) -> dict:
+def measure(checkout: Path, name: str, args: list[str], threads: int) -> dict:
+    """One timed process of command `name` from `checkout`."""
+    return serve_ready(checkout, args, threads) if name == SERVE else run(checkout, args)
+
+
+def serve_ready(checkout: Path, flags: list[str], threads: int) -> dict:
+    """`specloop serve FLAGS` from `checkout` (its Ray actors too: PYTHONPATH is inherited), timed from its start to
+    the first 200 of /ready (Ray, the worker's load and warm-up, the API), then stopped (SIGINT) and its registry's
+    Redis keys dropped. Peak RSS: not counted (the actors are not its children)."""
+    from specloop.services.cli.launch import ServeProcess
+
+    registry = Path(tempfile.mkdtemp(prefix="specloop-startup-registry-"))
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = str(checkout)
+    try:
+        server = ServeProcess(flags, threads=threads, registry=registry, cwd=checkout, log=registry / "serve.log")
+        start = time.perf_counter()
+        server.start()
+        ready = time.perf_counter() - start
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+    server.stop()
+    server.forget_redis_keys()
+    return {"wall_s": ready, "peak_rss_mb": None}
+
+
+def run(checkout: Path, args: list[str]) -> dict:
     """One process: wall seconds and peak RSS (MB) of `python -m specloop ARGS` run from `checkout`."""
     env = dict(os.environ, PYTHONPATH=str(checkout))
     start = time.perf_counter()
@@ -46,6 +79,14 @@ def measure(checkout: Path, args: list[str]) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"{checkout}: specloop {' '.join(args)} exited {proc.returncode}:\n{err[-2000:]}")
     return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}
+
+
+def median_or_none(values: list) -> float | None:
+    return None if None in values else statistics.median(values)
+
+
+def mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} MB"
 
 
 def checkouts(revisions: list[str], into: Path) -> dict[str, Path]:
@@ -81,25 +122,24 @@ def main() -> None:
     cmds = commands(args.pair, prompts, args.threads)
     try:
         for rev in revisions:  # untimed: a checkout's first run builds its CPU kernels (~40 s, once per tree)
-            measure(trees[rev], cmds["generate (default)"])
+            measure(trees[rev], "generate (default)", cmds["generate (default)"], args.threads)
         for r in range(args.rounds):
             order = revisions if r % 2 == 0 else list(reversed(revisions))
             for name, cmd in (cmds.items() if r % 2 == 0 else reversed(cmds.items())):
                 for rev in order:
-                    got = measure(trees[rev], cmd)
+                    got = measure(trees[rev], name, cmd, args.threads)
                     runs[rev].setdefault(name, []).append(got)
-                    print(f"round {r + 1} {rev:>10} {name:28} {got['wall_s']:.2f} s  {got['peak_rss_mb']:.0f} MB",
-                          flush=True)
+                    print(f"round {r + 1} {rev:>10} {name:28} {got['wall_s']:.2f} s  {mb(got['peak_rss_mb'])}", flush=True)
     finally:
         for rev, tree in trees.items():
             if tree != ROOT:
                 subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=False)
     medians = {rev: {name: {"wall_s": statistics.median(g["wall_s"] for g in got),
-                            "peak_rss_mb": statistics.median(g["peak_rss_mb"] for g in got)}
+                            "peak_rss_mb": median_or_none([g["peak_rss_mb"] for g in got])}
                      for name, got in per.items()} for rev, per in runs.items()}
     for rev, per in medians.items():
         for name, m in per.items():
-            print(f"== {rev:>10} {name:28} median {m['wall_s']:.2f} s, {m['peak_rss_mb']:.0f} MB")
+            print(f"== {rev:>10} {name:28} median {m['wall_s']:.2f} s, {mb(m['peak_rss_mb'])}")
     commits = {rev: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD" if rev == "." else rev],
                                    capture_output=True, text=True).stdout.strip() for rev in revisions}
     out = {"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "commits": commits,
@@ -121,7 +161,7 @@ def plot(medians: dict, path: Path) -> None:
     for i, (rev, per) in enumerate(medians.items()):
         xs = [j + (i - (len(medians) - 1) / 2) * width for j in range(len(names))]
         axes[0].bar(xs, [per[n]["wall_s"] for n in names], width, label=rev)
-        axes[1].bar(xs, [per[n]["peak_rss_mb"] for n in names], width, label=rev)
+        axes[1].bar(xs, [per[n]["peak_rss_mb"] or 0 for n in names], width, label=rev)
     for ax, label in zip(axes, ("wall seconds (median)", "peak RSS, MB (median)")):
         ax.set_xticks(range(len(names)), names, rotation=10, fontsize=8)
         ax.set_ylabel(label)
