@@ -146,7 +146,8 @@ def main() -> None:
            "runs": runs, "medians": medians}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
-    plot(medians, args.out.with_suffix(".png"))
+    plot({("this tree " + commits[rev] if rev == "." else rev): per for rev, per in medians.items()},
+         args.out.with_suffix(".png"))
     print(f"wrote {args.out} and .png")
 
 
