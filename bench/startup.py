@@ -22,8 +22,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-PAIR = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct"  # `specloop models fetch`
-
+from bench.whole_process import PAIR  # noqa: E402  (`specloop models fetch`'s pair)
 
 SERVE = "serve (to /ready)"
 

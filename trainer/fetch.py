@@ -264,7 +264,7 @@ def check_pair(verifier_dir: Path, drafter_dir: Path, max_tokens: int = 32) -> d
     if spec.token_ids != alone.token_ids:
         raise FetchError("speculative decoding did not reproduce the verifier alone: the pair is broken")
     return {"tokens": len(alone.token_ids), "text": v.tokenizer.decode(alone.token_ids, skip_special_tokens=True),
-            "served_as": v.served, "drafter": "+".join((kind, *speculators)) + ", k auto", "identical": True,
+            "served_as": v.served, "drafter": "+".join((kind, *speculators)) + ", k auto",
             "block_efficiency": round(spec.stats.block_efficiency, 3)}
 
 

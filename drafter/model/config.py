@@ -19,13 +19,12 @@ from typing import Any
 
 import torch
 
-# Fields served from the file, with the types a plain value of each has (bool before int: a bool is an int).
-_INT = (int,)
-SERVED: dict[str, tuple[type, ...]] = {
-    "model_type": (str,), "hidden_act": (str,), "hidden_size": _INT, "intermediate_size": _INT,
-    "num_hidden_layers": _INT, "num_attention_heads": _INT, "num_key_value_heads": _INT, "head_dim": _INT,
-    "max_position_embeddings": _INT, "vocab_size": _INT, "rms_norm_eps": (float,), "tie_word_embeddings": (bool,),
-    "attention_bias": (bool,), "mlp_bias": (bool,), "rope_parameters": (dict,), "dtype": (str,),
+# Fields served from the file, with the type a plain value of each has.
+SERVED: dict[str, type] = {
+    "model_type": str, "hidden_act": str, "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int,
+    "num_attention_heads": int, "num_key_value_heads": int, "head_dim": int, "max_position_embeddings": int,
+    "vocab_size": int, "rms_norm_eps": float, "tie_word_embeddings": bool, "attention_bias": bool, "mlp_bias": bool,
+    "rope_parameters": dict, "dtype": str,
 }
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")  # int, a list of ints, or null; absent: None
 # Keys that may be in a plain file besides those: none of them changes a value served here (transformers keeps
@@ -44,7 +43,7 @@ def plain_config(path: str | Path) -> "PlainConfig | None":
         return None
     if not isinstance(raw, dict) or raw.get("model_type") != "llama" or not raw.keys() <= PLAIN_KEYS:
         return None
-    if any(not isinstance(raw.get(k), t) or (t is _INT and isinstance(raw[k], bool)) for k, t in SERVED.items()):
+    if not all(_typed(raw.get(k), t) for k, t in SERVED.items()):
         return None
     rope = raw["rope_parameters"]
     if rope.keys() != {"rope_type", "rope_theta"} or rope["rope_type"] != "default":
@@ -56,34 +55,35 @@ def plain_config(path: str | Path) -> "PlainConfig | None":
     return PlainConfig(Path(path), raw)
 
 
+def _typed(value: Any, kind: type) -> bool:
+    """`value` is a `kind` (a bool is not an int here, though Python's bool is one)."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
 def _token_ids(value: Any) -> bool:
-    ints = value if isinstance(value, list) else [value]
-    return value is None or all(isinstance(v, int) and not isinstance(v, bool) for v in ints)
+    return value is None or all(_typed(v, int) for v in (value if isinstance(value, list) else [value]))
 
 
 class PlainConfig:
-    """What the decoder reads of a plain Llama config.json (`SERVED`, token ids, `dtype` as a torch dtype); any
-    other attribute is the transformers config's (`full`, loaded once on first need). Attributes set on it are
-    its own, and are set on the full config too."""
+    """What the decoder reads of a plain Llama config.json (`SERVED`, token ids, `dtype` as a torch dtype), as
+    attributes of its own; any other attribute is the transformers config's (`full`, loaded once on first need).
+    Attributes set on it are its own, and are set on the full config too."""
+
+    _OWN = ("_path", "_full")  # its own state, not config fields
 
     def __init__(self, path: Path, raw: dict):
         fields = {k: raw[k] for k in SERVED} | {k: raw.get(k) for k in TOKEN_IDS}
         fields["rope_parameters"] = dict(raw["rope_parameters"])
         fields["dtype"] = getattr(torch, raw["dtype"])
-        object.__setattr__(self, "_fields", fields)
-        object.__setattr__(self, "_path", path)
-        object.__setattr__(self, "_full", None)
+        self.__dict__.update(fields, _path=path, _full=None)
 
-    def __getattr__(self, name: str) -> Any:  # only for names that are not plain attributes of this object
-        fields = object.__getattribute__(self, "_fields")
-        if name in fields:
-            return fields[name]
-        if name.startswith("__") or name in ABSENT:  # copy/pickle probes; what a Llama config does not have
+    def __getattr__(self, name: str) -> Any:  # only for names that are not attributes of this object
+        if name.startswith("__") or name in ABSENT or name in self._OWN:  # copy/pickle probes; what Llama lacks
             raise AttributeError(name)
         return getattr(self.full, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        self._fields[name] = value
+        self.__dict__[name] = value
         if self._full is not None:
             setattr(self._full, name, value)
 
@@ -94,11 +94,14 @@ class PlainConfig:
             from transformers import AutoConfig
 
             full = AutoConfig.from_pretrained(self._path)
-            for name, value in self._fields.items():
+            for name, value in self._fields().items():
                 if getattr(full, name, None) != value:
                     setattr(full, name, value)
-            object.__setattr__(self, "_full", full)
+            self.__dict__["_full"] = full
         return self._full
 
+    def _fields(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in self._OWN}
+
     def __repr__(self) -> str:
-        return f"PlainConfig({self._path}, {self._fields})"
+        return f"PlainConfig({self._path}, {self._fields()})"

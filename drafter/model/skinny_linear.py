@@ -88,10 +88,10 @@ def override(m: int, n: int, k: int) -> Tiling | None:
     return read_tiles().get(f"{m},{n},{k}")
 
 
-def read_tiles(path: str | None = None) -> dict[str, Tiling]:
+def read_tiles() -> dict[str, Tiling]:
     """The tilings file (`override`), read once; graph.StaticModel reads it when built, so that a traced step
     finds it read (a file opened inside torch.compile's trace would break the graph)."""
-    path = path or os.environ.get("SPECLOOP_SKINNY_TILES")
+    path = os.environ.get("SPECLOOP_SKINNY_TILES")
     if not path:
         return {}
     if path not in _READ:

@@ -62,6 +62,11 @@ class Drain:
         `CUT_GRACE_S` later."""
         self.timeout_s = self.elapsed()
 
+    @property
+    def overdue(self) -> bool:
+        """Draining, and its deadline has come (it timed out, or `cut_now` moved it)."""
+        return self.draining and self.elapsed() >= self.timeout_s
+
     def elapsed(self) -> float:
         return 0.0 if self.started_at is None else time.monotonic() - self.started_at
 
@@ -70,7 +75,7 @@ class Drain:
         is over (nothing in flight, or the cut requests had their grace)."""
         if not self.draining:
             return False
-        if self.active and not self.cut and self.elapsed() >= self.timeout_s:
+        if self.active and not self.cut and self.overdue:
             self.cut = True
             log.warning("drain deadline: cutting %d request(s) short", len(self.active))
             for cut in list(self.active.values()):
@@ -84,16 +89,14 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, drain: Drain, drain_timeout: float = DRAIN_TIMEOUT_S):
         super().__init__(config)
         self.drain, self.drain_timeout = drain, drain_timeout
-        self.cut_short = False  # a signal moved the drain's deadline to now
 
     def handle_exit(self, sig: int, frame) -> None:
         name = signal.Signals(sig).name
         if not self.drain.draining:
             log.warning("specloop API: %s received", name)
             self.drain.start(self.drain_timeout)
-        elif not (self.cut_short or self.drain.cut):  # a second signal: the deadline is now
+        elif not self.drain.overdue:  # a second signal: the deadline is now
             log.warning("specloop API: %s received again", name)
-            self.cut_short = True
             self.drain.cut_now()
         else:  # a third (or a second after the deadline): stop at once
             log.warning("specloop API: %s received while cutting: stopping now", name)
