@@ -1,6 +1,7 @@
 """The GPU worker's decode step: one static-shape, sync-free forward over the engine's whole slot pool,
-compiled with `torch.compile(fullgraph=True)` and, on CUDA, captured as a CUDA graph
-(`mode="reduce-overhead"`): the engine's "graph" backend.
+compiled with `torch.compile(fullgraph=True)` region by region (the embedding, one layer, the head: one
+compile of a layer serves every layer) and, on CUDA, captured whole as one CUDA graph: the engine's "graph"
+backend.
 
 Why: on a GPU, the eager decoder (specloop.drafter.model.decoder.LeanDecoder) launches a few hundred small kernels
 per step from Python, and the GPU waits on the host; a captured step replays them all in one launch.
@@ -30,7 +31,8 @@ import logging
 import os
 import time
 import weakref
-from typing import Callable, Literal, overload
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -122,11 +124,60 @@ def graph_ready(lean) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class StepConstants:
+    """What a step's regions read besides tensors: shapes, the norm's epsilon, the attention and the products the
+    step runs (constants of a trace: the same object for every layer of a model)."""
+
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    scaling: float
+    eps: float
+    hidden_size: int
+    attention: str
+    linear: str
+
+
+class StaticLayer(torch.nn.Module):
+    """One layer's weights as module buffers (the same storage, no copy) beside the step's constants: every layer
+    is the same region to torch.compile (`_layer`), compiled once for them all (`RegionalStep`)."""
+
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def __init__(self, w, c: StepConstants):
+        super().__init__()
+        self.c = c
+        qkv, qkv_bias = _float_weight(w.qkv)
+        for name, value in (("in_norm", w.in_norm), ("post_norm", w.post_norm), ("qkv", qkv),
+                            ("qkv_bias", w.qkv_bias if w.qkv_bias is not None else qkv_bias),
+                            ("q_norm", w.q_norm), ("k_norm", w.k_norm), ("o", _float_weight(w.o)[0]),
+                            ("gate_up", _float_weight(w.gate_up)[0]), ("down", _float_weight(w.down)[0])):
+            _put(self, name, value)
+
+
+def _put(module: torch.nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """`value` as a buffer of `module`, at a static address for CUDA graphs (no identity guard: every layer, and
+    another model of the same shapes, is the same compiled region)."""
+    if value is not None:
+        value = value.detach()
+        torch._dynamo.mark_static_address(value, guard=False)
+    module.register_buffer(name, value, persistent=False)
+
+
 class StaticModel(torch.nn.Module):
     """A LeanDecoder's weights as module buffers (the same storage, no copy), so that a compiled step
-    sees them at static addresses (CUDA graphs replay on them)."""
+    sees them at static addresses (CUDA graphs replay on them): the embedding, the final norm and the head here,
+    each layer's in `layers`."""
 
-    # the buffers `_put` registers beside the per-layer ones (`w`)
     embed: torch.Tensor
     final_norm: torch.Tensor
     lm_head: torch.Tensor
@@ -140,9 +191,9 @@ class StaticModel(torch.nn.Module):
         why = graph_ready(lean)
         if why is not None:
             raise ValueError(f"the graph step cannot run this decoder: {why}")
-        self.n_heads, self.n_kv, self.head_dim = lean.n_heads, lean.n_kv, lean.head_dim
-        self.scaling, self.eps, self.hidden_size = lean.scaling, lean.eps, lean.hidden_size
+        self.hidden_size, self.eps = lean.hidden_size, lean.eps
         self.vocab_size, self.num_layers = lean.vocab_size, lean.num_layers
+        self.n_heads, self.n_kv = lean.n_heads, lean.n_kv
         self.dtype = lean.dtype
         self.attention = resolve_attention(lean.device)  # a constant of the traced step
         if self.attention == "triton":
@@ -151,36 +202,14 @@ class StaticModel(torch.nn.Module):
         if self.linear == "skinny":
             skinny_linear.build()
             skinny_linear.read_tiles()
+        self.c = StepConstants(lean.n_heads, lean.n_kv, lean.head_dim, lean.scaling, lean.eps, lean.hidden_size,
+                               self.attention, self.linear)
         head, head_bias = _float_weight(lean.lm_head)
-        self._put("embed", lean.embed)
-        self._put("final_norm", lean.final_norm)
-        self._put("lm_head", head)
-        self._put("lm_head_bias", head_bias)
-        self._put("cos", lean.cos)
-        self._put("sin", lean.sin)
-        self._put("vocab_ids", lean.vocab_ids)
-        for i, w in enumerate(lean.layers):
-            qkv, qkv_bias = _float_weight(w.qkv)
-            for name, value in (("in_norm", w.in_norm), ("post_norm", w.post_norm), ("qkv", qkv),
-                                ("qkv_bias", w.qkv_bias if w.qkv_bias is not None else qkv_bias),
-                                ("q_norm", w.q_norm), ("k_norm", w.k_norm), ("o", _float_weight(w.o)[0]),
-                                ("gate_up", _float_weight(w.gate_up)[0]), ("down", _float_weight(w.down)[0])):
-                self._put(f"l{i}_{name}", value)
-
-    def _put(self, name: str, value: torch.Tensor | None) -> None:
-        if value is not None:
-            value = value.detach()
-            torch._dynamo.mark_static_address(value)
-        self.register_buffer(name, value, persistent=False)
-
-    @overload
-    def w(self, i: int, name: Literal["in_norm", "post_norm", "qkv", "o", "gate_up", "down"]) -> torch.Tensor: ...
-
-    @overload
-    def w(self, i: int, name: str) -> torch.Tensor | None: ...
-
-    def w(self, i: int, name: str) -> torch.Tensor | None:
-        return getattr(self, f"l{i}_{name}")
+        for name, value in (("embed", lean.embed), ("final_norm", lean.final_norm), ("lm_head", head),
+                            ("lm_head_bias", head_bias), ("cos", lean.cos), ("sin", lean.sin),
+                            ("vocab_ids", lean.vocab_ids)):
+            _put(self, name, value)
+        self.layers = torch.nn.ModuleList(StaticLayer(w, self.c) for w in lean.layers)
 
     def forward(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
                 n_new: torch.Tensor, lens: torch.Tensor, bias: list[torch.Tensor] | None = None,
@@ -188,82 +217,122 @@ class StaticModel(torch.nn.Module):
         return static_forward(self, keys, values, tokens, n_new, lens, bias, capture, last_only)
 
 
+class Regions(NamedTuple):
+    """The step's three parts, each a pure function of tensors and constants: as written (`PLAIN`; a whole-step
+    trace inlines them into one graph) or each compiled on its own (`regions`: one compile of `_layer` serves every
+    layer)."""
+
+    prologue: Callable
+    layer: Callable
+    epilogue: Callable
+
+
 def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.Tensor],
                    tokens: torch.Tensor,  # [S, W] int64 on the device (right-padded)
                    n_new: torch.Tensor,  # [S] int64: real tokens per row (0: the row does not advance)
                    lens: torch.Tensor,  # [S] int64: committed positions per row before the step
                    bias: list[torch.Tensor] | None,  # per layer [S, I] added to the MLP's up half (SD²)
-                   capture: tuple[int, ...], last_only: bool):
+                   capture: tuple[int, ...], last_only: bool, parts: "Regions | None" = None):
     """One decode-shaped pass over the pool: writes the real tokens' KV, attends over the whole capacity
     under the causal mask. Returns (logits [S, W, V] or [S, 1, V] at each row's last real token,
     residual streams [S, W, hidden] after each `capture` layer, in capture's order, the logits' argmax
-    [S, W] or [S, 1]: a greedy verdict's input, computed in the step instead of one more launch after it)."""
+    [S, W] or [S, 1]: a greedy verdict's input, computed in the step instead of one more launch after it).
+    `parts`: the regions it runs (default: as written)."""
+    parts = parts or PLAIN
+    x, delta, rows, slot, cos, sin, visible = parts.prologue(m.c, m.embed, m.cos, m.sin, tokens, n_new, lens, keys[0])
+    hidden = []
+    for i, layer in enumerate(m.layers):
+        up_bias = None if bias is None else bias[i]
+        x, delta = parts.layer(layer, x, delta, keys[i], values[i], rows, slot, cos, sin, visible, up_bias)
+        if i in capture:
+            hidden.append(x + delta)
+    logits, choices = parts.epilogue(m.c, m.final_norm, m.lm_head, m.lm_head_bias, m.vocab_ids, m.vocab_size,
+                                     x, delta, n_new, last_only)
+    return logits, tuple(hidden), choices
+
+
+def _prologue(c: StepConstants, embed: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+              tokens: torch.Tensor, n_new: torch.Tensor, lens: torch.Tensor, kc: torch.Tensor):
+    """What every layer of the step reads: the embedded tokens (as the residual stream x = 0 and its pending
+    update, `_layer`'s contract), each query's cache slot, its rotary rows, and what the attention reads of the
+    queries' positions."""
     S, W = tokens.shape
-    C = keys[0].shape[2]
+    C = kc.shape[2]
     dev = tokens.device
     j = torch.arange(W, device=dev)
     pos = lens[:, None] + j[None]  # [S, W] absolute position of each query
     real = j[None] < n_new[:, None]  # [S, W]
     slot = torch.where(real, pos, C - 1)  # padded queries write the trash slot
-    at = pos.clamp(max=m.cos.shape[0] - 1)
-    cos, sin = m.cos[at][:, :, None], m.sin[at][:, :, None]  # [S, W, 1, D]
+    at = pos.clamp(max=cos_table.shape[0] - 1)
+    cos, sin = cos_table[at][:, :, None], sin_table[at][:, :, None]  # [S, W, 1, D]
     # a query sees keys at positions <= its own; the trash slot (C − 1) is beyond every real query
-    if m.attention in ("torch", "sdpa"):  # what the attention reads of the queries' positions: a mask [S, W, C],
+    if c.attention in ("torch", "sdpa"):  # what the attention reads of the queries' positions: a mask [S, W, C],
         visible = torch.arange(C, device=dev)[None, None] <= pos[:, :, None]
-        if m.attention == "sdpa":  # as an additive bias, once for every layer
-            visible = _sdpa_bias(visible, m.n_heads // m.n_kv, keys[0].dtype)
+        if c.attention == "sdpa":  # as an additive bias, once for every layer
+            visible = _sdpa_bias(visible, c.n_heads // c.n_kv, kc.dtype)
     else:  # the positions [S, W] (triton), the rows' lengths [S] (flex)
-        visible = lens if m.attention == "flex" else pos
+        visible = lens if c.attention == "flex" else pos
     rows = torch.arange(S, device=dev)[:, None].expand(S, W)
-    x = F.embedding(tokens, m.embed)  # [S, W, hidden]
-    hidden = []
-    for i in range(m.num_layers):
-        up_bias = None if bias is None else bias[i]
-        x = _layer(m, i, x, keys[i], values[i], rows, slot, cos, sin, visible, up_bias)
-        if i in capture:
-            hidden.append(x)
-    if last_only:
-        x = x[torch.arange(S, device=dev), (n_new - 1).clamp(min=0)][:, None]  # [S, 1, hidden]
-    x = F.rms_norm(x, (m.hidden_size,), m.final_norm, m.eps)
-    logits = _linear(m, x, m.lm_head, m.lm_head_bias)
-    if m.vocab_ids is not None:  # FR-Spec: the head holds the draft vocabulary's rows only
-        full = logits.new_full((*logits.shape[:-1], m.vocab_size), float("-inf"))
-        logits = full.index_copy(-1, m.vocab_ids, logits)
-    return logits, tuple(hidden), logits.argmax(dim=-1)
+    delta = F.embedding(tokens, embed)  # [S, W, hidden]
+    return torch.zeros_like(delta), delta, rows, slot, cos, sin, visible
 
 
-def _layer(m: StaticModel, i: int, x, kc, vc, rows, slot, cos, sin, visible, up_bias):
+def _layer(L: StaticLayer, x, delta, kc, vc, rows, slot, cos, sin, visible, up_bias):
+    """One layer on the residual stream x and its pending update `delta` (the MLP's output of the layer before;
+    the embedding for the first): returns this layer's (x, delta). Adding the update here, not at the end of the
+    layer before, keeps the add fused with this layer's first norm when each layer is its own compiled region."""
+    c = L.c
     S, W, _ = x.shape
-    H, Hkv, D = m.n_heads, m.n_kv, m.head_dim
-    h = F.rms_norm(x, (m.hidden_size,), m.w(i, "in_norm"), m.eps)
-    q, k, v = _linear(m, h, m.w(i, "qkv"), m.w(i, "qkv_bias")).split((H * D, Hkv * D, Hkv * D), dim=-1)
+    H, Hkv, D = c.n_heads, c.n_kv, c.head_dim
+    x = x + delta
+    h = F.rms_norm(x, (c.hidden_size,), L.in_norm, c.eps)
+    q, k, v = _linear(c, h, L.qkv, L.qkv_bias).split((H * D, Hkv * D, Hkv * D), dim=-1)
     q, k, v = q.view(S, W, H, D), k.view(S, W, Hkv, D), v.view(S, W, Hkv, D)
-    if m.w(i, "q_norm") is not None:  # Qwen3: per-head RMSNorm of queries and keys
-        q = F.rms_norm(q, (D,), m.w(i, "q_norm"), m.eps)
-        k = F.rms_norm(k, (D,), m.w(i, "k_norm"), m.eps)
+    if L.q_norm is not None:  # Qwen3: per-head RMSNorm of queries and keys
+        q = F.rms_norm(q, (D,), L.q_norm, c.eps)
+        k = F.rms_norm(k, (D,), L.k_norm, c.eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     kc[rows, :, slot] = k.to(kc.dtype)  # [S, W, Hkv, D] into [S, Hkv, C, D]
     vc[rows, :, slot] = v.to(vc.dtype)
-    if m.attention == "torch":  # visible: [S, W, C] bool
-        att = _attend(q, kc, vc, visible, m.scaling)  # [S, W, H D]
-    elif m.attention == "flex":  # visible: the rows' lengths [S] (query j sits at lens + j)
-        att = _flex_attend(q, kc, vc, visible, m.scaling)
-    elif m.attention == "sdpa":  # visible: the mask as a bias [S, 1, W rep, C]
-        att = _sdpa_attend(q, kc, vc, visible, m.scaling)
+    if c.attention == "torch":  # visible: [S, W, C] bool
+        att = _attend(q, kc, vc, visible, c.scaling)  # [S, W, H D]
+    elif c.attention == "flex":  # visible: the rows' lengths [S] (query j sits at lens + j)
+        att = _flex_attend(q, kc, vc, visible, c.scaling)
+    elif c.attention == "sdpa":  # visible: the mask as a bias [S, 1, W rep, C]
+        att = _sdpa_attend(q, kc, vc, visible, c.scaling)
     else:  # visible: the queries' positions [S, W]
-        att = decode_attention.decode_attention(q, kc, vc, visible, m.scaling)
-    x = x + _linear(m, att.to(x.dtype), m.w(i, "o"))
-    h = F.rms_norm(x, (m.hidden_size,), m.w(i, "post_norm"), m.eps)
-    gate, up = _linear(m, h, m.w(i, "gate_up")).chunk(2, dim=-1)
+        att = decode_attention.decode_attention(q, kc, vc, visible, c.scaling)
+    x = x + _linear(c, att.to(x.dtype), L.o)
+    h = F.rms_norm(x, (c.hidden_size,), L.post_norm, c.eps)
+    gate, up = _linear(c, h, L.gate_up).chunk(2, dim=-1)
     if up_bias is not None:
         up = up + up_bias[:, None]
-    return x + _linear(m, F.silu(gate) * up, m.w(i, "down"))
+    return x, _linear(c, F.silu(gate) * up, L.down)
 
 
-def _linear(m: StaticModel, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _epilogue(c: StepConstants, final_norm: torch.Tensor, head: torch.Tensor, head_bias: torch.Tensor | None,
+              vocab_ids: torch.Tensor | None, vocab_size: int, x: torch.Tensor, delta: torch.Tensor,
+              n_new: torch.Tensor, last_only: bool):
+    """The last layer's update added, the final norm and the head: (logits, their argmax)."""
+    x = x + delta
+    if last_only:
+        S = x.shape[0]
+        x = x[torch.arange(S, device=x.device), (n_new - 1).clamp(min=0)][:, None]  # [S, 1, hidden]
+    x = F.rms_norm(x, (c.hidden_size,), final_norm, c.eps)
+    logits = _linear(c, x, head, head_bias)
+    if vocab_ids is not None:  # FR-Spec: the head holds the draft vocabulary's rows only
+        full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        logits = full.index_copy(-1, vocab_ids, logits)
+    return logits, logits.argmax(dim=-1)
+
+
+PLAIN = Regions(_prologue, _layer, _epilogue)
+
+
+def _linear(c: StepConstants, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """A weight product of the step: the skinny kernel where the step chose it and the product's shape fits
     (`skinny_linear.fits`: a decision of shapes, the same on every replay), else F.linear."""
-    if m.linear == "skinny" and skinny_linear.fits(x, weight):
+    if c.linear == "skinny" and skinny_linear.fits(x, weight):
         return skinny_linear.skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
@@ -330,18 +399,47 @@ def _flex_attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: torc
 
 def compile_step(model: StaticModel, device: torch.device, compiled: bool = True):
     """The callable a GraphDecoder runs: `model` itself (eager; tests and debugging), or compiled with
-    fullgraph=True: a graph break or host sync in the step is an error, not a silent slowdown. No CUDA
-    graph here: on CUDA the GraphDecoder captures the compiled step itself, one graph per pool
-    (`CapturedStep`), and replays it without dynamo's guards or the cudagraph trees' bookkeeping."""
+    fullgraph=True region by region (`RegionalStep`): a graph break or host sync in the step is an error, not a
+    silent slowdown. No CUDA graph here: on CUDA the GraphDecoder captures the compiled step itself, one graph
+    per pool (`CapturedStep`), and replays it without dynamo's guards or the cudagraph trees' bookkeeping. Only
+    torch.compile's own CUDA graphs (SPECLOOP_CUDA_GRAPHS=trees) take the whole step as one graph."""
     if not compiled:
         return model
-    mode = "reduce-overhead" if device.type == "cuda" and capture_mode() == "trees" else None
-    if mode is None and os.environ.get("SPECLOOP_AUTOTUNE") == "1":  # Triton GEMMs tuned for the step's shapes
+    if device.type == "cuda" and capture_mode() == "trees":
+        return torch.compile(model, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    mode = None
+    if os.environ.get("SPECLOOP_AUTOTUNE") == "1":  # Triton GEMMs tuned for the step's shapes
         from torch._inductor import config as inductor
 
         inductor.coordinate_descent_tuning = True  # (minutes of compile per shape; measured in
         mode = "max-autotune-no-cudagraphs"  # bench/gpu.py's section paths)
-    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
+    return RegionalStep(model, compiled_regions(mode))
+
+
+_COMPILED: dict[str | None, Regions] = {}  # the compiled regions, by inductor's mode: one set per process
+
+
+def compiled_regions(mode: str | None = None) -> Regions:
+    """The step's regions, each compiled with fullgraph=True (torch.compile keeps a graph per shapes and
+    constants of each: one `_layer` graph serves every layer of a model, where a whole-step trace compiled every
+    layer again: the cold compile of a 30-layer step falls from minutes to seconds on a GPU)."""
+    if mode not in _COMPILED:
+        _COMPILED[mode] = Regions(*(torch.compile(fn, fullgraph=True, dynamic=False, mode=mode) for fn in PLAIN))
+    return _COMPILED[mode]
+
+
+class RegionalStep:
+    """A StaticModel's step (its call's signature) running compiled regions: the glue between them is a loop over
+    the layers and the adds of the layers a pass captures, nothing that reads the device; on CUDA the whole
+    step, regions and glue, is captured as one graph (`CapturedStep`), so the glue costs nothing on replay."""
+
+    def __init__(self, model: StaticModel, parts: Regions):
+        self.model, self.parts = model, parts
+
+    def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
+                 n_new: torch.Tensor, lens: torch.Tensor, bias: list[torch.Tensor] | None = None,
+                 capture: tuple[int, ...] = (), last_only: bool = False):
+        return static_forward(self.model, keys, values, tokens, n_new, lens, bias, capture, last_only, self.parts)
 
 
 def capture_mode() -> str:
@@ -662,8 +760,8 @@ class GraphDecoder:
         t0 = time.perf_counter()
         S, W, dev = self.slots, self.width, self.lean.device
         m = self.model
-        bias = [torch.zeros(S, m.w(i, "gate_up").shape[0] // 2, dtype=m.dtype, device=dev)
-                for i in range(m.num_layers)] if biased else None
+        bias = [torch.zeros(S, layer.gate_up.shape[0] // 2, dtype=m.dtype, device=dev)
+                for layer in m.layers] if biased else None
         capture = self._capture_set(tuple(i for c in captures for i in c), last_only, biased)
         captured = False
         if self.direct:

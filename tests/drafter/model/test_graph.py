@@ -83,6 +83,32 @@ def test_the_static_step_traces_as_one_graph_with_no_graph_break_or_host_sync(ti
     assert torch._dynamo.explain(model)(*_copy_args(args)).graph_break_count == 0
 
 
+def test_the_regional_step_compiles_one_layer_for_every_layer_and_scores_as_the_whole_step(tiny_verifier):
+    # each region traced with fullgraph=True (no break, no host sync in it); a layer is one graph whatever the
+    # layer, and another model of the same shapes reuses every graph; the glue between regions changes no value
+    from torch._dynamo.testing import CompileCounter
+
+    from specloop.drafter.model.graph import PLAIN, Regions, RegionalStep
+
+    lean = tiny_verifier.lean
+    assert lean.num_layers > 1
+    graph, cache = _pool(lean, [[5, 6, 7, 8], [9, 10]], slots=3, width=5)
+    args = _inputs(graph, cache, torch.tensor([[11, 12, 13], [14, 0, 0]]), torch.tensor([3, 1]))
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    step = RegionalStep(StaticModel(lean), Regions(*(torch.compile(f, fullgraph=True, dynamic=False, backend=counter)
+                                                     for f in PLAIN)))
+    whole = StaticModel(lean)
+    for capture in ((), (0, 1)):
+        expected = whole(*_copy_args(args), capture=capture)
+        got = step(*_copy_args(args), capture=capture)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
+        assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1])) and len(got[1]) == len(capture)
+    assert counter.frame_count == 3  # the prologue, one layer, the head: not one graph per layer
+    RegionalStep(StaticModel(lean), step.parts)(*_copy_args(args))
+    assert counter.frame_count == 3
+
+
 def _copy_args(args):
     keys, values, *rest = args
     return [k.clone() for k in keys], [v.clone() for v in values], *rest
