@@ -88,7 +88,7 @@ def test_the_regional_step_compiles_one_layer_for_every_layer_and_scores_as_the_
     # layer, and another model of the same shapes reuses every graph; the glue between regions changes no value
     from torch._dynamo.testing import CompileCounter
 
-    from specloop.drafter.model.graph import PLAIN, Regions, RegionalStep
+    from specloop.drafter.model.graph import PLAIN, RegionalStep, Regions
 
     lean = tiny_verifier.lean
     assert lean.num_layers > 1
