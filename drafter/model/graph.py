@@ -114,6 +114,14 @@ def _float_weight(w) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     return None
 
 
+def _dense(w) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_float_weight` of a linear that `graph_ready` passed."""
+    got = _float_weight(w)
+    if got is None:
+        raise ValueError(f"the graph step takes fp32 / bf16 weights, not {type(w).__name__}")
+    return got
+
+
 def graph_ready(lean) -> str | None:
     """None when the compiled step can run `lean`, else why not (quantized weights run model.kernels)."""
     if lean.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -156,11 +164,11 @@ class StaticLayer(torch.nn.Module):
     def __init__(self, w, c: StepConstants):
         super().__init__()
         self.c = c
-        qkv, qkv_bias = _float_weight(w.qkv)
+        qkv, qkv_bias = _dense(w.qkv)
         for name, value in (("in_norm", w.in_norm), ("post_norm", w.post_norm), ("qkv", qkv),
                             ("qkv_bias", w.qkv_bias if w.qkv_bias is not None else qkv_bias),
-                            ("q_norm", w.q_norm), ("k_norm", w.k_norm), ("o", _float_weight(w.o)[0]),
-                            ("gate_up", _float_weight(w.gate_up)[0]), ("down", _float_weight(w.down)[0])):
+                            ("q_norm", w.q_norm), ("k_norm", w.k_norm), ("o", _dense(w.o)[0]),
+                            ("gate_up", _dense(w.gate_up)[0]), ("down", _dense(w.down)[0])):
             _put(self, name, value)
 
 
@@ -204,7 +212,7 @@ class StaticModel(torch.nn.Module):
             skinny_linear.read_tiles()
         self.c = StepConstants(lean.n_heads, lean.n_kv, lean.head_dim, lean.scaling, lean.eps, lean.hidden_size,
                                self.attention, self.linear)
-        head, head_bias = _float_weight(lean.lm_head)
+        head, head_bias = _dense(lean.lm_head)
         for name, value in (("embed", lean.embed), ("final_norm", lean.final_norm), ("lm_head", head),
                             ("lm_head_bias", head_bias), ("cos", lean.cos), ("sin", lean.sin),
                             ("vocab_ids", lean.vocab_ids)):
