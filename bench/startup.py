@@ -6,13 +6,21 @@ peak resident memory (the child's own rusage); for `serve`, the seconds from its
 tree) run from worktrees of this repository (as the working directory and PYTHONPATH: its `specloop` is imported),
 after one untimed run each, alternating round by round (checkouts and commands); medians over rounds. Every process gets --threads explicitly.
 
+--graph: the graph backend's start-up instead (the GPU worker's path: bf16 weights, the static step compiled by
+torch.compile and, on CUDA, captured; prompts prefilled in captured chunks), `generate` of 8 tokens with the served
+default drafter: "cold" with an empty inductor / Triton cache of its own (a bare machine), "warm" on a cache the
+untimed run filled (a restarted worker). On a CPU the backend is forced (SPECLOOP_BACKEND=graph), so this measures
+what compiling the step costs, not what a CPU user runs.
+
     .venv/bin/python bench/startup.py --revisions HEAD~1,. --rounds 3 --out bench/results/startup.json
+    .venv/bin/python bench/startup.py --graph --revisions HEAD~1,. --rounds 2 --out bench/results/startup_graph.json
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,17 +35,34 @@ from bench.whole_process import PAIR  # noqa: E402  (`specloop models fetch`'s p
 SERVE = "serve (to /ready)"
 
 
-def commands(pair: Path, prompts: Path, threads: int) -> dict[str, list[str]]:
+GRAPH_ENV = {"SPECLOOP_BACKEND": "graph", "SPECLOOP_PREFILL": "graph"}  # --graph: the GPU worker's path, forced
+COLD, WARM = "generate (graph, cold cache)", "generate (graph, warm cache)"
+
+
+def commands(pair: Path, prompts: Path, threads: int, graph: bool = False) -> dict[str, list[str]]:
     one = ["generate", str(pair / "verifier"), "--drafter", str(pair / "drafter"), "--prompts", str(prompts),
            "--max-tokens", "1", "--json"]
+    if graph:
+        eight = [*one[:-3], "--max-tokens", "8", "--json", "--weights", "bf16", "--drafter-weights", "bf16"]
+        return {COLD: ["--threads", str(threads), *eight], WARM: ["--threads", str(threads), *eight]}
     return {"--help": ["--help"], "generate --no-speculation": ["--threads", str(threads), *one, "--no-speculation"],
             "generate (default)": ["--threads", str(threads), *one],
             SERVE: [str(pair / "verifier"), "--drafter", str(pair / "drafter"), "--learner", "off"]}
 
 
-def measure(checkout: Path, name: str, args: list[str], threads: int) -> dict:
-    """One timed process of command `name` from `checkout`."""
-    return serve_ready(checkout, args, threads) if name == SERVE else run(checkout, args)
+def measure(checkout: Path, name: str, args: list[str], threads: int, warm_cache: Path | None = None) -> dict:
+    """One timed process of command `name` from `checkout`; `warm_cache` (--graph): the graph backend, compiling into
+    that cache (the checkout's own, kept across its runs), or into a fresh one for the cold command."""
+    if name == SERVE:
+        return serve_ready(checkout, args, threads)
+    if warm_cache is None:
+        return run(checkout, args)
+    cache = Path(tempfile.mkdtemp(prefix="specloop-inductor-")) if name == COLD else warm_cache
+    try:
+        return run(checkout, args, dict(GRAPH_ENV, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton")))
+    finally:
+        if cache != warm_cache:
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def serve_ready(checkout: Path, flags: list[str], threads: int) -> dict:
@@ -64,9 +89,10 @@ def serve_ready(checkout: Path, flags: list[str], threads: int) -> dict:
     return {"wall_s": ready, "peak_rss_mb": None}
 
 
-def run(checkout: Path, args: list[str]) -> dict:
-    """One process: wall seconds and peak RSS (MB) of `python -m specloop ARGS` run from `checkout`."""
-    env = dict(os.environ, PYTHONPATH=str(checkout))
+def run(checkout: Path, args: list[str], extra: dict[str, str] | None = None) -> dict:
+    """One process: wall seconds and peak RSS (MB) of `python -m specloop ARGS` run from `checkout` (`extra`: more
+    environment)."""
+    env = dict(os.environ, PYTHONPATH=str(checkout), **(extra or {}))
     start = time.perf_counter()
     # cwd: `python -m` puts the working directory first on sys.path, before PYTHONPATH
     proc = subprocess.Popen([sys.executable, "-m", "specloop", *args], env=env, cwd=checkout,
@@ -108,6 +134,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pair", type=Path, default=PAIR, help="a fetched pair: verifier/ and drafter/")
+    ap.add_argument("--graph", action="store_true", help="the graph backend's start-up, cold and warm compile caches")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "startup.json")
     args = ap.parse_args()
     from bench.machine import machine_info
@@ -118,15 +145,17 @@ def main() -> None:
     revisions = [r.strip() for r in args.revisions.split(",") if r.strip()]
     trees = checkouts(revisions, tmp)
     runs: dict[str, dict[str, list[dict]]] = {rev: {} for rev in revisions}
-    cmds = commands(args.pair, prompts, args.threads)
+    cmds = commands(args.pair, prompts, args.threads, args.graph)
+    first = WARM if args.graph else "generate (default)"
+    caches = {rev: tmp / f"inductor-{i}" if args.graph else None for i, rev in enumerate(revisions)}
     try:
         for rev in revisions:  # untimed: a checkout's first run builds its CPU kernels (~40 s, once per tree)
-            measure(trees[rev], "generate (default)", cmds["generate (default)"], args.threads)
+            measure(trees[rev], first, cmds[first], args.threads, caches[rev])  # --graph: and fills its warm cache
         for r in range(args.rounds):
             order = revisions if r % 2 == 0 else list(reversed(revisions))
             for name, cmd in (cmds.items() if r % 2 == 0 else reversed(cmds.items())):
                 for rev in order:
-                    got = measure(trees[rev], name, cmd, args.threads)
+                    got = measure(trees[rev], name, cmd, args.threads, caches[rev])
                     runs[rev].setdefault(name, []).append(got)
                     print(f"round {r + 1} {rev:>10} {name:28} {got['wall_s']:.2f} s  {mb(got['peak_rss_mb'])}", flush=True)
     finally:
@@ -142,6 +171,7 @@ def main() -> None:
     commits = {rev: subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD" if rev == "." else rev],
                                    capture_output=True, text=True).stdout.strip() for rev in revisions}
     out = {"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "commits": commits,
+           "graph": args.graph, "env": GRAPH_ENV if args.graph else {},
            "runs": runs, "medians": medians}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1))
