@@ -141,10 +141,11 @@ def main() -> None:
     ap.add_argument("--capacity", type=int, default=2048)
     ap.add_argument("--verifier", type=Path, default=SHARED / "models" / "verifier")
     ap.add_argument("--drafter", type=Path, default=SHARED / "models" / "drafter")
+    ap.add_argument("--weights", default="auto", help="the verifier's weight mode (auto: as served, its manifest's)")
     ap.add_argument("--out", type=Path, default=OUT / "prefix_cache.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    verifier = load_model(args.verifier)
+    verifier = load_model(args.verifier, weights=args.weights)
     rule = StopRule(verifier.eos_ids)
     args.k = 0 if args.kind == "none" else None
 

@@ -20,6 +20,11 @@ passes (`cache_output`: one prefill of the generated tokens, so the next turn â€
 A hit never covers the prompt's last pass (nor its last token, the first block's input), nor the last
 `tail` positions whose features a windowed drafter head reads (eagle3's `feature_window`).
 
+Where every position is computed alike whatever pass computes it (`LeanDecoder.rows_alike`: specloop's own CPU
+kernels end to end, as the served w4a8 of a fetched model runs), no schedule is needed either: the rest after a hit is
+one pass, every full block of it is cached, and a finished request's history is cached from the KV its row already
+holds (the decode steps wrote the bits a prefill would), with no second prefill.
+
 On a GPU, where prompts prefill in captured chunks (specloop.drafter.model.graph `chunked_prefill`), every chunk is
 one replay of the same static step, whose result for a position does not depend on how many of its queries are real:
 there a prompt's KV is the same bits however it is cut, the schedule above is not needed, and the rest after a hit
@@ -235,17 +240,18 @@ def prefill_row(lean, cache: KVCache, slot: int, tokens: list[int], prefix: Pref
     blocks = prefix.match(tokens, reusable(n, B, tail))
     hit = len(blocks) * B
     step, row, chunked = _workspace(lean, cache, slot, hit)
+    alike = not chunked and step.rows_alike
     _write(row, blocks)
     keep = min(max(tail, 1), n)
     kept: dict[int, torch.Tensor] = {}
-    for a, b in prefill_spans(hit, n) if chunked else passes(hit, n, B):
+    for a, b in prefill_spans(hit, n) if chunked else [(hit, n)] if alike else passes(hit, n, B):
         out = step.forward(row, torch.tensor([tokens[a:b]]), last_only=True, capture=capture)
         kept = {i: torch.cat([kept[i], out.hidden[i][0]])[-keep:] if kept else out.hidden[i][0, -keep:]
                 for i in capture}
     if chunked:
         copy_positions(row, 0, cache, slot, n)
     cache.lens[slot] = n
-    prefix.insert(tokens, final_start(n, B), _read(row))
+    prefix.insert(tokens, n // B * B if alike else final_start(n, B), _read(row))
     return RowPrefill(len(blocks) * B, kept)
 
 
@@ -274,6 +280,10 @@ def cache_output(lean, cache: KVCache, slot: int, prompt_len: int, history: list
     are prefilled again by the same aligned passes a later prompt extending this history runs (the KV the decode steps
     wrote is not what they compute). Returns the blocks added."""
     B = prefix.block_size
+    if getattr(lean, "eager", lean).rows_alike and not getattr(lean, "chunked_prefill", False):
+        # the row's KV is a prefill's bits up to its length (the history but its last token, at most)
+        written = min(int(cache.lens[slot]), len(history) - 1)
+        return prefix.insert(history, written // B * B, _read(_row(cache, slot, written)))
     start, end = final_start(max(0, prompt_len - 1), B), len(history) // B * B
     if end <= start:
         return 0

@@ -121,6 +121,17 @@ class LeanDecoder:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def rows_alike(self) -> bool:
+        """Whether every position's result is computed alike whatever pass computes it (its width, where it starts,
+        the batch beside it): each layer runs specloop's own CPU kernels end to end (`_layer_args`: quantized
+        weights whose every row goes through the same instructions whatever the row count; RoPE and attention one
+        query alone over its keys; norms row by row). Then a prompt's KV is the same bits however its prefill is
+        cut, and the KV a decode step writes is the bits a prefill of the same tokens writes
+        (specloop.drafter.decode.prefix_cache relies on it). Not so for float weights (the BLAS rounds a row by the
+        product's shape) nor on a GPU."""
+        return self.fused and self.dtype == torch.float32 and all(self._layer_args(w) is not None for w in self.layers)
+
     def _fuse(self, layer) -> _Layer:
         return fuse_layer(lambda name: _tensor(layer, name))
 

@@ -225,17 +225,67 @@ def test_a_ten_turn_chat_hits_on_every_turn_after_the_first_with_the_verifiers_o
         prompt = prompt + answer
 
 
-def expected_hits(turns, answers, outputs=True, tail=0, block=32) -> list[int]:
-    """What each turn of a chat finds: the previous history's whole blocks (its answer prefilled at the finish), or
-    the previous prompt's blocks before its last pass (prompts only), within what this prompt may reuse."""
+def expected_hits(turns, answers, outputs=True, tail=0, block=32, alike=False) -> list[int]:
+    """What each turn of a chat finds: the previous history's whole blocks (its answer prefilled at the finish; where
+    rows are computed alike, those of the KV its steps wrote: all but its last token's), or the previous prompt's
+    blocks before its last pass (prompts only; where rows are computed alike, all its prefilled blocks), within what
+    this prompt may reuse."""
     prompt, seen, out = [], 0, []
     for message, answer in zip(turns, answers):
         prompt = prompt + message
         n = len(prompt) - 1
         out.append(min(seen, reusable(n, block, tail)))
-        seen = max(seen, (len(prompt) + len(answer)) // block * block if outputs else final_start(n, block))
+        history = len(prompt) + len(answer) - (1 if alike else 0)
+        seen = max(seen, history // block * block if outputs else n // block * block if alike else final_start(n, block))
         prompt = prompt + answer
     return out
+
+
+@pytest.fixture(scope="module")
+def alike(reference_pair):
+    """The reference verifier served in w4a8: specloop's own kernels end to end (`LeanDecoder.rows_alike`)."""
+    return load_model(reference_pair[0], weights="w4a8"), reference_pair[1]
+
+
+@pytest.mark.parametrize("kind,outputs", [(None, True), (None, False), ("ngram", True), ("pretrained", True)])
+def test_where_rows_are_computed_alike_a_prompt_prefills_in_one_pass_and_an_answer_is_cached_from_its_own_kv(
+        alike, kind, outputs, monkeypatch):
+    # no aligned schedule: the rest after a hit is one pass, every full block of it is cached, and a finished
+    # history's blocks are read from the KV its decode steps wrote (no second prefill); the chat's answers are the
+    # verifier alone's without a cache, the pool's KV one fresh one-pass prefill's, bit for bit
+    verifier, drafter_dir = alike
+    lean = verifier.lean
+    assert lean.rows_alike
+    rule = StopRule(frozenset(verifier.eos_ids))
+    turns = _turns(6, seed=2)
+    plain, _, _ = _chat(verifier, None, rule, turns, None, max_tokens=16)
+    idle, passes_seen = [False], []
+    forward = lean.forward
+    monkeypatch.setattr(lean, "forward", lambda cache, tokens, *a, **kw: (
+        passes_seen.append((idle[0], tokens.shape)) or forward(cache, tokens, *a, **kw)))
+    finish = Engine.cache_finished
+
+    def cache_finished(engine, most=None):
+        idle[0] = True
+        try:
+            return finish(engine, most)
+        finally:
+            idle[0] = False
+    monkeypatch.setattr(Engine, "cache_finished", cache_finished)
+    prefix = PrefixCache(budget=2048, outputs=outputs)
+    drafter = build_drafter(kind, verifier, drafter_dir) if kind else None
+    cached, hits, kv = _chat(verifier, drafter, rule, turns, prefix, k=4 if kind else 0, max_tokens=16)
+    assert cached == plain
+    assert hits == expected_hits(turns, cached, outputs, alike=True) and all(h > 0 for h in hits[1:])
+    assert not [shape for in_idle, shape in passes_seen if in_idle]  # answers cached with no forward pass
+    prompt = []
+    for t, (message, answer) in enumerate(zip(turns, cached)):
+        prompt = prompt + message
+        n = len(prompt) - 1
+        cold = lean.new_cache(1, 1024)
+        forward(cold, torch.tensor([prompt[:n]]), last_only=True, prefill=True)
+        assert all(torch.equal(c[0, :, :n], w) for c, w in zip(cold.keys + cold.values, kv[t])), t
+        prompt = prompt + answer
 
 
 @pytest.mark.parametrize("kind", ["pretrained", "ngram", "eagle3"])
@@ -292,6 +342,34 @@ def test_the_graph_backend_with_the_cache_decodes_as_without(pair, rule, monkeyp
     prefix = PrefixCache(budget=1024)
     assert chat(prefix) == chat(None)
     assert prefix.stats().hits > 0
+
+
+@pytest.mark.parametrize("k", [0, 4])
+def test_where_rows_are_computed_alike_an_answer_is_cached_up_to_its_last_fed_token(alike, k):
+    # a history of exactly two blocks: its last token was never fed (no KV of its own), so only the first block is
+    # taken from the row; a next turn then finds the fresh prefill's KV
+    verifier, _ = alike
+    lean, rule = verifier.lean, StopRule(frozenset(verifier.eos_ids))
+    prefix = PrefixCache(budget=2048)
+    drafter = build_drafter("ngram", verifier, None) if k else None
+    engine = Engine(lean, drafter, 1, 512, rule, prefix_cache=prefix)
+    prompt = _tokens(11, 40)
+    engine.admit([EngineRequest("a", prompt, SamplingParams(max_tokens=24, ignore_eos=True), k, 0)])
+    done = None
+    while done is None:
+        done = next((u.generation for u in engine.step() if u.generation is not None), None)
+    history = prompt + done.token_ids
+    assert len(history) == 64
+    engine.cache_finished()
+    assert len(prefix.match(history, 64)) == 1  # the prompt's block (cached at admission), not the second
+    nxt = history + _tokens(12, 30)
+    engine.admit([EngineRequest("b", nxt, SamplingParams(max_tokens=1), 0, 1)])
+    n = len(nxt) - 1
+    cold = lean.new_cache(1, 512)
+    lean.forward(cold, torch.tensor([nxt[:n]]), last_only=True, prefill=True)
+    slot = engine.get("b").slot
+    assert all(torch.equal(c[0, :, :n], w[slot, :, :n]) for c, w in zip(cold.keys + cold.values,
+                                                                       engine.cache.keys + engine.cache.values))
 
 
 def test_an_aborted_request_caches_no_output_and_a_finished_one_its_whole_history(pair, rule):

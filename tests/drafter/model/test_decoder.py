@@ -125,6 +125,38 @@ def test_verify_pass_is_bit_identical_to_one_token_steps(mode, attention):
                 assert torch.equal(steps, out[b]), (mode, B, T, b, float((steps - out[b]).abs().max()))
 
 
+def _cut(lean, tokens: list[int], cuts: list[int], capacity: int = 512):
+    """A one-row cache prefilled with `tokens` in passes cut at `cuts`, and the last pass's last logits."""
+    cache = lean.new_cache(1, capacity)
+    bounds = [0, *cuts, len(tokens)]
+    with torch.inference_mode():
+        for a, b in zip(bounds, bounds[1:]):
+            out = lean.forward(cache, torch.tensor([tokens[a:b]]), last_only=True, prefill=True)
+    return cache, out.logits
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "int8", "int4"])
+def test_with_its_own_kernels_end_to_end_a_prompts_kv_is_the_same_bits_however_its_prefill_is_cut(mode):
+    # rows_alike: every position computed alike whatever pass computes it, short passes (the decode-shaped path of
+    # float weights) and long ones alike; the prefix cache prefills in one pass where it holds
+    from specloop.drafter.model.weights.quant import quantize_decoder
+
+    model = build_model(llama_config(97, 2, 128, num_attention_heads=2, num_key_value_heads=1), seed=5, init_std=0.1)
+    lean = LeanDecoder(model)
+    assert not lean.rows_alike  # fp32: the BLAS rounds a row by its product's shape
+    quantize_decoder(lean, mode)
+    assert lean.rows_alike
+    tokens = torch.randint(1, 97, (170,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole, logits = _cut(lean, tokens, [])
+    for cuts in ([32, 64, 96, 128], [5, 9, 40], [1, 2, 3, 100, 150], list(range(1, 30))):
+        cache, got = _cut(lean, tokens, cuts)
+        assert torch.equal(got, logits), cuts
+        for a, b in zip(whole.keys + whole.values, cache.keys + cache.values):
+            assert torch.equal(a[0, :, :170], b[0, :, :170]), cuts
+    lean.fused = False  # torch's ops (SPECLOOP_KERNELS=stock): not claimed
+    assert not lean.rows_alike
+
+
 def test_exact_attention_ignores_appended_key_blocks_and_the_number_of_queries():
     """The attention kernel alone: a query attended with L whole key blocks equals the same query among
     398 others attended with more blocks (a long prefill, which goes in query chunks, and where the BLAS
