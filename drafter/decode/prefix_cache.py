@@ -280,7 +280,7 @@ def cache_output(lean, cache: KVCache, slot: int, prompt_len: int, history: list
     are prefilled again by the same aligned passes a later prompt extending this history runs (the KV the decode steps
     wrote is not what they compute). Returns the blocks added."""
     B = prefix.block_size
-    if getattr(lean, "eager", lean).rows_alike and not getattr(lean, "chunked_prefill", False):
+    if isinstance(lean, LeanDecoder) and lean.rows_alike:  # (a graph backend's decode steps run their own step)
         # the row's KV is a prefill's bits up to its length (the history but its last token, at most)
         written = min(int(cache.lens[slot]), len(history) - 1)
         return prefix.insert(history, written // B * B, _read(_row(cache, slot, written)))
