@@ -159,27 +159,37 @@ def head_logits(z: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
 
 
 def draft_chain(z: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, *w: torch.Tensor,
-                vocab: torch.Tensor | None, depth: int, vocab_size: int, eps: float):
+                vocab: torch.Tensor | None, depth: int, vocab_size: int, eps: float, one=None):
     """`depth` greedy drafts for every row: (tokens [S, depth], confidence [S, depth], logits [S, depth, V]),
     the arithmetic of EagleDrafter.propose's loop, as one function of tensors (compiled once for every head of
-    these shapes: `compiled_chain`)."""
+    these shapes: `compiled_chain`). `one`: the function each draft runs (default `draft_one`; compiled, one graph
+    serves every draft of the chain: the loop between them is captured with them on a GPU)."""
+    one = one or draft_one
     drafted, confidence, logits = [], [], []
-    run: float | torch.Tensor = 1.0
+    run = torch.ones(tokens.shape[0], dtype=torch.float32, device=tokens.device)
     for _ in range(depth):
-        z = head_step(z, F.embedding(tokens, embed).to(z.dtype), w, eps)
-        choice, p = pick(head_logits(z, w, eps), vocab, vocab_size, SamplingParams(), None)
-        tokens, run = choice.token, run * p
+        z, tokens, run, out = one(z, tokens, run, embed, *w, vocab=vocab, vocab_size=vocab_size, eps=eps)
         drafted.append(tokens)
         confidence.append(run)
-        logits.append(choice.logits)
+        logits.append(out)
     return torch.stack(drafted, 1), torch.stack(confidence, 1), torch.stack(logits, 1)
+
+
+def draft_one(z: torch.Tensor, tokens: torch.Tensor, run: torch.Tensor, embed: torch.Tensor, *w: torch.Tensor,
+              vocab: torch.Tensor | None, vocab_size: int, eps: float):
+    """One greedy draft of the chain: (the predicted feature, the token, the run of the chain's probabilities,
+    its logits over the full vocabulary)."""
+    z = head_step(z, F.embedding(tokens, embed).to(z.dtype), w, eps)
+    choice, p = pick(head_logits(z, w, eps), vocab, vocab_size, SamplingParams(), None)
+    return z, choice.token, run * p, choice.logits
 
 
 @functools.cache
 def compiled_chain():
-    """`draft_chain` compiled once per process (torch.compile's own cache holds a graph per shapes), on first use:
-    importing this module does not import the compiler."""
-    return torch.compile(draft_chain, fullgraph=True, dynamic=False)
+    """`draft_chain` with its draft compiled once per process (torch.compile's own cache holds a graph per shapes),
+    on first use: importing this module does not import the compiler. One draft compiled, not the unrolled chain:
+    a first compile of k_max drafts cost ~3 s more on the CPU (bench/README.md section 36)."""
+    return functools.partial(draft_chain, one=torch.compile(draft_one, fullgraph=True, dynamic=False))
 
 
 def chain_to_capture(drafter, slots: int | None, depth: int, compiled: bool, tensors: tuple) -> bool:

@@ -122,6 +122,26 @@ def test_an_untrained_head_is_the_same_on_every_build(verifier):
 
 
 @pytest.mark.parametrize("vocab", [None, torch.arange(0, 60, 3)])
+def test_the_compiled_chain_compiles_one_draft_for_every_depth_and_drafts_as_the_uncompiled_one(verifier, vocab):
+    from torch._dynamo.testing import CompileCounter
+
+    from specloop.drafter.kinds.eagle import draft_chain, draft_one
+
+    lean = LeanDecoder(verifier)
+    d = EagleDrafter(lean, trained_like(lean), vocab)
+    g = torch.Generator().manual_seed(3)
+    inputs = (torch.randn(4, lean.hidden_size, generator=g), torch.randint(0, 60, (4,), generator=g), lean.embed,
+              *d.weights())
+    counter = CompileCounter()
+    one = torch.compile(draft_one, fullgraph=True, dynamic=False, backend=counter)
+    for depth in (1, 4, 3):
+        got = draft_chain(*inputs, vocab=vocab, depth=depth, vocab_size=60, eps=1e-5, one=one)
+        expected = draft_chain(*inputs, vocab=vocab, depth=depth, vocab_size=60, eps=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)) and got[0].shape == (4, depth)
+    assert counter.frame_count == 1  # one draft's graph, whatever the chain's length
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 60, 3)])
 def test_the_captured_chain_drafts_as_the_loop_does(verifier, vocab):
     # the graph backend's greedy drafts (use_chain: k_max drafts for the pool's rows, one graph) against the eager
     # loop on the same state: tokens, confidence and logits of the first k; the chain traces with no graph break
