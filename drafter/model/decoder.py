@@ -34,7 +34,7 @@ from specloop.drafter.model.attention import (
     exact_attention,
     kv_dtype,
 )
-from specloop.drafter.model.kv_cache import KVCache
+from specloop.drafter.model.kv_cache import KVCache, untouched_zeros
 from specloop.drafter.model.vocab import expand
 from specloop.drafter.model.weights.linears import linear
 
@@ -148,7 +148,7 @@ class LeanDecoder:
             raise ValueError(f"sequence of {capacity} positions exceeds the model's {self.cos.shape[0]}")
         shape = (batch, self.n_kv, _round_up(capacity, KEY_BLOCK), self.head_dim)  # whole key blocks
         dtype = self.kv_dtype
-        mk = lambda: torch.zeros(shape, device=self.device, dtype=dtype)  # noqa: E731
+        mk = lambda: untouched_zeros(shape, dtype, self.device)  # noqa: E731
         return KVCache(
             keys=[mk() for _ in self.layers],
             values=[mk() for _ in self.layers],
