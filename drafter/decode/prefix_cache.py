@@ -23,7 +23,8 @@ A hit never covers the prompt's last pass (nor its last token, the first block's
 Where every position is computed alike whatever pass computes it (`LeanDecoder.rows_alike`: specloop's own CPU
 kernels end to end, as the served w4a8 of a fetched model runs), no schedule is needed either: the rest after a hit is
 one pass, every full block of it is cached, and a finished request's history is cached from the KV its row already
-holds (the decode steps wrote the bits a prefill would), with no second prefill.
+holds (the decode steps wrote the bits a prefill would), with no second prefill: copies, done at the finish itself
+(`answers_from_rows`), so that answers are cached under load too.
 
 On a GPU, where prompts prefill in captured chunks (specloop.drafter.model.graph `chunked_prefill`), every chunk is
 one replay of the same static step, whose result for a position does not depend on how many of its queries are real:
@@ -190,6 +191,13 @@ class PrefixCache:
 # -- the prefill schedule on a cache's rows
 
 
+def answers_from_rows(lean) -> bool:
+    """Whether a finished history is cached from the KV its row holds (`cache_output`: copies, no pass, cheap enough
+    to do at the finish itself): a LeanDecoder computing every row alike (a graph backend's decode steps run a step
+    of their own, whose KV is not its prefill's)."""
+    return isinstance(lean, LeanDecoder) and lean.rows_alike
+
+
 def _row(cache: KVCache, slot: int, length: int) -> KVCache:
     """Row `slot` of `cache` as a one-row cache of views (writes reach the pool), `length` positions valid."""
     return KVCache([k[slot : slot + 1] for k in cache.keys], [v[slot : slot + 1] for v in cache.values],
@@ -280,7 +288,7 @@ def cache_output(lean, cache: KVCache, slot: int, prompt_len: int, history: list
     are prefilled again by the same aligned passes a later prompt extending this history runs (the KV the decode steps
     wrote is not what they compute). Returns the blocks added."""
     B = prefix.block_size
-    if isinstance(lean, LeanDecoder) and lean.rows_alike:  # (a graph backend's decode steps run their own step)
+    if answers_from_rows(lean):
         # the row's KV is a prefill's bits up to its length (the history but its last token, at most)
         written = min(int(cache.lens[slot]), len(history) - 1)
         return prefix.insert(history, written // B * B, _read(_row(cache, slot, written)))

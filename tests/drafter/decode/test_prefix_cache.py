@@ -409,6 +409,23 @@ def test_a_finished_answer_whose_slot_is_reused_before_the_idle_work_is_not_cach
     assert not prefix.match(first, len(first)) and len(prefix.match(second, len(second))) > 0
 
 
+def test_where_rows_are_computed_alike_an_answer_is_cached_at_its_finish_even_when_its_slot_is_reused_at_once(alike):
+    # copies of the row's own KV, no pass: done at the finish, before the next admission takes the row
+    verifier = alike[0]
+    prefix = PrefixCache(budget=2048)
+    engine = Engine(verifier.lean, None, 1, 512, StopRule(frozenset(verifier.eos_ids)), prefix_cache=prefix)
+    first, second = _tokens(3, 40), _tokens(4, 80)
+    engine.admit([EngineRequest("a", first, SamplingParams(max_tokens=40, ignore_eos=True), 0, 0)])
+    done = None
+    while done is None:
+        done = next((u.generation for u in engine.step() if u.generation is not None), None)
+    history = first + done.token_ids
+    assert not engine.finished  # nothing left for the idle work
+    engine.admit([EngineRequest("b", second, SamplingParams(max_tokens=4), 0, 0)])
+    assert len(prefix.match(history, len(history))) == (len(history) - 1) // 32 == 2
+    assert len(prefix.match(second, len(second))) == 2
+
+
 def test_with_chunked_prefills_a_hit_and_a_cached_answer_leave_a_fresh_prefills_kv_bit_for_bit(pair, rule, monkeypatch):
     # a GPU's prefill (captured chunks of model.graph.PREFILL_CHUNK on a scratch pool): a hit's blocks, the rest in
     # chunks from the hit, and the answers cached at each finish (prefilled again on the scratch pool) make the
