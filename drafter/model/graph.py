@@ -249,13 +249,16 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
     parts = parts or PLAIN
     x, delta, rows, slot, cos, sin, visible = parts.prologue(m.c, m.embed, m.cos, m.sin, tokens, n_new, lens, keys[0])
     hidden = []
+    last = len(m.layers) - 1
     for i, layer in enumerate(m.layers):
         up_bias = None if bias is None else bias[i]
         x, delta = parts.layer(layer, x, delta, keys[i], values[i], rows, slot, cos, sin, visible, up_bias)
-        if i in capture:
+        if i in capture and i != last:
             hidden.append(x + delta)
-    logits, choices = parts.epilogue(m.c, m.final_norm, m.lm_head, m.lm_head_bias, m.vocab_ids, m.vocab_size,
-                                     x, delta, n_new, last_only)
+    logits, choices, x = parts.epilogue(m.c, m.final_norm, m.lm_head, m.lm_head_bias, m.vocab_ids, m.vocab_size,
+                                        x, delta, n_new, last_only)
+    if last in capture:  # the last layer's stream, as the head's region adds it (an eagle head's feature)
+        hidden.append(x)
     return logits, tuple(hidden), choices
 
 
@@ -321,8 +324,10 @@ def _layer(L: StaticLayer, x, delta, kc, vc, rows, slot, cos, sin, visible, up_b
 def _epilogue(c: StepConstants, final_norm: torch.Tensor, head: torch.Tensor, head_bias: torch.Tensor | None,
               vocab_ids: torch.Tensor | None, vocab_size: int, x: torch.Tensor, delta: torch.Tensor,
               n_new: torch.Tensor, last_only: bool):
-    """The last layer's update added, the final norm and the head: (logits, their argmax)."""
-    x = x + delta
+    """The last layer's update added, the final norm and the head: (logits, their argmax, the last layer's residual
+    stream [S, W, hidden])."""
+    stream = x + delta
+    x = stream
     if last_only:
         S = x.shape[0]
         x = x[torch.arange(S, device=x.device), (n_new - 1).clamp(min=0)][:, None]  # [S, 1, hidden]
@@ -331,7 +336,7 @@ def _epilogue(c: StepConstants, final_norm: torch.Tensor, head: torch.Tensor, he
     if vocab_ids is not None:  # FR-Spec: the head holds the draft vocabulary's rows only
         full = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
         logits = full.index_copy(-1, vocab_ids, logits)
-    return logits, logits.argmax(dim=-1)
+    return logits, logits.argmax(dim=-1), stream
 
 
 PLAIN = Regions(_prologue, _layer, _epilogue)
