@@ -88,6 +88,9 @@ def default_registry(root: Path, verifier: Path, drafter: Path | None, kind: str
     return Path(root) / hashlib.sha1(key.encode()).hexdigest()[:12]
 
 
+CHAMPION_WAIT_S = 300.0  # a worker started beside the learner waits this long at most for the champion it seeds
+
+
 def worker_fields(cfg: ServeConfig, registry: Path | None, prefix: str, redis_url: str | None) -> dict:
     """The WorkerConfig fields (specloop.services.worker.worker) a serve deployment's worker actors are started
     with, as plain values for Ray; `registry`: the learner's (None: no learner, no replay records)."""
@@ -97,7 +100,7 @@ def worker_fields(cfg: ServeConfig, registry: Path | None, prefix: str, redis_ur
             "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
             "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching,
             "kv_cache_dtype": cfg.kv_cache_dtype, "enforce_eager": cfg.enforce_eager,
-            "observe_every": cfg.observe_every}
+            "observe_every": cfg.observe_every, "champion_wait_s": CHAMPION_WAIT_S if registry is not None else 0.0}
 
 
 class Deployment:
@@ -191,6 +194,12 @@ class Deployment:
 
         cfg = self.cfg
         learning = cfg.learner != "off"
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        model = cfg.model_id or Path(cfg.verifier).name
+        log.warning("starting %d worker(s) serving %s%s; the API answers once the model is loaded%s", cfg.workers,
+                    model, ", and the learner" if learning else "",
+                    " and the GPU decode steps are compiled (longest on a first start: later starts reuse "
+                    "torch.compile's cache)" if gpus and not cfg.enforce_eager else "")
         prefix = redis_namespace(self.registry)
         spec = (redis_url or "memory") if learning else None
         detached = {"lifetime": "detached"}
@@ -207,15 +216,14 @@ class Deployment:
                 {"verifier": str(cfg.verifier), "drafter": _opt(cfg.drafter), "registry": str(self.registry),
                  "learner": lcfg.to_dict(), "threads": cfg.learner_threads, "prefix": prefix, "redis_url": redis_url},
                 spec, self.host, prefix)
-            ray.get(self.learner.start.remote())  # seeds the registry with the base version
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        model = cfg.model_id or Path(cfg.verifier).name
         self.workers = []
         wcfg = worker_fields(cfg, self.registry if learning else None, prefix, redis_url)
-        for i in range(cfg.workers):
+        for i in range(cfg.workers):  # loading beside the learner: they wait for the champion it seeds
             actor = ServingActor.options(name=f"{WORKER_PREFIX}{i}", num_gpus=gpus,  # type: ignore[attr-defined]
                                          resources=cfg.worker_resources or None, **detached)
             self.workers.append(actor.remote(wcfg, spec, self.host, prefix, f"worker-{i}", model, cfg.max_queue))
+        if self.learner is not None:
+            ray.get(self.learner.start.remote())  # constructed: the registry holds its champion (the base version)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         import ray

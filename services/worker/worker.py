@@ -94,6 +94,9 @@ class WorkerConfig:
     kv_cache_dtype: str = "auto"  # the KV caches' dtype in this process (drafter.model.attention.kv_dtype: auto = the
     #                               model's on a GPU, fp32 on the CPU; `specloop serve --kv-cache-dtype`)
     enforce_eager: bool = False  # the engine's eager backend on a GPU too (`specloop serve --enforce-eager`)
+    champion_wait_s: float = 0.0  # > 0: a learner starting beside this worker seeds the registry's champion; the
+    #                               worker waits this long at most for it, so the champion serves from the first
+    #                               request (`specloop serve` starts them together)
     observe_every: int = 8  # one step in this many of those the controller left plain gives observed records
     #                         (the verifier's next token where nothing was drafted: the learner keeps learning
     #                         when speculation is turned down); 0: none (kinds with `observable` records only)
@@ -304,9 +307,23 @@ class VerifierWorker:
         self.plain_steps = 0  # steps left plain that asked to be observed (`observes_plain`)
         self.on_step: list = []  # callables(updates, engine, version) after every step (metrics)
         if self.watcher is not None:
+            self._await_champion(cfg.champion_wait_s)
             self.watcher.poll()  # the champion serves from the first request (the one wait on the registry)
             self.engine.offer_swap()
             self.watcher.start()
+
+    def _await_champion(self, seconds: float) -> None:
+        """Wait (at most `seconds`) until the registry names a champion: a learner started beside this worker
+        publishes the base weights as one while the worker loads (a registry that cannot be read waits too)."""
+        assert self.registry is not None  # a watcher exists only with a registry
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                if self.registry.champion() is not None:
+                    return
+            except Exception as exc:  # noqa: BLE001 - the watcher reports a registry that does not answer
+                log.debug("registry not readable yet: %s", exc)
+            time.sleep(0.05)
 
     @property
     def drafter(self) -> Drafter:

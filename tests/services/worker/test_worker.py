@@ -373,6 +373,40 @@ def test_a_version_with_nan_weights_is_refused_and_the_champion_keeps_serving(ti
     assert stats.load_failures == []
 
 
+@pytest.mark.parametrize("seeded", [True, False])
+def test_a_worker_started_beside_the_learner_waits_for_the_champion_it_seeds(tiny_pair, tmp_path, seeded):
+    # `specloop serve` starts the learner and the workers together: a worker serves the champion the learner
+    # publishes while it loads from its first request; where none comes, it gives up at its deadline, on its base
+    reg = Registry(tmp_path / "reg")
+    wait = 60.0 if seeded else 0.5
+    config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="pretrained",
+                          registry=str(reg.root), rollback_window=NO_AUTO_ROLLBACK, champion_wait_s=wait)
+    weights = base_weights(tiny_pair[1])
+
+    def seed() -> None:  # the learner's start: the base weights published and promoted, a while after
+        time.sleep(1.0)
+        vid = reg.publish(weights, parent=None, learner_step=0, objective="base", loss=None, sim_acceptance=None,
+                          kind="pretrained").id
+        reg.promote(vid, force=True)
+
+    learner = threading.Thread(target=seed)
+    if seeded:
+        learner.start()
+    started = time.monotonic()
+    worker = VerifierWorker(config)
+    try:
+        waited = time.monotonic() - started
+        first = serve_all(worker, requests(worker.verifier)[:1])[0]
+        if seeded:
+            assert first.drafter_version == "v0001" and waited >= 0.9
+        else:
+            assert first.drafter_version == "base" and waited >= 0.5
+    finally:
+        if seeded:
+            learner.join()
+        worker.close()
+
+
 def test_a_dvi_worker_given_a_plain_drafter_directory_serves_registry_heads_losslessly(tiny_pair, tmp_path):
     reg = Registry(tmp_path / "reg")
     config = WorkerConfig(verifier=str(tiny_pair[0]), drafter=str(tiny_pair[1]), kind="dvi", registry=str(reg.root),
