@@ -49,7 +49,7 @@ from specloop.drafter.decode.controller import Batch, Choice, Confident, Control
 from specloop.drafter.decode.grammar import GrammarCompiler, GrammarSpec
 from specloop.drafter.decode.logprobs import Scoring, TokenScore, scoring_for
 from specloop.drafter.decode.plan import StepPlan
-from specloop.drafter.decode.prefix_cache import PrefixCache, answers_from_rows, cache_output, prefill_cached
+from specloop.drafter.decode.prefix_cache import PrefixCache, cache_output, cut_free, prefill_cached
 from specloop.drafter.decode.proposer import FREE_SOURCES, Drafter, VerifierView
 from specloop.drafter.decode.rejection import BlockOutcome, rejection_sample
 from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate, StopRule
@@ -336,7 +336,7 @@ class Engine:
         self.behind.discard(slot)
         self.stale.discard(slot)
         if self.prefix_cache is not None and self.prefix_cache.outputs and row.gen.finish_reason is not None:
-            if answers_from_rows(self.verifier):  # copies of the row's own KV: now, before the slot is taken
+            if cut_free(self.verifier):  # copies of the row's own KV: now, before the slot is taken
                 cache_output(self.verifier, self.cache, slot, len(row.request.prompt), row.history, self.prefix_cache)
             else:  # a second prefill: idle work (`cache_finished`)
                 self.finished[slot] = (len(row.request.prompt), row.history)
@@ -346,7 +346,7 @@ class Engine:
         prefix cache (`cache_output`), so a next chat turn (previous prompt + answer + new message) finds the answer
         cached. Never on a step's path: done at a finish it would hold every running row and the finished request's
         last chunk; a serving loop calls this when nothing runs. Returns the blocks added. (Where every row is computed
-        alike, `prefix_cache.answers_from_rows`, answers are cached at their finish instead, from their rows' KV.)"""
+        alike, `prefix_cache.cut_free`, answers are cached at their finish instead, from their rows' KV.)"""
         added = 0
         for slot in sorted(self.finished)[:most]:
             n, history = self.finished.pop(slot)

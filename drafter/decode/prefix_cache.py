@@ -24,7 +24,7 @@ Where every position is computed alike whatever pass computes it (`LeanDecoder.r
 kernels end to end, as the served w4a8 of a fetched model runs), no schedule is needed either: the rest after a hit is
 one pass, every full block of it is cached, and a finished request's history is cached from the KV its row already
 holds (the decode steps wrote the bits a prefill would), with no second prefill: copies, done at the finish itself
-(`answers_from_rows`), so that answers are cached under load too.
+(`cut_free`), so that answers are cached under load too.
 
 On a GPU, where prompts prefill in captured chunks (specloop.drafter.model.graph `chunked_prefill`), every chunk is
 one replay of the same static step, whose result for a position does not depend on how many of its queries are real:
@@ -191,11 +191,20 @@ class PrefixCache:
 # -- the prefill schedule on a cache's rows
 
 
-def answers_from_rows(lean) -> bool:
-    """Whether a finished history is cached from the KV its row holds (`cache_output`: copies, no pass, cheap enough
-    to do at the finish itself): a LeanDecoder computing every row alike (a graph backend's decode steps run a step
-    of their own, whose KV is not its prefill's)."""
+def cut_free(lean) -> bool:
+    """Whether `lean`'s KV is the same bits however its passes are cut, decode steps included: a LeanDecoder computing
+    every row alike. Then a prefill needs no schedule (`prefill_row`), and a finished history is cached from the KV
+    its row holds (`cache_output`: copies, no pass, cheap enough to do at the finish itself). Never a GraphDecoder:
+    its decode steps run a step of their own, whose KV is not its prefill's."""
     return isinstance(lean, LeanDecoder) and lean.rows_alike
+
+
+def _spans(hit: int, n: int, block: int, chunked: bool, alike: bool) -> list[tuple[int, int]]:
+    """The prefill passes over positions [hit, n): captured chunks, one pass where the cut changes nothing, else the
+    schedule's aligned passes."""
+    if chunked:
+        return prefill_spans(hit, n)
+    return [(hit, n)] if alike else passes(hit, n, block)
 
 
 def _row(cache: KVCache, slot: int, length: int) -> KVCache:
@@ -248,11 +257,11 @@ def prefill_row(lean, cache: KVCache, slot: int, tokens: list[int], prefix: Pref
     blocks = prefix.match(tokens, reusable(n, B, tail))
     hit = len(blocks) * B
     step, row, chunked = _workspace(lean, cache, slot, hit)
-    alike = not chunked and step.rows_alike
+    alike = not chunked and cut_free(step)
     _write(row, blocks)
     keep = min(max(tail, 1), n)
     kept: dict[int, torch.Tensor] = {}
-    for a, b in prefill_spans(hit, n) if chunked else [(hit, n)] if alike else passes(hit, n, B):
+    for a, b in _spans(hit, n, B, chunked, alike):
         out = step.forward(row, torch.tensor([tokens[a:b]]), last_only=True, capture=capture)
         kept = {i: torch.cat([kept[i], out.hidden[i][0]])[-keep:] if kept else out.hidden[i][0, -keep:]
                 for i in capture}
@@ -288,7 +297,7 @@ def cache_output(lean, cache: KVCache, slot: int, prompt_len: int, history: list
     are prefilled again by the same aligned passes a later prompt extending this history runs (the KV the decode steps
     wrote is not what they compute). Returns the blocks added."""
     B = prefix.block_size
-    if answers_from_rows(lean):
+    if cut_free(lean):
         # the row's KV is a prefill's bits up to its length (the history but its last token, at most)
         written = min(int(cache.lens[slot]), len(history) - 1)
         return prefix.insert(history, written // B * B, _read(_row(cache, slot, written)))

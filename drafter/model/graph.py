@@ -27,6 +27,7 @@ layout. Plain float weights only (fp32 / bf16): `graph_ready` says whether a dec
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -149,7 +150,7 @@ class StepConstants:
 
 class StaticLayer(torch.nn.Module):
     """One layer's weights as module buffers (the same storage, no copy) beside the step's constants: every layer
-    is the same region to torch.compile (`_layer`), compiled once for them all (`RegionalStep`)."""
+    is the same region to torch.compile (`_layer`), compiled once for them all (`regional_step`)."""
 
     in_norm: torch.Tensor
     post_norm: torch.Tensor
@@ -199,25 +200,30 @@ class StaticModel(torch.nn.Module):
         why = graph_ready(lean)
         if why is not None:
             raise ValueError(f"the graph step cannot run this decoder: {why}")
-        self.hidden_size, self.eps = lean.hidden_size, lean.eps
-        self.vocab_size, self.num_layers = lean.vocab_size, lean.num_layers
-        self.n_heads, self.n_kv = lean.n_heads, lean.n_kv
-        self.dtype = lean.dtype
-        self.attention = resolve_attention(lean.device)  # a constant of the traced step
-        if self.attention == "triton":
+        self.vocab_size, self.dtype = lean.vocab_size, lean.dtype
+        attention = resolve_attention(lean.device)  # a constant of the traced step
+        if attention == "triton":
             decode_attention.build()  # the kernel's op, before any trace sees it
-        self.linear = resolve_linear()  # a constant of the traced step, as the attention
-        if self.linear == "skinny":
+        linear = resolve_linear()  # a constant of the traced step, as the attention
+        if linear == "skinny":
             skinny_linear.build()
             skinny_linear.read_tiles()
         self.c = StepConstants(lean.n_heads, lean.n_kv, lean.head_dim, lean.scaling, lean.eps, lean.hidden_size,
-                               self.attention, self.linear)
+                               attention, linear)
         head, head_bias = _dense(lean.lm_head)
         for name, value in (("embed", lean.embed), ("final_norm", lean.final_norm), ("lm_head", head),
                             ("lm_head_bias", head_bias), ("cos", lean.cos), ("sin", lean.sin),
                             ("vocab_ids", lean.vocab_ids)):
             _put(self, name, value)
         self.layers = torch.nn.ModuleList(StaticLayer(w, self.c) for w in lean.layers)
+
+    @property
+    def attention(self) -> str:
+        return self.c.attention
+
+    @property
+    def linear(self) -> str:
+        return self.c.linear
 
     def forward(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
                 n_new: torch.Tensor, lens: torch.Tensor, bias: list[torch.Tensor] | None = None,
@@ -239,8 +245,8 @@ def static_forward(m: StaticModel, keys: list[torch.Tensor], values: list[torch.
                    tokens: torch.Tensor,  # [S, W] int64 on the device (right-padded)
                    n_new: torch.Tensor,  # [S] int64: real tokens per row (0: the row does not advance)
                    lens: torch.Tensor,  # [S] int64: committed positions per row before the step
-                   bias: list[torch.Tensor] | None,  # per layer [S, I] added to the MLP's up half (SD²)
-                   capture: tuple[int, ...], last_only: bool, parts: "Regions | None" = None):
+                   bias: list[torch.Tensor] | None = None,  # per layer [S, I] added to the MLP's up half (SD²)
+                   capture: tuple[int, ...] = (), last_only: bool = False, parts: "Regions | None" = None):
     """One decode-shaped pass over the pool: writes the real tokens' KV, attends over the whole capacity
     under the causal mask. Returns (logits [S, W, V] or [S, 1, V] at each row's last real token,
     residual streams [S, W, hidden] after each `capture` layer, in capture's order, the logits' argmax
@@ -326,8 +332,7 @@ def _epilogue(c: StepConstants, final_norm: torch.Tensor, head: torch.Tensor, he
               n_new: torch.Tensor, last_only: bool):
     """The last layer's update added, the final norm and the head: (logits, their argmax, the last layer's residual
     stream [S, W, hidden])."""
-    stream = x + delta
-    x = stream
+    x = stream = x + delta
     if last_only:
         S = x.shape[0]
         x = x[torch.arange(S, device=x.device), (n_new - 1).clamp(min=0)][:, None]  # [S, 1, hidden]
@@ -412,7 +417,7 @@ def _flex_attend(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: torc
 
 def compile_step(model: StaticModel, device: torch.device, compiled: bool = True):
     """The callable a GraphDecoder runs: `model` itself (eager; tests and debugging), or compiled with
-    fullgraph=True region by region (`RegionalStep`): a graph break or host sync in the step is an error, not a
+    fullgraph=True region by region (`regional_step`): a graph break or host sync in the step is an error, not a
     silent slowdown. No CUDA graph here: on CUDA the GraphDecoder captures the compiled step itself, one graph
     per pool (`CapturedStep`), and replays it without dynamo's guards or the cudagraph trees' bookkeeping. Only
     torch.compile's own CUDA graphs (SPECLOOP_CUDA_GRAPHS=trees) take the whole step as one graph."""
@@ -426,33 +431,22 @@ def compile_step(model: StaticModel, device: torch.device, compiled: bool = True
 
         inductor.coordinate_descent_tuning = True  # (minutes of compile per shape; measured in
         mode = "max-autotune-no-cudagraphs"  # bench/gpu.py's section paths)
-    return RegionalStep(model, compiled_regions(mode))
+    return regional_step(model, compiled_regions(mode))
 
 
-_COMPILED: dict[str | None, Regions] = {}  # the compiled regions, by inductor's mode: one set per process
-
-
+@functools.cache
 def compiled_regions(mode: str | None = None) -> Regions:
-    """The step's regions, each compiled with fullgraph=True (torch.compile keeps a graph per shapes and
-    constants of each: one `_layer` graph serves every layer of a model, where a whole-step trace compiled every
-    layer again: the cold compile of a 30-layer step falls from minutes to seconds on a GPU)."""
-    if mode not in _COMPILED:
-        _COMPILED[mode] = Regions(*(torch.compile(fn, fullgraph=True, dynamic=False, mode=mode) for fn in PLAIN))
-    return _COMPILED[mode]
+    """The step's regions, each compiled with fullgraph=True, once per process and inductor mode (torch.compile
+    keeps a graph per shapes and constants of each: one `_layer` graph serves every layer of a model, where a
+    whole-step trace compiled every layer again: bench/README.md section 36)."""
+    return Regions(*(torch.compile(fn, fullgraph=True, dynamic=False, mode=mode) for fn in PLAIN))
 
 
-class RegionalStep:
-    """A StaticModel's step (its call's signature) running compiled regions: the glue between them is a loop over
-    the layers and the adds of the layers a pass captures, nothing that reads the device; on CUDA the whole
-    step, regions and glue, is captured as one graph (`CapturedStep`), so the glue costs nothing on replay."""
-
-    def __init__(self, model: StaticModel, parts: Regions):
-        self.model, self.parts = model, parts
-
-    def __call__(self, keys: list[torch.Tensor], values: list[torch.Tensor], tokens: torch.Tensor,
-                 n_new: torch.Tensor, lens: torch.Tensor, bias: list[torch.Tensor] | None = None,
-                 capture: tuple[int, ...] = (), last_only: bool = False):
-        return static_forward(self.model, keys, values, tokens, n_new, lens, bias, capture, last_only, self.parts)
+def regional_step(model: StaticModel, parts: Regions):
+    """`model`'s step (its call's signature) running `parts`: the glue between the regions is a loop over the layers
+    and the adds of the layers a pass captures, nothing that reads the device; on CUDA the whole step, regions and
+    glue, is captured as one graph (`CapturedStep`), so the glue costs nothing on replay."""
+    return functools.partial(static_forward, model, parts=parts)
 
 
 def capture_mode() -> str:

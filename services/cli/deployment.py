@@ -100,7 +100,7 @@ def worker_fields(cfg: ServeConfig, registry: Path | None, prefix: str, redis_ur
             "max_context": cfg.max_context, "weights": cfg.weights, "drafter_weights": cfg.drafter_weights,
             "speculators": list(cfg.speculators), "prefix_caching": cfg.prefix_caching,
             "kv_cache_dtype": cfg.kv_cache_dtype, "enforce_eager": cfg.enforce_eager,
-            "observe_every": cfg.observe_every, "champion_wait_s": CHAMPION_WAIT_S if registry is not None else 0.0}
+            "observe_every": cfg.observe_every, "champion_wait_s": CHAMPION_WAIT_S}
 
 
 class Deployment:

@@ -88,7 +88,7 @@ def test_the_regional_step_compiles_one_layer_for_every_layer_and_scores_as_the_
     # layer, and another model of the same shapes reuses every graph; the glue between regions changes no value
     from torch._dynamo.testing import CompileCounter
 
-    from specloop.drafter.model.graph import PLAIN, RegionalStep, Regions
+    from specloop.drafter.model.graph import PLAIN, Regions, regional_step
 
     lean = tiny_verifier.lean
     assert lean.num_layers > 1
@@ -96,8 +96,8 @@ def test_the_regional_step_compiles_one_layer_for_every_layer_and_scores_as_the_
     args = _inputs(graph, cache, torch.tensor([[11, 12, 13], [14, 0, 0]]), torch.tensor([3, 1]))
     counter = CompileCounter()
     torch._dynamo.reset()
-    step = RegionalStep(StaticModel(lean), Regions(*(torch.compile(f, fullgraph=True, dynamic=False, backend=counter)
-                                                     for f in PLAIN)))
+    parts = Regions(*(torch.compile(f, fullgraph=True, dynamic=False, backend=counter) for f in PLAIN))
+    step = regional_step(StaticModel(lean), parts)
     whole = StaticModel(lean)
     for capture in ((), (0, 1)):
         expected = whole(*_copy_args(args), capture=capture)
@@ -105,7 +105,7 @@ def test_the_regional_step_compiles_one_layer_for_every_layer_and_scores_as_the_
         assert torch.equal(got[0], expected[0]) and torch.equal(got[2], expected[2])
         assert all(torch.equal(a, b) for a, b in zip(got[1], expected[1])) and len(got[1]) == len(capture)
     assert counter.frame_count == 3  # the prologue, one layer, the head: not one graph per layer
-    RegionalStep(StaticModel(lean), step.parts)(*_copy_args(args))
+    regional_step(StaticModel(lean), parts)(*_copy_args(args))
     assert counter.frame_count == 3
 
 
