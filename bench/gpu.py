@@ -39,6 +39,10 @@ their shapes alone (LeanDecoder.from_parts: no files, no transformers module), 5
   verifier alone on that path.
   Prompts: the first 8 of chat_dev.jsonl and of code_dev.jsonl whose engines share one pool shape
   (`one_pool`; --any-length: the first 8 whatever their length, one compile per pool shape).
+- sampling (bench/gpu_sampling.py): at T = 1 and T = 0.7 / top-p 0.9, speculative output (pretrained k = 2,
+  n-gram k = 3) against the same engine's plain sampling, tiny shapes in bf16 on the graph backend, 20,000 answers
+  an arm: a two-sample chi-square per position (Bonferroni), and a sampler with the dropped-residual bug, which
+  the test must catch (its power).
 
 Sections run in --sections order (default: most valuable first) under --budget-s: a step that would
 not fit is recorded as "skipped: budget". The JSON is rewritten after every step (a killed run leaves
@@ -78,7 +82,7 @@ from specloop.drafter.model.graph import GraphDecoder, pool_shape  # noqa: E402
 
 # in the default order: what matters most first, so that a budget cut loses the least
 SECTIONS = ("steps", "kernels", "pair", "products", "paths", "long", "batches", "inexact", "drafter", "verify",
-            "compile", "anchor")
+            "compile", "anchor", "sampling")
 # the step's other ways of running (section paths), each against the default (direct CUDA graphs, torch's
 # attention): as environment settings read when a GraphDecoder is built
 PATHS = {"trees-torch": {"SPECLOOP_CUDA_GRAPHS": "trees", "SPECLOOP_ATTENTION": "torch"},  # the last session's step
@@ -333,11 +337,12 @@ def llama_config(shape: Shape, max_positions: int):
                        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta})
 
 
-def build_lean(shape: Shape, plan: Plan) -> tuple[LeanDecoder, int]:
-    """A LeanDecoder of `shape` over random weights made on the device (no module, no file), and its
-    parameter count (the embedding once where tied)."""
+def build_lean(shape: Shape, plan: Plan, std: float = 0.02, seed: int | None = None) -> tuple[LeanDecoder, int]:
+    """A LeanDecoder of `shape` over random weights N(0, std) made on the device (no module, no file; `seed`:
+    the same weights on every run), and its parameter count (the embedding once where tied)."""
     dev, dt, h, D = plan.device, plan.dtype, shape.hidden, shape.head_dim
-    rand = lambda *size: torch.empty(size, device=dev, dtype=dt).normal_(0.0, 0.02)  # noqa: E731
+    gen = None if seed is None else torch.Generator(dev).manual_seed(seed)
+    rand = lambda *size: torch.empty(size, device=dev, dtype=dt).normal_(0.0, std, generator=gen)  # noqa: E731
     ones = lambda n: torch.ones(n, device=dev, dtype=dt)  # noqa: E731
     count = 0
 
@@ -1157,6 +1162,21 @@ def _median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+# -- section sampling: the sampled distribution on the device (bench/gpu_sampling.py)
+
+
+def sampling(plan: Plan, args, report: Report, budget: Budget) -> None:
+    from bench.gpu_sampling import SamplingPlan, build_pair, sampling_section
+
+    torch._dynamo.reset()  # its tiny shapes compile anew, whatever ran before
+    sized = SamplingPlan(samples=args.samples) if args.samples else SamplingPlan()
+    if plan.device.type == "cpu" and not args.samples:
+        sized = SamplingPlan(samples=2_000, chunk=1_000)  # the code path here; the test's power needs the GPU's size
+    sampling_section(report.section("sampling"), build_pair(Shape, build_lean, plan), sized, budget.say)
+    torch._dynamo.reset()
+    free_memory()
+
+
 # -- section 3: plain transformers, static cache, compiled
 
 
@@ -1361,7 +1381,7 @@ def make_plan(args) -> Plan:
     return plan
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu.json")
     ap.add_argument("--models", type=Path, help="DIR with verifier/ and drafter/ (the reference pair): section pair")
@@ -1384,11 +1404,16 @@ def main() -> None:
     ap.add_argument("--eagle-head", type=Path, help="pair: a trained eagle head's directory (the fetched pair's drafter)")
     ap.add_argument("--any-length", action="store_true",
                     help="pair: the first --per-file prompts whatever their length (default: those of one pool shape)")
+    ap.add_argument("--samples", type=int, help="section sampling: answers per arm (default 20000; 2000 on a CPU)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would not fit in this many seconds")
     ap.add_argument("--peak-gbs", type=float, help="HBM peak in GB/s (default: from the device's name)")
     ap.add_argument("--device", help="default: cuda when available (cpu with --smoke)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: the code path, not the numbers")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     budget = Budget(args.budget_s)
     plan = make_plan(args)
     clock = Clock(plan.device)
@@ -1415,6 +1440,7 @@ def main() -> None:
            "products": products_section,
            "long": long_section,
            "pair": lambda _: pair_section(plan, args, report, budget, clock),
+           "sampling": lambda _: sampling(plan, args, report, budget),
            "anchor": lambda m: (m.free(), anchor_section(plan, report, budget, clock, m.compiles))}
     sections = args.sections.split(",")
     unknown = [s for s in sections if s not in SECTIONS]
