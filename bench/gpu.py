@@ -711,8 +711,12 @@ def paths_section(models: Models) -> None:
 
 def path_missing(env: dict[str, str], p: Plan) -> str | None:
     """Why a path of PATHS cannot run here (None: it can)."""
-    if not p.cuda and (env.get("SPECLOOP_ATTENTION") == "triton" or env.get("SPECLOOP_LINEAR") == "skinny"):
-        return "the Triton kernels need a GPU here (they run interpreted in tests only)"
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # the code path on a CPU, not a timing
+    if not (p.cuda or interpreted) and (env.get("SPECLOOP_ATTENTION") == "triton"
+                                        or env.get("SPECLOOP_LINEAR") == "skinny"):
+        return "the Triton kernels need a GPU (or TRITON_INTERPRET=1: their code path, interpreted)"
+    if interpreted and not p.cuda and p.compiled and env.get("SPECLOOP_LINEAR") == "skinny":
+        return "inductor does not take an interpreted Triton op on a CPU (SPECLOOP_COMPILE=0: the path uncompiled)"
     if "SPECLOOP_SKINNY_TILES" in env and not (p.tiles and p.tiles.exists()):
         return "no tilings: section products did not run before it"
     return None
@@ -739,8 +743,9 @@ def products_section(models: Models) -> None:
                     if p.tiles:
                         p.tiles.write_text(json.dumps(tiles, indent=1) + "\n")
                 if isinstance(timed, dict):
+                    us = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
                     models.budget.say(f"{name} {label} M={rows}: cuBLAS {timed['cublas_us']:.1f} µs, skinny "
-                                      f"{_s(timed.get('skinny_us'))} µs, best {_s(timed.get('best_us'))} µs "
+                                      f"{us(timed.get('skinny_us'))} µs, best {us(timed.get('best_us'))} µs "
                                       f"{timed.get('best_tiling')}")
 
 
