@@ -960,7 +960,7 @@ def pair_section(plan: Plan, args, report: Report, budget: Budget, clock: Clock)
     # the entries other models compiled go: dynamo's recompile-reason code can fail across models of
     # different depths when GraphDecoder.warm passes one tensor as both n_new and lens
     torch._dynamo.reset()
-    verifier = load_model(args.models / "verifier", device=plan.device, weights="bf16")
+    verifier = load_model(args.models / "verifier", device=plan.device, weights=args.weights)
     fits = one_pool(verifier.lean, plan) if plan.one_pool else range(1, 1 << 30)
     prompts = []
     for name in ("chat_dev.jsonl", "code_dev.jsonl"):
@@ -1406,6 +1406,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--systems", help="pair: only these systems (alone-graph always; default: all)")
     ap.add_argument("--fresh-controllers", action="store_true",
                     help="pair: a new controller for every batch of prompts (default: one per system, as served)")
+    ap.add_argument("--weights", default="bf16", help="pair: the verifier's weight mode (weights.quant; auto: as "
+                    "served, e.g. the fetched model's w4a8 on a CPU: the CPU's own figure beside a GPU's)")
     ap.add_argument("--eagle-head", type=Path, help="pair: a trained eagle head's directory (the fetched pair's drafter)")
     ap.add_argument("--any-length", action="store_true",
                     help="pair: the first --per-file prompts whatever their length (default: those of one pool shape)")
