@@ -3,7 +3,8 @@
 A session's device time (900 s) counts the machine's start, every call and the idle waits between calls, and a
 call carries at most 64 MiB (the tracked tree, ~18 MB, and its `carry` paths); nothing on the machine reaches a
 registry. So what a stage needs is prepared here, in ignored folders (`prep`), and each stage is one short command
-(`run STAGE`) that installs what its carry brought and runs bench/gpu.py. Stages, most valuable first:
+(`run STAGE`) that installs what its carry brought, runs bench/gpu.py and prints issue 28's targets as its results
+stand (bench/gpu_targets.py). Stages, most valuable first:
 
 - main (carry .gpu_shared, .whl; 420 s): the 1.7B and 8B steps at batch 1 (the roofline), each weight product
   against cuBLAS with the skinny kernel's tilings, the step with skinny products, the sampled distribution on the
@@ -182,7 +183,9 @@ def commands(stage: Stage, out: str, here: bool) -> list[list[str]]:
                              "convert_gguf(Path('/tmp/smol.gguf'), Path('/tmp/fetched/verifier'))"],
                   ["sh", "-c", "rm -rf /tmp/fetched/drafter && cp -r .gpu_fetch/d/drafter /tmp/fetched/drafter"]]
     args = [a.format(out=out) for a in stage.gpu_args]
-    return steps + [[py, "bench/gpu.py", *args, *(["--smoke"] if here else [])]]
+    result = args[args.index("--out") + 1]
+    return steps + [[py, "bench/gpu.py", *args, *(["--smoke"] if here else [])],
+                    [py, "bench/gpu_targets.py", result]]  # the call's own output says where the targets stand
 
 
 def run(args) -> int:

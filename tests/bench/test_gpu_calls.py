@@ -26,7 +26,7 @@ def test_the_fetched_stage_joins_converts_then_runs_the_pair_with_its_head():
     cmds = [" ".join(c) for c in commands(STAGES["fetched"], "/out", here=True)]
     assert "gunzip > /tmp/smol.gguf" in cmds[0] and f"{KEEP}/gguf.gz.part00 {KEEP}/gguf.gz.part01" in cmds[0]
     assert "convert_gguf" in cmds[1] and "/tmp/fetched/verifier" in cmds[1]
-    assert "bench/gpu.py" in cmds[-1] and "--eagle-head /tmp/fetched/drafter" in cmds[-1] and "--smoke" in cmds[-1]
+    assert "bench/gpu.py" in cmds[-2] and "--eagle-head /tmp/fetched/drafter" in cmds[-2] and "--smoke" in cmds[-2]
     assert not any("pip install" in c for c in cmds)  # here: this venv's packages
 
 
