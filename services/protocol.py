@@ -49,6 +49,9 @@ class CompletionRequest:
     drafter_version: str | None = None  # None = the serving champion
     # None: no log-probabilities; n (0..20): each token's, with its n most likely alternatives
     logprobs: int | None = None
+    # None: the prompt's tokens are not scored; n (0..20): each prompt token after the first, with n alternatives, in
+    # the first chunk (OpenAI's `echo` with `logprobs`); with max_tokens 0 the request only scores its prompt
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False  # EOS does not end the request (vLLM's; benchmarks use it for fixed lengths)
     # the usual sampling controls (vLLM's semantics; specloop.drafter.decode.shaping applies them losslessly)
     presence_penalty: float = 0.0  # subtracted once from each token already in the output
@@ -136,6 +139,7 @@ class Chunk:
     usage: Usage | None = None  # on the last chunk
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens after the first (a request's first chunk)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,8 +147,10 @@ class Chunk:
     @classmethod
     def from_dict(cls, data: dict) -> "Chunk":
         chunk = _from_dict(cls, data)
-        if chunk.logprobs is not None:
-            chunk.logprobs = [e if isinstance(e, TokenLogprob) else TokenLogprob.from_dict(e) for e in chunk.logprobs]
+        for name in ("logprobs", "prompt_logprobs"):
+            entries = getattr(chunk, name)
+            if entries is not None:
+                setattr(chunk, name, [e if isinstance(e, TokenLogprob) else TokenLogprob.from_dict(e) for e in entries])
         if isinstance(chunk.usage, dict):
             chunk.usage = _from_dict(Usage, chunk.usage)
         if isinstance(chunk.error, dict):

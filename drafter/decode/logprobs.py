@@ -7,6 +7,10 @@ logits plain decoding computes for that token: speculation on or off, the same n
 
 Computed only for the rows that asked (`Scoring`), after the verdict, from logits the step has
 anyway; a step where no row asked computes nothing.
+
+A prompt's own tokens (`prompt_scores`: OpenAI's `echo` with `logprobs`, vLLM's prompt log-probabilities, what
+evaluation harnesses score) come from a pass of their own over the prompt, in chunks of `PROMPT_CHUNK` positions
+(so that no more than one chunk's logits is ever held), in a one-row cache of the prompt's length.
 """
 from __future__ import annotations
 
@@ -56,6 +60,30 @@ class Scoring:
                 alts = list(zip(self.top_ids[i, j, :top].tolist(), self.top_logprobs[i, j, :top].tolist()))
             out.append(TokenScore(t, float(self.logprob[i, j]), alts))
         return out
+
+
+PROMPT_CHUNK = 128  # positions a prompt-scoring pass runs: its logits are [PROMPT_CHUNK, vocabulary] floats
+
+
+@torch.inference_mode()
+def prompt_scores(lean, prompt: list[int], top: int, chunk: int = PROMPT_CHUNK) -> list[TokenScore]:
+    """Each prompt token after the first, scored by the verifier given the tokens before it: prompt[j] for
+    j = 1..n-1 by the logits at position j - 1, with `top` alternatives (the first token has no context: OpenAI's
+    `token_logprobs[0]` is null). `lean`: the verifier's LeanDecoder; one row, a cache it owns."""
+    cache = lean.new_cache(1, len(prompt))
+    out: list[TokenScore] = []
+    for start in range(0, len(prompt) - 1, chunk):
+        ids = prompt[start: min(start + chunk, len(prompt) - 1)]
+        logits = lean.forward(cache, torch.tensor([ids], device=lean.device)).logits[0]  # [T, V]
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        following = torch.tensor(prompt[start + 1: start + 1 + len(ids)], device=lp.device)
+        chosen = lp.gather(-1, following[:, None]).squeeze(-1).tolist()
+        alts: list[list[tuple[int, float]]] = [[] for _ in ids]
+        if top:
+            values, where = lp.topk(min(top, lp.shape[-1]), dim=-1)
+            alts = [list(zip(i, v)) for i, v in zip(where.tolist(), values.tolist())]
+        out += [TokenScore(t, c, a) for t, c, a in zip(following.tolist(), chosen, alts)]
+    return out
 
 
 def scoring_for(asked: dict[int, int]) -> Scoring | None:

@@ -113,3 +113,15 @@ def completion_logprobs(entries: Iterable[TokenLogprob], texts: TokenTexts, top:
         out["text_offset"].append(offset)
         offset += len(text)
     return out, offset
+
+
+def echo_logprobs(ids: Iterable[int], entries: list[TokenLogprob] | None, texts: TokenTexts,
+                  top: int) -> tuple[dict, int]:
+    """`choices[i].logprobs` of an echoed prompt (completions' `echo`): every prompt token, the first with a null
+    log-probability and null alternatives (nothing before it), the others scored by the worker (`entries`, one per
+    token after the first), offsets from the prompt's start; and the offset after its tokens."""
+    ids = list(ids)
+    first, offset = texts.text(ids[0]), 0
+    head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
+    rest, offset = completion_logprobs(entries or [], texts, top, len(first))
+    return {key: head[key] + rest[key] for key in head}, offset

@@ -81,6 +81,21 @@ class Plan:
     include_usage: bool = False
     logprobs: int | None = None  # None: none asked; n: each token's log-probability and its n most likely alternatives
     tools: ToolPlan | None = None  # a chat's tools in play: its answers' tool calls are parsed (tools.py)
+    echoes: list[Echo] | None = None  # completions' `echo`: each distinct prompt, sent before its choices' text
+    n: int = 1  # choices per prompt (choice index = prompt index × n + i)
+
+    def echo(self, choice: int) -> "Echo | None":
+        """What choice `choice` sends before its completion (None: no echo)."""
+        return None if self.echoes is None else self.echoes[choice // self.n]
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A prompt sent back before its completion (OpenAI's `echo`): its text and its token ids (their strings and
+    log-probabilities lead the choice's `logprobs` when the request asked for them)."""
+
+    text: str
+    ids: tuple[int, ...]
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -289,6 +304,9 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     else:
         prompts = completion_prompts(tokenizer, req.prompt, cfg)
         requested = req.max_tokens
+        if requested == 0 and not req.echo:
+            raise invalid("max_tokens = 0 generates nothing: it is only allowed with echo (the prompt scored)",
+                          "max_tokens")
     n = req.n or 1
     if n * len(prompts) > MAX_CHOICES:
         raise invalid(f"n × prompts is at most {MAX_CHOICES}, got {n} × {len(prompts)}", "n")
@@ -297,13 +315,29 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
     check_min_tokens(sampling["min_tokens"], min(budgets), requested is None)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs, guided=guided)
+    echo = isinstance(req, CompletionBody) and bool(req.echo)
+    scored = logprobs if echo else None  # the prompt's tokens scored by the worker (each choice's first chunk)
+    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs, guided=guided,
+                             prompt_logprobs=scored)
     requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
                                   stream_index=p * n + i, **common)
                 for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+    echoes = None
+    if isinstance(req, CompletionBody) and echo:
+        echoes = [Echo(echo_text(tokenizer, p, ids), tuple(ids)) for p, ids in zip(prompt_list(req), prompts)]
     return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage,
-                logprobs, tools)
+                logprobs, tools, echoes, n)
+
+
+def prompt_list(req: CompletionBody) -> list:
+    """The request's prompts as given (one string or id list, or a list of them), in `completion_prompts`' order."""
+    return [req.prompt] if isinstance(req.prompt, str) or _is_ids(req.prompt) else list(req.prompt)
+
+
+def echo_text(tokenizer, given, ids: list[int]) -> str:
+    """The prompt's text as echoed: as given, or its token ids decoded (special tokens kept, as vLLM's)."""
+    return given if isinstance(given, str) else tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def validated(body: Any, chat: bool, cfg: ApiConfig) -> ChatBody | CompletionBody:

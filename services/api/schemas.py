@@ -207,6 +207,8 @@ class ChatBody(Sampling):
 class CompletionBody(Sampling):
     prompt: Any  # checked by `completion_prompts`
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+    echo: StrictBool | None = False  # the prompt before the completion (with logprobs: its tokens scored too)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: the prompt scored, nothing generated
 
 
 class TokenizeBody(_Lenient):

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from specloop.services.api.backend import Backend
-from specloop.services.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from specloop.services.api.logprobs import TokenTexts, chat_logprobs, completion_logprobs, echo_logprobs
 from specloop.services.api.planning import Plan
 from specloop.services.api.schemas import ApiError
 from specloop.services.api.tools import ToolStream, parse_tool_calls
@@ -120,6 +120,8 @@ class ChoiceState:
     usage: Usage | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the worker sent them
     text_offset: int = 0  # completions' log-probabilities: characters of token strings streamed so far
+    prompt_logprobs: list[TokenLogprob] | None = None  # the prompt's tokens scored (completions' echo with logprobs)
+    echoed: bool = False  # a streamed echo: the prompt has been sent
 
 
 @dataclass
@@ -149,6 +151,8 @@ class Progress:
         c.tokens += len(chunk.token_ids)
         c.texts.append(chunk.text)
         c.logprobs.extend(chunk.logprobs or ())
+        if chunk.prompt_logprobs is not None:
+            c.prompt_logprobs = chunk.prompt_logprobs
         if chunk.error is not None and self.error is None:
             self.error, self.error_index = chunk.error, index
         if chunk.last:
@@ -224,9 +228,17 @@ class Shapes:
                 if calls:
                     message |= {"content": content, "tool_calls": calls}
                     finish_reason = "tool_calls"
+            echo = self.plan.echo(i)
+            if echo is None:
+                logprobs = self.logprobs(c.logprobs)
+            else:  # the prompt before the completion, in the text and (asked for) in the log-probabilities
+                text = echo.text + text
+                logprobs = self.echo_logprobs(i, c)
+                if logprobs is not None:
+                    rest = self.logprobs(c.logprobs, c)
+                    logprobs = {key: logprobs[key] + rest[key] for key in logprobs} if rest else logprobs
             body = {"message": message} if self.plan.chat else {"text": text}
-            choices.append({"index": i, **body, "logprobs": self.logprobs(c.logprobs),
-                            "finish_reason": finish_reason})
+            choices.append({"index": i, **body, "logprobs": logprobs, "finish_reason": finish_reason})
         return self.head() | {"choices": choices, "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
 
     def chunk(self, index: int, text: str | None = None, role: bool = False, finish_reason: str | None = None,
@@ -263,10 +275,24 @@ class Shapes:
             choice.text_offset = end
         return out
 
+    def echo_logprobs(self, index: int, choice: ChoiceState) -> dict | None:
+        """The echoed prompt's part of choice `index`'s log-probabilities (None when none were asked); the choice's
+        text offsets go on from its end."""
+        echo = self.plan.echo(index)
+        if echo is None or self.plan.logprobs is None or self.texts is None:
+            return None
+        out, choice.text_offset = echo_logprobs(echo.ids, choice.prompt_logprobs, self.texts, self.plan.logprobs)
+        return out
+
     def deltas(self, index: int, chunk: Chunk, choice: ChoiceState) -> list[dict]:
-        """The streamed chunks one backend chunk becomes: its text (or, with log-probabilities asked,
-        its tokens even when their text is held back), then its finish."""
+        """The streamed chunks one backend chunk becomes: an echoed prompt first (completions' `echo`: the choice's
+        first chunk), its text (or, with log-probabilities asked, its tokens even when their text is held back),
+        then its finish."""
         out = []
+        echo = self.plan.echo(index)
+        if echo is not None and not choice.echoed:
+            choice.echoed = True
+            out.append(self.chunk(index, text=echo.text, logprobs=self.echo_logprobs(index, choice)))
         text, finish_reason = chunk.text, chunk.finish_reason
         hold = None
         if self.plan.tools is not None:

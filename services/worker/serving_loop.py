@@ -22,10 +22,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import AsyncIterator, Callable
 
-from specloop.drafter.decode.logprobs import TokenScore
+from specloop.drafter.decode.logprobs import TokenScore, prompt_scores
 from specloop.drafter.decode.requests import EngineRequest, Generation, RowUpdate
 from specloop.services.protocol import (
     MAX_TOP_LOGPROBS,
@@ -162,15 +162,20 @@ class ServingLoop:
             return invalid(r.id, "this worker has no drafter: set speculative.enabled false", "speculative")
         if r.k is not None and r.k < 0:
             return invalid(r.id, f"k = {r.k} < 0", "speculative.k")
-        if r.logprobs is not None and not 0 <= r.logprobs <= MAX_TOP_LOGPROBS:
-            return invalid(r.id, f"logprobs = {r.logprobs}: between 0 and {MAX_TOP_LOGPROBS}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(r, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                return invalid(r.id, f"{name} = {value}: between 0 and {MAX_TOP_LOGPROBS}", name)
+        if r.max_tokens == 0 and r.prompt_logprobs is None:
+            return invalid(r.id, "max_tokens = 0 only scores a prompt: it needs prompt_logprobs (echo with logprobs)",
+                           "max_tokens")
         engine = self.worker.engine  # its capacity rule (specloop.drafter.decode.capacity) with its controller's k_max
         if not r.prompt_ids or not engine.fits(len(r.prompt_ids), r.max_tokens, r.k):
             return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} "
                                  f"(+ {engine.reserve(r.k)} for drafting) exceeds the context of "
                                  f"{self.worker.max_context} positions", "max_tokens")
         try:
-            r.sampling()
+            r.sampling() if r.max_tokens else replace(r, max_tokens=1).sampling()  # 0: no sampling, the rest checked
         except ValueError as exc:
             return invalid(r.id, str(exc))
         return None
@@ -255,6 +260,12 @@ class ServingLoop:
         return None if version in (None, self.worker.version) else version
 
     def _start(self, version: str | None, batch: list[_Waiting]) -> None:
+        for item in batch:
+            if item.request.max_tokens == 0:  # a prompt scored, nothing generated: no slot, no step
+                self._score(item, final=True)
+        batch = [item for item in batch if item.request.max_tokens > 0]
+        if not batch:
+            return
         try:
             requests = [self._engine_request(item.request) for item in batch]
             self.worker.admit(requests) if version is None else self.pinned.admit(version, requests)
@@ -268,6 +279,27 @@ class ServingLoop:
             r = item.request
             text = IncrementalText(self.decode, tuple(r.stop), tokenizer=self.tokenizer)
             self.live[r.id] = _Live(r, item.sink, text, now - item.since)
+            if r.prompt_logprobs is not None:  # its first chunk, before any step's tokens
+                self._score(item, final=False)
+
+    def _score(self, item: _Waiting, final: bool) -> None:
+        """The request's prompt scored (`prompt_scores`: a pass of its own over the prompt) and sent as a chunk
+        of its own; `final`: the request asked for nothing more (max_tokens 0), so the chunk ends it."""
+        r = item.request
+        assert r.prompt_logprobs is not None  # _validate: max_tokens 0 comes with prompt_logprobs
+        try:
+            scores = prompt_scores(self.worker.verifier.lean, r.prompt_ids, r.prompt_logprobs)
+        except Exception as exc:  # noqa: BLE001 - one request's failure, never the worker's
+            log.exception("scoring a prompt failed")
+            if self.live.pop(r.id, None) is not None:
+                self.worker.abort(r.id) or self.pinned.abort(r.id)
+            item.sink(Chunk(r.id, error=ErrorInfo(f"internal error scoring the prompt: {exc}", "server_error", 500)))
+            return
+        chunk = Chunk(r.id, prompt_logprobs=token_logprobs(scores))
+        if final:
+            chunk.finish_reason = "length"
+            chunk.usage = Usage(len(r.prompt_ids), 0, queue_time_s=time.monotonic() - item.since)
+        item.sink(chunk)
 
     @staticmethod
     def _engine_request(r: CompletionRequest) -> EngineRequest:

@@ -280,7 +280,11 @@ def test_neutral_values_of_unsupported_parameters_and_unknown_fields_are_accepte
     plain = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     assert_openai_400(httpx.post(url + "/v1/completions", json={**plain, "max_completion_tokens": 2}),
                       "max_completion_tokens")
-    assert_openai_400(httpx.post(url + "/v1/completions", json={**plain, "echo": True}), "echo")
+    assert_openai_400(httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "echo": True}),
+                      "echo")  # completions' only
+    assert_openai_400(httpx.post(url + "/v1/completions", json={**plain, "max_tokens": 0}), "max_tokens")
+    assert_openai_400(httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 0}),
+                      "max_tokens")
 
 
 def test_unknown_routes_and_methods_are_openai_errors(url):
@@ -348,6 +352,50 @@ def test_logprobs_are_the_verifiers_own_with_or_without_speculation(url, verifie
             assert max(alternatives.values()) == got["token_logprobs"][i] and 3 <= len(alternatives) <= 4
             best = sorted(ref[i].topk(3).values.tolist(), reverse=True)
             assert abs(sorted(alternatives.values(), reverse=True)[0] - best[0]) < 1e-3
+
+
+def test_echo_scores_the_prompt_as_the_verifier_does_and_leads_the_completion_with_it(url, verifier, tiny_pair):
+    # what evaluation harnesses send (lm-eval's loglikelihood: echo with logprobs; scoring: max_tokens 0 too)
+    tok = verifier.tokenizer
+    ids = tok.encode("def main():\n    return", add_special_tokens=False)
+    body = {"model": MODEL, "prompt": ids, "max_tokens": 4, "temperature": 0, "logprobs": 2, "echo": True,
+            "speculative": {"k": 2}}
+    choice = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    lp, n = choice["logprobs"], len(ids)
+    prompt_text = tok.decode(ids, skip_special_tokens=False)
+    assert choice["text"].startswith(prompt_text) and len(lp["tokens"]) == n + 4
+    assert lp["tokens"][:n] == [tok.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = verifier_logprobs(tiny_pair[0], ids, 1)  # position j predicts ids[j + 1]
+    assert max(abs(lp["token_logprobs"][j + 1] - ref[j, t].item()) for j, t in enumerate(ids[1:])) < 1e-3
+    assert all(2 <= len(alt) <= 3 for alt in lp["top_logprobs"][1:])
+    offsets = [0]
+    for t in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp["text_offset"] == offsets  # from the prompt's start, on through the completion
+    plain = {k: v for k, v in body.items() if k != "echo"}
+    rest = httpx.post(url + "/v1/completions", json=plain, timeout=30).json()["choices"][0]
+    assert choice["text"] == prompt_text + rest["text"] and lp["tokens"][n:] == rest["logprobs"]["tokens"]
+
+    scored = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=30).json()
+    (only,) = scored["choices"]
+    assert only["text"] == prompt_text and only["finish_reason"] == "length"
+    assert only["logprobs"]["token_logprobs"] == lp["token_logprobs"][:n]
+    assert scored["usage"]["prompt_tokens"] == n and scored["usage"]["completion_tokens"] == 0
+
+
+def test_echo_streams_the_prompt_first_and_needs_no_logprobs(url):
+    body = {"model": MODEL, "prompt": "def main():", "max_tokens": 5, "temperature": 0, "echo": True}
+    full = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
+    assert full["text"].startswith("def main():") and full["logprobs"] is None
+    _, events = post_stream(url, "/v1/completions", {**body, "stream": True, "logprobs": 1})
+    texts = [e["choices"][0]["text"] for e in events[:-1] if e.get("choices")]
+    assert texts[0] == "def main():" and "".join(texts) == full["text"]
+    first = next(e for e in events[:-1] if e.get("choices"))["choices"][0]["logprobs"]
+    assert first["token_logprobs"][0] is None and first["text_offset"][0] == 0
+    two = httpx.post(url + "/v1/completions", json={**body, "n": 2, "prompt": ["ab", "def"]}, timeout=30).json()
+    assert len(two["choices"]) == 4  # n per prompt, each choice led by its own prompt
+    assert all(c["text"].startswith(p) for c, p in zip(two["choices"], ["ab", "ab", "def", "def"]))
 
 
 def test_chat_logprobs_stream_as_they_come_in_full(client):

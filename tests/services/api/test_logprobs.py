@@ -54,3 +54,15 @@ def test_completion_logprobs_add_the_emitted_token_and_count_text_offsets(texts)
     assert out["text_offset"] == [10, 10 + len(texts.text(a))] and end == out["text_offset"][1] + len(texts.text(b))
     empty, same = completion_logprobs([], texts, top=3, offset=4)
     assert empty == {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []} and same == 4
+
+
+def test_an_echoed_prompt_leads_with_a_null_first_token_and_counts_offsets_from_its_start(texts):
+    from specloop.services.api.logprobs import echo_logprobs
+
+    a, b, c = texts.tokenizer.encode("def main(", add_special_tokens=False)[:3]
+    out, end = echo_logprobs([a, b, c], [TokenLogprob(b, -1.0, [(a, -0.5)]), TokenLogprob(c, -2.0, [])], texts, top=1)
+    assert out["tokens"] == [texts.text(a), texts.text(b), texts.text(c)]
+    assert out["token_logprobs"] == [None, -1.0, -2.0]
+    assert out["top_logprobs"] == [None, {texts.text(a): -0.5, texts.text(b): -1.0}, {texts.text(c): -2.0}]
+    assert out["text_offset"] == [0, len(texts.text(a)), len(texts.text(a)) + len(texts.text(b))]
+    assert end == sum(len(texts.text(t)) for t in (a, b, c))

@@ -240,6 +240,29 @@ def test_logprobs_outside_0_to_20_are_refused(tiny_pair):
     assert ok[-1].finish_reason is not None and all(len(e.top) == 20 for c in ok for e in c.logprobs)
 
 
+def test_a_prompt_is_scored_in_its_own_first_chunk_and_max_tokens_0_only_scores(tiny_pair, verifier):
+    from specloop.drafter.decode.logprobs import prompt_scores
+
+    prompt = verifier.tokenizer.encode("def main():", add_special_tokens=False)
+    backend = LocalBackend.open(tiny_pair[0], tiny_pair[1], slots=1, max_queue=4)
+    try:
+        both = asyncio.run(_collect(backend, CompletionRequest("a", prompt, max_tokens=3, k=2, prompt_logprobs=2)))
+        only = asyncio.run(_collect(backend, CompletionRequest("b", prompt, max_tokens=0, prompt_logprobs=0)))
+        refused = [asyncio.run(_collect(backend, CompletionRequest(f"x{i}", prompt, **kw)))
+                   for i, kw in enumerate(({"max_tokens": 0}, {"max_tokens": 2, "prompt_logprobs": 21}))]
+    finally:
+        asyncio.run(backend.close())
+    expected = prompt_scores(verifier.lean, prompt, 2)
+    first = both[0]
+    assert first.token_ids == [] and [e.token_id for e in first.prompt_logprobs] == prompt[1:]
+    assert [round(e.logprob, 5) for e in first.prompt_logprobs] == [round(s.logprob, 5) for s in expected]
+    assert all(len(e.top) == 2 for e in first.prompt_logprobs) and both[-1].usage.completion_tokens == 3
+    (alone,) = only  # no slot, no step: one chunk that ends the request
+    assert alone.finish_reason == "length" and alone.usage.completion_tokens == 0 and alone.token_ids == []
+    assert [e.top for e in alone.prompt_logprobs] == [[]] * (len(prompt) - 1)
+    assert [c[0].error.param for c in refused] == ["max_tokens", "prompt_logprobs"]
+
+
 def _versions(tiny_pair, tmp_path, n: int) -> list[str]:
     from specloop.services.registry.registry import Registry
     from tests.worker_helpers import base_weights, noisy, publish
