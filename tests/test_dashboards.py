@@ -250,7 +250,9 @@ def test_every_panel_query_returns_the_numbers_fed_to_the_exporters(tmp_path, fa
         assert last_value(share, speculator="suffix") == pytest.approx(0.25, abs=0.02)
         assert last_value(prom.query(fill(build.SPECULATOR_TAU, "1m")), speculator="suffix") == pytest.approx(5.0)
         step = prom.query(fill(build.STEP_FORWARD, "1m"))
-        assert float(step[0]["value"][1]) == pytest.approx(0.008)
+        # two counters (the forward seconds' sum, the steps' count) that a scrape may catch one observation apart:
+        # 0.008 · 177 / 176 seen once (CI on a loaded machine)
+        assert float(step[0]["value"][1]) == pytest.approx(0.008, rel=0.02)
         assert last_value(prom.query("max by (drafter_version) (specloop:drafter_info)"), drafter_version="v0002") == 1
         [usage] = prom.query(fill('max by (instance) (specloop:cache_slot_usage_perc{model_name=~"$model_name"})'))
         assert float(usage["value"][1]) == 0.5  # 4 running of 8 slots
