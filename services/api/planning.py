@@ -315,17 +315,16 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     budgets = [completion_budget(len(p), requested, k, cfg, "messages" if chat else "prompt") for p in prompts]
     check_min_tokens(sampling["min_tokens"], min(budgets), requested is None)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    echo = isinstance(req, CompletionBody) and bool(req.echo)
-    scored = logprobs if echo else None  # the prompt's tokens scored by the worker (each choice's first chunk)
+    echoes = None
+    if isinstance(req, CompletionBody) and req.echo:
+        echoes = [Echo(echo_text(tokenizer, p, ids), tuple(ids)) for p, ids in zip(prompt_list(req), prompts)]
+    scored = logprobs if echoes else None  # the prompt's tokens scored by the worker (each choice's first chunk)
     common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs, guided=guided,
                              prompt_logprobs=scored)
     requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
                                   stream_index=p * n + i, **common)
                 for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-    echoes = None
-    if isinstance(req, CompletionBody) and echo:
-        echoes = [Echo(echo_text(tokenizer, p, ids), tuple(ids)) for p, ids in zip(prompt_list(req), prompts)]
     return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage,
                 logprobs, tools, echoes, n)
 

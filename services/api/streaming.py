@@ -234,9 +234,10 @@ class Shapes:
             else:  # the prompt before the completion, in the text and (asked for) in the log-probabilities
                 text = echo.text + text
                 logprobs = self.echo_logprobs(i, c)
-                if logprobs is not None:
+                if logprobs is not None:  # then the completion's, their offsets going on from the prompt's end
                     rest = self.logprobs(c.logprobs, c)
-                    logprobs = {key: logprobs[key] + rest[key] for key in logprobs} if rest else logprobs
+                    assert rest is not None  # asked for: echo_logprobs said so
+                    logprobs = {key: logprobs[key] + rest[key] for key in logprobs}
             body = {"message": message} if self.plan.chat else {"text": text}
             choices.append({"index": i, **body, "logprobs": logprobs, "finish_reason": finish_reason})
         return self.head() | {"choices": choices, "usage": usage_dict(self.plan.prompt_lens, progress.choices)}
