@@ -53,7 +53,7 @@ class ServeConfig:
     worker_threads: int = 1
     learner_threads: int = 1
     worker_resources: dict = field(default_factory=dict)  # Ray custom resources each worker asks for
-    model_id: str | None = None  # --served-model-name; default: the verifier folder's name
+    model_id: str | None = None  # --served-model-name; default: `served_name`
     weights: str = "auto"  # the verifier's weight mode (drafter.model.weights.quant; auto = as stored / its manifest)
     drafter_weights: str = "auto"
     chat_template: str | None = None  # --chat-template's text (None: the tokenizer's own template)
@@ -195,7 +195,7 @@ class Deployment:
         cfg = self.cfg
         learning = cfg.learner != "off"
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
-        model = cfg.model_id or Path(cfg.verifier).name
+        model = served_name(cfg)
         log.warning("starting %d worker(s) serving %s%s; the API answers once the model is loaded%s", cfg.workers,
                     model, ", and the learner" if learning else "",
                     " and the GPU decode steps are compiled (longest on a first start: later starts reuse "
@@ -285,13 +285,25 @@ def build_app(admin_token: str | None, api_key: str | None = None, docs: bool = 
                       ApiMetrics(model_name=info.model), api_key=api_key, docs=docs, chat_template=chat_template)
 
 
+def served_name(cfg: ServeConfig) -> str:
+    """The model id clients name: --served-model-name; else, for the fetched pair (its folder holds
+    `fetched.json`, the verifier sits in `verifier/`), the pair's name (`smollm2-135m-instruct`); else the verifier
+    folder's name."""
+    from specloop.trainer.fetch import DONE_FILE  # torch: imported where a name is needed, after the CLI's checks
+
+    if cfg.model_id:
+        return cfg.model_id
+    folder = Path(cfg.verifier)
+    return folder.parent.name if (folder.parent / DONE_FILE).is_file() else folder.name
+
+
 def run_serve(cfg: ServeConfig) -> int:
     deployment = Deployment(cfg)
     try:
         deployment.wait_ready()
         app = build_app(cfg.admin_token, cfg.api_key, cfg.docs, cfg.chat_template)
         log.warning("specloop serving %s on http://%s:%d (%d worker(s), learner %s, registry %s)",
-                    cfg.model_id or Path(cfg.verifier).name, cfg.host, cfg.port, cfg.workers, cfg.learner,
+                    served_name(cfg), cfg.host, cfg.port, cfg.workers, cfg.learner,
                     deployment.registry)
         serve_until_stopped(app, cfg.host, cfg.port, cfg.drain_timeout, cfg.uvicorn_log_level)
     finally:

@@ -296,8 +296,8 @@ def _serve_drafter(pair: Models, drafter_kind: str | None, spec_json: str | None
 def serve(pair: Models, capacity: Capacity, *, dtype: Dtype = "auto", quantization: Quantization = None,
           speculative_config: SpeculativeConfig = None, drafter_kind: DrafterKind = None,
           served_model_name: Annotated[Optional[str], typer.Option(
-              show_default=False, help="the model id clients ask for (default: MODEL's Hugging Face id, else the "
-                                       "verifier folder's name)")] = None,
+              show_default=False, help="the model id clients ask for (default: MODEL's Hugging Face id; the fetched "
+                                       "pair's name without MODEL; else the verifier folder's name)")] = None,
           enable_prefix_caching: PrefixCaching = True, kv_cache_dtype: KvCacheDtype = "auto",
           enforce_eager: EnforceEager = False, endpoint: Endpoint, weights: Weights,
           speculators: Speculators = None, glob: Globals,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from specloop.services.cli.deployment import LOCAL_REDIS, default_registry, detect_redis
+from specloop.services.cli.deployment import LOCAL_REDIS, ServeConfig, default_registry, detect_redis, served_name
 from specloop.services.cli.main import main
 from tests.api_helpers import MODEL, Streamer
 from tests.redis_helpers import free_port
@@ -52,6 +52,16 @@ def test_each_model_pair_gets_its_own_registry_folder(tmp_path):
     others = {default_registry(tmp_path, Path("v"), Path("d2"), "pretrained"),
               default_registry(tmp_path, Path("v"), Path("d1"), "sd2"), default_registry(tmp_path, Path("v"), None, "dvi")}
     assert a not in others and len(others) == 3
+
+
+def test_the_served_name_is_the_flag_then_the_fetched_pairs_name_then_the_folders(tmp_path):
+    fetched = tmp_path / "smollm2-135m-instruct"
+    (fetched / "verifier").mkdir(parents=True)
+    (fetched / "fetched.json").write_text("{}")  # what `specloop models fetch` leaves beside the pair
+    assert served_name(ServeConfig(fetched / "verifier", None)) == "smollm2-135m-instruct"
+    assert served_name(ServeConfig(fetched / "verifier", None, model_id="smollm2")) == "smollm2"
+    (tmp_path / "mine" / "verifier").mkdir(parents=True)
+    assert served_name(ServeConfig(tmp_path / "mine" / "verifier", None)) == "verifier"
 
 
 def test_serve_refuses_bad_flags_with_exit_code_2(tiny_pair, capsys):
