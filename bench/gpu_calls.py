@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,7 +191,8 @@ def commands(stage: Stage, out: str, here: bool) -> list[list[str]]:
 
 def run(args) -> int:
     stage = STAGES[args.stage]
-    out = os.environ.get("OUT") or str(ROOT / "bench" / "results" / "gpu_calls")
+    # the device tool's $OUT; here a folder outside the tree (untracked files there would travel with every call)
+    out = os.environ.get("OUT") or os.path.join(tempfile.gettempdir(), "specloop_gpu_calls")
     env = os.environ | {"PYTHONUNBUFFERED": "1",
                         "PYTHONPATH": os.pathsep.join(filter(None, ["/tmp/site", str(ROOT),
                                                                     os.environ.get("PYTHONPATH")]))}
