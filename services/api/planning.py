@@ -88,6 +88,10 @@ class Plan:
         """What choice `choice` sends before its completion (None: no echo)."""
         return None if self.echoes is None else self.echoes[choice // self.n]
 
+    def scorer(self, choice: int) -> int:
+        """The choice whose request scores the prompt of choice `choice` (its prompt's first: one pass a prompt)."""
+        return choice // self.n * self.n
+
 
 @dataclass(frozen=True)
 class Echo:
@@ -318,11 +322,12 @@ def plan_request(body: Any, chat: bool, cfg: ApiConfig, tokenizer) -> Plan:
     echoes = None
     if isinstance(req, CompletionBody) and req.echo:
         echoes = [Echo(echo_text(tokenizer, p, ids), tuple(ids)) for p, ids in zip(prompt_list(req), prompts)]
-    scored = logprobs if echoes else None  # the prompt's tokens scored by the worker (each choice's first chunk)
-    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs, guided=guided,
-                             prompt_logprobs=scored)
+    # the prompt's tokens scored by the worker, once a prompt (its first choice's first chunk; the API opens a stream
+    # only after every choice's first chunk, so the scores are there before any choice's echo is sent)
+    scored = logprobs if echoes else None
+    common = sampling | dict(k=k, drafter_version=spec.drafter_version, logprobs=logprobs, guided=guided)
     requests = [CompletionRequest(id=f"{rid}-{p * n + i}", prompt_ids=ids, max_tokens=budget,
-                                  stream_index=p * n + i, **common)
+                                  stream_index=p * n + i, prompt_logprobs=None if i else scored, **common)
                 for p, (ids, budget) in enumerate(zip(prompts, budgets)) for i in range(n)]
     include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
     return Plan(rid, chat, int(time.time()), [len(p) for p in prompts], requests, bool(req.stream), include_usage,

@@ -233,7 +233,7 @@ class Shapes:
                 logprobs = self.logprobs(c.logprobs)
             else:  # the prompt before the completion, in the text and (asked for) in the log-probabilities
                 text = echo.text + text
-                logprobs = self.echo_logprobs(i, c)
+                logprobs = self.echo_logprobs(i, c, progress)
                 if logprobs is not None:  # then the completion's, their offsets going on from the prompt's end
                     rest = self.logprobs(c.logprobs, c)
                     assert rest is not None  # asked for: echo_logprobs said so
@@ -276,24 +276,25 @@ class Shapes:
             choice.text_offset = end
         return out
 
-    def echo_logprobs(self, index: int, choice: ChoiceState) -> dict | None:
-        """The echoed prompt's part of choice `index`'s log-probabilities (None when none were asked); the choice's
-        text offsets go on from its end."""
+    def echo_logprobs(self, index: int, choice: ChoiceState, progress: Progress) -> dict | None:
+        """The echoed prompt's part of choice `index`'s log-probabilities (None when none were asked), from the
+        scores its prompt's first choice received; the choice's text offsets go on from its end."""
         echo = self.plan.echo(index)
         if echo is None or self.plan.logprobs is None or self.texts is None:
             return None
-        out, choice.text_offset = echo_logprobs(echo.ids, choice.prompt_logprobs, self.texts, self.plan.logprobs)
+        scores = progress.choices[self.plan.scorer(index)].prompt_logprobs
+        out, choice.text_offset = echo_logprobs(echo.ids, scores, self.texts, self.plan.logprobs)
         return out
 
-    def deltas(self, index: int, chunk: Chunk, choice: ChoiceState) -> list[dict]:
-        """The streamed chunks one backend chunk becomes: an echoed prompt first (completions' `echo`: the choice's
-        first chunk), its text (or, with log-probabilities asked, its tokens even when their text is held back),
-        then its finish."""
-        out = []
+    def deltas(self, index: int, chunk: Chunk, progress: Progress) -> list[dict]:
+        """The streamed chunks one backend chunk of choice `index` becomes: an echoed prompt first (completions'
+        `echo`: the choice's first chunk), its text (or, with log-probabilities asked, its tokens even when their
+        text is held back), then its finish."""
+        out, choice = [], progress.choices[index]
         echo = self.plan.echo(index)
         if echo is not None and not choice.echoed:
             choice.echoed = True
-            out.append(self.chunk(index, text=echo.text, logprobs=self.echo_logprobs(index, choice)))
+            out.append(self.chunk(index, text=echo.text, logprobs=self.echo_logprobs(index, choice, progress)))
         text, finish_reason = chunk.text, chunk.finish_reason
         hold = None
         if self.plan.tools is not None:
@@ -355,7 +356,7 @@ async def stream_events(shapes: Shapes, fanout: Fanout, progress: Progress,
         if chunk.error is not None:
             yield sse(ApiError.from_info(chunk.error).body())
             break
-        for delta in shapes.deltas(index, chunk, progress.choices[index]):
+        for delta in shapes.deltas(index, chunk, progress):
             yield sse(delta)
     if shapes.plan.include_usage and progress.error is None:
         yield sse(shapes.usage_chunk(progress))

@@ -166,9 +166,6 @@ class ServingLoop:
             value = getattr(r, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
                 return invalid(r.id, f"{name} = {value}: between 0 and {MAX_TOP_LOGPROBS}", name)
-        if r.max_tokens == 0 and r.prompt_logprobs is None:
-            return invalid(r.id, "max_tokens = 0 only scores a prompt: it needs prompt_logprobs (echo with logprobs)",
-                           "max_tokens")
         engine = self.worker.engine  # its capacity rule (specloop.drafter.decode.capacity) with its controller's k_max
         if not r.prompt_ids or not engine.fits(len(r.prompt_ids), r.max_tokens, r.k):
             return invalid(r.id, f"prompt of {len(r.prompt_ids)} tokens + max_tokens {r.max_tokens} "
@@ -261,7 +258,7 @@ class ServingLoop:
 
     def _start(self, version: str | None, batch: list[_Waiting]) -> None:
         for item in batch:
-            if item.request.max_tokens == 0:  # a prompt scored, nothing generated: no slot, no step
+            if item.request.max_tokens == 0:  # nothing generated (a prompt scored, or echoed): no slot, no step
                 self._score(item, final=True)
         batch = [item for item in batch if item.request.max_tokens > 0]
         if not batch:
@@ -283,12 +280,13 @@ class ServingLoop:
                 self._score(item, final=False)
 
     def _score(self, item: _Waiting, final: bool) -> None:
-        """The request's prompt scored (`prompt_scores`: a pass of its own over the prompt) and sent as a chunk
-        of its own; `final`: the request asked for nothing more (max_tokens 0), so the chunk ends it."""
+        """The request's prompt scored (`prompt_scores`: a pass of its own over the prompt; not where it asked for no
+        prompt_logprobs) and sent as a chunk of its own; `final`: the request asked for nothing more (max_tokens 0),
+        so the chunk ends it."""
         r = item.request
-        assert r.prompt_logprobs is not None  # _validate: max_tokens 0 comes with prompt_logprobs
         try:
-            scores = prompt_scores(self.worker.verifier.lean, r.prompt_ids, r.prompt_logprobs)
+            scores = None if r.prompt_logprobs is None else \
+                prompt_scores(self.worker.verifier.lean, r.prompt_ids, r.prompt_logprobs)
         except Exception as exc:  # noqa: BLE001 - one request's failure, never the worker's
             log.exception("scoring a prompt failed")
             if self.live.pop(r.id, None) is not None:

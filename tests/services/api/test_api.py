@@ -384,6 +384,29 @@ def test_echo_scores_the_prompt_as_the_verifier_does_and_leads_the_completion_wi
     assert scored["usage"]["prompt_tokens"] == n and scored["usage"]["completion_tokens"] == 0
 
 
+def test_echo_scores_each_prompt_once_whatever_n(url, backend):
+    body = {"model": MODEL, "prompt": ["def f", "import os"], "max_tokens": 3, "temperature": 0.8, "seed": 1, "n": 2,
+            "logprobs": 1, "echo": True}
+    full = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"]
+    assert [q.prompt_logprobs for q in backend.requests[-4:]] == [1, None, 1, None]  # one pass a prompt
+    for a, b in (full[:2], full[2:]):  # siblings echo the same prompt, scored once
+        n = len(a["logprobs"]["tokens"]) - 3
+        assert a["logprobs"]["token_logprobs"][:n] == b["logprobs"]["token_logprobs"][:n]
+        assert a["logprobs"]["token_logprobs"][0] is None and None not in a["logprobs"]["token_logprobs"][1:]
+    _, events = post_stream(url, "/v1/completions", {**body, "stream": True})
+    firsts = {}
+    for e in events[:-1]:
+        for c in e.get("choices", []):
+            firsts.setdefault(c["index"], c)
+    assert sorted(firsts) == [0, 1, 2, 3]
+    for i, c in firsts.items():  # every choice's first chunk: its prompt, scored (a sibling's scores included)
+        assert c["text"] == body["prompt"][i // 2] and c["logprobs"]["token_logprobs"][1:] == \
+            full[i]["logprobs"]["token_logprobs"][1:len(c["logprobs"]["tokens"])]
+    scored = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 0}, timeout=30).json()["choices"]
+    assert [c["text"] for c in scored] == ["def f", "def f", "import os", "import os"]
+    assert scored[1]["logprobs"] == scored[0]["logprobs"] and scored[1]["finish_reason"] == "length"
+
+
 def test_echo_streams_the_prompt_first_and_needs_no_logprobs(url):
     body = {"model": MODEL, "prompt": "def main():", "max_tokens": 5, "temperature": 0, "echo": True}
     full = httpx.post(url + "/v1/completions", json=body, timeout=30).json()["choices"][0]
