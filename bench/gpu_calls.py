@@ -10,7 +10,8 @@ stand (bench/gpu_targets.py). Stages, most valuable first:
   against cuBLAS with the skinny kernel's tilings, the step with skinny products, the sampled distribution on the
   device (section sampling, ~60 s), the reference pair at batch 1 and 8 (~120 s; what the budget leaves);
 - keep-a, keep-b (carry .gpu_fetch/a, then b; ~15 s each, on the warm machine): the fetched GGUF's two gzip halves
-  kept in /tmp/keep (ignored files stay on a warm machine, not on a fresh one);
+  kept in /tmp/keep (files stay on a warm machine, not on a fresh one: an H200 stays warm only 30 s after a call,
+  so keep-a, keep-b and fetched go back to back, each call made as soon as the last returns);
 - fetched (carry .gpu_fetch/d, .whl; 240 s): the halves joined and converted (bf16 on the GPU, the published Q4_1
   weights dequantized), the fetched pair with its trained eagle head at batch 1 and 8;
 - b16 (carry .whl; 130 s): the 1.7B step at batch 16, exact (W = 5) and not (W = 1): the verify target at batch 16.
@@ -156,7 +157,8 @@ def find_gguf() -> Path | None:
 def report(root: Path) -> None:
     """Each stage's bytes against a call's 64 MiB, and the device tool's call."""
     tree = tree_bytes(root)
-    print(f"tree: {tree / 2**20:.1f} MiB every call carries")
+    print(f"tree: {tree / 2**20:.1f} MiB every call carries; in this order, keep-a, keep-b and fetched back to back "
+          "(a machine stays warm ~30 s after a call, and /tmp/keep with it)")
     for stage in STAGES.values():
         missing = [c for c in stage.carry if not (root / c).exists()]
         size = call_bytes(stage, root, tree)
