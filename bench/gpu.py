@@ -1170,9 +1170,16 @@ def _median(xs: list[float]) -> float | None:
 # -- section sampling: the sampled distribution on the device (bench/gpu_sampling.py)
 
 
+SAMPLING_NEED_S = 90.0  # section sampling on a GPU: its compiles and 8 engines of 20,000 rows (an estimate)
+
+
 def sampling(plan: Plan, args, report: Report, budget: Budget) -> None:
     from bench.gpu_sampling import SamplingPlan, build_pair, sampling_section
 
+    if plan.cuda and not budget.allows(SAMPLING_NEED_S):  # a verdict cut off by the call's timeout is none at all
+        report.section("sampling")["skipped"] = f"budget: {budget.left():.0f} s left, ~{SAMPLING_NEED_S:.0f} s needed"
+        budget.say("sampling: skipped (budget)")
+        return
     torch._dynamo.reset()  # its tiny shapes compile anew, whatever ran before
     sized = SamplingPlan(samples=args.samples) if args.samples else SamplingPlan()
     if plan.device.type == "cpu" and not args.samples:

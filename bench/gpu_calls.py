@@ -7,13 +7,14 @@ registry. So what a stage needs is prepared here, in ignored folders (`prep`), a
 stand (bench/gpu_targets.py). Stages, most valuable first:
 
 - main (carry .gpu_shared, .whl; 420 s): the 1.7B and 8B steps at batch 1 (the roofline), each weight product
-  against cuBLAS with the skinny kernel's tilings, the step with skinny products, the sampled distribution on the
-  device (section sampling, ~60 s), the reference pair at batch 1 and 8 (~120 s; what the budget leaves);
+  against cuBLAS with the skinny kernel's tilings, the step with skinny products, the reference pair at batch 1
+  and 8 (~140 s), then the sampled distribution on the device (section sampling, where ~90 s are left);
 - keep-a, keep-b (carry .gpu_fetch/a, then b; ~15 s each, on the warm machine): the fetched GGUF's two gzip halves
   kept in /tmp/keep (files stay on a warm machine, not on a fresh one: an H200 stays warm only 30 s after a call,
   so keep-a, keep-b and fetched go back to back, each call made as soon as the last returns);
 - fetched (carry .gpu_fetch/d, .whl; 240 s): the halves joined and converted (bf16 on the GPU, the published Q4_1
   weights dequantized), the fetched pair with its trained eagle head at batch 1 and 8;
+- sampling (carry .whl; 150 s): section sampling alone, where main's targets say "not measured";
 - b16 (carry .whl; 130 s): the 1.7B step at batch 16, exact (W = 5) and not (W = 1): the verify target at batch 16.
 
     .venv/bin/python bench/gpu_calls.py prep            # here: the carry folders; prints each stage's call
@@ -51,10 +52,10 @@ class Stage:
 STAGES = {s.name: s for s in (
     Stage("main", (".gpu_shared", ".whl"), 420,
           ("--models", ".gpu_shared/models", "--prompts", ".gpu_shared/prompts", "--shapes", "smollm2-1.7b,llama-3.1-8b",
-           "--sections", "steps,products,paths,sampling,pair", "--batches", "1", "--pair-batches", "1,8",
+           "--sections", "steps,products,paths,pair,sampling", "--batches", "1", "--pair-batches", "1,8",
            "--paths", "direct-skinny,direct-skinny-tuned", "--rounds", "2", "--budget-s", "360",
            "--out", "{out}/gpu.json"),
-          note="the roofline, the products, the sampled distribution, the pair at batch 1 and 8"),
+          note="the roofline, the products, the pair at batch 1 and 8, the sampled distribution (if ~90 s are left)"),
     Stage("keep-a", (".gpu_fetch/a",), 60, (), wheels=(), note="the GGUF's first half kept in /tmp/keep"),
     Stage("keep-b", (".gpu_fetch/b",), 60, (), wheels=(), note="the GGUF's second half kept in /tmp/keep"),
     Stage("fetched", (".gpu_fetch/d", ".whl"), 240,
@@ -62,6 +63,9 @@ STAGES = {s.name: s for s in (
            "--sections", "pair", "--systems", "eagle+suffix-auto,eagle-k4,eagle-auto", "--pair-batches", "1,8",
            "--rounds", "1", "--budget-s", "200", "--out", "{out}/fetched.json"),
           wheels=(".whl", ".gpu_fetch/d"), note="the fetched pair: the GGUF joined, converted, run with its eagle head"),
+    Stage("sampling", (".whl",), 150,
+          ("--sections", "sampling", "--budget-s", "120", "--out", "{out}/sampling.json"),
+          note="the sampled distribution alone: where main's budget left it out"),
     Stage("b16", (".whl",), 130,
           ("--shapes", "smollm2-1.7b", "--sections", "batches,inexact", "--batches", "16", "--rounds", "1",
            "--budget-s", "100", "--out", "{out}/b16.json"),
