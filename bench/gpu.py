@@ -1181,9 +1181,9 @@ def sampling(plan: Plan, args, report: Report, budget: Budget) -> None:
         budget.say("sampling: skipped (budget)")
         return
     torch._dynamo.reset()  # its tiny shapes compile anew, whatever ran before
-    sized = SamplingPlan(samples=args.samples) if args.samples else SamplingPlan()
-    if plan.device.type == "cpu" and not args.samples:
-        sized = SamplingPlan(samples=2_000, chunk=1_000)  # the code path here; the test's power needs the GPU's size
+    # on a CPU by default the code path only (the test's power needs the GPU's size)
+    sized = SamplingPlan(samples=args.samples) if args.samples else \
+        SamplingPlan() if plan.cuda else SamplingPlan(samples=2_000, chunk=1_000)
     sampling_section(report.section("sampling"), build_pair(Shape, build_lean, plan), sized, budget.say)
     torch._dynamo.reset()
     free_memory()

@@ -120,8 +120,7 @@ def echo_logprobs(ids: Iterable[int], entries: list[TokenLogprob] | None, texts:
     """`choices[i].logprobs` of an echoed prompt (completions' `echo`): every prompt token, the first with a null
     log-probability and null alternatives (nothing before it), the others scored by the worker (`entries`, one per
     token after the first), offsets from the prompt's start; and the offset after its tokens."""
-    ids = list(ids)
-    first, offset = texts.text(ids[0]), 0
+    first = texts.text(next(iter(ids)))
     head = {"tokens": [first], "token_logprobs": [None], "top_logprobs": [None], "text_offset": [0]}
     rest, offset = completion_logprobs(entries or [], texts, top, len(first))
     return {key: head[key] + rest[key] for key in head}, offset

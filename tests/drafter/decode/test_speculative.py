@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
+from bench.gpu_sampling import residual_dropped
 from specloop.drafter.decode.controller import Controller, ControllerConfig
 from specloop.drafter.decode.engine import generate
-from specloop.drafter.decode.rejection import BlockOutcome, rejection_sample
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.kinds.dvi import DVIDrafter
@@ -214,14 +214,6 @@ def tiny():
 
 
 
-def wrong_sampler(draft_tokens, draft_probs, target_probs, uniforms) -> BlockOutcome:
-    """A classic bug: after a rejection, resample from p instead of norm(max(0, p − q))."""
-    zero_q = torch.zeros_like(draft_probs)
-    right = rejection_sample(draft_tokens, draft_probs, target_probs, uniforms)
-    plain = rejection_sample(draft_tokens, zero_q, target_probs, uniforms)  # emits from p at position n
-    rows = torch.arange(len(draft_tokens))
-    right.tokens[rows, right.num_accepted] = plain.tokens[rows, 0]
-    return right
 
 
 
@@ -260,7 +252,7 @@ def test_sampled_output_distribution_with_k_changing_every_step_equals_the_verif
 def test_a_wrong_sampler_fails_the_same_distribution_test(tiny):
     params = SETTINGS[WARPED]
     exact = exact_marginals(tiny[0], PROMPT, POSITIONS, params)
-    counts = sampled_counts(tiny, params, "pretrained", 2, sampler=wrong_sampler)
+    counts = sampled_counts(tiny, params, "pretrained", 2, sampler=residual_dropped)  # the classic bug (bench/gpu_sampling.py)
     pvalues = [chi2_pvalue(counts[t], exact[t]) for t in range(POSITIONS)]
     assert min(pvalues) < 0.01, pvalues
 
