@@ -56,9 +56,96 @@ static inline vf iv_float(ivec v) {
   vf o; std::memcpy(&o, &a, 32); std::memcpy(reinterpret_cast<char*>(&o) + 32, &b, 32); return o;
 }
 #define SPECLOOP_W4A8 1
+#if defined(__F16C__) && defined(__FMA__)
+#define SPECLOOP_AVX2_TILES 1  // AVX2's 16 registers: the tiles below, not the AVX-512 ones
+#endif
 #endif
 
-#if defined(SPECLOOP_W4A8)
+#if defined(SPECLOOP_AVX2_TILES)
+constexpr int UNIT = 1;  // blocks a thread's unit of work: a tile's blocks share no loads here, and single
+                         // blocks split a product's outputs evenly between the threads
+#else
+constexpr int UNIT = TILE;
+#endif
+
+#if defined(SPECLOOP_AVX2_TILES)
+// AVX2 has 16 vector registers of 8 lanes, where the AVX-512 tile keeps a whole group's unpacked weights
+// for 4 blocks (64 such registers' worth) and every row's outputs as 16-lane `vf`s (which GCC keeps in
+// memory without AVX-512): measured on an AVX2-only EPYC, a 5-row product cost ~5 one-row ones. Here one
+// block of 16 outputs at a time, its group's nibbles unpacked once for all rows (to the stack, re-read from
+// L1 by each row), each row's 8 chunk products summed in int16 (|sum| <= 8 * 2 * 15 * 127 = 30,480: exact)
+// and widened once, its outputs in explicit 8-lane registers. The integer sums are the AVX-512 tile's and
+// the float operations per (row, output) the same, in the same order: the same bits as that code compiled
+// for this CPU (checked against it), whatever the number of rows.
+static inline __m256i bcast_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+static inline void h16x2(const uint16_t* p, __m256& a, __m256& b) {  // 16 fp16 -> lanes 0-7, 8-15
+  a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+// out (two halves of 16 outputs) += (d dx) * float(integer sums) + m sx, as the AVX-512 tile's vf code
+static inline void w4a8_acc(__m256* o, __m256i sa, __m256i sb, const __m256* d, const __m256* m, float dx, float sx) {
+  const __m256 vdx = _mm256_set1_ps(dx), vsx = _mm256_set1_ps(sx);
+  o[0] = _mm256_fmadd_ps(_mm256_mul_ps(d[0], vdx), _mm256_cvtepi32_ps(sa), o[0]);
+  o[1] = _mm256_fmadd_ps(_mm256_mul_ps(d[1], vdx), _mm256_cvtepi32_ps(sb), o[1]);
+  o[0] = _mm256_fmadd_ps(m[0], vsx, o[0]);
+  o[1] = _mm256_fmadd_ps(m[1], vsx, o[1]);
+}
+
+template <int M, int TB>
+static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
+                      const float* sx, float* y, int64_t G, int64_t ldy) {
+  const __m256i nib = _mm256_set1_epi8(15);
+  for (int t = 0; t < TB; ++t) {
+    __m256 out[M][2];
+    for (int r = 0; r < M; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      alignas(32) __m256i wq[8][2];  // chunk j: inputs 4j..4j+3 (lo nibbles) and 16+4j.. (hi), outputs 0-7 | 8-15
+      const uint8_t* p = w + (t * G + g) * 256;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32));
+        wq[j][0] = _mm256_and_si256(a, nib);
+        wq[j][1] = _mm256_and_si256(b, nib);
+        wq[j + 4][0] = _mm256_and_si256(_mm256_srli_epi16(a, 4), nib);
+        wq[j + 4][1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+      }
+      __m256 dg[2], mg[2];
+      h16x2(d + (t * G + g) * 16, dg[0], dg[1]);
+      h16x2(mn + (t * G + g) * 16, mg[0], mg[1]);
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xr = xq + (r * G + g) * 32;
+        __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
+#if defined(__AVXVNNI__)
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xb = bcast_quad(xr + 4 * j);
+          sa = _mm256_dpbusd_avx_epi32(sa, wq[j][0], xb);
+          sb = _mm256_dpbusd_avx_epi32(sb, wq[j][1], xb);
+        }
+#else
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xb = bcast_quad(xr + 4 * j);
+          sa = _mm256_add_epi16(sa, _mm256_maddubs_epi16(wq[j][0], xb));
+          sb = _mm256_add_epi16(sb, _mm256_maddubs_epi16(wq[j][1], xb));
+        }
+        const __m256i one = _mm256_set1_epi16(1);
+        sa = _mm256_madd_epi16(sa, one);
+        sb = _mm256_madd_epi16(sb, one);
+#endif
+        w4a8_acc(out[r], sa, sb, dg, mg, dx[r * G + g], sx[r * G + g]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      _mm256_storeu_ps(y + r * ldy + t * 16, out[r][0]);
+      _mm256_storeu_ps(y + r * ldy + t * 16 + 8, out[r][1]);
+    }
+  }
+}
+#elif defined(SPECLOOP_W4A8)
 template <int M, int TB>
 static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, const int8_t* xq, const float* dx,
                       const float* sx, float* y, int64_t G, int64_t ldy) {
@@ -176,8 +263,8 @@ torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torc
   const int8_t* qp = xq.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
-  over_tiles(NB, R, 1, [&](int64_t nb, int64_t r0, auto m) {
-    w4a8_tile<decltype(m)::value, TILE>(wp + nb * G * 256, dp + nb * G * 16, mp + nb * G * 16, qp + r0 * K,
+  over_tiles<UNIT>(NB, R, TILE / UNIT, [&](int64_t nb, int64_t r0, auto m) {
+    w4a8_tile<decltype(m)::value, UNIT>(wp + nb * G * 256, dp + nb * G * 16, mp + nb * G * 16, qp + r0 * K,
                                         dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy);
   });
   return y;
@@ -211,7 +298,40 @@ static inline __m256i dot8_s8(__m256i acc, __m256i w, __m256i x) {
 static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) { return {dot8_s8(acc.a, w.a, x.a), dot8_s8(acc.b, w.b, x.b)}; }
 #endif
 
-#if defined(SPECLOOP_W4A8)
+#if defined(SPECLOOP_AVX2_TILES)
+// As w4a8's AVX2 tile: one block of 16 outputs at a time, every row's sums widened to int32 chunk by chunk
+// (a signed pair's sum reaches 2 * 127 * 127: no room for more in int16).
+template <int M, int TB>
+static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
+                      float* y, int64_t G, int64_t ldy) {
+  (void)isum;  // W8_OFFSET is 0 here: no correction
+  for (int t = 0; t < TB; ++t) {
+    __m256 out[M][2];
+    for (int r = 0; r < M; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      const int8_t* p = w + (t * G + g) * 512;
+      __m256 dg[2];
+      h16x2(d + (t * G + g) * 16, dg[0], dg[1]);
+      for (int r = 0; r < M; ++r) {
+        const int8_t* xr = xq + (r * G + g) * 32;
+        __m256i sa = _mm256_setzero_si256(), sb = _mm256_setzero_si256();
+        for (int j = 0; j < 8; ++j) {
+          const __m256i xb = bcast_quad(xr + 4 * j);
+          sa = dot8_s8(sa, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j)), xb);
+          sb = dot8_s8(sb, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32)), xb);
+        }
+        const __m256 vdx = _mm256_set1_ps(dx[r * G + g]);
+        out[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(dg[0], vdx), _mm256_cvtepi32_ps(sa), out[r][0]);
+        out[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(dg[1], vdx), _mm256_cvtepi32_ps(sb), out[r][1]);
+      }
+    }
+    for (int r = 0; r < M; ++r) {
+      _mm256_storeu_ps(y + r * ldy + t * 16, out[r][0]);
+      _mm256_storeu_ps(y + r * ldy + t * 16 + 8, out[r][1]);
+    }
+  }
+}
+#elif defined(SPECLOOP_W4A8)
 template <int M, int TB>
 static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
                       float* y, int64_t G, int64_t ldy) {
@@ -274,8 +394,8 @@ torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d) {
   const int8_t* qp = xq.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
-  over_tiles(NB, R, 4, [&](int64_t nb, int64_t r0, auto m) {
-    w8a8_tile<decltype(m)::value, TILE>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G, ip + r0 * G,
+  over_tiles<UNIT>(NB, R, 4 * TILE / UNIT, [&](int64_t nb, int64_t r0, auto m) {
+    w8a8_tile<decltype(m)::value, UNIT>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G, ip + r0 * G,
                                         yp + r0 * ldy + nb * 16, G, ldy);
   });
   return y;

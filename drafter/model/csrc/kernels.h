@@ -51,10 +51,10 @@ constexpr int TILE = 4;  // blocks of 16 outputs per tile: 64 outputs (N is padd
 
 // f(first block, first row, rows as a compile-time constant) for every tile and row chunk: each
 // tile on one thread (an output is computed whole by one thread), its row chunks one after another.
-template <typename F>
+template <int TB = TILE, typename F>
 static void over_tiles(int64_t NB, int64_t R, int64_t grain, F&& f) {
-  at::parallel_for(0, NB / TILE, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0 * TILE; nb < b1 * TILE; nb += TILE)
+  at::parallel_for(0, NB / TB, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0 * TB; nb < b1 * TB; nb += TB)
       by_rows(R, [&](int64_t r0, auto m) { f(nb, r0, m); });
   });
 }
