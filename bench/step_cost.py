@@ -5,17 +5,24 @@ kernel choice (`own`: drafter/model/kernels.py; `stock`: torch's int kernels, SP
 a prompt of --context tokens is prefilled, and forwards of T = 1..5 new tokens on one row are
 timed at that context (the cache length reset each time). Kinds take turns T by T, the order
 alternating every round, medians of --repeats forwards per round and of the rounds. v_T = cost(T)
-/ cost(1) is what a verify pass of k + 1 = T tokens costs in one-token steps.
+/ cost(1) is what a verify pass of k + 1 = T tokens costs in one-token steps. `--baseline REV` adds the
+own kernels as revision REV wrote them (built from its csrc/, served to a second copy of the model),
+timed in turn with this tree's.
 
     .venv/bin/python bench/step_cost.py            # writes bench/results/step_cost.json and .png
+    .venv/bin/python bench/step_cost.py --baseline b039769 --kinds own --out step_cost_avx2
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,12 +37,46 @@ def load(path: str, kind: str):
     from specloop.drafter.model import kernels
     from specloop.drafter.model.loading import load_model
 
-    os.environ["SPECLOOP_KERNELS"] = "auto" if kind == "own" else "stock"
+    os.environ["SPECLOOP_KERNELS"] = "stock" if kind == "stock" else "auto"
     kernels._module.cache_clear()
     lean = load_model(path, weights="auto").lean
     os.environ["SPECLOOP_KERNELS"] = "auto"  # the loaded weights keep their kernels; the own ones need the module
     kernels._module.cache_clear()
     return lean
+
+
+def baseline_build(rev: str):
+    """This CPU's kernels as revision `rev` wrote them (its drafter/model/csrc/, extracted from git into a
+    temporary folder and built under a name of its own): the before of a before / after in one process."""
+    from specloop.drafter.model import kernels
+
+    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                         text=True).stdout.strip()
+    folder = Path(tempfile.mkdtemp(prefix=f"specloop_csrc_{sha}_"))
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{sha}:drafter/model/csrc"],
+                           check=True, capture_output=True, text=True).stdout.split()
+    for name in names:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{sha}:drafter/model/csrc/{name}"], check=True,
+                              capture_output=True, text=True).stdout
+        (folder / name).write_text(text)
+    return kernels.build(folder, f"specloop_kernels_at_{sha}")
+
+
+@contextlib.contextmanager
+def kernels_from(mod):
+    """Calls to specloop's kernels served by `mod` (None: this tree's), loads included (a weight binds its
+    product's function when it is built)."""
+    from specloop.drafter.model import kernels
+
+    if mod is None:
+        yield
+        return
+    saved = kernels._module
+    kernels._module = functools.cache(lambda: mod)  # the module-level lookup every kernel call makes
+    try:
+        yield
+    finally:
+        kernels._module = saved
 
 
 def forward_ms(lean, context: int, T: int, repeats: int) -> float:
@@ -60,6 +101,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--baseline", metavar="REV", help="also time the own kernels as git revision REV wrote "
+                    "them (kind own@REV), alternating with this tree's: a before / after in one process")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (default: both)")
     ap.add_argument("--out", default="step_cost")
     args = ap.parse_args()
     import torch
@@ -68,16 +112,24 @@ def main() -> None:
     from bench.machine import machine_info
     from specloop.drafter.model.weights.modes import describe_mode
 
-    models = {kind: load(args.verifier, kind) for kind in KINDS}
+    builds = {kind: None for kind in args.kinds.split(",")}
+    if args.baseline:
+        builds[f"own@{args.baseline}"] = baseline_build(args.baseline)
+    kinds = list(builds)
+    models = {}
+    for kind, build in builds.items():
+        with kernels_from(build):
+            models[kind] = load(args.verifier, kind)
     widths = range(1, 6)
-    samples = {(kind, T): [] for kind in KINDS for T in widths}
+    samples = {(kind, T): [] for kind in kinds for T in widths}
     for r in range(args.rounds):
         for T in widths:
-            for kind in KINDS if r % 2 == 0 else KINDS[::-1]:
-                samples[(kind, T)].append(forward_ms(models[kind], args.context, T, args.repeats))
+            for kind in kinds if r % 2 == 0 else kinds[::-1]:
+                with kernels_from(builds[kind]):
+                    samples[(kind, T)].append(forward_ms(models[kind], args.context, T, args.repeats))
     result = {"benchmark": "step_cost", "machine": machine_info() | {"threads": args.threads},
               "settings": vars(args), "kinds": {}}
-    for kind in KINDS:
+    for kind in kinds:
         ms = {T: statistics.median(samples[(kind, T)]) for T in widths}
         result["kinds"][kind] = {"served": describe_mode(models[kind]), "ms_by_T": ms,
                                  "v_T": {T: ms[T] / ms[1] for T in widths},

@@ -87,13 +87,9 @@ def _module():
     if os.environ.get("SPECLOOP_KERNELS", "auto") == "stock":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         name = f"specloop_kernels_{_cpu_digest()}"  # in the try: an install without csrc/ falls back too
         _announce_first_build(name)
-        mod = load(name=name, sources=[str(_CSRC / _UNIT)],
-                   extra_cflags=["-O3", "-march=native", "-ffp-contract=fast", "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], verbose=False)
+        mod = build(_CSRC, name)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
         log.warning("specloop kernels not built (%s: %s); using torch's stock int4/int8 kernels and the eager "
                     "decode step (no w4a8)", type(e).__name__, e)
@@ -104,6 +100,16 @@ def _module():
                     "step (no w4a8)")
         return None
     return mod
+
+
+def build(folder: Path, name: str):
+    """The sources in `folder` (its all.cpp) compiled for this CPU as extension `name` (cached by name).
+    `_module` builds csrc/ beside this file; bench/step_cost.py --baseline an earlier revision's, to time
+    both in one process."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(folder / _UNIT)], extra_cflags=["-O3", "-march=native", "-ffp-contract=fast",
+                "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _announce_first_build(name: str) -> None:

@@ -56,15 +56,17 @@ def test_every_row_is_computed_as_it_is_alone_whatever_the_row_count(kind):
 
 
 @needs_kernels
-def test_thread_count_changes_no_rounding():
-    packed = kernels.pack_q4(*_groups(256, 576, seed=5))
+@pytest.mark.parametrize("kind", ["q4", "w4a8"])
+def test_thread_count_changes_no_rounding(kind):
+    packed = (kernels.pack_q4 if kind == "q4" else kernels.pack_w4a8)(*_groups(256, 576, seed=5))
+    call = kernels.q4_mm if kind == "q4" else kernels.w4a8_mm
     x = torch.randn(5, 576, generator=torch.Generator().manual_seed(6))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.q4_mm(x, *packed)
+        one = call(x, *packed)
         torch.set_num_threads(2)
-        assert torch.equal(kernels.q4_mm(x, *packed), one)
+        assert torch.equal(call(x, *packed), one)
     finally:
         torch.set_num_threads(threads)
 
@@ -139,12 +141,13 @@ def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H):
 
 
 @needs_kernels
-def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_across_t_and_batch():
-    """SmolLM2's shapes (9 query heads over 3 KV heads, D = 64), rows of different lengths: one call over
-    T tokens equals T one-token calls bit for bit and each row alone bit for bit, and all of them
-    match a float64 RoPE + softmax attention."""
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_across_t_and_batch(D):
+    """SmolLM2's shapes (9 query heads over 3 KV heads, D = 64; and the other head sizes), rows of
+    different lengths: one call over T tokens equals T one-token calls bit for bit and each row alone bit
+    for bit, and all of them match a float64 RoPE + softmax attention."""
     g = torch.Generator().manual_seed(3)
-    B, H, Hkv, D, C = 3, 9, 3, 64, 448
+    B, H, Hkv, C = 3, 9, 3, 448
     cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
     starts = torch.tensor([0, 37, 301])
     history = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
