@@ -15,14 +15,10 @@ timed in turn with this tree's.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -43,40 +39,6 @@ def load(path: str, kind: str):
     os.environ["SPECLOOP_KERNELS"] = "auto"  # the loaded weights keep their kernels; the own ones need the module
     kernels._module.cache_clear()
     return lean
-
-
-def baseline_build(rev: str):
-    """This CPU's kernels as revision `rev` wrote them (its drafter/model/csrc/, extracted from git into a
-    temporary folder and built under a name of its own): the before of a before / after in one process."""
-    from specloop.drafter.model import kernels
-
-    sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
-                         text=True).stdout.strip()
-    folder = Path(tempfile.mkdtemp(prefix=f"specloop_csrc_{sha}_"))
-    names = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{sha}:drafter/model/csrc"],
-                           check=True, capture_output=True, text=True).stdout.split()
-    for name in names:
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{sha}:drafter/model/csrc/{name}"], check=True,
-                              capture_output=True, text=True).stdout
-        (folder / name).write_text(text)
-    return kernels.build(folder, f"specloop_kernels_at_{sha}")
-
-
-@contextlib.contextmanager
-def kernels_from(mod):
-    """Calls to specloop's kernels served by `mod` (None: this tree's), loads included (a weight binds its
-    product's function when it is built)."""
-    from specloop.drafter.model import kernels
-
-    if mod is None:
-        yield
-        return
-    saved = kernels._module
-    kernels._module = functools.cache(lambda: mod)  # the module-level lookup every kernel call makes
-    try:
-        yield
-    finally:
-        kernels._module = saved
 
 
 def forward_ms(lean, context: int, T: int, repeats: int) -> float:
@@ -109,12 +71,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    from bench.kernels_at import build_at, kernels_from
     from bench.machine import machine_info
     from specloop.drafter.model.weights.modes import describe_mode
 
     builds = {kind: None for kind in args.kinds.split(",")}
     if args.baseline:
-        builds[f"own@{args.baseline}"] = baseline_build(args.baseline)
+        builds[f"own@{args.baseline}"] = build_at(args.baseline)
     kinds = list(builds)
     models = {}
     for kind, build in builds.items():
