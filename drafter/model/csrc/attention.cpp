@@ -2,29 +2,12 @@
 // alone over its keys (exact across T, batch and threads by construction).
 #include "kernels.h"
 
-// v[0..15] -> lane j = the sum of v[j]'s 16 lanes, all in one fixed tree of shuffles and adds
-// (halves, quarters, pairs, lanes).
-static inline vf fold(vf a, vf b, vi lo, vi hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
-static inline vf sum16(const vf* v) {
-  const vi h_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const vi h_hi = h_lo + 8;
-  const vi q_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-  const vi q_hi = q_lo + 4;
-  const vi p_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-  const vi p_hi = p_lo + 2;
-  const vi e_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-  const vi e_hi = e_lo + 1;
-  vf a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i) a[i] = fold(v[2 * i], v[2 * i + 1], h_lo, h_hi);
-  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], q_lo, q_hi);
-  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], p_lo, p_hi);
-  return fold(c[0], c[1], e_lo, e_hi);
-}
-
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+// `attend_group`'s three steps (`scores16`, `exp_row`, `values`), for AVX2 and for 16-lane vectors.
+//
 // AVX2 (16 registers of 8 lanes): GCC keeps a 16-lane vector (`vf`) in memory where the CPU has no 64-byte
-// registers, so `attend_group`'s vf code moves every value through the stack (measured: 3.5x slower than
-// the code below on an AVX2-only EPYC). Here the same steps on explicit 8-lane registers: scores 8 keys at
+// registers, so the vf versions (after #else) move every value through the stack (measured: 3.5x slower
+// than the code below on an AVX2-only EPYC). Here the same steps on explicit 8-lane registers: scores 8 keys at
 // a time, each key's first fold (lanes i and i + 8) one add, then the 8 x 8 block transposed so that the
 // remaining folds of `sum16`'s tree (i and i + 4, then + 2, then + 1) add whole registers; the softmax's
 // exp and sum as `exp_neg` and `hsum`; the values 16 dims at a time for up to 6 queries. Each query is
@@ -47,8 +30,6 @@ static inline __m256 tree8(const __m256* t) {  // lane j: t[j]'s lanes folded as
                c3 = _mm256_add_ps(r3, r7);
   return _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3));
 }
-#define SPECLOOP_AVX2_ATTEND 1
-
 // `exp_neg` on 8 lanes: the same range reduction and polynomial.
 static inline __m256 exp_neg8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f);
@@ -79,8 +60,8 @@ static inline float hsum8x2(__m256 a, __m256 b) {
 }
 
 // The value sums of MQ queries (a compile-time count, so their accumulators stay in registers: 2 MQ + 2 of
-// the 16) for 16 of the D dims (`c`), over the keys in order: each lane's chain of adds the same as
-// `attend_group`'s own, whatever the tile. s, Ls, inv, outs: the first query's.
+// the 16) for 16 of the D dims (`c`), over the keys in order: each lane's chain of adds the same whatever
+// the tile. s, Ls, inv, outs: the first query's.
 template <int MQ>
 static void values16(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs,
                      const float* V, int64_t D, int64_t c) {
@@ -109,8 +90,8 @@ static void values16(const float* s, int64_t Lp, const int64_t* Ls, const float*
   }
 }
 
-// Query qv's scores against 8 keys kr[0..7], times scale, into dst: per key the lanes' products in one
-// FMA chain over D (as `attend_group`'s vf code), its 16 lanes then folded as `sum16` folds them.
+// A query's scores against 8 keys kr[0..7], times scale, into dst: per key the lanes' products in one
+// FMA chain over D, its 16 lanes then folded as `sum16` folds them.
 template <int C16>
 static inline void scores8(const __m256* qa, const __m256* qb, const float* const* kr, float scale, float* dst) {
   __m256 t1[8];
@@ -125,66 +106,39 @@ static inline void scores8(const __m256* qa, const __m256* qb, const float* cons
   }
   _mm256_storeu_ps(dst, _mm256_mul_ps(tree8(t1), _mm256_set1_ps(scale)));
 }
-#endif
 
-// Rotate-half RoPE of one head (D floats) at one position into dst.
-static inline void rope_head(const float* x, const float* c, const float* s, float* dst, int64_t D) {
-  const int64_t half = D / 2;
-  for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] - x[i + half] * s[i];
-  for (int64_t i = half; i < D; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+template <int C16>
+static inline void scores16(const float* q, const float* const* kr, float scale, float* dst) {
+  __m256 qa[C16], qb[C16];
+  for (int c = 0; c < C16; ++c) {
+    qa[c] = _mm256_loadu_ps(q + 16 * c);
+    qb[c] = _mm256_loadu_ps(q + 16 * c + 8);
+  }
+  scores8<C16>(qa, qb, kr, scale, dst);
+  scores8<C16>(qa, qb, kr + 8, scale, dst + 8);
 }
 
-// Query heads that share one KV head (a row's head group, over one or more new tokens), query i over keys
-// [0, Ls[i]): scores, softmax, values. Each query's result depends on (the query, its Ls[i] keys and values)
-// alone, never on which other queries share the call, T, the batch or the thread: every query goes
-// through the same operations in the same order as it would alone; the group only shares the loads
-// (a chunk of keys is scored for every query while it is in L1, a value row feeds every query's
-// accumulators, which also keeps the FMA units busy: one query alone is a chain of dependent adds).
-#if defined(SPECLOOP_AVX2_ATTEND)  // the same loops over explicit 8-lane registers
-template <int C16>  // D / 16, a compile-time constant
-static void attend_group(const float* const* qs, float* const* outs, const int64_t* Ls, int n,
-                         const float* K, const float* V, int64_t D, float scale, std::vector<float>& s) {
-  int64_t Lmax = 0;
-  for (int i = 0; i < n; ++i) Lmax = std::max(Lmax, Ls[i]);
-  const int64_t Lp = (Lmax + 15) / 16 * 16;
-  s.resize(n * Lp);
-  for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
-    const float* kr[16];                      // in one fixed tree (`sum16`: lane jj is key jj's alone)
-    for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, Lmax - 1) * D;  // tail: dropped
-    for (int i = 0; i < n; ++i) {
-      if (j0 >= Ls[i]) continue;
-      __m256 qa[C16], qb[C16];
-      for (int c = 0; c < C16; ++c) {
-        qa[c] = _mm256_loadu_ps(qs[i] + 16 * c);
-        qb[c] = _mm256_loadu_ps(qs[i] + 16 * c + 8);
-      }
-      scores8<C16>(qa, qb, kr, scale, s.data() + i * Lp + j0);
-      scores8<C16>(qa, qb, kr + 8, scale, s.data() + i * Lp + j0 + 8);
-    }
+static inline float exp_row(float* si, int64_t Li, float m) {
+  __m256 ta = _mm256_setzero_ps(), tb = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (int64_t j = 0; j < Li; j += 16) {
+    const __m256 pa = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
+    const __m256 pb = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + j + 8), mv));
+    _mm256_storeu_ps(si + j, pa);
+    _mm256_storeu_ps(si + j + 8, pb);
+    ta = _mm256_add_ps(ta, pa);
+    tb = _mm256_add_ps(tb, pb);
   }
-  float inv[64];
-  for (int i = 0; i < n; ++i) {  // softmax numerators, each query over its own keys
-    float* si = s.data() + i * Lp;
-    const int64_t L = Ls[i], Li = (L + 15) / 16 * 16;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) m = std::max(m, si[j]);  // a max is exact in any order
-    for (int64_t j = L; j < Li; ++j) si[j] = -INFINITY;      // exp gives exactly 0 there
-    __m256 ta = _mm256_setzero_ps(), tb = _mm256_setzero_ps();
-    const __m256 mv = _mm256_set1_ps(m);
-    for (int64_t j = 0; j < Li; j += 16) {
-      const __m256 pa = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
-      const __m256 pb = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + j + 8), mv));
-      _mm256_storeu_ps(si + j, pa);
-      _mm256_storeu_ps(si + j + 8, pb);
-      ta = _mm256_add_ps(ta, pa);
-      tb = _mm256_add_ps(tb, pb);
-    }
-    inv[i] = 1.0f / hsum8x2(ta, tb);
-  }
-  for (int64_t c = 0; c < C16; ++c)  // values: 16 dims at a time, tiles of 6, 4, 2 or 1 queries
+  return hsum8x2(ta, tb);
+}
+
+template <int C16>
+static void values(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
+                   const float* V, int64_t D) {
+  for (int64_t c = 0; c < C16; ++c)  // 16 dims at a time, tiles of 6, 4, 2 or 1 queries
     for (int i0 = 0; i0 < n;) {
       const int left = n - i0, mq = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      const float* si = s.data() + i0 * Lp;
+      const float* si = s + i0 * Lp;
       switch (mq) {
         case 6: values16<6>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, c); break;
         case 4: values16<4>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, c); break;
@@ -194,51 +148,61 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
       i0 += mq;
     }
 }
+#else  // 16-lane vectors (AVX-512, or lane by lane)
+// v[0..15] -> lane j = the sum of v[j]'s 16 lanes, all in one fixed tree of shuffles and adds
+// (halves, quarters, pairs, lanes).
+static inline vf fold(vf a, vf b, vi lo, vi hi) { return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi); }
+static inline vf sum16(const vf* v) {
+  const vi h_lo = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const vi h_hi = h_lo + 8;
+  const vi q_lo = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+  const vi q_hi = q_lo + 4;
+  const vi p_lo = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+  const vi p_hi = p_lo + 2;
+  const vi e_lo = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+  const vi e_hi = e_lo + 1;
+  vf a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i) a[i] = fold(v[2 * i], v[2 * i + 1], h_lo, h_hi);
+  for (int i = 0; i < 4; ++i) b[i] = fold(a[2 * i], a[2 * i + 1], q_lo, q_hi);
+  for (int i = 0; i < 2; ++i) c[i] = fold(b[2 * i], b[2 * i + 1], p_lo, p_hi);
+  return fold(c[0], c[1], e_lo, e_hi);
+}
 
-#else
-template <int C16>  // D / 16, a compile-time constant
-static void attend_group(const float* const* qs, float* const* outs, const int64_t* Ls, int n,
-                         const float* K, const float* V, int64_t D, float scale, std::vector<float>& s) {
-  constexpr int TQ = C16 >= 16 ? 1 : 24 / C16;  // queries whose accumulators stay in registers together
-  int64_t Lmax = 0;
-  for (int i = 0; i < n; ++i) Lmax = std::max(Lmax, Ls[i]);
-  const int64_t Lp = (Lmax + 15) / 16 * 16;
-  s.resize(n * Lp);
-  for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
-    const float* kr[16];                      // in one fixed tree (`sum16`: lane jj is key jj's alone)
-    for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, Lmax - 1) * D;  // tail: dropped
-    for (int i = 0; i < n; ++i) {
-      if (j0 >= Ls[i]) continue;
-      vf qv[C16];
-      for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(qs[i] + 16 * c);
-      vf part[16];
-      for (int64_t jj = 0; jj < 16; ++jj) {
-        vf a = qv[0] * load_vf(kr[jj]);
-        for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(kr[jj] + 16 * c);
-        part[jj] = a;
-      }
-      const vf sc = sum16(part) * scale;
-      std::memcpy(s.data() + i * Lp + j0, &sc, 64);
-    }
+// One query's scores against 16 keys kr[0..15], times scale, into dst: per key the lanes' products in one
+// chain over D, the 16 keys' lanes then folded together by `sum16`.
+template <int C16>
+static inline void scores16(const float* q, const float* const* kr, float scale, float* dst) {
+  vf qv[C16];
+  for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(q + 16 * c);
+  vf part[16];
+  for (int64_t jj = 0; jj < 16; ++jj) {
+    vf a = qv[0] * load_vf(kr[jj]);
+    for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(kr[jj] + 16 * c);
+    part[jj] = a;
   }
-  float inv[64];
-  for (int i = 0; i < n; ++i) {  // softmax numerators, each query over its own keys
-    float* si = s.data() + i * Lp;
-    const int64_t L = Ls[i], Li = (L + 15) / 16 * 16;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) m = std::max(m, si[j]);  // a max is exact in any order
-    for (int64_t j = L; j < Li; ++j) si[j] = -INFINITY;      // exp gives exactly 0 there
-    vf total = vf{};
-    for (int64_t j = 0; j < Li; j += 16) {
-      const vf p = exp_neg(load_vf(si + j) - m);
-      std::memcpy(si + j, &p, 64);
-      total = total + p;
-    }
-    inv[i] = 1.0f / hsum(total);
+  const vf sc = sum16(part) * scale;
+  std::memcpy(dst, &sc, 64);
+}
+
+// si[0..Li) -> exp(si - m) in place (Li a multiple of 16); returns their sum (lane chains, then `hsum`).
+static inline float exp_row(float* si, int64_t Li, float m) {
+  vf total = vf{};
+  for (int64_t j = 0; j < Li; j += 16) {
+    const vf p = exp_neg(load_vf(si + j) - m);
+    std::memcpy(si + j, &p, 64);
+    total = total + p;
   }
-  for (int i0 = 0; i0 < n; i0 += TQ) {  // values: one chain per lane and query over the keys in order
+  return hsum(total);
+}
+
+// Each query's values over its keys, in tiles of TQ queries (their accumulators in registers together).
+template <int C16>
+static void values(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
+                   const float* V, int64_t D) {
+  constexpr int TQ = C16 >= 16 ? 1 : 24 / C16;
+  for (int i0 = 0; i0 < n; i0 += TQ) {
     const int m = std::min(TQ, n - i0);
-    int64_t lo = Lmax;
+    int64_t lo = Ls[i0];
     for (int i = 0; i < m; ++i) lo = std::min(lo, Ls[i0 + i]);
     vf o[TQ][C16];
     for (int i = 0; i < m; ++i)
@@ -265,8 +229,45 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
     }
   }
 }
-
 #endif
+
+// Rotate-half RoPE of one head (D floats) at one position into dst.
+static inline void rope_head(const float* x, const float* c, const float* s, float* dst, int64_t D) {
+  const int64_t half = D / 2;
+  for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] - x[i + half] * s[i];
+  for (int64_t i = half; i < D; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+// Query heads that share one KV head (a row's head group, over one or more new tokens), query i over keys
+// [0, Ls[i]): scores, softmax, values. Each query's result depends on (the query, its Ls[i] keys and values)
+// alone, never on which other queries share the call, T, the batch or the thread: every query goes
+// through the same operations in the same order as it would alone; the group only shares the loads
+// (a chunk of keys is scored for every query while it is in L1, a value row feeds every query's
+// accumulators, which also keeps the FMA units busy: one query alone is a chain of dependent adds).
+template <int C16>
+static void attend_group(const float* const* qs, float* const* outs, const int64_t* Ls, int n,
+                         const float* K, const float* V, int64_t D, float scale, std::vector<float>& s) {
+  int64_t Lmax = 0;
+  for (int i = 0; i < n; ++i) Lmax = std::max(Lmax, Ls[i]);
+  const int64_t Lp = (Lmax + 15) / 16 * 16;
+  s.resize(n * Lp);
+  for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
+    const float* kr[16];                      // in one fixed tree (`sum16`: lane jj is key jj's alone)
+    for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, Lmax - 1) * D;  // tail: dropped
+    for (int i = 0; i < n; ++i)
+      if (j0 < Ls[i]) scores16<C16>(qs[i], kr, scale, s.data() + i * Lp + j0);
+  }
+  float inv[64];
+  for (int i = 0; i < n; ++i) {  // softmax numerators, each query over its own keys
+    float* si = s.data() + i * Lp;
+    const int64_t L = Ls[i], Li = (L + 15) / 16 * 16;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < L; ++j) m = std::max(m, si[j]);  // a max is exact in any order
+    for (int64_t j = L; j < Li; ++j) si[j] = -INFINITY;      // exp gives exactly 0 there
+    inv[i] = 1.0f / exp_row(si, Li, m);
+  }
+  values<C16>(s.data(), Lp, Ls, inv, outs, n, V, D);  // one chain per lane and query over the keys in order
+}
 
 // Causal attention of T new tokens per row over a KV cache, exact per query by construction.
 // qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
