@@ -32,7 +32,8 @@ def build_at(rev: str):
     from specloop.drafter.model import kernels
 
     sha = _git("rev-parse", "--short", rev).strip()
-    folder = Path(tempfile.mkdtemp(prefix=f"specloop_csrc_{sha}_"))
+    folder = Path(tempfile.gettempdir()) / f"specloop_csrc_{sha}"  # one folder a revision, rewritten alike
+    folder.mkdir(exist_ok=True)
     for name in _git("ls-tree", "--name-only", f"{sha}:{CSRC}").split():
         (folder / name).write_text(_git("show", f"{sha}:{CSRC}/{name}"))
     return kernels.build(folder, f"specloop_kernels_at_{sha}")

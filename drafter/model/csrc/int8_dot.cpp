@@ -87,13 +87,11 @@ static inline void h16x2(const uint16_t* p, __m256& a, __m256& b) {  // 16 fp16 
   b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
-// out (two halves of 16 outputs) += (d dx) * float(integer sums) + m sx, as the AVX-512 tile's vf code
-static inline void w4a8_acc(__m256* o, __m256i sa, __m256i sb, const __m256* d, const __m256* m, float dx, float sx) {
-  const __m256 vdx = _mm256_set1_ps(dx), vsx = _mm256_set1_ps(sx);
+// out (two halves of 16 outputs) += (d dx) * float(integer sums), as the AVX-512 tiles' vf code
+static inline void acc_scaled(__m256* o, __m256i sa, __m256i sb, const __m256* d, float dx) {
+  const __m256 vdx = _mm256_set1_ps(dx);
   o[0] = _mm256_fmadd_ps(_mm256_mul_ps(d[0], vdx), _mm256_cvtepi32_ps(sa), o[0]);
   o[1] = _mm256_fmadd_ps(_mm256_mul_ps(d[1], vdx), _mm256_cvtepi32_ps(sb), o[1]);
-  o[0] = _mm256_fmadd_ps(m[0], vsx, o[0]);
-  o[1] = _mm256_fmadd_ps(m[1], vsx, o[1]);
 }
 
 template <int M, int TB>
@@ -136,7 +134,10 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, c
         sa = _mm256_madd_epi16(sa, one);
         sb = _mm256_madd_epi16(sb, one);
 #endif
-        w4a8_acc(out[r], sa, sb, dg, mg, dx[r * G + g], sx[r * G + g]);
+        acc_scaled(out[r], sa, sb, dg, dx[r * G + g]);
+        const __m256 vsx = _mm256_set1_ps(sx[r * G + g]);  // + m sx
+        out[r][0] = _mm256_fmadd_ps(mg[0], vsx, out[r][0]);
+        out[r][1] = _mm256_fmadd_ps(mg[1], vsx, out[r][1]);
       }
     }
     for (int r = 0; r < M; ++r) {
@@ -320,9 +321,7 @@ static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, cons
           sa = dot8_s8(sa, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j)), xb);
           sb = dot8_s8(sb, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32)), xb);
         }
-        const __m256 vdx = _mm256_set1_ps(dx[r * G + g]);
-        out[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(dg[0], vdx), _mm256_cvtepi32_ps(sa), out[r][0]);
-        out[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(dg[1], vdx), _mm256_cvtepi32_ps(sb), out[r][1]);
+        acc_scaled(out[r], sa, sb, dg, dx[r * G + g]);
       }
     }
     for (int r = 0; r < M; ++r) {

@@ -208,16 +208,6 @@ def tiny():
     return verifier, drafter
 
 
-
-
-
-
-
-
-
-
-
-
 # suffix decoding through the mix (eagle heads + suffix) here, alone with k changing every step below (suite time)
 KINDS = [("pretrained", 2), ("ngram", 3), ("mix", 3), ("sd2", 2), ("dvi", 3), ("none", 0)]
 
