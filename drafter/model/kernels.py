@@ -17,9 +17,10 @@ for bit as a one-token step does, by construction:
   (`quantized_rows`), integer dot products (AVX-512 VNNI, else AVX-512BW / AVX2 by |x| and sign),
   as llama.cpp multiplies Q4_1 by Q8_1; w8a8 (`w8a8_mm`): int8 blocks of 32 with an fp16 scale
   (GGUF Q8_0) likewise, and `w8a8_rows` looks rows of such a table up (an embedding). On a CPU with
-  AVX2 but not AVX-512 these products and the attention run in explicit 8-lane registers (GCC keeps
-  the 16-lane vectors the other paths use in memory there): a 5-token verify pass 0.41x, a one-token
-  step 0.75x what they cost in that vector code (bench/README.md section 40).
+  AVX2 but not AVX-512 these products and the attention run in explicit 8-lane registers, RMSNorm and
+  SwiGLU on `vn`, the widest vector a register holds (GCC keeps the 16-lane vectors the other paths use
+  in memory there): a 5-token verify pass 0.37x, a one-token step 0.72x what they cost in that vector
+  code (bench/README.md sections 40 and 41).
 
 The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:
 every query head over the keys up to its position through the same operations whichever query heads

@@ -59,34 +59,34 @@ static inline float hsum8x2(__m256 a, __m256 b) {
   return _mm_cvtss_f32(_mm_add_ss(w, _mm_movehdup_ps(w)));
 }
 
-// The value sums of MQ queries (a compile-time count, so their accumulators stay in registers: 2 MQ + 2 of
-// the 16) for 16 of the D dims (`c`), over the keys in order: each lane's chain of adds the same whatever
-// the tile. s, Ls, inv, outs: the first query's.
-template <int MQ>
-static void values16(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs,
-                     const float* V, int64_t D, int64_t c) {
+// The value sums of MQ queries (a compile-time count, so their accumulators stay in registers: MQ W8 + W8 + 1
+// of the 16) for 8 W8 of the D dims from d0, over the keys in order: each lane's chain of adds the same whatever
+// the tile or the dims beside it. s, Ls, inv, outs: the first query's. Not inlined: inside the attention's one big
+// function GCC kept some of these accumulators on the stack (a store and reload per key).
+template <int MQ, int W8>
+__attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, const int64_t* Ls, const float* inv,
+                                                  float* const* outs, const float* V, int64_t D, int64_t d0) {
   int64_t lo = Ls[0];
   for (int i = 1; i < MQ; ++i) lo = std::min(lo, Ls[i]);
-  __m256 oa[MQ], ob[MQ];  // dims 16 c .. 16 c + 7, and the next 8
-  for (int i = 0; i < MQ; ++i) oa[i] = ob[i] = _mm256_setzero_ps();
-  const float* v = V + 16 * c;
+  __m256 o[MQ][W8];
+  for (int i = 0; i < MQ; ++i)
+    for (int w = 0; w < W8; ++w) o[i][w] = _mm256_setzero_ps();
+  const float* v = V + d0;
   for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
-    const __m256 va = _mm256_loadu_ps(v + j * D), vb = _mm256_loadu_ps(v + j * D + 8);
+    __m256 vv[W8];
+    for (int w = 0; w < W8; ++w) vv[w] = _mm256_loadu_ps(v + j * D + 8 * w);
     for (int i = 0; i < MQ; ++i) {
       const __m256 p = _mm256_broadcast_ss(s + i * Lp + j);
-      oa[i] = _mm256_fmadd_ps(p, va, oa[i]);
-      ob[i] = _mm256_fmadd_ps(p, vb, ob[i]);
+      for (int w = 0; w < W8; ++w) o[i][w] = _mm256_fmadd_ps(p, vv[w], o[i][w]);
     }
   }
   for (int i = 0; i < MQ; ++i) {  // each query's own last keys (the causal tail), then its output
     for (int64_t j = lo; j < Ls[i]; ++j) {
       const __m256 p = _mm256_broadcast_ss(s + i * Lp + j);
-      oa[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * D), oa[i]);
-      ob[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * D + 8), ob[i]);
+      for (int w = 0; w < W8; ++w) o[i][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * D + 8 * w), o[i][w]);
     }
     const __m256 r = _mm256_set1_ps(inv[i]);
-    _mm256_storeu_ps(outs[i] + 16 * c, _mm256_mul_ps(oa[i], r));
-    _mm256_storeu_ps(outs[i] + 16 * c + 8, _mm256_mul_ps(ob[i], r));
+    for (int w = 0; w < W8; ++w) _mm256_storeu_ps(outs[i] + d0 + 8 * w, _mm256_mul_ps(o[i][w], r));
   }
 }
 
@@ -135,18 +135,19 @@ static inline float exp_row(float* si, int64_t Li, float m) {
 template <int C16>
 static void values(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
                    const float* V, int64_t D) {
-  for (int64_t c = 0; c < C16; ++c)  // 16 dims at a time, tiles of 6, 4, 2 or 1 queries
-    for (int i0 = 0; i0 < n;) {
-      const int left = n - i0, mq = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
-      const float* si = s + i0 * Lp;
+  for (int i0 = 0; i0 < n;) {  // tiles of 6 or 4 queries 16 dims at a time, of 2 or 1 query 32 dims at a time
+    const int left = n - i0, mq = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+    const float* si = s + i0 * Lp;
+    for (int64_t d0 = 0; d0 < D; d0 += mq <= 2 ? 32 : 16) {  // D = 16 C16, C16 even
       switch (mq) {
-        case 6: values16<6>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, c); break;
-        case 4: values16<4>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, c); break;
-        case 2: values16<2>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, c); break;
-        default: values16<1>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, c); break;
+        case 6: values_tile<6, 2>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        case 4: values_tile<4, 2>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        case 2: values_tile<2, 4>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        default: values_tile<1, 4>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
       }
-      i0 += mq;
     }
+    i0 += mq;
+  }
 }
 #else  // 16-lane vectors (AVX-512, or lane by lane)
 // v[0..15] -> lane j = the sum of v[j]'s 16 lanes, all in one fixed tree of shuffles and adds

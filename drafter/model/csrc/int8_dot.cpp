@@ -104,6 +104,7 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, c
     for (int64_t g = 0; g < G; ++g) {
       alignas(32) __m256i wq[8][2];  // chunk j: inputs 4j..4j+3 (lo nibbles) and 16+4j.. (hi), outputs 0-7 | 8-15
       const uint8_t* p = w + (t * G + g) * 256;
+      for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + 64 * j), _MM_HINT_T0);
       for (int j = 0; j < 4; ++j) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32));

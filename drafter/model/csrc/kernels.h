@@ -75,37 +75,56 @@ typedef int32_t vi __attribute__((vector_size(64)));
 static inline vf splat(float a) { return vf{} + a; }
 
 // Sum of 16 lanes in a fixed pairwise tree.
-static inline float hsum(vf v) {
-  float a[16];
-  std::memcpy(a, &v, 64);
+static inline float hsum16(float* a) {
   for (int w = 8; w >= 1; w /= 2)
     for (int i = 0; i < w; ++i) a[i] += a[i + w];
   return a[0];
 }
+static inline float hsum(vf v) {
+  float a[16];
+  std::memcpy(a, &v, 64);
+  return hsum16(a);
+}
 
-// exp(x) for x <= 0 on 16 lanes (range reduction by ln 2, degree-6 polynomial: a few ulp);
-// lanes below -87 (and -inf) give exactly 0.
-static inline vf exp_neg(vf x) {
-  const vf lo = splat(-87.0f);
-  const vi under = x < lo;
+// The widest float vector this CPU holds in a register (`vn`, NL lanes): element-wise code written on it
+// computes every lane as `vf` code would, without the memory round trips GCC gives 16-lane vectors where
+// registers are 8 lanes (AVX2).
+#if defined(__AVX512F__)
+typedef vf vn;
+typedef vi vni;
+#else
+typedef float vn __attribute__((vector_size(32)));
+typedef int32_t vni __attribute__((vector_size(32)));
+#endif
+constexpr int NL = sizeof(vn) / sizeof(float);
+static inline vn load_vn(const float* p) { vn v; std::memcpy(&v, p, sizeof(vn)); return v; }
+static inline void store_vn(float* p, vn v) { std::memcpy(p, &v, sizeof(vn)); }
+
+// exp(x) for x <= 0 lane by lane (range reduction by ln 2, degree-6 polynomial: a few ulp); lanes below
+// -87 (and -inf) give exactly 0. V: a float vector type, VI its int32 twin.
+template <typename V, typename VI>
+static inline V exp_neg_of(V x) {
+  const V lo = V{} - 87.0f;
+  const VI under = x < lo;
   x = under ? lo : x;
-  const vf fx = x * 1.44269504088896341f + 0.5f;
-  vf nf = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  const V fx = x * 1.44269504088896341f + 0.5f;
+  V nf = __builtin_convertvector(__builtin_convertvector(fx, VI), V);
   nf = (nf > fx) ? nf - 1.0f : nf;  // floor
-  vf r = x - nf * 0.693359375f;
+  V r = x - nf * 0.693359375f;
   r = r - nf * -2.12194440e-4f;
-  vf p = splat(1.9875691500e-4f);
+  V p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.0f;
-  const vi bits = (__builtin_convertvector(nf, vi) + 127) << 23;
-  vf scale;
-  std::memcpy(&scale, &bits, 64);
-  return under ? vf{} : p * scale;
+  const VI bits = (__builtin_convertvector(nf, VI) + 127) << 23;
+  V scale;
+  std::memcpy(&scale, &bits, sizeof(V));
+  return under ? V{} : p * scale;
 }
+static inline vf exp_neg(vf x) { return exp_neg_of<vf, vi>(x); }
 
 // ---------------------------------------------------------------------------- the module's functions
 // weight_only.cpp: fp32 activations times int4 (GGUF Q4_1 groups) / int8 (per output) weights

@@ -18,13 +18,13 @@ torch::Tensor rms_norm(torch::Tensor x_in, torch::Tensor w_in, double eps) {
   at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
     for (int64_t r = a; r < e; ++r) {
       const float* xr = xp + r * n;
-      vf acc = vf{};
-      for (int64_t i = 0; i < n; i += 16) { const vf v = load_vf(xr + i); acc = acc + v * v; }
-      const float inv = 1.0f / std::sqrt(hsum(acc) / (float)n + (float)eps);
-      for (int64_t i = 0; i < n; i += 16) {
-        const vf o = load_vf(wp + i) * (load_vf(xr + i) * inv);
-        std::memcpy(yp + r * n + i, &o, 64);
-      }
+      vn acc[16 / NL] = {};  // lane l of the 16: acc[l / NL][l % NL]
+      for (int64_t i = 0; i < n; i += 16)
+        for (int c = 0; c < 16 / NL; ++c) { const vn v = load_vn(xr + i + c * NL); acc[c] = acc[c] + v * v; }
+      float lanes[16];
+      std::memcpy(lanes, acc, 64);
+      const float inv = 1.0f / std::sqrt(hsum16(lanes) / (float)n + (float)eps);
+      for (int64_t i = 0; i < n; i += NL) store_vn(yp + r * n + i, load_vn(wp + i) * (load_vn(xr + i) * inv));
     }
   });
   return y.reshape(x_in.sizes()).to(x_in.scalar_type());
@@ -40,13 +40,12 @@ torch::Tensor silu_mul(torch::Tensor x_in) {
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 4, [&](int64_t a, int64_t e) {
     for (int64_t r = a; r < e; ++r)
-      for (int64_t i = 0; i < I; i += 16) {
-        const vf g = load_vf(xp + r * 2 * I + i), u = load_vf(xp + r * 2 * I + I + i);
-        const vf neg = g < 0.0f ? g : -g;  // -|g|
-        const vf e = exp_neg(neg);         // exp(-|g|)
-        const vf s = (g < 0.0f ? e : vf{} + 1.0f) / (e + 1.0f);  // sigmoid(g)
-        const vf o = g * s * u;
-        std::memcpy(yp + r * I + i, &o, 64);
+      for (int64_t i = 0; i < I; i += NL) {
+        const vn g = load_vn(xp + r * 2 * I + i), u = load_vn(xp + r * 2 * I + I + i);
+        const vn neg = g < 0.0f ? g : -g;          // -|g|
+        const vn e = exp_neg_of<vn, vni>(neg);    // exp(-|g|)
+        const vn s = (g < 0.0f ? e : vn{} + 1.0f) / (e + 1.0f);  // sigmoid(g)
+        store_vn(yp + r * I + i, g * s * u);
       }
   });
   auto sizes = x_in.sizes().vec();
