@@ -102,13 +102,15 @@ def main() -> None:
         ms = {T: statistics.median(samples[(kind, T)]) for T in widths}
         row = {"served": describe_mode(models[kind]), "ms_by_T": ms, "v_T": {T: ms[T] / ms[1] for T in widths},
                "rounds_ms": {T: samples[(kind, T)] for T in widths}}
-        if kind != kinds[0]:  # the first kind against this one round by round (the same minute of the machine)
-            row[f"{kinds[0]}_over_this"] = {T: paired_ratio(samples[(kinds[0], T)], samples[(kind, T)]) for T in widths}
         result["kinds"][kind] = row
         print(f"{kind:5s} {row['served']}: " + "  ".join(f"T={T} {ms[T]:.2f} ms (v={ms[T] / ms[1]:.2f})" for T in widths))
-        if kind != kinds[0]:
-            print(f"      {kinds[0]} / {kind}, median of the rounds' ratios: "
-                  + "  ".join(f"T={T} {r:.3f}" for T, r in row[f"{kinds[0]}_over_this"].items()))
+        if kind == kinds[0]:
+            continue
+        # the first kind against this one round by round (the same minute of the machine)
+        ratios = row[f"{kinds[0]}_over_this"] = {T: paired_ratio(samples[(kinds[0], T)], samples[(kind, T)])
+                                                 for T in widths}
+        print(f"      {kinds[0]} / {kind}, median of the rounds' ratios: "
+              + "  ".join(f"T={T} {r:.3f}" for T, r in ratios.items()))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / f"{args.out}.json").write_text(json.dumps(result, indent=1))
     _plot(result, OUT / f"{args.out}.png")

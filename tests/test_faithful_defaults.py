@@ -125,12 +125,12 @@ def test_serve_with_default_flags_reproduces_transformers_greedy_under_concurren
     try:
         card = httpx.get(f"{server.url}/v1/models", timeout=10).json()["data"][0]
         assert card["weights"] == "fp32"
-        every = [r for recs in records.values() for r in recs[::SERVE_EVERY]]
+        served = [r for recs in records.values() for r in recs[::SERVE_EVERY]]
         with ThreadPoolExecutor(12) as pool:  # 12 requests in flight: continuous batching of ragged rows
-            texts = list(pool.map(lambda r: _request(server.url, server.model, r), every))
+            texts = list(pool.map(lambda r: _request(server.url, server.model, r), served))
     finally:
         server.stop()
         server.forget_redis_keys()
     reference = transformers_greedy.get()
-    differ = [r.id for r, text in zip(every, texts) if text != reference[r.id][1]]
-    assert not differ, f"{len(differ)}/{len(every)} prompts differ from transformers: {differ[:5]}"
+    differ = [r.id for r, text in zip(served, texts) if text != reference[r.id][1]]
+    assert not differ, f"{len(differ)}/{len(served)} prompts differ from transformers: {differ[:5]}"

@@ -19,7 +19,7 @@ for bit as a one-token step does, by construction:
   (GGUF Q8_0) likewise, and `w8a8_rows` looks rows of such a table up (an embedding). On a CPU with
   AVX2 but not AVX-512 these products and the attention run in explicit 8-lane registers, RMSNorm and
   SwiGLU on `vn`, the widest vector a register holds (GCC keeps the 16-lane vectors the other paths use
-  in memory there): a 5-token verify pass 0.37x, a one-token step 0.72x what they cost in that vector
+  in memory there): a 5-token verify pass 0.36x, a one-token step 0.68x what they cost in that vector
   code (bench/README.md sections 40 and 41).
 
 The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:

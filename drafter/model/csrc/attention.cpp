@@ -10,7 +10,7 @@
 // than the code below on an AVX2-only EPYC). Here the same steps on explicit 8-lane registers: scores 8 keys at
 // a time, each key's first fold (lanes i and i + 8) one add, then the 8 x 8 block transposed so that the
 // remaining folds of `sum16`'s tree (i and i + 4, then + 2, then + 1) add whole registers; the softmax's
-// exp and sum as `exp_neg` and `hsum`; the values 16 dims at a time for up to 6 queries. Each query is
+// exp (`exp_neg_of` on 8 lanes) and sum as `exp_neg` and `hsum`; the values 16 or 32 dims a pass. Each query is
 // still computed alone by the same operations whatever shares its call: exact across T by construction.
 static inline __m256 tree8(const __m256* t) {  // lane j: t[j]'s lanes folded as sum16 folds them
   const __m256 a0 = _mm256_unpacklo_ps(t[0], t[1]), a1 = _mm256_unpackhi_ps(t[0], t[1]);
@@ -30,27 +30,6 @@ static inline __m256 tree8(const __m256* t) {  // lane j: t[j]'s lanes folded as
                c3 = _mm256_add_ps(r3, r7);
   return _mm256_add_ps(_mm256_add_ps(c0, c2), _mm256_add_ps(c1, c3));
 }
-// `exp_neg` on 8 lanes: the same range reduction and polynomial.
-static inline __m256 exp_neg8(__m256 x) {
-  const __m256 lo = _mm256_set1_ps(-87.0f);
-  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_blendv_ps(x, lo, under);
-  const __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-  __m256 nf = _mm256_cvtepi32_ps(_mm256_cvttps_epi32(fx));
-  nf = _mm256_sub_ps(nf, _mm256_and_ps(_mm256_cmp_ps(nf, fx, _CMP_GT_OQ), _mm256_set1_ps(1.0f)));  // floor
-  __m256 r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(nf, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(nf), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
-
 // `hsum`'s tree over 16 lanes held as lanes 0-7 (a) and 8-15 (b).
 static inline float hsum8x2(__m256 a, __m256 b) {
   const __m256 t = _mm256_add_ps(a, b);
@@ -122,8 +101,8 @@ static inline float exp_row(float* si, int64_t Li, float m) {
   __m256 ta = _mm256_setzero_ps(), tb = _mm256_setzero_ps();
   const __m256 mv = _mm256_set1_ps(m);
   for (int64_t j = 0; j < Li; j += 16) {
-    const __m256 pa = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
-    const __m256 pb = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(si + j + 8), mv));
+    const __m256 pa = exp_neg_of<vn, vni>(_mm256_sub_ps(_mm256_loadu_ps(si + j), mv));
+    const __m256 pb = exp_neg_of<vn, vni>(_mm256_sub_ps(_mm256_loadu_ps(si + j + 8), mv));
     _mm256_storeu_ps(si + j, pa);
     _mm256_storeu_ps(si + j + 8, pb);
     ta = _mm256_add_ps(ta, pa);
