@@ -241,8 +241,11 @@ def test_the_controller_prices_a_step_without_its_trace_callback(verifier, tiny_
 
 def test_a_controller_that_turned_speculation_off_learns_from_few_plain_steps_and_output_is_unchanged(
         verifier, tiny_pair):
-    # an untrained eagle head (drafts the verifier rarely takes): once the controller leaves speculation off, its
-    # plain steps are neither timed nor observed, but for the few before each probe
+    # an eagle head made dear (each call to draft sleeps 100 ms, tens of plain steps' worth), so that speculation
+    # cannot pay whatever the verifier takes of its drafts: once the controller leaves speculation off, its plain
+    # steps are neither timed nor observed, but for the few before each probe. (Resting on an untrained head's
+    # drafts being rejected made the test depend on the CPU: on an AVX2 machine the tiny verifier's greedy text
+    # took enough of them that 145 of 240 steps drafted.)
     samples = []
 
     class Watching(Controller):
@@ -252,7 +255,9 @@ def test_a_controller_that_turned_speculation_off_learns_from_few_plain_steps_an
 
     rule, req = StopRule(()), _auto(_requests(verifier, max_tokens=240)[:1])[0]
     controller = Watching(ControllerConfig(explore_max=64))
-    engine = Engine(verifier.lean, _drafter("eagle", verifier, tiny_pair), slots=1,
+    drafter = _drafter("eagle", verifier, tiny_pair)
+    drafter.propose = lambda *a, propose=drafter.propose: (time.sleep(0.1), propose(*a))[1]
+    engine = Engine(verifier.lean, drafter, slots=1,
                     capacity=positions_needed(len(req.prompt), req.params.max_tokens, None), stop_rule=rule,
                     controller=controller)
     engine.admit([req])
