@@ -23,7 +23,7 @@ from specloop.drafter.kinds.pretrained import PretrainedDrafter
 from specloop.drafter.kinds.suffix import SuffixDrafter
 from specloop.drafter.model.loading import load_model
 from specloop.services.prompts import PromptRecord, encode
-from tests.drafter_helpers import trained_eagle
+from tests.drafter_helpers import fast_exact_weights, trained_eagle
 from tests.stats import chi2_pvalue
 
 SCHEMAS = [
@@ -39,6 +39,15 @@ PROMPTS = ["Give me a person as JSON.", "List some colours in JSON.", "Rate this
 
 @pytest.fixture(scope="module")
 def pair(reference_pair):
+    # served in the fast exact mode: the engine under a grammar is what these tests check, not fp32's products (a
+    # 500-row verify pass in fp32 reads the weights once a row)
+    mode = fast_exact_weights()
+    return load_model(reference_pair[0], weights=mode), load_model(reference_pair[1], weights=mode)
+
+
+@pytest.fixture(scope="module")
+def stored_pair(reference_pair):
+    """As stored (fp32): what the graph step takes."""
     return load_model(reference_pair[0]), load_model(reference_pair[1])
 
 
@@ -203,10 +212,11 @@ def test_forced_drafts_keep_greedy_output_and_take_fewer_steps(pair, grammars, i
             assert steps < steps_off, (name, k, steps, steps_off)
 
 
-def test_forced_drafts_on_the_graph_backend_keep_greedy_output(pair, grammars, monkeypatch):
+def test_forced_drafts_on_the_graph_backend_keep_greedy_output(stored_pair, grammars, monkeypatch):
     """The GPU's step on the CPU (uncompiled): an eagle head's captured chain, forced drafts merged into its
     proposal and verified in the fixed-width pass: the graph verifier alone's output under the grammar."""
     monkeypatch.setenv("SPECLOOP_COMPILE", "0")
+    pair = stored_pair
     v = pair[0]
     spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
     prompts = [chat(v.tokenizer, p) for p in PROMPTS]

@@ -16,7 +16,7 @@ from specloop.drafter.kinds.pretrained import PretrainedDrafter
 from specloop.drafter.kinds.sd2 import SteeredDrafter
 from specloop.drafter.kinds.suffix import SuffixDrafter
 from specloop.drafter.model.decoder import LeanDecoder
-from specloop.drafter.model.loading import load_model
+from specloop.drafter.model.loading import load_model, load_tokenizer
 from specloop.services.prompts import encode, load_prompts
 from tests.conftest import SHARED_PROMPTS
 from tests.drafter_helpers import (
@@ -26,6 +26,7 @@ from tests.drafter_helpers import (
     VOCAB,
     WARPED,
     Scripted,
+    fast_exact_weights,
     perturbed_head,
     perturbed_steering,
     sampled_counts,
@@ -56,14 +57,8 @@ def two_threads():
 
 
 @pytest.fixture(scope="module")
-def pair(reference_pair):
-    v, d = load_model(reference_pair[0]), load_model(reference_pair[1])
-    return v, d
-
-
-@pytest.fixture(scope="module")
-def prompts(pair):
-    tok = pair[0].tokenizer
+def prompts(reference_pair):
+    tok = load_tokenizer(reference_pair[0])
     recs = load_prompts(SHARED_PROMPTS / "chat_dev.jsonl", N_PROMPTS) + load_prompts(
         SHARED_PROMPTS / "code_dev.jsonl", N_PROMPTS
     )
@@ -71,14 +66,48 @@ def prompts(pair):
 
 
 @pytest.fixture(scope="module")
-def rule(pair):
-    return StopRule(frozenset([pair[0].tokenizer.eos_token_id]))
+def rule(reference_pair):
+    return StopRule(frozenset([load_tokenizer(reference_pair[0]).eos_token_id]))
+
+
+class Served:
+    """The reference pair served in a weight mode (None: as stored, fp32; "fast": `fast_exact_weights`) and the
+    verifier's own greedy decoding of every prompt alone there, each loaded or decoded once, when first asked."""
+
+    def __init__(self, paths):
+        self.paths, self.models, self.greedy = paths, {}, {}
+
+    @staticmethod
+    def mode(weights: str | None) -> str | None:
+        return fast_exact_weights() if weights == "fast" else None
+
+    def pair(self, weights: str | None = None):
+        mode = self.mode(weights)
+        if mode not in self.models:
+            self.models[mode] = tuple(load_model(path, weights=mode) for path in self.paths)
+        return self.models[mode]
+
+    def reference(self, prompts, rule, weights: str | None = None) -> list[list[int]]:
+        mode, params = self.mode(weights), SamplingParams(max_tokens=MAX_TOKENS)
+        if mode not in self.greedy:
+            verifier = self.pair(weights)[0]
+            self.greedy[mode] = [generate(verifier.lean, None, [p], params, 0, rule)[0].token_ids for p in prompts]
+        return self.greedy[mode]
 
 
 @pytest.fixture(scope="module")
-def reference(pair, prompts, rule):
-    params = SamplingParams(max_tokens=MAX_TOKENS)
-    return [generate(pair[0].lean, None, [p], params, 0, rule)[0].token_ids for p in prompts]
+def served(reference_pair):
+    return Served(reference_pair)
+
+
+@pytest.fixture(scope="module")
+def pair(served):
+    return served.pair()
+
+
+@pytest.fixture(scope="module")
+def reference(served, prompts, rule):
+    return served.reference(prompts, rule)
 
 
 def top2_gap(model, context: list[int]) -> float:
@@ -123,9 +152,14 @@ def make_drafter(kind, pair):
 
 # A subset of the grid (CI time): fixed k = 4 one row at a time for the LM drafter, k = 8 in batches of 4 for the
 # LM drafters and n-gram; DVI (and k = 1, and k changing every step) through the k-auto test below, strict alike.
-@pytest.mark.parametrize("kind,k,batch", [("pretrained", 4, 1), ("pretrained", 8, 4), ("ngram", 8, 4), ("sd2", 8, 4),
-                                           ("suffix", 8, 4), ("eagle3", 4, 4)])
-def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind, batch, k):
+# The pair as stored (fp32: row by row, what serving an fp32 checkpoint runs) for two cases; the others serve it in
+# the fast exact mode (`fast_exact_weights`: what the fetched model serves by default), which tests the same engine
+# in a ninth of the time.
+@pytest.mark.parametrize("kind,k,batch,weights", [
+    ("pretrained", 4, 1, "fp32"), ("suffix", 8, 4, "fp32"), ("pretrained", 8, 4, "fast"), ("ngram", 8, 4, "fast"),
+    ("sd2", 8, 4, "fast"), ("eagle3", 4, 4, "fast")])
+def test_greedy_output_equals_the_verifier_alone_on_every_prompt(served, prompts, rule, kind, batch, k, weights):
+    pair, reference = served.pair(weights), served.reference(prompts, rule, weights)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     outputs, accepted = [], 0
     for lo in range(0, len(prompts), batch):
@@ -139,9 +173,11 @@ def test_greedy_output_equals_the_verifier_alone_on_every_prompt(pair, prompts, 
     assert accepted > 0
 
 
-@pytest.mark.parametrize("kind,batch", [("pretrained", 1), ("pretrained", 4), ("ngram", 4), ("sd2", 4), ("dvi", 4)])
-def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(pair, prompts, reference, rule, kind,
-                                                                               batch):
+@pytest.mark.parametrize("kind,batch,weights", [("pretrained", 1, "fp32"), ("pretrained", 4, "fast"),
+                                                 ("ngram", 4, "fast"), ("sd2", 4, "fast"), ("dvi", 4, "fast")])
+def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(served, prompts, rule, kind, batch,
+                                                                               weights):
+    pair, reference = served.pair(weights), served.reference(prompts, rule, weights)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     controller = Controller(ControllerConfig(explore_min=2, explore_max=8))  # frequent probes: many switches
     outputs, drafted = [], 0
@@ -174,7 +210,8 @@ def test_a_drafter_identical_to_the_verifier_has_every_draft_accepted(pair, prom
         assert g.stats.accepted_per_position == [g.stats.blocks] * k
 
 
-def test_a_degraded_drafter_leaves_output_unchanged_and_acceptance_falls(pair, prompts, reference, rule):
+def test_a_degraded_drafter_leaves_output_unchanged_and_acceptance_falls(served, prompts, rule):
+    pair, reference = served.pair("fast"), served.reference(prompts, rule, "fast")
     params, k = SamplingParams(max_tokens=MAX_TOKENS), 4
     sub = prompts[:12]
     good = generate(pair[0].lean, PretrainedDrafter(pair[1].lean), sub, params, k, rule)
