@@ -64,12 +64,20 @@ def test_depth_pruned_drafter_is_the_verifiers_kept_layers(tmp_path):
         prune_depth(verifier_dir, tmp_path / "bad", [0, 1, 2, 3])
 
 
+@pytest.fixture(scope="module")
+def fetched(tmp_path_factory) -> tuple[FetchConfig, dict]:
+    """A whole fetch of the real model from its GGUF (a short drafter run): (its config, its summary). Done once a
+    module: the real verifier's tests below read what it converted where no fetched cache is at hand (a CI
+    machine), instead of converting the GGUF a second time (~50 s, most of it transformers' GGUF reader)."""
+    cfg = FetchConfig(out=tmp_path_factory.mktemp("fetch") / "real", drafter_minutes=0.05, vocab_conversations=50,
+                      vocab_code_files=5, vocab_size=2048, threads=1)
+    return cfg, fetch_models(cfg, progress=False)
+
+
 @pytest.mark.skipif(not HAVE_REAL, reason=f"{REAL.package} is not installed (scripts/setup.sh installs it)")
-def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(tmp_path):
-    cfg = FetchConfig(out=tmp_path / "real", drafter_minutes=0.05, vocab_conversations=50, vocab_code_files=5,
-                      vocab_size=2048, threads=1)
-    summary = fetch_models(cfg, progress=False)
-    out = tmp_path / "real"
+def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(fetched):
+    cfg, summary = fetched
+    out = cfg.out
     assert json.loads((out / "fetched.json").read_text()) == summary
     config = json.loads((out / "verifier" / "config.json").read_text())
     assert config["num_hidden_layers"] == 30 and "quantization_config" not in config
@@ -233,9 +241,9 @@ def test_a_fetch_whose_drafter_folder_was_removed_rebuilds_it(tmp_path, monkeypa
 
 
 @pytest.fixture(scope="module")
-def real_verifier(tmp_path_factory):
-    """The converted real verifier with its groups: the fetched cache's fp32 weights (linked, never
-    modified) when there is one, else a fresh conversion (~1 min)."""
+def real_verifier(request, tmp_path_factory):
+    """The converted real verifier with its groups: the fetched cache's fp32 weights (linked, never modified; the
+    groups written afresh) when there is one, else what the module's whole fetch converted (`fetched`)."""
     import os
 
     if not HAVE_REAL:
@@ -243,12 +251,14 @@ def real_verifier(tmp_path_factory):
     gguf = locate_gguf(REAL, install=False)
     cache = Path(os.environ.get("SPECLOOP_CACHE", Path.home() / ".cache" / "specloop"))
     cached = default_out(cache, REAL.name) / "verifier"
+    if not ((cached / "model.safetensors").is_file() and (cached / "config.json").is_file()):
+        cfg, _ = request.getfixturevalue("fetched")
+        return gguf, cfg.out / "verifier"
     out = tmp_path_factory.mktemp("real") / "verifier"
-    if (cached / "model.safetensors").is_file() and (cached / "config.json").is_file():
-        out.mkdir()
-        for f in cached.iterdir():
-            if f.name not in ("manifest.json", "q4_1.safetensors"):
-                (out / f.name).symlink_to(f)
+    out.mkdir()
+    for f in cached.iterdir():
+        if f.name not in ("manifest.json", "q4_1.safetensors"):
+            (out / f.name).symlink_to(f)
     return gguf, convert_gguf(gguf, out)
 
 
