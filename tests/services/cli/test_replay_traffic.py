@@ -26,7 +26,7 @@ from tests.tiny import TEXT, make_pair
 
 K, MAX_TOKENS = 4, 24
 PROMPTS, CYCLES = 6, 9  # thirds of the stream are 3 whole cycles each
-UPDATES_PER_REQUEST = 8  # the pace of traffic: a request arrives once the learner took ~this many steps
+UPDATES_PER_REQUEST = 4  # the pace of traffic: a request arrives once the learner took ~this many steps
 PACE_TIMEOUT_S = 0.3  # ... or after this long, whichever comes first
 LEARNER = {"lr": 3e-3, "lm_lr": 3e-3, "batch_records": 8, "publish_every": 5, "replay_ratio": 16.0,
            "holdout_every": 4}
