@@ -18,7 +18,7 @@ from specloop.drafter.kinds.sd2 import SteeredDrafter, steering_for
 from specloop.drafter.kinds.suffix import SuffixDrafter
 from specloop.drafter.model.decoder import LeanDecoder
 
-SCHEDULE = [0, 0, 2, 0, 3, 1, 0, 4, 4, 0]
+SCHEDULE = [0, 0, 2, 0, 3, 1, 0, 4, 4, 0]  # plain steps, drafting after them (rows resync), every k
 
 
 def fast_exact_weights() -> str | None:
@@ -28,7 +28,7 @@ def fast_exact_weights() -> str | None:
     slower there)."""
     from specloop.drafter.model import kernels
 
-    return "w4a8" if kernels.available() else None  # plain steps, drafting after them (rows resync), every k
+    return "w4a8" if kernels.available() else None
 
 
 class Scripted(Controller):

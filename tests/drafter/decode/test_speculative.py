@@ -57,8 +57,13 @@ def two_threads():
 
 
 @pytest.fixture(scope="module")
-def prompts(reference_pair):
-    tok = load_tokenizer(reference_pair[0])
+def tokenizer(reference_pair):
+    return load_tokenizer(reference_pair[0])
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    tok = tokenizer
     recs = load_prompts(SHARED_PROMPTS / "chat_dev.jsonl", N_PROMPTS) + load_prompts(
         SHARED_PROMPTS / "code_dev.jsonl", N_PROMPTS
     )
@@ -66,8 +71,8 @@ def prompts(reference_pair):
 
 
 @pytest.fixture(scope="module")
-def rule(reference_pair):
-    return StopRule(frozenset([load_tokenizer(reference_pair[0]).eos_token_id]))
+def rule(tokenizer):
+    return StopRule(frozenset([tokenizer.eos_token_id]))
 
 
 class Served:
