@@ -25,16 +25,21 @@ for bit as a one-token step does, by construction:
 The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:
 every query head over the keys up to its position through the same operations whichever query heads
 share its KV head's loads, so exact across T, batch and threads by construction), `rms_norm`,
-`silu_mul`, and `layer` (a whole decoder layer in one call).
+`silu_mul`, and `layer` (a whole decoder layer in one call; with four w4a8 linears, the served default,
+in one parallel region: the threads go through the layer's steps together, a barrier between them, each
+taking an even share of every step's rows, heads and blocks of outputs, where one region a step left the
+serial parts and the interpreter between steps on one thread: a one-token step 0.89x; the same bits as
+the step-by-step `layer_by_ops`).
 
 Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
 so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains);
-threads split the tiles (each output is computed whole by one thread, so the thread count changes
-no rounding).
+threads split the tiles (in a layer's region, the blocks), each output computed whole by one thread, so
+the thread count changes no rounding.
 
 The C++ lives in csrc/ beside this file: kernels.h (what the sources share, and the functions the
 module exposes), weight_only.cpp (`q4_mm`, `q8_mm`), int8_dot.cpp (`w4a8_mm`, `w8a8_mm`), attention.cpp
-(`attend`) and layer.cpp (`rms_norm`, `silu_mul`, `layer`, the Python bindings), compiled as one unit
+(`attend`), layer.cpp (`rms_norm`, `silu_mul`, `layer`, the Python bindings) and region.cpp (`layer`'s
+w4a8 form in one parallel region), compiled as one unit
 (all.cpp includes them: torch's headers parsed once); the `#if` branches there
 pick the kernels for the CPU they are compiled on. They are compiled once per CPU (`-march=native`;
 torch.utils.cpp_extension.load, a build folder under torch's extension cache named by a digest of the

@@ -249,6 +249,80 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
   values<C16>(s.data(), Lp, Ls, inv, outs, n, V, D);  // one chain per lane and query over the keys in order
 }
 
+// One call's attention, as its units of work read it: qkv rows [B T, (H + 2 Hkv) D] at stride W, queries
+// after RoPE q [B T H, D], the cache kc / vc [B, Hkv, C, D], out [B T, H D], each row's length before the
+// call lens [B]; `per` queries of a KV head's group make one unit of the attention.
+struct Attn {
+  const float *x, *cos, *sin;
+  float *q, *kc, *vc, *out;
+  const int64_t* lens;
+  int64_t B, T, H, Hkv, C, D, W, per, tiles;
+  float scale;
+};
+
+// Units of work: (row, KV head, a tile of its rep · T queries, token-major), about four a thread where the
+// call has that many queries, at most 48 queries a unit (a query's result does not depend on its tile).
+static Attn attn_of(const float* x, int64_t W, const float* cos, const float* sin, float* q, float* kc, float* vc,
+                    float* out, const int64_t* lens, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t C,
+                    int64_t D, float scale, int64_t threads) {
+  const int64_t nq = H / Hkv * T;
+  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * threads - 1) / (4 * threads)));
+  return Attn{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per, (nq + per - 1) / per, scale};
+}
+
+// RoPE unit u of B T (H + Hkv): token i's head u % (H + Hkv), a query head rotated into q, a KV head's key
+// rotated and its value copied into the cache at the token's position.
+static void rope_unit(const Attn& a, int64_t u) {
+  const int64_t i = u / (a.H + a.Hkv), h = u % (a.H + a.Hkv), b = i / a.T, pos = a.lens[b] + i % a.T, D = a.D;
+  const float* x = a.x + i * a.W;
+  if (h < a.H) {
+    rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, a.q + (i * a.H + h) * D, D);
+    return;
+  }
+  const int64_t g = h - a.H, at_ = ((b * a.Hkv + g) * a.C + pos) * D;
+  rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, a.kc + at_, D);
+  std::memcpy(a.vc + at_, x + (a.H + a.Hkv + g) * D, D * sizeof(float));
+}
+
+// Attention unit u of B Hkv tiles (s: the caller's scratch for scores).
+static void attn_unit(const Attn& a, int64_t u, std::vector<float>& s) {
+  const float* qs[48];
+  float* outs[48];
+  int64_t Ls[48];
+  const int64_t D = a.D, rep = a.H / a.Hkv, nq = rep * a.T;
+  const int64_t tile = u % a.tiles, bg = u / a.tiles, b = bg / a.Hkv, g = bg % a.Hkv, base = (b * a.Hkv + g) * a.C * D;
+  const int n = (int)std::min(a.per, nq - tile * a.per);
+  for (int i = 0; i < n; ++i) {
+    const int64_t qi = tile * a.per + i, t = qi / rep, h = g * rep + qi % rep, row = (b * a.T + t) * a.H + h;
+    qs[i] = a.q + row * D;
+    outs[i] = a.out + row * D;
+    Ls[i] = a.lens[b] + t + 1;
+  }
+  const float *K = a.kc + base, *V = a.vc + base;
+  switch (D) {
+    case 32: attend_group<2>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
+    case 64: attend_group<4>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
+    case 128: attend_group<8>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
+    default: attend_group<16>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
+  }
+}
+
+// The shapes `attend` and the layer's region accept (qkv's width W), and room in the cache for T more.
+static void check_attend(int64_t W, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
+                         const torch::Tensor& sin, const torch::Tensor& lens, int64_t B, int64_t T, int64_t H) {
+  const int64_t Hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
+              vc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes() && kc.size(0) >= B,
+              "KV cache: contiguous fp32");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
+              sin.scalar_type() == torch::kFloat32 && cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
+  TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % Hkv == 0 && W == (H + 2 * Hkv) * D &&
+              lens.size(0) == B, "attend: shapes");
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(lp[b] >= 0 && lp[b] + T <= std::min(C, cos.size(0)), "KV cache full");
+}
+
 // Causal attention of T new tokens per row over a KV cache, exact per query by construction.
 // qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
 // and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] fp32 there; every query
@@ -258,61 +332,18 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
   const torch::Tensor qkv = qkv_in.to(torch::kFloat32).contiguous();
   const torch::Tensor lens = lens_in.to(torch::kInt64).contiguous();
   const int64_t B = qkv.size(0), T = qkv.size(1), Hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
-              vc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes(), "KV cache: contiguous fp32");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
-              cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
-  TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % Hkv == 0 && qkv.size(2) == (H + 2 * Hkv) * D &&
-              lens.size(0) == B,
-              "attend: shapes");
-  const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(lp[b] >= 0 && lp[b] + T <= std::min(C, cos.size(0)), "KV cache full");
-  const int64_t rep = H / Hkv, W = qkv.size(2);
+  check_attend(qkv.size(2), kc, vc, cos, sin, lens, B, T, H);
   auto q = torch::empty({B, T, H, D}, qkv.options());
   auto out = torch::empty({B, T, H * D}, qkv.options());
-  const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float *qp = q.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, B * T, 8, [&](int64_t a, int64_t e) {
-    for (int64_t i = a; i < e; ++i) {
-      const int64_t b = i / T, pos = lp[b] + i % T;
-      const float* x = xp + i * W;
-      for (int64_t h = 0; h < H; ++h) rope_head(x + h * D, cp + pos * D, sp + pos * D, qp + (i * H + h) * D, D);
-      for (int64_t g = 0; g < Hkv; ++g) {
-        const int64_t at_ = ((b * Hkv + g) * C + pos) * D;
-        rope_head(x + (H + g) * D, cp + pos * D, sp + pos * D, kp + at_, D);
-        std::memcpy(vp + at_, x + (H + Hkv + g) * D, D * sizeof(float));
-      }
-    }
+  const Attn a = attn_of(qkv.data_ptr<float>(), qkv.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                         q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(),
+                         lens.data_ptr<int64_t>(), B, T, H, Hkv, C, D, (float)scale_d, at::get_num_threads());
+  at::parallel_for(0, B * T * (H + Hkv), 8 * (H + Hkv), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) rope_unit(a, u);
   });
-  const float scale = (float)scale_d;
-  // Units of work: (row, KV head, a tile of its rep · T queries, token-major), each thread getting about
-  // four units where the call has that many queries, at most 48 queries a unit (a query's result does
-  // not depend on its tile).
-  const int64_t nq = rep * T, threads = at::get_num_threads();
-  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * threads - 1) / (4 * threads)));
-  const int64_t tiles = (nq + per - 1) / per;
-  at::parallel_for(0, B * Hkv * tiles, 1, [&](int64_t a, int64_t e) {
+  at::parallel_for(0, B * Hkv * a.tiles, 1, [&](int64_t u0, int64_t u1) {
     std::vector<float> s;
-    const float* qs[48];
-    float* outs[48];
-    int64_t Ls[48];
-    for (int64_t u = a; u < e; ++u) {
-      const int64_t tile = u % tiles, bg = u / tiles, b = bg / Hkv, g = bg % Hkv, base = (b * Hkv + g) * C * D;
-      const int n = (int)std::min(per, nq - tile * per);
-      for (int i = 0; i < n; ++i) {
-        const int64_t qi = tile * per + i, t = qi / rep, h = g * rep + qi % rep, row = (b * T + t) * H + h;
-        qs[i] = qp + row * D;
-        outs[i] = op + row * D;
-        Ls[i] = lp[b] + t + 1;
-      }
-      switch (D) {
-        case 32: attend_group<2>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
-        case 64: attend_group<4>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
-        case 128: attend_group<8>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
-        default: attend_group<16>(qs, outs, Ls, n, kp + base, vp + base, D, scale, s); break;
-      }
-    }
+    for (int64_t u = u0; u < u1; ++u) attn_unit(a, u, s);
   });
   return out;
 }

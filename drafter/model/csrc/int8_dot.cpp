@@ -225,26 +225,58 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, c
 }
 #endif
 
-// Rows [R, K] fp32 -> int8 per group of 32 (round half to even), with dx and sx per (row, group).
+// One group of 32 fp32 values -> int8 (round half to even) with its dx = max|v| / 127 and sx = dx * sum(q).
+static inline void quantize_group_q8(const float* v, int8_t* xq, float* dx, float* sx, int32_t* isum) {
+  float amax = 0.f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+  const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int32_t q = (int32_t)std::nearbyint(v[i] * id);
+    xq[i] = (int8_t)q;
+    sum += q;
+  }
+  *dx = dd;
+  *sx = dd * (float)sum;
+  if (isum) *isum = sum;
+}
+
+// Rows [R, K] fp32 -> int8 per group of 32, with dx and sx per (row, group).
 static void quantize_rows_q8(const float* x, int64_t R, int64_t K, int8_t* xq, float* dx, float* sx,
                              int32_t* isum = nullptr) {
   const int64_t G = K / 32;
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t g = 0; g < G; ++g) {
-      const float* v = x + r * K + g * 32;
-      float amax = 0.f;
-      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
-      const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int i = 0; i < 32; ++i) {
-        const int32_t q = (int32_t)std::nearbyint(v[i] * id);
-        xq[r * K + g * 32 + i] = (int8_t)q;
-        sum += q;
-      }
-      dx[r * G + g] = dd;
-      sx[r * G + g] = dd * (float)sum;
-      if (isum) isum[r * G + g] = sum;
-    }
+    for (int64_t g = 0; g < G; ++g)
+      quantize_group_q8(x + r * K + g * 32, xq + r * K + g * 32, dx + r * G + g, sx + r * G + g,
+                        isum ? isum + r * G + g : nullptr);
+}
+
+// A packed w4a8 weight as the region of a layer reads it (`w4a8_mm`'s layout).
+struct W4A8 {
+  const uint8_t* w;
+  const uint16_t* d;
+  const uint16_t* mn;
+  int64_t NB, K;  // blocks of 16 outputs, inputs
+};
+
+// Output blocks [b0, b1) of every row of a w4a8 product (activations quantized: xq [R, K], dx / sx
+// [R, K / 32]) into y (row stride ldy): whole tiles of UNIT blocks where the range holds them, single
+// blocks at its ends. Each output is the same bits as `w4a8_mm`'s (a block's arithmetic does not depend
+// on the tile or the rows beside it).
+static void w4a8_blocks(const W4A8& L, int64_t R, const int8_t* xq, const float* dx, const float* sx, float* y,
+                        int64_t ldy, int64_t b0, int64_t b1) {
+  const int64_t G = L.K / 32;
+  auto run = [&](int64_t nb, auto tb) {
+    by_rows(R, [&](int64_t r0, auto m) {
+      w4a8_tile<decltype(m)::value, decltype(tb)::value>(L.w + nb * G * 256, L.d + nb * G * 16, L.mn + nb * G * 16,
+                                                          xq + r0 * L.K, dx + r0 * G, sx + r0 * G, y + r0 * ldy + nb * 16,
+                                                          G, ldy);
+    });
+  };
+  int64_t nb = b0;
+  for (; nb < b1 && (nb % UNIT != 0 || nb + UNIT > b1); ++nb) run(nb, std::integral_constant<int, 1>{});
+  for (; nb + UNIT <= b1; nb += UNIT) run(nb, std::integral_constant<int, UNIT>{});
+  for (; nb < b1; ++nb) run(nb, std::integral_constant<int, 1>{});
 }
 
 torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn) {

@@ -143,7 +143,16 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
 // layer.cpp
 torch::Tensor rms_norm(torch::Tensor x_in, torch::Tensor w_in, double eps);
 torch::Tensor silu_mul(torch::Tensor x_in);
+torch::Tensor layer_by_ops(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                           std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
+                           torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
+                           int64_t H, double scale);
 torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
                     std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
                     torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
                     int64_t H, double scale);
+// region.cpp
+torch::Tensor layer_region(const torch::Tensor& x_in, const torch::Tensor& in_norm, const torch::Tensor& post_norm,
+                           double eps_d, const std::vector<int64_t>& dims, const std::vector<torch::Tensor>& parts,
+                           const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& lens_in, int64_t H, double scale);

@@ -1,13 +1,36 @@
 // The element-wise steps of a layer (`rms_norm`, `silu_mul`), a whole decoder layer in one call
-// (`layer`), and the Python module's bindings (the functions kernels.h declares).
+// (`layer`; region.cpp: its w4a8 form in one parallel region), and the Python module's bindings (the
+// functions kernels.h declares).
 #include <torch/extension.h>
 
 #include "kernels.h"
 
 // ---------------------------------------------------------------------------- element-wise
 
-// RMSNorm of every row of x [..., n] (any float dtype; n % 16 == 0) times w [n] -> fp32 [..., n]:
-// the squares summed in one vector chain in order, lanes in a fixed tree; y = w * (x * r).
+// RMSNorm of one row xr [n] (n % 16 == 0) times w [n] into yr: the squares summed in one vector chain in
+// order, lanes in a fixed tree; y = w * (x * r). What `rms_norm` and the layer's region compute per row.
+static inline void rms_norm_row(const float* xr, const float* wp, int64_t n, float eps, float* yr) {
+  vn acc[16 / NL] = {};  // lane l of the 16: acc[l / NL][l % NL]
+  for (int64_t i = 0; i < n; i += 16)
+    for (int c = 0; c < 16 / NL; ++c) { const vn v = load_vn(xr + i + c * NL); acc[c] = acc[c] + v * v; }
+  float lanes[16];
+  std::memcpy(lanes, acc, 64);
+  const float inv = 1.0f / std::sqrt(hsum16(lanes) / (float)n + eps);
+  for (int64_t i = 0; i < n; i += NL) store_vn(yr + i, load_vn(wp + i) * (load_vn(xr + i) * inv));
+}
+
+// silu(g) * u for count values (count % NL == 0) into y, lane by lane.
+static inline void silu_mul_span(const float* g_in, const float* u_in, float* y, int64_t count) {
+  for (int64_t i = 0; i < count; i += NL) {
+    const vn g = load_vn(g_in + i), u = load_vn(u_in + i);
+    const vn neg = g < 0.0f ? g : -g;          // -|g|
+    const vn e = exp_neg_of<vn, vni>(neg);    // exp(-|g|)
+    const vn s = (g < 0.0f ? e : vn{} + 1.0f) / (e + 1.0f);  // sigmoid(g)
+    store_vn(y + i, g * s * u);
+  }
+}
+
+// RMSNorm of every row of x [..., n] (any float dtype; n % 16 == 0) times w [n] -> fp32 [..., n].
 torch::Tensor rms_norm(torch::Tensor x_in, torch::Tensor w_in, double eps) {
   const torch::Tensor x = rows_of(x_in), w = w_in.to(torch::kFloat32).contiguous();
   const int64_t R = x.size(0), n = x.size(1);
@@ -16,16 +39,7 @@ torch::Tensor rms_norm(torch::Tensor x_in, torch::Tensor w_in, double eps) {
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 16, [&](int64_t a, int64_t e) {
-    for (int64_t r = a; r < e; ++r) {
-      const float* xr = xp + r * n;
-      vn acc[16 / NL] = {};  // lane l of the 16: acc[l / NL][l % NL]
-      for (int64_t i = 0; i < n; i += 16)
-        for (int c = 0; c < 16 / NL; ++c) { const vn v = load_vn(xr + i + c * NL); acc[c] = acc[c] + v * v; }
-      float lanes[16];
-      std::memcpy(lanes, acc, 64);
-      const float inv = 1.0f / std::sqrt(hsum16(lanes) / (float)n + (float)eps);
-      for (int64_t i = 0; i < n; i += NL) store_vn(yp + r * n + i, load_vn(wp + i) * (load_vn(xr + i) * inv));
-    }
+    for (int64_t r = a; r < e; ++r) rms_norm_row(xp + r * n, wp, n, (float)eps, yp + r * n);
   });
   return y.reshape(x_in.sizes()).to(x_in.scalar_type());
 }
@@ -39,14 +53,7 @@ torch::Tensor silu_mul(torch::Tensor x_in) {
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, R, 4, [&](int64_t a, int64_t e) {
-    for (int64_t r = a; r < e; ++r)
-      for (int64_t i = 0; i < I; i += NL) {
-        const vn g = load_vn(xp + r * 2 * I + i), u = load_vn(xp + r * 2 * I + I + i);
-        const vn neg = g < 0.0f ? g : -g;          // -|g|
-        const vn e = exp_neg_of<vn, vni>(neg);    // exp(-|g|)
-        const vn s = (g < 0.0f ? e : vn{} + 1.0f) / (e + 1.0f);  // sigmoid(g)
-        store_vn(yp + r * I + i, g * s * u);
-      }
+    for (int64_t r = a; r < e; ++r) silu_mul_span(xp + r * 2 * I, xp + r * 2 * I + I, yp + r * I, I);
   });
   auto sizes = x_in.sizes().vec();
   sizes.back() = I;
@@ -66,14 +73,14 @@ static torch::Tensor linear_of(const torch::Tensor& x, int64_t kind, const torch
   }
 }
 
-// A SwiGLU decoder layer in one call, by the same functions the step otherwise calls one by one
-// (so the same bits): RMSNorm, q|k|v, attend (RoPE, KV write, attention), o + residual, RMSNorm,
-// gate|up, SwiGLU, down + residual. x [B, T, hidden] fp32. kinds/dims: 4 linears (qkv, o, gate_up,
-// down); parts: 3 tensors per linear.
-torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
-                    std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
-                    torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
-                    int64_t H, double scale) {
+// A SwiGLU decoder layer step by step, by the functions a step otherwise calls one by one (so the same
+// bits): RMSNorm, q|k|v, attend (RoPE, KV write, attention), o + residual, RMSNorm, gate|up, SwiGLU,
+// down + residual. x [B, T, hidden] fp32. kinds/dims: 4 linears (qkv, o, gate_up, down); parts: 3
+// tensors per linear.
+torch::Tensor layer_by_ops(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                           std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
+                           torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
+                           int64_t H, double scale) {
   TORCH_CHECK(kinds.size() == 4 && dims.size() == 4 && parts.size() == 12, "layer: 4 linears");
   auto lin = [&](const torch::Tensor& v, int i) {
     return linear_of(v, kinds[i], parts[3 * i], parts[3 * i + 1], parts[3 * i + 2], dims[i]);
@@ -81,6 +88,19 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_n
   const torch::Tensor qkv = lin(rms_norm(x, in_norm, eps), 0);
   const torch::Tensor h = x + lin(attend(qkv, kc, vc, cos, sin, lens, H, scale), 1);
   return h + lin(silu_mul(lin(rms_norm(h, post_norm, eps), 2)), 3);
+}
+
+// A SwiGLU decoder layer in one call: four w4a8 linears and fp32 activations in one parallel region
+// (region.cpp), any other kind step by step; the same bits either way.
+torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_norm, double eps,
+                    std::vector<int64_t> kinds, std::vector<int64_t> dims, std::vector<torch::Tensor> parts,
+                    torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
+                    int64_t H, double scale) {
+  TORCH_CHECK(kinds.size() == 4 && dims.size() == 4 && parts.size() == 12, "layer: 4 linears");
+  const bool w4a8 = std::all_of(kinds.begin(), kinds.end(), [](int64_t k) { return k == 2; });
+  if (w4a8 && x.scalar_type() == torch::kFloat32 && x.dim() == 3)
+    return layer_region(x, in_norm, post_norm, eps, dims, parts, kc, vc, cos, sin, lens, H, scale);
+  return layer_by_ops(x, in_norm, post_norm, eps, kinds, dims, parts, kc, vc, cos, sin, lens, H, scale);
 }
 
 // ---------------------------------------------------------------------------- the Python module
@@ -97,4 +117,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_mm", torch::wrap_pybind_function(w8a8_mm), "w8a8_mm");
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
+  m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");
 }

@@ -1,4 +1,6 @@
 """specloop.drafter.model.kernels: specloop's int4 / int8 CPU kernels, built for the CPU that runs the suite."""
+import itertools
+
 import pytest
 import torch
 
@@ -242,3 +244,46 @@ def test_w8a8_multiplies_q8_0_blocks_by_int8_rounded_activations_and_looks_rows_
         assert torch.equal(kernels.w8a8_mm(x[:R], *packed), alone[:R])
     with pytest.raises(ValueError, match="-127"):
         kernels.pack_w8a8(torch.full((64, 32), -128, dtype=torch.int8), torch.ones(64, 1))
+
+
+def _w4a8_layer(Hd, H, Hkv, D, I, g):
+    """A random SwiGLU layer of four w4a8 linears: (dims, packed parts) as `kernels.layer` takes them."""
+    dims, parts = [(H + 2 * Hkv) * D, Hd, 2 * I, Hd], []
+    for n, k in zip(dims, [Hd, H * D, Hd, I]):
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+        d = (torch.rand(n, k // 32, generator=g) * 0.05 + 1e-3).half().float()
+        parts += kernels.pack_w4a8(q, d, (torch.randn(n, k // 32, generator=g) * 0.3).half().float())
+    return dims, parts
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(96, 3, 1, 32, 160), (576, 9, 3, 64, 1536)], ids=["small", "smollm2"])
+def test_a_w4a8_layer_in_one_parallel_region_is_the_step_by_step_layer_bit_for_bit(shape):
+    """`layer` runs four w4a8 linears in one parallel region (csrc/region.cpp): its output and the keys and
+    values it writes equal `layer_by_ops` (RMSNorm, products, attend, SwiGLU one call each) bit for bit, for
+    one token and for verify- and prefill-shaped steps, rows of different lengths, on 1-3 threads (products
+    split by blocks of 16 outputs, 576 of them not a multiple of the tiles' 64)."""
+    Hd, H, Hkv, D, I = shape
+    g = torch.Generator().manual_seed(11)
+    dims, parts = _w4a8_layer(Hd, H, Hkv, D, I, g)
+    C = 64
+    angles = torch.arange(C)[:, None] * torch.rand(D // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    norms = torch.rand(Hd, generator=g) + 0.5, torch.rand(Hd, generator=g) + 0.5
+    module, threads = kernels._module(), torch.get_num_threads()
+    try:
+        for (B, T), n in itertools.product([(1, 1), (1, 5), (3, 2), (2, 17)], (1, 2, 3)):
+            torch.set_num_threads(n)
+            lens = torch.randint(0, C - T, (B,), generator=g)
+            kv = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+            x = torch.randn(B, T, Hd, generator=g) * 3
+            outs = []
+            for run in (module.layer, module.layer_by_ops):
+                kc, vc = kv[0].clone(), kv[1].clone()
+                y = run(x, *norms, 1e-5, [2] * 4, dims, parts, kc, vc, cos, sin, lens, H, D**-0.5)
+                outs.append((y, kc, vc))
+            (y, kc, vc), (y_ref, kc_ref, vc_ref) = outs
+            assert torch.equal(y, y_ref) and torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), (B, T, n)
+            assert not torch.equal(kc, kv[0])  # the step wrote its keys
+    finally:
+        torch.set_num_threads(threads)
