@@ -32,7 +32,9 @@ serial parts and the interpreter between steps on one thread: a one-token step 0
 the step-by-step `layer_by_ops`).
 
 Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
-so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains);
+so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains; w4a8's
+blocks with their groups interleaved four by four where the tile is AVX-512's, which reads a tile group by
+group: one stretch of memory, prefetched line by line, a 5-token verify pass 0.93-0.96x);
 threads split the tiles (in a layer's region, the blocks), each output computed whole by one thread, so
 the thread count changes no rounding.
 
@@ -149,7 +151,6 @@ def _self_check(mod) -> bool:
     w8 = q8.double() * s.double()[:, None]
     packed4, packed8 = pack_q4(q4, d, m), pack_q8(q8, s)
     x = torch.randn(9, K, generator=g)
-    packed48 = pack_w4a8(q4, d, m)
     b8 = torch.rand(N, K // GROUP, generator=g).half().float()  # Q8_0-style blocks: w = q · d per 32
     packed88 = pack_w8a8(q8, b8)
     w88 = q8.double() * b8.double().repeat_interleave(GROUP, 1)
@@ -157,7 +158,7 @@ def _self_check(mod) -> bool:
     x48 = (xq.double().view(9, -1, GROUP) * dx.double()[..., None]).view(9, K)  # the activations w4a8 multiplies
     for call, w, xs in ((lambda rows: mod.q4_mm(rows, *packed4), w4, x),
                         (lambda rows: mod.q8_mm(rows, *packed8), w8, x),
-                        (lambda rows: mod.w4a8_mm(rows, *packed48), w4, x48),
+                        (lambda rows: mod.w4a8_mm(rows, *pack_w4a8(q4, d, m, _interleave(mod))), w4, x48),
                         (lambda rows: mod.w8a8_mm(rows, *packed88), w88, x48)):
         alone = torch.cat([call(x[i : i + 1].contiguous()) for i in range(9)])
         exact = xs.double() @ w.t()
@@ -245,18 +246,40 @@ def pack_q4(q: torch.Tensor, scale: torch.Tensor,
     return nibbles, lanes(scale), lanes(minimum)
 
 
-def pack_w4a8(q: torch.Tensor, scale: torch.Tensor,
-              minimum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_w4a8(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+              interleave: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [N, K] integers in [0, 15], scale / minimum [N, K/32] → (bytes [N'/16, K/32 · 256] uint8, d, m
     [N'/16, K/32, 16] fp16), N' = N rounded up to 64: per group, chunk j (of 4) holds for each of 16
-    outputs its inputs 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles)."""
+    outputs its inputs 4j..4j+3 (low nibbles) and 16+4j..16+4j+3 (high nibbles). Blocks of 16 outputs
+    come in runs of `interleave` (default: what this CPU's build reads) whose groups are interleaved
+    (group 0 of each block of the run, then group 1...): the order the kernels read them in (one stream;
+    csrc/int8_dot.cpp `w4a8_group`)."""
     K = q.shape[1]
     q, scale, minimum = _padded(q.to(torch.uint8), _half(scale), _half(minimum))
     G = K // GROUP
     quads = q.view(-1, LANES, G, 2, 4, 4)  # block, lane, group, half, chunk j, byte b
     packed = (quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4).reshape(-1, G * 256)
     lanes = lambda t: t.view(-1, LANES, G).transpose(1, 2).contiguous()  # noqa: E731
-    return packed.contiguous(), lanes(scale), lanes(minimum)
+    runs = _interleave() if interleave is None else interleave
+    packed = _runs(packed.view(-1, G, 256), runs).view(-1, G * 256)
+    return packed, _runs(lanes(scale), runs), _runs(lanes(minimum), runs)
+
+
+def _interleave(mod=None) -> int:
+    """Blocks whose groups `pack_w4a8` interleaves: what this CPU's build (or `mod`) reads; 1 where none is
+    built, or for a build from before the interleaving (bench/step_cost.py --baseline builds old sources)."""
+    mod = _module() if mod is None else mod
+    read = getattr(mod, "w4a8_interleave", None)
+    return int(read()) if read is not None else 1
+
+
+def _runs(t: torch.Tensor, n: int, inverse: bool = False) -> torch.Tensor:
+    """[blocks, G, ...] → each run of n blocks stored group-major ([G][n]), in the same [blocks, G, ...] shape
+    (`inverse`: back)."""
+    if n == 1:
+        return t.contiguous()
+    runs = t.view(-1, t.shape[1], n, *t.shape[2:]) if inverse else t.view(-1, n, *t.shape[1:])
+    return runs.transpose(1, 2).reshape(t.shape).contiguous()
 
 
 def pack_w8a8(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -289,9 +312,11 @@ def w8a8_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Ten
     return _module().w8a8_mm(x, packed, d)
 
 
-def unpack_w4a8(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int):
+def unpack_w4a8(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int, interleave: int | None = None):
     """`pack_w4a8`'s inverse: (q [N, K] uint8, scale [N, K/32], minimum [N, K/32])."""
-    G = d.shape[1]
+    G, runs = d.shape[1], _interleave() if interleave is None else interleave
+    packed = _runs(packed.view(-1, G, 256), runs, inverse=True)
+    d, m = _runs(d, runs, inverse=True), _runs(m, runs, inverse=True)
     b = packed.view(-1, G, 4, LANES, 4)  # block, group, chunk, lane, byte
     q = torch.stack([b & 15, b >> 4], dim=2)  # block, group, half, chunk, lane, byte
     q = q.permute(0, 4, 1, 2, 3, 5).reshape(-1, G * GROUP)[:N]

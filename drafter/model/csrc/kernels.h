@@ -135,6 +135,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
 // int8_dot.cpp: int8 activations times int4 / int8 blocks (integer dot products)
 torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn);
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t n);
+int64_t w4a8_interleave();
 torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, int64_t n);
 // attention.cpp

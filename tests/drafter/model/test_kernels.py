@@ -211,7 +211,10 @@ def test_w4a8_multiplies_int8_rounded_activations_by_q_times_d_plus_m_each_row_a
     equal to rows alone, and the packing round-trips."""
     q, d, m = _groups(200, 576, seed=8)
     packed = kernels.pack_w4a8(q, d, m)
-    assert all(torch.equal(a, b) for a, b in zip(kernels.unpack_w4a8(*packed, 200), (q, d, m)))
+    for runs in (1, 2, 4):  # blocks whose groups are interleaved: the build's own (4 on AVX-512, else 1) and others
+        again = kernels.pack_w4a8(q, d, m, interleave=runs)
+        assert all(torch.equal(a, b) for a, b in zip(kernels.unpack_w4a8(*again, 200, interleave=runs), (q, d, m)))
+        assert all(torch.equal(a, b) for a, b in zip(again, packed)) == (runs == kernels._interleave())
     x = torch.randn(9, 576, generator=torch.Generator().manual_seed(9)) * 2
     xq, dx, sx = kernels.quantized_rows(x)
     assert int(xq.abs().max()) == 127 and torch.allclose(dx * xq.view(9, 18, 32).sum(-1).float(), sx)
