@@ -195,6 +195,17 @@ class LeanDecoder:
         hidden: dict | None = None,
     ) -> torch.Tensor:
         """Layers `layers` over x, writing their KV at `at`; residual streams of `capture` go to hidden."""
+        stack = self._stack() if mlp_up_bias is None and x.dtype == torch.float32 and layers.step == 1 else None
+        if stack is not None:  # runs of layers in one call each, a run ending at each captured layer
+            start = layers.start
+            for i in layers:
+                if i in capture or i == layers[-1]:
+                    x = stack.forward(x, cache.keys[start : i + 1], cache.values[start : i + 1], at.lens, start)
+                    if i in capture:
+                        assert hidden is not None
+                        hidden[i] = x
+                    start = i + 1
+            return x
         for i in layers:
             up_bias = None if mlp_up_bias is None else mlp_up_bias[i]
             x = self._layer(self.layers[i], x, cache.keys[i], cache.values[i], at, up_bias)
@@ -271,6 +282,24 @@ class LeanDecoder:
             return kernels.silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def _stack(self):
+        """Every layer's `kernels.layer` arguments held by one compiled object (`kernels.LayerStack`), where each
+        layer takes the fused call, else None: a run of layers is then one call (the same functions, the same
+        bits) instead of one a layer from Python. Rebuilt when a layer's weight objects change."""
+        if not self.fused:
+            return None
+        key = tuple(id(lin) for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+        cached = getattr(self, "_stack_cached", None)
+        if cached is None or cached[0] != key:
+            args = [self._layer_args(w) for w in self.layers]
+            stack = None
+            if all(a is not None for a in args):
+                assert self._rope32 is not None  # set whenever self.fused
+                stack = kernels.layer_stack([w.in_norm for w in self.layers], [w.post_norm for w in self.layers],
+                                            args, *self._rope32, self.eps, self.n_heads, self.scaling)
+            cached = self._stack_cached = (key, stack)
+        return cached[1]
 
     def _layer_args(self, w: _Layer):
         """(kinds, widths, packed tensors) of the layer's four linears for `kernels.layer`, or None where

@@ -383,6 +383,18 @@ def layer(*args) -> torch.Tensor:
     return _module().layer(*args)
 
 
+def layer_stack(in_norms: list, post_norms: list, args: list, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                n_heads: int, scale: float):
+    """Layers' `layer` arguments held once (`args`: each layer's (kinds, widths, packed tensors)): its
+    `forward(x, keys, values, lens, first)` runs layers first.. (one per cache given) in one call; None from a
+    build that has none (an earlier revision's, bench/kernels_at.py): the decoder then calls `layer` a layer."""
+    make = getattr(_module(), "LayerStack", None)
+    if make is None:
+        return None
+    kinds, dims, parts = (list(a) for a in zip(*args))
+    return make(in_norms, post_norms, kinds, dims, parts, cos, sin, eps, n_heads, scale)
+
+
 def linear_op(kind: str):
     """The compiled `q4_linear` / `q8_linear`: x [..., K] → [..., n] in x's dtype, in one call (what a
     decode step calls ~120 times: no Python between the conversions and the product)."""

@@ -103,6 +103,33 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_n
   return layer_by_ops(x, in_norm, post_norm, eps, kinds, dims, parts, kc, vc, cos, sin, lens, H, scale);
 }
 
+// ---------------------------------------------------------------------------- a stack of layers
+
+// Every layer's `layer` arguments held once (weights, norms, RoPE tables), so that a step calls the C++ once
+// a run of layers instead of once a layer from Python (the interpreter and the argument conversions took
+// ~5 us a layer). Holds references to the tensors: the decoder builds a new stack when a weight changes.
+struct LayerStack {
+  std::vector<torch::Tensor> in_norms, post_norms;
+  std::vector<std::vector<int64_t>> kinds, dims;
+  std::vector<std::vector<torch::Tensor>> parts;
+  torch::Tensor cos, sin;
+  double eps, scale;
+  int64_t H;
+
+  // Layers [first, first + keys.size()) over x with their caches keys / values (that run's own), rows at lens.
+  torch::Tensor forward(torch::Tensor x, const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                        const torch::Tensor& lens, int64_t first) const {
+    TORCH_CHECK(keys.size() == values.size() && first >= 0 && first + (int64_t)keys.size() <= (int64_t)parts.size(),
+                "LayerStack: layers");
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const size_t l = first + i;
+      x = layer(x, in_norms[l], post_norms[l], eps, kinds[l], dims[l], parts[l], keys[i], values[i], cos, sin, lens, H,
+                scale);
+    }
+    return x;
+  }
+};
+
 // ---------------------------------------------------------------------------- the Python module
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_mm", torch::wrap_pybind_function(q4_mm), "q4_mm");
@@ -119,4 +146,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
   m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");
+  pybind11::class_<LayerStack>(m, "LayerStack")
+      .def(pybind11::init([](std::vector<torch::Tensor> in_norms, std::vector<torch::Tensor> post_norms,
+                             std::vector<std::vector<int64_t>> kinds, std::vector<std::vector<int64_t>> dims,
+                             std::vector<std::vector<torch::Tensor>> parts, torch::Tensor cos, torch::Tensor sin,
+                             double eps, int64_t H, double scale) {
+             TORCH_CHECK(in_norms.size() == parts.size() && post_norms.size() == parts.size() &&
+                         kinds.size() == parts.size() && dims.size() == parts.size(), "LayerStack: one entry a layer");
+             return LayerStack{in_norms, post_norms, kinds, dims, parts, cos, sin, eps, scale, H};
+           }))
+      .def("forward", &LayerStack::forward);
 }

@@ -125,6 +125,34 @@ def test_verify_pass_is_bit_identical_to_one_token_steps(mode, attention):
                 assert torch.equal(steps, out[b]), (mode, B, T, b, float((steps - out[b]).abs().max()))
 
 
+@pytest.mark.parametrize("mode", ["w4a8", "int4"])
+def test_runs_of_layers_in_one_call_are_the_layer_by_layer_bits_with_the_captured_layers(mode):
+    """run_layers calls the compiled stack once a run of layers (`LeanDecoder._stack`; runs end at the captured
+    layers): the logits, the captured residual streams and the KV it writes equal one call a layer, bit for bit
+    (w4a8: each layer in one parallel region; int4: step by step)."""
+    from specloop.drafter.model.weights.quant import quantize_decoder
+
+    model = build_model(llama_config(97, 4, 128, num_attention_heads=2, num_key_value_heads=1), seed=6, init_std=0.1)
+    lean = LeanDecoder(model)
+    quantize_decoder(lean, mode)
+    if lean._stack() is None:
+        pytest.skip("specloop kernels not built on this machine")
+    tokens = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for stacked in (True, False):
+        if not stacked:
+            lean._stack = lambda: None  # one call a layer from Python
+        cache = lean.new_cache(2, 64)
+        lean.forward(cache, tokens[:, :6])
+        out = lean.forward(cache, tokens[:, 6:], capture=(0, 2))
+        runs.append((out, cache))
+    (out, cache), (ref, ref_cache) = runs
+    assert torch.equal(out.logits, ref.logits) and set(out.hidden) == {0, 2}
+    assert all(torch.equal(out.hidden[i], ref.hidden[i]) for i in (0, 2))
+    assert not torch.equal(out.hidden[0], out.hidden[2])
+    assert all(torch.equal(a, b) for a, b in zip(cache.keys + cache.values, ref_cache.keys + ref_cache.values))
+
+
 def _cut(lean, tokens: list[int], cuts: list[int], capacity: int = 512):
     """A one-row cache prefilled with `tokens` in passes cut at `cuts`, and the last pass's last logits."""
     cache = lean.new_cache(1, capacity)
