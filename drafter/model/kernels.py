@@ -29,7 +29,8 @@ share its KV head's loads, so exact across T, batch and threads by construction)
 in one parallel region: the threads go through the layer's steps together, a barrier between them, each
 taking an even share of every step's rows, heads and blocks of outputs, where one region a step left the
 serial parts and the interpreter between steps on one thread: a one-token step 0.89x; the same bits as
-the step-by-step `layer_by_ops`).
+the step-by-step `layer_by_ops`); `LayerStack` holds every layer's arguments so that the decoder runs a
+run of layers in one call (specloop.drafter.model.decoder `LeanDecoder._stack`).
 
 Weights are laid out in blocks of 16 outputs ([N/16, K/2, 16] nibble pairs, [N/16, K, 16] int8),
 so one vector of 16 lanes computes 16 outputs, 4 blocks a tile (independent accumulator chains; w4a8's
