@@ -27,9 +27,10 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: torch.Tensor  # [2 I, hidden]
     down: torch.Tensor
-    # (ids of the four linears, specloop.drafter.model.kernels.layer's arguments or None): LeanDecoder._layer_args
-    _fused_args: tuple[tuple[int, ...], tuple | None] | None = field(default=None, init=False, repr=False,
-                                                                      compare=False)
+    # (ids of the four linears, specloop.drafter.model.kernels.layer's arguments or None, the linears themselves):
+    # LeanDecoder._layer_args
+    _fused_args: tuple[tuple[int, ...], tuple | None, tuple] | None = field(default=None, init=False, repr=False,
+                                                                             compare=False)
 
 
 def _tensor(module, name: str) -> torch.Tensor | None:

@@ -286,10 +286,12 @@ class LeanDecoder:
     def _stack(self):
         """Every layer's `kernels.layer` arguments held by one compiled object (`kernels.LayerStack`), where each
         layer takes the fused call, else None: a run of layers is then one call (the same functions, the same
-        bits) instead of one a layer from Python. Rebuilt when a layer's weight objects change."""
+        bits) instead of one a layer from Python. Rebuilt when any of a layer's weight or norm objects is
+        replaced (keyed by their ids; the cache holds the objects, so that no id is reused while it is kept)."""
         if not self.fused:
             return None
-        key = tuple(id(lin) for w in self.layers for lin in (w.qkv, w.o, w.gate_up, w.down))
+        held = [x for w in self.layers for x in (w.qkv, w.o, w.gate_up, w.down, w.in_norm, w.post_norm)]
+        key = tuple(map(id, held))
         cached = getattr(self, "_stack_cached", None)
         if cached is None or cached[0] != key:
             args = [self._layer_args(w) for w in self.layers]
@@ -298,18 +300,19 @@ class LeanDecoder:
                 assert self._rope32 is not None  # set whenever self.fused
                 stack = kernels.layer_stack([w.in_norm for w in self.layers], [w.post_norm for w in self.layers],
                                             args, *self._rope32, self.eps, self.n_heads, self.scaling)
-            cached = self._stack_cached = (key, stack)
+            cached = self._stack_cached = (key, stack, held)
         return cached[1]
 
     def _layer_args(self, w: _Layer):
         """(kinds, widths, packed tensors) of the layer's four linears for `kernels.layer`, or None where
         one of them is not one of specloop's kernel weights (or has a bias, or the layer per-head
-        norms). Cached on the layer, keyed by the weight objects (quantize_decoder replaces them)."""
+        norms). Cached on the layer, keyed by the weight objects (quantize_decoder replaces them; the cache holds
+        them, so that no id is reused while it is kept)."""
         linears = (w.qkv, w.o, w.gate_up, w.down)
         key = tuple(map(id, linears))
         cached = getattr(w, "_fused_args", None)
         if cached is None or cached[0] != key:
-            cached = (key, _fused_linears(linears) if w.q_norm is None and w.qkv_bias is None else None)
+            cached = (key, _fused_linears(linears) if w.q_norm is None and w.qkv_bias is None else None, linears)
             w._fused_args = cached
         return cached[1]
 
