@@ -146,7 +146,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
   m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");
-  pybind11::class_<LayerStack>(m, "LayerStack")
+  // module_local: two builds in one process (bench/step_cost.py --baseline) each register their own type
+  pybind11::class_<LayerStack>(m, "LayerStack", pybind11::module_local())
       .def(pybind11::init([](std::vector<torch::Tensor> in_norms, std::vector<torch::Tensor> post_norms,
                              std::vector<std::vector<int64_t>> kinds, std::vector<std::vector<int64_t>> dims,
                              std::vector<std::vector<torch::Tensor>> parts, torch::Tensor cos, torch::Tensor sin,
