@@ -152,6 +152,7 @@ def _self_check(mod) -> bool:
     w8 = q8.double() * s.double()[:, None]
     packed4, packed8 = pack_q4(q4, d, m), pack_q8(q8, s)
     x = torch.randn(9, K, generator=g)
+    packed48 = pack_w4a8(q4, d, m, _interleave(mod))  # in the layout `mod` reads (not _module(): it is being built)
     b8 = torch.rand(N, K // GROUP, generator=g).half().float()  # Q8_0-style blocks: w = q · d per 32
     packed88 = pack_w8a8(q8, b8)
     w88 = q8.double() * b8.double().repeat_interleave(GROUP, 1)
@@ -159,7 +160,7 @@ def _self_check(mod) -> bool:
     x48 = (xq.double().view(9, -1, GROUP) * dx.double()[..., None]).view(9, K)  # the activations w4a8 multiplies
     for call, w, xs in ((lambda rows: mod.q4_mm(rows, *packed4), w4, x),
                         (lambda rows: mod.q8_mm(rows, *packed8), w8, x),
-                        (lambda rows: mod.w4a8_mm(rows, *pack_w4a8(q4, d, m, _interleave(mod))), w4, x48),
+                        (lambda rows: mod.w4a8_mm(rows, *packed48), w4, x48),
                         (lambda rows: mod.w8a8_mm(rows, *packed88), w88, x48)):
         alone = torch.cat([call(x[i : i + 1].contiguous()) for i in range(9)])
         exact = xs.double() @ w.t()

@@ -35,13 +35,17 @@ W4A8 w4a8_of(const torch::Tensor& w, const torch::Tensor& d, const torch::Tensor
               reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>()), w.size(0), K};
 }
 
-// Rows [r0, r1) of x [R, n]: RMSNorm into hn, then rounded to int8 (xq, dx, sx) for the next product.
+// Group g of row r of rows [R, K] rounded to int8 as the next product's activations (xq, dx, sx).
+void round_group(const float* rows, int64_t K, int64_t r, int64_t g, Work& k) {
+  const int64_t G = K / 32;
+  quantize_group_q8(rows + r * K + g * 32, k.xq + r * K + g * 32, k.dx + r * G + g, k.sx + r * G + g, nullptr);
+}
+
+// Rows [r0, r1) of x [R, n]: RMSNorm into hn, then rounded to int8 for the next product.
 void norm_rows(const float* x, const float* w, int64_t n, float eps, const Share& rows, Work& k) {
-  const int64_t G = n / 32;
   for (int64_t r = rows.a; r < rows.b; ++r) {
     rms_norm_row(x + r * n, w, n, eps, k.hn + r * n);
-    for (int64_t g = 0; g < G; ++g)
-      quantize_group_q8(k.hn + r * n + g * 32, k.xq + r * n + g * 32, k.dx + r * G + g, k.sx + r * G + g, nullptr);
+    for (int64_t g = 0; g < n / 32; ++g) round_group(k.hn, n, r, g, k);
   }
 }
 
@@ -109,11 +113,7 @@ torch::Tensor layer_region(const torch::Tensor& x_in, const torch::Tensor& in_no
     for (int64_t u = au.a; u < au.b; ++u) attn_unit(a, u, s);
 #pragma omp barrier
     const Share ag(R * GA, tid, n);  // the attention's rows rounded group by group
-    for (int64_t u = ag.a; u < ag.b; ++u) {
-      const int64_t r = u / GA, g = u % GA;
-      quantize_group_q8(k.att + r * H * D + g * 32, k.xq + r * H * D + g * 32, k.dx + r * GA + g, k.sx + r * GA + g,
-                        nullptr);
-    }
+    for (int64_t u = ag.a; u < ag.b; ++u) round_group(k.att, H * D, u / GA, u % GA, k);
 #pragma omp barrier
     product_add(Lo, R, Share(Lo.NB, tid, n), xp, k.h, Hd, k);
 #pragma omp barrier
@@ -125,9 +125,8 @@ torch::Tensor layer_region(const torch::Tensor& x_in, const torch::Tensor& in_no
     const Share sg(R * GI, tid, n);  // SwiGLU and the rounding for down, group by group
     for (int64_t u = sg.a; u < sg.b; ++u) {
       const int64_t r = u / GI, g = u % GI;
-      float* dst = k.hn + r * I + g * 32;
-      silu_mul_span(k.gu + r * ldgu + g * 32, k.gu + r * ldgu + I + g * 32, dst, 32);
-      quantize_group_q8(dst, k.xq + r * I + g * 32, k.dx + r * GI + g, k.sx + r * GI + g, nullptr);
+      silu_mul_span(k.gu + r * ldgu + g * 32, k.gu + r * ldgu + I + g * 32, k.hn + r * I + g * 32, 32);
+      round_group(k.hn, I, r, g, k);
     }
 #pragma omp barrier
     product_add(Ld, R, Share(Ld.NB, tid, n), k.h, op, Hd, k);
