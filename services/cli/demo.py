@@ -74,6 +74,30 @@ def timed_round(url: str, model: str, records: list, cfg: DemoConfig,
     return [d[0] for d in done], time.perf_counter() - t0, [d[1] for d in done]
 
 
+@dataclass
+class Round:
+    replies: list[dict]
+    seconds: float  # the requests' wall time, summed over the chunks that ran them
+    each: list[float]  # each request's own seconds
+
+
+def paired_rounds(url: str, model: str, records: list, cfg: DemoConfig) -> tuple[Round, Round | None]:
+    """Speculation on, and (cfg.compare) off, chunk by chunk: `cfg.clients` requests at a time with
+    speculation, then the same requests alone, then the next chunk. Both sides of a pair run next to
+    each other in time, so what else loads the machine (the learner training on the records the
+    speculative chunk just wrote, Ray, Redis) weighs on both alike; a prompt is decoded with speculation
+    before alone, so suffix decoding's store of earlier outputs never holds the answer it is asked for."""
+    spec, alone = Round([], 0.0, []), Round([], 0.0, [])
+    for at in range(0, len(records), max(1, cfg.clients)):
+        chunk = records[at:at + max(1, cfg.clients)]
+        for side, speculate in ((spec, True), (alone, False))[:2 if cfg.compare else 1]:
+            replies, seconds, each = timed_round(url, model, chunk, cfg, speculate)
+            side.replies += replies
+            side.seconds += seconds
+            side.each += each
+    return spec, (alone if cfg.compare else None)
+
+
 def request_line(record_id: str, reply: dict, seconds: float, plain: dict | None, plain_s: float | None) -> str:
     """One request's heading: tokens, its tokens/s with speculation (and alone, and the ratio, when it was
     also decoded alone), the drafts accepted and τ (tokens per verifier pass)."""
@@ -115,19 +139,17 @@ def run_demo(cfg: DemoConfig) -> int:
         assert model is not None  # start() read it from /v1/models
         card = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]
         print(f"serving {model} as {card.get('weights')}", file=sys.stderr)
-        # speculation first: suffix decoding's store of earlier outputs must not hold these very answers
-        # from the round alone (a request that warms the server up comes before both)
+        # a request that warms the server up comes before both sides (paired_rounds: speculation first)
         chat(url, model, [{"role": "user", "content": "Hello!"}], cfg, False)
-        replies, seconds, each = timed_round(url, model, records, cfg, speculate=True)
-        baseline = timed_round(url, model, records, cfg, speculate=False) if cfg.compare else None
-        plain, plain_s, plain_each = baseline if baseline is not None else (
-            [None] * len(records), None, [None] * len(records))
-        for record, reply, s, alone, alone_s in zip(records, replies, each, plain, plain_each):
-            print(request_line(record.id, reply, s, alone, alone_s))
+        spec, alone = paired_rounds(url, model, records, cfg)
+        plain = alone.replies if alone is not None else [None] * len(records)
+        plain_each = alone.each if alone is not None else [None] * len(records)
+        for record, reply, s, plain_reply, plain_s in zip(records, spec.replies, spec.each, plain, plain_each):
+            print(request_line(record.id, reply, s, plain_reply, plain_s))
             print(reply["choices"][0]["message"]["content"])
-        print(summary(replies, seconds, cfg.k), file=sys.stderr)
-        if baseline is not None:  # cfg.compare
-            print(comparison(baseline[0], baseline[1], replies, seconds), file=sys.stderr)
+        print(summary(spec.replies, spec.seconds, cfg.k), file=sys.stderr)
+        if alone is not None:  # cfg.compare
+            print(comparison(alone.replies, alone.seconds, spec.replies, spec.seconds), file=sys.stderr)
     finally:
         code = server.stop(timeout=60)
         print(f"specloop serve stopped (exit code {code})", file=sys.stderr)

@@ -44,3 +44,23 @@ def test_a_request_line_gives_its_own_speed_up_beside_the_verifier_alone():
     line = request_line("grounded-edit", reply(30, 20, 15), 1.0, reply(30, 0, 0), 2.0)
     assert line.startswith("── grounded-edit") and "15.0 → 30.0 tokens/s = 2.00x" in line and "accepted 15/20" in line
     assert "30.0 tokens/s;" in request_line("r", reply(30, 20, 15), 1.0, None, None)
+
+
+def test_paired_rounds_run_each_chunk_with_speculation_then_at_once_alone(monkeypatch, tmp_path):
+    from specloop.services.cli import demo
+
+    calls = []
+
+    def timed_round(url, model, chunk, cfg, speculate):  # the order the requests go out in, and their answers
+        calls.append((tuple(chunk), speculate))
+        return [{"id": f"{r}-{speculate}"} for r in chunk], 1.0, [0.5] * len(chunk)
+
+    monkeypatch.setattr(demo, "timed_round", timed_round)
+    cfg = demo.DemoConfig(verifier=tmp_path, drafter=tmp_path, prompts=tmp_path, registry=tmp_path, clients=2)
+    spec, alone = demo.paired_rounds("u", "m", ["a", "b", "c"], cfg)
+    assert calls == [(("a", "b"), True), (("a", "b"), False), (("c",), True), (("c",), False)]
+    assert [r["id"] for r in spec.replies] == ["a-True", "b-True", "c-True"] and spec.seconds == 2.0
+    assert alone is not None and [r["id"] for r in alone.replies] == ["a-False", "b-False", "c-False"]
+    cfg.compare = False
+    calls.clear()
+    assert demo.paired_rounds("u", "m", ["a"], cfg)[1] is None and calls == [(("a",), True)]
