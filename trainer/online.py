@@ -209,8 +209,17 @@ def eagle_record_logits(student: EagleStudent, records: list[ReplayRecord]) -> t
         inputs = [int(r.context[-1])] + [int(t) for t in r.tokens[: r.positions - 1]]
         tokens[i, : len(inputs)] = torch.tensor(inputs)
     start = torch.stack([torch.from_numpy(_steer(r)[0]) for r in records])  # [R, d]
-    logits = student.chain_logits(start.to(device), tokens.to(device))  # [R, m, V]
-    return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
+    features = student.chain_features(start.to(device), tokens.to(device))  # [R, m, d]
+    return student.head.logits(logged(features, records), student.lm_head)  # the LM head at logged positions only
+
+
+def logged(per_block: torch.Tensor, records: list[ReplayRecord]) -> torch.Tensor:
+    """[R, m, ...] → [N, ...]: each record's first `positions` entries, record by record, in one gather (its
+    backward writes one gradient of the input's size; a slice a record would write one each: 64 records x
+    [R, m, V] zero-filled floats, 4 GB an update on the real pair)."""
+    rows = torch.repeat_interleave(torch.arange(len(records)), torch.tensor([r.positions for r in records]))
+    pos = torch.cat([torch.arange(r.positions) for r in records])
+    return per_block[rows.to(per_block.device), pos.to(per_block.device)]
 
 
 def eagle3_record_logits(student: Eagle3Student, records: list[ReplayRecord]) -> torch.Tensor:
@@ -229,7 +238,7 @@ def eagle3_record_logits(student: Eagle3Student, records: list[ReplayRecord]) ->
             torch.from_numpy(_steer(r)), torch.from_numpy(r.context), True)
         drafted[i, : r.positions - 1] = torch.from_numpy(r.tokens[: r.positions - 1])
     logits = student.window_logits(raw.to(device), tokens.to(device), valid.to(device), drafted.to(device))
-    return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
+    return logged(logits, records)  # [N, V]
 
 
 @dataclass(frozen=True)

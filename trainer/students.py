@@ -294,14 +294,15 @@ class EagleStudent(Student):
             picked = torch.where((depth == j)[..., None], z, picked)
         return self.head.logits(picked, self.rows())  # [B, T, V]
 
-    def chain_logits(self, start: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """As drafting runs it: from features `start` [R, d] through tokens [R, m] → logits [R, m, V]
-        over the full vocabulary (replay records: the block's feature, then its first m inputs)."""
+    def chain_features(self, start: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """As drafting runs it: from features `start` [R, d] through tokens [R, m] → the predicted features
+        [R, m, d] whose logits (`head.logits(·, lm_head)`, the full vocabulary) are the drafts' (replay records:
+        the block's feature, then its first m inputs)."""
         z, out = start.to(self.head.fc.weight.dtype), []
         embedded = nn.functional.embedding(tokens, self.embed).to(z.dtype)
         for j in range(tokens.shape[1]):
             z = self.head.step(z, embedded[:, j])
-            out.append(self.head.logits(z, self.lm_head))
+            out.append(z)
         return torch.stack(out, dim=1)
 
     def export(self, out, extra):

@@ -17,6 +17,7 @@ from specloop.trainer.online import (
     LearnerConfig,
     OnlineLearner,
     lm_inputs,
+    logged,
     position_batch,
     record_logits,
     serving_student,
@@ -210,6 +211,26 @@ def test_lm_records_without_a_context_window_are_refused(served):
     bare = ReplayRecord(**(vars(r) | {"context": np.zeros(0, np.int64)}))
     with pytest.raises(ValueError, match="context"):
         lm_inputs([bare])
+
+
+def test_logged_gathers_each_records_positions_in_order_and_sends_gradients_back_to_them():
+    def record(positions: int) -> ReplayRecord:
+        return ReplayRecord(request_id="r", drafter_version="v", block=0, kind="eagle", k=positions, temperature=0.0,
+                            tokens=np.zeros(positions, np.int64), rewards=np.zeros(positions, np.uint8),
+                            draft_logprobs=np.zeros(positions, np.float32), top_ids=np.zeros((positions, 2), np.int64),
+                            top_logprobs=np.zeros((positions, 2), np.float32), rest_mass=np.zeros(positions, np.float32),
+                            context=np.zeros(1, np.int64))
+
+    records = [record(n) for n in (3, 1, 2)]
+    per_block = torch.randn(3, 3, 5, requires_grad=True)  # [R, m, V]
+    got = logged(per_block, records)
+    want = torch.cat([per_block[i, : r.positions] for i, r in enumerate(records)])
+    assert torch.equal(got, want)
+    (got * torch.arange(30.0).reshape(6, 5)).sum().backward()
+    grad = per_block.grad
+    assert grad is not None and torch.equal(grad[0], torch.arange(15.0).reshape(3, 5))
+    assert torch.equal(grad[1, 0], torch.arange(15.0, 20.0)) and torch.equal(grad[2, :2], torch.arange(20.0, 30.0).reshape(2, 5))
+    assert not grad[1, 1:].any() and not grad[2, 2].any()  # padding past a record's positions gets nothing
 
 
 # ----------------------------------------------------------------------------- train/serve consistency
