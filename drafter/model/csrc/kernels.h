@@ -153,6 +153,19 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_n
                     torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
                     int64_t H, double scale);
 // region.cpp
+// Whether a layer of these linear kinds and input runs in one parallel region (region.cpp): four w4a8 linears
+// (kind 2), x [B, T, hidden] fp32.
+static inline bool region_layer(const std::vector<int64_t>& kinds, const torch::Tensor& x) {
+  return kinds.size() == 4 && std::all_of(kinds.begin(), kinds.end(), [](int64_t k) { return k == 2; }) &&
+         x.scalar_type() == torch::kFloat32 && x.dim() == 3;
+}
+torch::Tensor stack_region(const torch::Tensor& x_in, const std::vector<const torch::Tensor*>& in_norms,
+                           const std::vector<const torch::Tensor*>& post_norms, double eps,
+                           const std::vector<const std::vector<int64_t>*>& dims,
+                           const std::vector<const std::vector<torch::Tensor>*>& parts,
+                           const std::vector<torch::Tensor>& keys, const std::vector<torch::Tensor>& values,
+                           const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& lens_in, int64_t H,
+                           double scale);
 torch::Tensor layer_region(const torch::Tensor& x_in, const torch::Tensor& in_norm, const torch::Tensor& post_norm,
                            double eps_d, const std::vector<int64_t>& dims, const std::vector<torch::Tensor>& parts,
                            const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,

@@ -97,8 +97,7 @@ torch::Tensor layer(torch::Tensor x, torch::Tensor in_norm, torch::Tensor post_n
                     torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin, torch::Tensor lens,
                     int64_t H, double scale) {
   TORCH_CHECK(kinds.size() == 4 && dims.size() == 4 && parts.size() == 12, "layer: 4 linears");
-  const bool w4a8 = std::all_of(kinds.begin(), kinds.end(), [](int64_t k) { return k == 2; });
-  if (w4a8 && x.scalar_type() == torch::kFloat32 && x.dim() == 3)
+  if (region_layer(kinds, x))
     return layer_region(x, in_norm, post_norm, eps, dims, parts, kc, vc, cos, sin, lens, H, scale);
   return layer_by_ops(x, in_norm, post_norm, eps, kinds, dims, parts, kc, vc, cos, sin, lens, H, scale);
 }
@@ -121,6 +120,20 @@ struct LayerStack {
                         const torch::Tensor& lens, int64_t first) const {
     TORCH_CHECK(keys.size() == values.size() && first >= 0 && first + (int64_t)keys.size() <= (int64_t)parts.size(),
                 "LayerStack: layers");
+    bool region = !keys.empty();
+    for (size_t i = 0; i < keys.size(); ++i) region = region && region_layer(kinds[first + i], x);
+    if (region) {  // all w4a8: the run in one parallel region (region.cpp)
+      std::vector<const torch::Tensor*> n1, n2;
+      std::vector<const std::vector<int64_t>*> d;
+      std::vector<const std::vector<torch::Tensor>*> p;
+      for (size_t i = 0; i < keys.size(); ++i) {
+        n1.push_back(&in_norms[first + i]);
+        n2.push_back(&post_norms[first + i]);
+        d.push_back(&dims[first + i]);
+        p.push_back(&parts[first + i]);
+      }
+      return stack_region(x, n1, n2, eps, d, p, keys, values, cos, sin, lens, H, scale);
+    }
     for (size_t i = 0; i < keys.size(); ++i) {
       const size_t l = first + i;
       x = layer(x, in_norms[l], post_norms[l], eps, kinds[l], dims[l], parts[l], keys[i], values[i], cos, sin, lens, H,

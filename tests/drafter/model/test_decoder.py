@@ -162,6 +162,42 @@ def test_runs_of_layers_in_one_call_are_the_layer_by_layer_bits_with_the_capture
     assert not torch.equal(again[0].logits, first[0].logits) and same(again, run(False))
 
 
+def test_a_run_of_layers_from_a_second_thread_gives_the_main_threads_bits():
+    """A worker decodes on a thread of its own after its main thread loaded (and ran) the model: two OpenMP masters,
+    on which libgomp's own barriers would only sleep and wake. The stack's region meets at barriers of its own;
+    whichever thread runs it, with 1 or 2 threads, the logits and the KV are the same bits."""
+    import threading
+
+    from specloop.drafter.model.weights.quant import quantize_decoder
+
+    model = build_model(llama_config(97, 4, 128, num_attention_heads=2, num_key_value_heads=1), seed=7, init_std=0.1)
+    lean = LeanDecoder(model)
+    quantize_decoder(lean, "w4a8")
+    if lean._stack() is None:
+        pytest.skip("specloop kernels not built on this machine")
+    tokens = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+
+    def run():
+        cache = lean.new_cache(2, 64)
+        lean.forward(cache, tokens[:, :6])
+        return lean.forward(cache, tokens[:, 6:]).logits, cache.keys + cache.values
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (2, 1):
+            torch.set_num_threads(n)
+            main = run()
+            got: list = []
+            worker = threading.Thread(target=lambda: got.append(run()))
+            worker.start()
+            worker.join(timeout=60)
+            assert not worker.is_alive() and got  # no barrier left waiting
+            logits, kv = got[0]
+            assert torch.equal(logits, main[0]) and all(torch.equal(a, b) for a, b in zip(kv, main[1]))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _cut(lean, tokens: list[int], cuts: list[int], capacity: int = 512):
     """A one-row cache prefilled with `tokens` in passes cut at `cuts`, and the last pass's last logits."""
     cache = lean.new_cache(1, capacity)
