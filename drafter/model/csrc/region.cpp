@@ -31,9 +31,10 @@ struct Share {
 };
 
 // A barrier for the `n` threads of one parallel region: the last to arrive opens the next generation; the others
-// spin (a pause an iteration) for 30-100 µs, then yield the CPU between looks, so that a thread the scheduler took
-// away costs the others a yield loop, not a spin of a whole time slice. acq_rel on the count and release / acquire
-// on the generation: what a thread wrote before the barrier is seen by every thread after it.
+// spin (a pause an iteration) for 30-100 µs (not at all with more threads than CPUs), then sleep on the generation (a futex: std::atomic::wait) until the
+// last one wakes them, so that a thread the scheduler took away (more threads than cores, or another process's turn)
+// costs the others a sleep, not a spin of a whole time slice. acq_rel on the count and release / acquire on the
+// generation: what a thread wrote before the barrier is seen by every thread after it.
 class Barrier {
  public:
   // Every thread of the region says how many they are before its first wait (all say the same: a region
@@ -44,21 +45,29 @@ class Barrier {
     if (count_.fetch_add(1, std::memory_order_acq_rel) == n_.load(std::memory_order_relaxed) - 1) {
       count_.store(0, std::memory_order_relaxed);
       gen_.fetch_add(1, std::memory_order_release);
+      gen_.notify_all();  // wakes the threads that stopped spinning (none: no system call)
       return;
     }
-    for (int64_t i = 0; gen_.load(std::memory_order_acquire) == g; ++i) {
-      if (i < SPINS) {
+    for (int64_t i = 0, spins = n_.load(std::memory_order_relaxed) <= cpus() ? SPINS : 0; i < spins; ++i) {
+      if (gen_.load(std::memory_order_acquire) != g) return;
 #if defined(__x86_64__)
-        __builtin_ia32_pause();
+      __builtin_ia32_pause();
 #endif
-      } else {
-        sched_yield();
-      }
     }
+    while (gen_.load(std::memory_order_acquire) == g) gen_.wait(g, std::memory_order_acquire);
   }
 
  private:
   static constexpr int64_t SPINS = 2000;  // a pause is ~40-140 cycles: 30-100 µs on current x86 cores
+  // the CPUs this process may run on: with more threads than that, some are always waiting for a core, and a
+  // spinning thread only delays them (no spin then: straight to sleep)
+  static int cpus() {
+    static const int n = [] {
+      cpu_set_t set;
+      return sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    }();
+    return n;
+  }
   std::atomic<int> n_{1};
   alignas(64) std::atomic<int> count_{0};
   alignas(64) std::atomic<int> gen_{0};
