@@ -63,12 +63,7 @@ def sliced_eagle_logits(student, records):
     from specloop.trainer import online
 
     device = student.head.fc.weight.device
-    m = max(r.positions for r in records)
-    tokens = torch.zeros(len(records), m, dtype=torch.long)
-    for i, r in enumerate(records):
-        inputs = [int(r.context[-1])] + [int(t) for t in r.tokens[: r.positions - 1]]
-        tokens[i, : len(inputs)] = torch.tensor(inputs)
-    start = torch.stack([torch.from_numpy(online._steer(r)[0]) for r in records])
+    start, tokens = online.eagle_blocks(records)
     logits = student.head.logits(student.chain_features(start.to(device), tokens.to(device)), student.lm_head)
     return torch.cat([logits[i, : r.positions] for i, r in enumerate(records)])
 

@@ -200,17 +200,22 @@ def _steer(r: ReplayRecord) -> np.ndarray:
 def eagle_record_logits(student: EagleStudent, records: list[ReplayRecord]) -> torch.Tensor:
     """[N, V]: each record's block drafted again as it was (its feature `steer`, then the token the
     block started from and d_1..d_{m-1}), with the head's current weights."""
+    device = student.head.fc.weight.device
+    start, tokens = eagle_blocks(records)
+    features = student.chain_features(start.to(device), tokens.to(device))  # [R, m, d]
+    return student.head.logits(logged(features, records), student.lm_head)  # the LM head at logged positions only
+
+
+def eagle_blocks(records: list[ReplayRecord]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each record's block as the eagle head drafted it: its feature `steer` [R, d] and the inputs of its drafts
+    [R, m] (the token the block started from, then d_1..d_{m-1}; right-padded with 0)."""
     if any(r.steer is None or len(r.context) == 0 for r in records):
         raise ValueError("eagle records need the block's feature (steer) and its first token (context)")
-    device = student.head.fc.weight.device
-    m = max(r.positions for r in records)
-    tokens = torch.zeros(len(records), m, dtype=torch.long)
+    tokens = torch.zeros(len(records), max(r.positions for r in records), dtype=torch.long)
     for i, r in enumerate(records):
         inputs = [int(r.context[-1])] + [int(t) for t in r.tokens[: r.positions - 1]]
         tokens[i, : len(inputs)] = torch.tensor(inputs)
-    start = torch.stack([torch.from_numpy(_steer(r)[0]) for r in records])  # [R, d]
-    features = student.chain_features(start.to(device), tokens.to(device))  # [R, m, d]
-    return student.head.logits(logged(features, records), student.lm_head)  # the LM head at logged positions only
+    return torch.stack([torch.from_numpy(_steer(r)[0]) for r in records]), tokens
 
 
 def logged(per_block: torch.Tensor, records: list[ReplayRecord]) -> torch.Tensor:
