@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.machine import machine_info  # noqa: E402
+from specloop.services.cli.launch import free_port  # noqa: E402
 
 SHARED = ROOT.parent / "shared"
 VENV_BIN = Path(sys.executable).parent
@@ -98,12 +98,6 @@ def _load_render():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------------------------------ processes

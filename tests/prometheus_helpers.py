@@ -4,7 +4,6 @@ static targets every second and discovers more through HTTP service discovery (a
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -12,16 +11,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from specloop.services.cli.launch import free_port  # noqa: F401 - the tests' helpers import it from here
+
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 needs_prometheus = pytest.mark.skipif(PROMETHEUS is None, reason="the prometheus binary is not installed")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape_config(static: list[str], sd_urls: list[str], interval: str = "1s") -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import redis
+
+from specloop.services.cli.launch import free_port  # noqa: F401 - the tests' helpers import it from here
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -25,13 +26,6 @@ def redis_up() -> bool:
 needs_redis = pytest.mark.skipif(not redis_up(), reason="no Redis on 127.0.0.1:6379 (scripts/redis.sh)")
 needs_redis_server = pytest.mark.skipif(shutil.which("redis-server") is None,
                                         reason="redis-server binary not installed")
-
-
-def free_port() -> int:
-    """A local TCP port nothing listens on (right now)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_redis(port: int, folder: Path) -> subprocess.Popen:
