@@ -34,7 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-FIRST_PORT = 10000  # below: the well-known and registered ports services commonly take
+FIRST_PORT = 20000  # below: ports services take by default (Ray's workers 10002-19999, its client 10001, Redis,
+                    # Prometheus, the dashboards)
 
 
 def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
