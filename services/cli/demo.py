@@ -88,9 +88,11 @@ def paired_rounds(url: str, model: str, records: list, cfg: DemoConfig) -> tuple
     speculative chunk just wrote, Ray, Redis) weighs on both alike; a prompt is decoded with speculation
     before alone, so suffix decoding's store of earlier outputs never holds the answer it is asked for."""
     spec, alone = Round([], 0.0, []), Round([], 0.0, [])
-    for at in range(0, len(records), max(1, cfg.clients)):
-        chunk = records[at:at + max(1, cfg.clients)]
-        for side, speculate in ((spec, True), (alone, False))[:2 if cfg.compare else 1]:
+    sides = ((spec, True), (alone, False)) if cfg.compare else ((spec, True),)
+    size = max(1, cfg.clients)
+    for at in range(0, len(records), size):
+        chunk = records[at:at + size]
+        for side, speculate in sides:
             replies, seconds, each = timed_round(url, model, chunk, cfg, speculate)
             side.replies += replies
             side.seconds += seconds

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import httpx
 
+FIRST_PORT = 20000  # below: ports services take by default (Ray's workers 10002-19999, its client 10001, Redis,
+                    # Prometheus, the dashboards)
+
 
 def free_port() -> int:
     """A local TCP port nothing listens on now, below the kernel's range of ephemeral ports where it can: a port of
@@ -32,10 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-FIRST_PORT = 20000  # below: ports services take by default (Ray's workers 10002-19999, its client 10001, Redis,
-                    # Prometheus, the dashboards)
 
 
 def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:

@@ -31,9 +31,9 @@ struct Share {
 };
 
 // A barrier for the `n` threads of one parallel region: the last to arrive opens the next generation; the others
-// spin (a pause an iteration) for 30-100 µs (not at all with more threads than CPUs), then sleep on the generation (a futex: std::atomic::wait) until the
-// last one wakes them, so that a thread the scheduler took away (more threads than cores, or another process's turn)
-// costs the others a sleep, not a spin of a whole time slice. acq_rel on the count and release / acquire on the
+// spin (a pause an iteration) for 30-100 µs (not at all with more threads than CPUs), then sleep on the generation
+// (a futex: std::atomic::wait) until the last one wakes them, so that a thread the scheduler took away (more threads
+// than cores, or another process's turn) costs the others a sleep, not a spin of a whole time slice. acq_rel on the count and release / acquire on the
 // generation: what a thread wrote before the barrier is seen by every thread after it.
 class Barrier {
  public:
@@ -227,20 +227,8 @@ void run_plans(const std::vector<Plan>& plans, const torch::Tensor& like) {
 
 }  // namespace
 
-// `layer` for four w4a8 linears (qkv, o, gate_up, down), x [B, T, hidden] fp32: see the top of this file.
-torch::Tensor layer_region(const torch::Tensor& x_in, const torch::Tensor& in_norm, const torch::Tensor& post_norm,
-                           double eps_d, const std::vector<int64_t>& dims, const std::vector<torch::Tensor>& parts,
-                           const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
-                           const torch::Tensor& sin, const torch::Tensor& lens_in, int64_t H, double scale) {
-  const torch::Tensor x = x_in.contiguous(), lens = lens_in.to(torch::kInt64).contiguous();
-  const torch::Tensor nw1 = in_norm.to(torch::kFloat32).contiguous(), nw2 = post_norm.to(torch::kFloat32).contiguous();
-  auto out = torch::empty_like(x);
-  run_plans({plan_of(x, nw1, nw2, eps_d, dims, parts, kc, vc, cos, sin, lens, H, scale, out, at::get_num_threads())}, x);
-  return out;
-}
-
-// Layers of a LayerStack that are all w4a8 (`region_kinds`), in one parallel region: layer l's output is layer
-// l + 1's input; the same bits as `layer_region` layer by layer. Returns the last layer's output.
+// Layers of a LayerStack that are all w4a8 (`region_layer`), in one parallel region: layer l's output is layer
+// l + 1's input; the same bits as one region a layer. Returns the last layer's output.
 torch::Tensor stack_region(const torch::Tensor& x_in, const std::vector<const torch::Tensor*>& in_norms,
                            const std::vector<const torch::Tensor*>& post_norms, double eps,
                            const std::vector<const std::vector<int64_t>*>& dims,
@@ -263,4 +251,12 @@ torch::Tensor stack_region(const torch::Tensor& x_in, const std::vector<const to
   }
   run_plans(plans, x);
   return x;
+}
+
+// `layer` for four w4a8 linears (qkv, o, gate_up, down), x [B, T, hidden] fp32: see the top of this file.
+torch::Tensor layer_region(const torch::Tensor& x_in, const torch::Tensor& in_norm, const torch::Tensor& post_norm,
+                           double eps_d, const std::vector<int64_t>& dims, const std::vector<torch::Tensor>& parts,
+                           const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& lens_in, int64_t H, double scale) {
+  return stack_region(x_in, {&in_norm}, {&post_norm}, eps_d, {&dims}, {&parts}, {kc}, {vc}, cos, sin, lens_in, H, scale);
 }
