@@ -90,17 +90,25 @@ def generate(pair: Models, prompts: Prompts, sampling: Sampling, weights: Weight
              no_speculation: Annotated[bool, typer.Option(
                  "--no-speculation", help="the verifier alone (the reference)")] = False,
              as_json: Json = False, json_schema: JsonSchema = None, regex: Regex = None,
-             grammar_file: GrammarFile = None) -> int:
-    """Decode a prompt file with speculative decoding."""
-    from specloop.drafter.kinds.table import resolve_kind
-    from specloop.services.cli.generation import GenerateConfig, RunSummary, run_generate
+             grammar_file: GrammarFile = None, cache: Cache = DEFAULT_CACHE) -> int:
+    """Decode a prompt file with speculative decoding.
 
+    MODEL: the verifier directory, or a Hugging Face model id in the local Hugging Face cache; without it (and
+    without --drafter), the fetched default pair, as `serve` takes it: its eagle head drafts unless
+    --drafter-kind names a model-free kind or --no-speculation is given."""
+    from specloop.services.prompts import load_prompts
+
+    load_prompts(prompts, limit)  # a missing or malformed file: exit 2 before any model is read
     grammar = grammar_option(json_schema, regex, grammar_file)
+    if pair.verifier_dir() is not None and pair.drafter is None and drafter_kind is None and not no_speculation:
+        raise UsageError("MODEL without a drafter: give --drafter DIR or --drafter-kind suffix|ngram (or "
+                         "--no-speculation), or neither MODEL nor --drafter for the default (fetched) pair")
+    from specloop.services.cli.generation import GenerateConfig, RunSummary, run_generate  # torch: after the checks
+
     use_threads(glob.threads)
-    kind = resolve_kind(drafter_kind, pair.drafter)
-    if kind is None and not no_speculation:
-        raise UsageError("give --drafter DIR or --drafter-kind suffix|ngram (or --no-speculation)")
-    cfg = GenerateConfig(verifier=pair.require_verifier(), prompts=prompts, drafter=pair.drafter,
+    verifier, drafter = _pair_or_fetched(pair, cache, glob.threads, drafter_kind, no_speculation)
+    kind = _kind(drafter_kind, drafter) if drafter is not None or drafter_kind is not None else None
+    cfg = GenerateConfig(verifier=verifier, prompts=prompts, drafter=drafter,
                          drafter_kind=kind or "pretrained", k=k, max_tokens=sampling.max_tokens,
                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                          seed=sampling.seed, batch_size=batch_size, stop=tuple(stop or ()),
@@ -147,6 +155,20 @@ def _speculators(option: str | None, kind: str) -> tuple[str, ...]:
         raise UsageError(f"--speculators: {exc}") from None
 
 
+def _pair_or_fetched(pair: Models, cache: Path, threads: int, kind: str | None,
+                     no_speculation: bool = False) -> tuple[Path, Path | None]:
+    """MODEL and --drafter as given; with neither, the fetched default pair (`_default_pair`), its drafter kept
+    unless --drafter-kind names a model-free kind (ngram, suffix: the verifier alone is wanted) or no drafter
+    is wanted at all (--no-speculation)."""
+    if pair.verifier_dir() is not None:
+        return pair.require_verifier(), pair.drafter
+    verifier, drafter = _default_pair(pair, cache, threads)
+    from specloop.drafter.kinds.table import KINDS
+
+    model_free = kind is not None and kind in KINDS and KINDS[kind].model_free
+    return verifier, None if model_free or no_speculation else drafter
+
+
 def _kind(explicit: str | None, drafter: Path | None) -> str:
     from specloop.drafter.kinds.table import resolve_kind
 
@@ -172,13 +194,19 @@ def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
                help="learner updates between published versions")] = None,
            swap_cache: Annotated[Literal["keep", "recompute"], typer.Option(
                help="a hot swap keeps in-flight rows' drafter KV cache, or recomputes it")] = "keep",
-           as_json: Json = False) -> int:
-    """Replay prompt files as traffic, the online learner alongside."""
-    from specloop.services.cli.replay_traffic import Replay, ReplayConfig, summary_line
+           as_json: Json = False, cache: Cache = DEFAULT_CACHE) -> int:
+    """Replay prompt files as traffic, the online learner alongside.
+
+    MODEL: as `generate` takes it; without MODEL and --drafter, the fetched default pair."""
+    for path in prompts:
+        if not path.is_file():
+            raise UsageError(f"prompt file not found: {path}")
+    from specloop.services.cli.replay_traffic import Replay, ReplayConfig, summary_line  # torch: after the checks
 
     use_threads(glob.threads)
-    kind = _kind(drafter_kind, pair.drafter)
-    cfg = ReplayConfig(verifier=pair.require_verifier(), drafter=pair.drafter, kind=kind,
+    verifier, drafter = _pair_or_fetched(pair, cache, glob.threads, drafter_kind)
+    kind = _kind(drafter_kind, drafter)
+    cfg = ReplayConfig(verifier=verifier, drafter=drafter, kind=kind,
                        prompts=prompts, learner=learner, buffer=buffer, max_tokens=sampling.max_tokens, k=k,
                        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k, seed=sampling.seed,
                        registry=registry, ray_address=ray_address,
@@ -186,9 +214,6 @@ def replay(pair: Models, sampling: Sampling, weights: Weights, glob: Globals,
                        worker_overrides={"swap_cache": swap_cache, "weights": weights.weights,
                                          "drafter_weights": weights.drafter_weights,
                                          "speculators": _speculators(speculators, kind)})
-    for path in cfg.prompts:
-        if not path.is_file():
-            raise UsageError(f"prompt file not found: {path}")
     session = Replay(cfg)
     try:
         for result in session.run(progress=True):

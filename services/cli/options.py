@@ -370,14 +370,14 @@ def grammar_option(json_schema: str | None, regex: str | None, grammar_file: Pat
     """--json-schema / --regex / --grammar-file as one structured-output spec (specloop.drafter.decode.grammar
     GrammarSpec; None: none given), compiled once here: two given, a file that cannot be read, a schema that is
     not JSON or a grammar that does not compile is a UsageError."""
-    from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check, lark_from
-
     given = [name for name, v in (("--json-schema", json_schema), ("--regex", regex), ("--grammar-file", grammar_file))
              if v is not None]
     if len(given) > 1:
         raise UsageError(f"{' and '.join(given)}: give one structured-output constraint")
     if not given:
         return None
+    from specloop.drafter.decode.grammar import GrammarError, GrammarSpec, check, lark_from  # torch: only when asked
+
     try:
         if json_schema is not None:
             spec = GrammarSpec("json_schema", _schema_text(json_schema))

@@ -100,6 +100,36 @@ def test_fetch_builds_a_real_pair_that_answers_and_speculates_losslessly(fetched
     assert fetch_models(cfg, progress=False) == summary  # cached: nothing is redone
 
 
+@pytest.mark.skipif(not HAVE_REAL, reason=f"{REAL.package} is not installed (scripts/setup.sh installs it)")
+def test_generate_without_a_model_decodes_with_the_fetched_pair(fetched, tmp_path, capsys):
+    """`specloop generate --prompts F` after a fetch: the fetched verifier and its eagle head, as `serve` takes them;
+    --no-speculation: that verifier alone; --drafter-kind ngram: that verifier with n-gram drafts."""
+    from specloop.services.cli.main import main
+
+    cfg, summary = fetched
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / DEFAULT_MODEL).symlink_to(cfg.out)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "Name three colours."}]}) + "\n")
+
+    def run(*extra) -> dict:
+        code = main(["--threads", "1", "generate", "--prompts", str(prompts), "--max-tokens", "12", "--json",
+                     *map(str, extra)])
+        out = capsys.readouterr()
+        assert code == 0, out.err
+        return json.loads(out.out)
+
+    default = run("--cache", cache, "--k", 4)
+    explicit = run(summary["verifier"], "--drafter", summary["drafter"], "--k", 4)
+    alone = run("--cache", cache, "--no-speculation")
+    ngram = run("--cache", cache, "--drafter-kind", "ngram", "--k", 4)
+    assert default["token_ids"] == explicit["token_ids"] == alone["token_ids"] == ngram["token_ids"]
+    assert default["stats"]["drafted"] == explicit["stats"]["drafted"] > 0
+    assert default["stats"]["accepted"] == explicit["stats"]["accepted"]
+    assert alone["stats"]["drafted"] == 0
+
+
 # ------------------------------------------------------------------ the GGUF's own Q4_1 groups
 
 

@@ -162,6 +162,24 @@ def test_the_installed_console_script_runs(tiny_pair, tmp_path):
     assert bad.returncode == 2
 
 
+@pytest.mark.parametrize("args,message", [
+    (["generate", "{v}", "--prompts", "{f}"], "MODEL without a drafter"),
+    (["generate", "--prompts", "{tmp}/absent.jsonl"], "prompt file not found"),
+    (["generate", "{v}", "--drafter-kind", "ngram", "--prompts", "{bad}"], "'id' must be a non-empty string"),
+    (["replay", "--prompts", "{f}", "{tmp}/absent.jsonl"], "prompt file not found"),
+])
+def test_a_usage_error_is_told_before_torch_is_imported(tiny_pair, tmp_path, args, message):
+    """A mistyped command answers in well under a second: nothing heavy is imported before its checks."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    fill = {"v": tiny_pair[0], "f": _prompts(tmp_path, ROWS), "tmp": tmp_path, "bad": bad}
+    argv = [a.format(**fill) for a in args]
+    probe = ("import sys; from specloop.services.cli.main import main; code = main(sys.argv[1:]); "
+             "print(code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["2", "False"] and message in done.stderr, (done.stdout, done.stderr)
+
+
 def test_demo_needs_both_models_or_neither(tiny_pair, capsys):
     code, _, err = _run(["demo", "--verifier", tiny_pair[0]], capsys)
     assert code == 2 and "give both" in err
