@@ -44,7 +44,9 @@ def test_a_keep_stage_fits_one_call_beside_the_tree():
 
 @pytest.mark.skipif(not (SHARED / "models").is_dir(), reason="no ../shared/models here")
 def test_the_main_stage_fits_one_call_with_the_reference_pair():
-    shared = sum(p.stat().st_size for d in ("models", "prompts") for p in (SHARED / d).rglob("*") if p.is_file())
+    # the pair travels in bf16 (copy_in_bf16): its safetensors at half their bytes
+    shared = sum(p.stat().st_size // (2 if p.suffix == ".safetensors" else 1)
+                 for d in ("models", "prompts") for p in (SHARED / d).rglob("*") if p.is_file())
     wheel = 12_500_000  # transformers 5.23.0's wheel
     assert tree_bytes() + shared + wheel <= CALL_BYTES
 
@@ -58,3 +60,32 @@ def test_tree_bytes_counts_what_git_would_carry(tmp_path: Path):
     (tmp_path / "big").mkdir()
     (tmp_path / "big" / "blob").write_bytes(b"y" * 10_000)
     assert tree_bytes(tmp_path) == 100 + len("/big/\n")
+
+
+def test_the_reference_pair_travels_in_bf16_and_serves_the_same_bf16_model(tmp_path: Path):
+    import torch
+
+    from bench.gpu_calls import carried_in_bf16, copy_in_bf16
+    from specloop.drafter.decode.engine import generate
+    from specloop.drafter.decode.requests import StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
+    from specloop.drafter.model.loading import load_model
+    from tests.tiny import make_pair
+
+    verifier, _ = make_pair(tmp_path / "pair")
+    assert not carried_in_bf16(tmp_path / "pair")
+    copy_in_bf16(tmp_path / "pair", tmp_path / "carried")
+    assert carried_in_bf16(tmp_path / "carried")
+    assert folder_size(tmp_path / "carried" / "verifier") < 0.6 * folder_size(verifier)
+    a = load_model(verifier, weights="bf16")
+    b = load_model(tmp_path / "carried" / "verifier", weights="bf16")
+    assert a.lean.dtype == b.lean.dtype == torch.bfloat16
+    assert torch.equal(a.lean.embed, b.lean.embed) and torch.equal(a.lean.layers[0].gate_up.weight, b.lean.layers[0].gate_up.weight)
+    prompt = [[5, 9, 2, 7, 11, 3], [4, 4, 8]]
+    outputs = [[g.token_ids for g in generate(m.lean, None, prompt, SamplingParams(max_tokens=16), 0, StopRule(()))]
+               for m in (a, b)]
+    assert outputs[0] == outputs[1] and len(outputs[0][0]) == 16
+
+
+def folder_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

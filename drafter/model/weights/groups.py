@@ -40,26 +40,27 @@ def _source_tensors(path: str | Path, with_minimum: bool) -> "GroupsFile | None"
 
 class GroupsFile(Mapping):
     """A groups file's entries, read on demand (one weight's parts at a time), so that converting a
-    model holds one layer's groups at a time rather than the whole file (150 MB for SmolLM2-135M)."""
+    model holds one layer's groups at a time rather than the whole file (150 MB for SmolLM2-135M).
+    The file stays open while the object lives: opening it parses its header, and a conversion reads
+    ~200 entries (SmolLM2-135M: 0.35 s of opens when each read opened it)."""
 
     def __init__(self, file: Path, with_minimum: bool):
         self.file, self.parts = file, (".q", ".d", ".m") if with_minimum else (".q", ".d")
-        with open_safetensors(file) as f:
-            keys = set(f.keys())
-        self.names = sorted(k[:-2] for k in keys if k.endswith(".q") and k[:-2] + ".d" in keys
-                            and (k[:-2] + ".m" in keys) == with_minimum)
+        self._handle = open_safetensors(file)
+        keys = set(self._handle.keys())
+        self.names = frozenset(k[:-2] for k in keys if k.endswith(".q") and k[:-2] + ".d" in keys
+                               and (k[:-2] + ".m" in keys) == with_minimum)
 
     def __getitem__(self, name: str) -> tuple[torch.Tensor, ...]:
         if name not in self.names:
             raise KeyError(name)
-        with open_safetensors(self.file) as f:
-            return tuple(f.get_tensor(name + p) for p in self.parts)
+        return tuple(self._handle.get_tensor(name + p) for p in self.parts)
 
     def __contains__(self, name) -> bool:
         return name in self.names
 
     def __iter__(self):
-        return iter(self.names)
+        return iter(sorted(self.names))
 
     def __len__(self) -> int:
         return len(self.names)
