@@ -78,15 +78,23 @@ def open_safetensors(file: Path):
 
 
 def reproduces(q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None, weight: torch.Tensor,
-               rows: int = 4096) -> bool:
+               rows: int = 1024) -> bool:
     """Whether `dequantize_groups(q, scale, minimum)` equals `weight` exactly, compared a block of rows
-    at a time (a whole LM head dequantized at once is a float copy of it: 113 MB on SmolLM2)."""
+    at a time (a whole LM head dequantized at once is a float copy of it: 113 MB on SmolLM2), each block
+    dequantized in place: the same product, then sum, in fp32 as `dequantize_groups`, without its two
+    other temporaries (SmolLM2-135M's 30 layers: 0.7 -> 0.3 s of a load)."""
     if q.shape != weight.shape:
         return False
-    for i in range(0, q.shape[0], rows):
+    N, K = q.shape
+    G = scale.shape[1]
+    for i in range(0, N, rows):
         part = slice(i, i + rows)
-        m = None if minimum is None else minimum[part]
-        if not torch.equal(dequantize_groups(q[part], scale[part], m), weight[part].detach().float().cpu()):
+        w = q[part].float()
+        grouped = w.view(-1, G, K // G)
+        grouped.mul_(scale[part].float()[..., None])
+        if minimum is not None:
+            grouped.add_(minimum[part].float()[..., None])
+        if not torch.equal(w, weight[part].detach().float().cpu()):
             return False
     return True
 

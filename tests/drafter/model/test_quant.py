@@ -237,3 +237,21 @@ def test_int4_weights_quantize_and_pack_in_row_blocks_as_in_one_piece(monkeypatc
     monkeypatch.setattr(linears, "_INT4_BLOCK_ROWS", 64)
     blocked = linears.Int4Weight(w, group_size=32)
     assert torch.equal(whole.packed, blocked.packed) and torch.equal(whole.scales_zeros, blocked.scales_zeros)
+
+
+@pytest.mark.parametrize("with_minimum", [True, False])
+def test_reproduces_finds_one_ulp_anywhere_in_any_row_block(with_minimum):
+    from specloop.drafter.model.weights.groups import dequantize_groups, reproduces
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (70, 64), generator=g, dtype=torch.uint8)
+    d = (torch.rand(70, 2, generator=g) / 7).half()
+    m = (torch.rand(70, 2, generator=g) - 0.5).half() if with_minimum else None
+    w = dequantize_groups(q, d, m)
+    assert reproduces(q, d, m, w, rows=16) and reproduces(q, d, m, w.bfloat16().float(), rows=16) == torch.equal(
+        w.bfloat16().float(), w)
+    for row, col in ((0, 0), (37, 40), (69, 63)):  # the first, a middle and the last (ragged) block
+        off = w.clone()
+        off[row, col] = torch.nextafter(off[row, col], torch.tensor(float("inf")))
+        assert not reproduces(q, d, m, off, rows=16)
+    assert not reproduces(q[:, :32], d[:, :1], None if m is None else m[:, :1], w)  # another shape
