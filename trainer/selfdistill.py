@@ -55,10 +55,8 @@ class Sequence:
 
 @dataclass
 class DistillConfig:
-    collect_minutes: float = 2.0  # the most time spent decoding answers (the first batch is decoded whatever it is)
-    train_minutes: float = 2.5  # the most time spent training
-    collect_positions: int | None = None  # stop decoding once this many positions are kept (None: the minutes)
-    train_steps: int | None = None  # stop training after this many steps, the schedule by step (None: the minutes)
+    collect_minutes: float = 2.0
+    train_minutes: float = 2.5
     batch: int = 16  # prompts decoded together
     max_new: int = 96  # tokens per answer
     max_prompt: int = 96  # longer prompts are skipped (chat) or cut (code)
@@ -167,9 +165,8 @@ def vocab_index(vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
 
 def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor | None, cfg: DistillConfig,
             progress: bool = True) -> list[Sequence]:
-    """Sequences until cfg.collect_positions are kept or cfg.collect_minutes have passed (the first batch always,
-    however short the budget: reading the prompts could spend a short one on a loaded machine): batches of the
-    verifier's own answers, each followed by
+    """Sequences within cfg.collect_minutes (the first batch always, however short the budget: reading the prompts
+    could spend a short one on a loaded machine): batches of the verifier's own answers, each followed by
     teacher-forced documents for `forced_share` of the time when asked (a pass over a document
     yields ~2.4x the positions per second of decoding, but the answers are what the head will be
     asked to predict)."""
@@ -179,12 +176,10 @@ def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor 
     generator = torch.Generator().manual_seed(cfg.seed)
     seqs: list[Sequence] = []
     deadline = time.monotonic() + 60.0 * cfg.collect_minutes
-    target, kept = cfg.collect_positions, 0
-    bar = tqdm(desc="verifier answers", unit="tok", total=target, disable=not progress, file=sys.stderr)
+    bar = tqdm(desc="verifier answers", unit="tok", disable=not progress, file=sys.stderr)
     for round_ in itertools.count():
         batch = [p for _, p in itertools.islice(prompts, cfg.batch)]
-        done = time.monotonic() > deadline or (target is not None and kept >= target)
-        if not batch or (seqs and done):  # the first batch whatever the budget: never none
+        if not batch or (seqs and time.monotonic() > deadline):  # the first batch whatever the budget: never none
             break
         t0 = time.monotonic()
         new = decode_batch(verifier, batch, cfg.max_new, layers, index, 1.0 if round_ % 2 else 0.0, generator)
@@ -192,7 +187,6 @@ def collect(verifier: LoadedModel, layers: tuple[int, ...], vocab: torch.Tensor 
         while time.monotonic() < min(forced_until, deadline) and (doc := next(documents, None)) is not None:
             new.append(forced_sequence(verifier, doc, layers, index))
         seqs += new
-        kept += sum(len(s.target_ids) for s in new)
         bar.update(sum(len(s.target_ids) for s in new))
     bar.close()
     return seqs
@@ -234,8 +228,7 @@ def soft_cross_entropy(logits: torch.Tensor, target_ids: torch.Tensor, target_lo
 
 def train_head(student: EagleStudent | Eagle3Student, seqs: list[Sequence], cfg: DistillConfig,
                progress: bool = True) -> dict:
-    """Train the head on `seqs` for cfg.train_steps, or cfg.train_minutes where that comes first or no steps are
-    given (AdamW, warm-up then cosine over the steps, else over the minutes); returns a summary."""
+    """Train the head on `seqs` for cfg.train_minutes (AdamW, warm-up then cosine); returns a summary."""
     params = [p for _, p, _ in student.trainable()]
     matrices = [p for p in params if p.dim() == 2]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": cfg.weight_decay},
@@ -243,10 +236,9 @@ def train_head(student: EagleStudent | Eagle3Student, seqs: list[Sequence], cfg:
                             lr=cfg.lr, betas=(0.9, 0.95))
     rng = random.Random(cfg.seed)
     budget, t0, step, losses = 60.0 * cfg.train_minutes, time.monotonic(), 0, []
-    steps = cfg.train_steps
-    bar = tqdm(desc=f"{student.kind}: training", unit="step", total=steps, disable=not progress, file=sys.stderr)
-    while (elapsed := time.monotonic() - t0) < budget and (steps is None or step < steps):
-        frac = min(1.0, elapsed / budget if steps is None else max(step / steps, elapsed / budget))
+    bar = tqdm(desc=f"{student.kind}: training", unit="step", disable=not progress, file=sys.stderr)
+    while (elapsed := time.monotonic() - t0) < budget:
+        frac = min(1.0, elapsed / budget)
         for g in opt.param_groups:
             g["lr"] = cfg.lr * min(1.0, (step + 1) / 10) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
         ids, prev, tid, tlp = windows(seqs, cfg.window, cfg.train_batch, rng)

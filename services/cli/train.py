@@ -44,9 +44,8 @@ def fetch(glob: Globals,
                    "sd2 (a two-layer copy of the verifier, SD²-steered and aligned; OUT/drafter-sd2), "
                    "distill (the same copy, plain; OUT/drafter-distill)")] = "eagle",
           drafter_minutes: Annotated[Optional[float], typer.Option(
-              help="offline training budget of the drafter, in minutes (default: 3 for sd2 and distill; the "
-                   "heads: 45,000 positions of the verifier's answers and 480 training steps, ~4-8 minutes by "
-                   "the machine, at most 12)")] = None,
+              help="offline training budget of the drafter "
+                   "(default: 3 for sd2 and distill, 4.5 for the heads)")] = None,
           cache: Cache = DEFAULT_CACHE) -> int:
     """A real pretrained verifier and a drafter built for it."""
     from specloop.trainer.fetch import FetchConfig, default_out, fetch_models
