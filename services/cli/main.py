@@ -160,8 +160,9 @@ def _pair_or_fetched(pair: Models, cache: Path, threads: int, kind: str | None,
     """MODEL and --drafter as given; with neither, the fetched default pair (`_default_pair`), its drafter kept
     unless --drafter-kind names a model-free kind (ngram, suffix: the verifier alone is wanted) or no drafter
     is wanted at all (--no-speculation)."""
-    if pair.verifier_dir() is not None:
-        return pair.require_verifier(), pair.drafter
+    given = pair.verifier_dir()
+    if given is not None:
+        return given, pair.drafter
     verifier, drafter = _default_pair(pair, cache, threads)
     from specloop.drafter.kinds.table import KINDS
 
