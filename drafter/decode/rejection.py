@@ -85,6 +85,8 @@ def rejection_sample(
 ) -> BlockOutcome:
     """Lossless acceptance for temperature > 0."""
     B, k = draft_tokens.shape
+    if k == 0:  # a plain step: its token drawn from p alone, as the residual below would draw it (q = 0)
+        return plain_sample(target_probs, uniforms)
     idx = draft_tokens[..., None]
     p_d = target_probs[:, :k].gather(-1, idx).squeeze(-1)  # [B, k] p_i(d_i)
     q_d = draft_probs.gather(-1, idx).squeeze(-1)  # [B, k] q_i(d_i)
@@ -101,3 +103,11 @@ def rejection_sample(
     tokens = torch.cat([draft_tokens, emitted[:, None]], dim=1)
     tokens[rows, n] = emitted
     return BlockOutcome(tokens=tokens, num_accepted=n)
+
+
+def plain_sample(target_probs: torch.Tensor, uniforms: torch.Tensor) -> BlockOutcome:
+    """The verdict on an empty draft: each row's token drawn from p_0 with u_0. The same bits as the general
+    path's (its residual max(0, p − 0) is p, whose mass is positive), without its eight passes over the
+    vocabulary (gathers, a [B, 1, V] zero q, clamp, sum, select, scatter: ~0.2 ms of a 5 ms step on the CPU)."""
+    emitted = sample(target_probs[:, 0], uniforms[:, 0])
+    return BlockOutcome(tokens=emitted[:, None], num_accepted=torch.zeros_like(emitted))

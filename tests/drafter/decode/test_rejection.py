@@ -46,3 +46,35 @@ def test_drafts_with_zero_target_mass_are_always_rejected():
     q = torch.tensor([1.0, 0.0, 0.0])
     first, accepted = _one_step(p, q, n=1000)
     assert accepted.sum() == 0 and bool(first.eq(1).all())
+
+
+def _residual_draw(p0: torch.Tensor, u0: torch.Tensor) -> torch.Tensor:
+    """The general path's draw after an empty draft, written out: norm(max(0, p − q)) with q = 0, p where it is
+    empty, drawn by inverse CDF."""
+    residual = (p0 - torch.zeros_like(p0)).clamp_(min=0)
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) <= 0, p0, residual)
+    cdf = residual.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    target = torch.minimum(u0[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=p0.shape[-1] - 1)
+
+
+def test_an_empty_draft_draws_the_same_token_as_the_residual_of_a_zero_q():
+    """The plain step's shortcut (`plain_sample`) gives the bits of the general rule with q = 0, rows with top-k
+    zeros and one-hot rows included, with or without per-row limits, and accepts nothing."""
+    g = torch.Generator().manual_seed(3)
+    V, B = 4099, 64
+    logits = torch.randn(B, 1, V, generator=g) * 4
+    logits[::3, :, V // 2:] = float("-inf")  # top-k-like zeros
+    logits[1::7, :, :] = float("-inf")
+    logits[1::7, :, 5] = 0.0  # one-hot rows
+    p = torch.softmax(logits, dim=-1)
+    u = torch.rand(B, 1, generator=g)
+    u[0, 0], u[2, 0] = 0.0, 1.0 - 2 ** -24
+    want = _residual_draw(p[:, 0], u[:, 0])
+    empty = torch.zeros(B, 0, dtype=torch.long)
+    for limit in (None, torch.zeros(B, dtype=torch.long)):
+        out = rejection_sample(empty, torch.zeros(B, 0, V), p, u, limit=limit)
+        assert out.tokens.shape == (B, 1) and torch.equal(out.tokens[:, 0], want)
+        assert torch.equal(out.num_accepted, torch.zeros(B, dtype=torch.long))
+    assert bool((want[1::7] == 5).all()) and bool((want[::3] < V // 2).all())
