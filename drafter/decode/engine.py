@@ -536,14 +536,13 @@ class Engine:
         row's grammar forces tokens (`forced`), a step left plain verifies them (they are all but certain)."""
         if not (choice is not None and not choice.probe and all(rows[s].request.k is None for s in live)):
             return 0
-        width = self._lookup_width(live)
         if not choice.k and forced:
-            return width
+            return self._lookup_width(live)
         if not (self.lookups and hasattr(self.drafter, "lookup")):
             return 0
-        if not choice.k:
-            return width if self.controller.lookup_due() else 0
-        prefers = getattr(self.drafter, "prefers_free", None)
+        if not choice.k:  # the width (a read of the rows' lengths) only where a lookup is due
+            return self._lookup_width(live) if self.controller.lookup_due() else 0
+        prefers, width = getattr(self.drafter, "prefers_free", None), self._lookup_width(live)
         return width if prefers is not None and choice.k < width and prefers(choice.k, width, live) else 0
 
     def _lookup_width(self, live: list[int]) -> int:

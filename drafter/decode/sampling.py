@@ -106,12 +106,28 @@ def _warp_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     return out
 
 
+TOP_P_FIRST = 64  # the most likely tokens a CPU top-p looks at first (most nuclei are smaller); ×8 while too few
+TOP_P_MARGIN = 1e-4  # the candidates hold the nucleus once their last one's mass before it is top_p + this
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (the top-1 always)."""
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)
-    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (the top-1 always).
+
+    The tokens in descending order of p, each kept while the mass before it is under top_p. On the CPU only the
+    most likely `TOP_P_FIRST` (then 8×, ...) are ordered, as long as the mass before the last of them is top_p
+    and a margin (far above the float error of the sums) in every row: no token after it is kept, and the kept
+    tokens, their order and their partial sums are those of the whole vocabulary sorted (a sort of 49k
+    probabilities took 3.3 ms, a 5 ms step's worth, against 0.1 ms for the 64 largest). On a GPU, one sort: no
+    host read between the step's kernels."""
+    vocab = probs.shape[-1]
+    take = vocab if probs.device.type != "cpu" else min(TOP_P_FIRST, vocab)
+    while True:
+        top, order = probs.sort(dim=-1, descending=True) if take >= vocab else probs.topk(take, dim=-1)
+        mass_before = top.cumsum(dim=-1) - top
+        if take >= vocab or bool((mass_before[..., -1] >= top_p + TOP_P_MARGIN).all()):
+            break
+        take = min(vocab, 8 * take)
+    kept = torch.zeros_like(probs).scatter_(-1, order, top.masked_fill(mass_before >= top_p, 0.0))
     return kept / kept.sum(dim=-1, keepdim=True)
 
 

@@ -352,8 +352,9 @@ class SuffixDrafter:
         return proposal_of(drafts, k, [row.tokens[-1] for row in self.rows]) if any(d.tokens for d in drafts) else None
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
-        for b in torch.nonzero(active).flatten().tolist():
-            self.rows[b].extend(outcome.emitted(b))
+        for b, on in enumerate(active.tolist()):  # one read of the rows' flags
+            if on:
+                self.rows[b].extend(outcome.emitted(b))
 
     def narrow(self, m: int) -> "SuffixDrafter":
         view = copy.copy(self)  # the store is shared: it changes only between requests

@@ -50,3 +50,29 @@ def test_each_request_owns_a_reproducible_stream():
 def test_bad_sampling_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
+
+
+def _top_p_sorted(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """top-p over the whole vocabulary sorted: the rule `_top_p` must reproduce."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(mass_before >= top_p, 0.0))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.3, 2.0, 8.0])  # nuclei of thousands of tokens, of hundreds, of a few
+def test_top_p_on_the_most_likely_tokens_gives_the_bits_of_the_whole_vocabulary_sorted(scale):
+    """The CPU's top-p orders only the most likely tokens (64, then 8× while the nucleus may reach past them):
+    the same probabilities, bit for bit, as sorting all 49,152 of them, for [B, T, V] blocks whose rows need
+    different candidate counts, and top_p near 0 and 1."""
+    from specloop.drafter.decode import sampling
+
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(3, 4, 49152, generator=g) * scale
+    logits[0, 1] *= 20  # one peaked row beside flat ones
+    probs = torch.softmax(logits, dim=-1)
+    for top_p in (0.01, 0.5, 0.9, 0.999):
+        got = sampling._top_p(probs, top_p)
+        assert torch.equal(got, _top_p_sorted(probs, top_p)), top_p
+    flat = torch.full((1, 1000), 1e-3)  # ties everywhere: the nucleus still holds the mass asked for
+    assert (sampling._top_p(flat, 0.5) > 0).sum() == 500
