@@ -17,6 +17,7 @@ specloop.drafter.model.attention (the reference attention path and the cache lay
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,18 @@ class ForwardOut:
     hidden: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] (residual stream after that layer)
     choices: torch.Tensor | None = None  # [B, T] the logits' argmax where the pass computed it (the graph step)
 
+
+@contextmanager
+def one_thread(on: bool = True):
+    """torch's CPU ops on one thread inside (where `on`), the caller's count restored after."""
+    threads = torch.get_num_threads()
+    if on:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if on:
+            torch.set_num_threads(threads)
 
 class LeanDecoder:
     """Fast inference forward for Llama / Qwen2 / Qwen3-style decoders, sharing the HF weights."""
@@ -136,10 +149,13 @@ class LeanDecoder:
         return fuse_layer(lambda name: _tensor(layer, name))
 
     def _rope_tables(self, rotary, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions [0, n) from the model's own rotary module (any rope type it knows)."""
+        """cos/sin for positions [0, n) from the model's own rotary module (any rope type it knows), on one thread
+        on the CPU: the first parallel cos of a process (these tables are often it) gave other bits in about one
+        process in five (2 threads, torch 2.13, a Xeon with AMX; the same call again in that process, or on one
+        thread, gave the usual ones), and every key, logit and sampled token after them changed with it."""
         pos = torch.arange(n, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
-        with torch.no_grad():
+        with torch.no_grad(), one_thread(self.device.type == "cpu"):
             cos, sin = rotary(probe, pos)
         return cos[0].to(self.dtype), sin[0].to(self.dtype)  # [n, D]
 

@@ -267,3 +267,28 @@ def test_a_wide_prefill_attends_as_the_exact_form_does_to_rounding():
     assert torch.allclose(exact_attention(q, kc, vc, hidden, 0.125, wide=True), exact, rtol=1e-5, atol=1e-6)
     lean = LeanDecoder(build_model(llama_config(64, 2, 32), seed=0))
     assert not lean.positions(lean.new_cache(1, 64), 4, wide=True).wide  # the CPU keeps the exact form
+
+
+def test_the_rope_tables_are_computed_on_one_thread_and_the_thread_count_restored():
+    """The first parallel cos of a process gave other bits in about one process in five (bench/README.md section
+    46), and every key and sampled token after them with it: the tables are computed on one thread, whose bits are
+    what the model's rotary module gives a forward's few positions. The caller's thread count comes back."""
+    model = build_model(llama_config(97, 2, 64, "llama"), seed=0, init_std=0.1)
+    seen: list[int] = []
+    rotary = model.model.rotary_emb
+
+    def spy(x, pos):
+        seen.append(torch.get_num_threads())
+        return rotary(x, pos)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        lean = LeanDecoder(model)
+        cos, sin = lean._rope_tables(spy, 4096)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    with torch.no_grad():  # a forward's positions, as transformers computes them: the same bits
+        ref_cos, ref_sin = rotary(torch.zeros(1), torch.arange(4096)[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
