@@ -559,3 +559,21 @@ def test_a_lookup_whose_drafts_were_all_cut_is_told_apart_from_one_that_matched_
     verified = BlockOutcome(torch.tensor([[5, 7], [6, 8]]), none, drafted=torch.tensor([1, 0]))
     assert not lookup_cut(plan, verified)  # a draft was verified: its verdict says what it earned
     assert not lookup_cut(StepPlan(plan.active, 0, SamplingParams()), BlockOutcome(last_only, none))  # not a lookup
+
+
+def test_each_rows_uniforms_are_its_own_streams_draws_in_the_plans_layout():
+    """A row with k drafts takes 2k + 1 draws from its stream (k draft tests, k accept tests, then the emitted token's
+    at column kmax); a plain row's one draw goes to column kmax; greedy rows and empty slots hold 0.5."""
+    from specloop.drafter.decode.engine import LiveRequest
+
+    def live(seed):
+        return LiveRequest(None, 0, None, make_generators(seed, 1)[0])  # type: ignore[arg-type]
+
+    rows = [live(1), live(2), None, LiveRequest(None, 3, None, None)]  # type: ignore[arg-type]
+    u_draft, u_accept = Engine._uniforms(rows, [2, 0, 0, 0], 2)
+    first, second = make_generators(1, 1)[0], make_generators(2, 1)[0]
+    drawn = torch.rand(5, generator=first)
+    assert torch.equal(u_draft[0], drawn[:2]) and torch.equal(u_accept[0], drawn[2:])
+    plain = torch.rand(1, generator=second)
+    assert torch.equal(u_accept[1], torch.tensor([0.5, 0.5, float(plain)]))
+    assert bool((u_draft[1:] == 0.5).all()) and bool((u_accept[2:] == 0.5).all())
