@@ -48,16 +48,15 @@ class ForwardOut:
 
 
 @contextmanager
-def one_thread(on: bool = True):
-    """torch's CPU ops on one thread inside (where `on`), the caller's count restored after."""
+def one_thread():
+    """torch's CPU ops on one thread inside, the caller's count restored after (a device's ops are not affected)."""
     threads = torch.get_num_threads()
-    if on:
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
     try:
         yield
     finally:
-        if on:
-            torch.set_num_threads(threads)
+        torch.set_num_threads(threads)
+
 
 class LeanDecoder:
     """Fast inference forward for Llama / Qwen2 / Qwen3-style decoders, sharing the HF weights."""
@@ -149,13 +148,13 @@ class LeanDecoder:
         return fuse_layer(lambda name: _tensor(layer, name))
 
     def _rope_tables(self, rotary, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for positions [0, n) from the model's own rotary module (any rope type it knows), on one thread
-        on the CPU: the first parallel cos of a process (these tables are often it) gave other bits in about one
+        """cos/sin for positions [0, n) from the model's own rotary module (any rope type it knows), torch's CPU
+        ops on one thread: the first parallel cos of a process (these tables are often it) gave other bits in about one
         process in five (2 threads, torch 2.13, a Xeon with AMX; the same call again in that process, or on one
         thread, gave the usual ones), and every key, logit and sampled token after them changed with it."""
         pos = torch.arange(n, device=self.device)[None]
         probe = torch.zeros(1, device=self.device, dtype=self.dtype)
-        with torch.no_grad(), one_thread(self.device.type == "cpu"):
+        with torch.no_grad(), one_thread():
             cos, sin = rotary(probe, pos)
         return cos[0].to(self.dtype), sin[0].to(self.dtype)  # [n, D]
 
