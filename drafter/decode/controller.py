@@ -468,7 +468,7 @@ class Controller:
             if row.drafted:
                 self.depth(row.source).observe(row.drafted, row.accepted)
         if step.lookup:
-            self._looked_up(any(row.accepted for row in rows), bool(rows) or step.cut)
+            self.looked_up(any(row.accepted for row in rows), bool(rows) or step.cut)
         if step.drafting and not step.lookup:  # a lookup's free drafts say nothing of what asking k earns
             self._cached = None
         self._age += 1  # another observed step since the last evaluation
@@ -483,7 +483,7 @@ class Controller:
         self.interval = self.cfg.explore_min
         self._cached = None
 
-    def _looked_up(self, earned: bool, tried: bool) -> None:
+    def looked_up(self, earned: bool, tried: bool) -> None:
         """After a lookup: the next one comes at once if this one earned a token; after one step if nothing
         matched (in grounded text a copy starts anywhere: the next match is looked for soon); after 1, 3, ...
         steps (at most `lookup_backoff`) while lookups that found drafts (`tried`: verified, or all cut by the

@@ -14,9 +14,10 @@ Pure torch, no processes: `generate()` and the serving worker both drive an `Eng
   drafter falls behind on those rows; before a row drafts again, `join` restarts it from the row's
   committed tokens (exact; a drafter LM re-prefills them, an SD² drafter's steering inputs are zeros
   for that first block: fewer accepted drafts, never other output). A drafter that follows plain steps
-  lazily (an eagle head: `follows_lazily`) skips the plain steps the controller does not time (no probe due)
-  where no hook observes plain steps; a row it skipped decodes the next drafting step plain, which it follows,
-  and drafts from the one after: where speculation is off, the step costs what the verifier alone's does.
+  lazily (an eagle head, or a mix of eagle heads whose suffix member still follows: `follows_lazily`) skips the
+  plain steps (and lookups) the controller does not time (no probe due) where no hook observes plain steps; a
+  row it skipped decodes the next drafting step plain, which it follows, and drafts from the one after: where
+  speculation is off, the step costs what the verifier alone's does.
 - Free drafts: on a step the controller leaves plain, a drafter with a `lookup` (suffix decoding,
   alone or in a mix of speculators) is still asked for the drafts that cost no model pass, and each
   row keeps what its confidence pays for (the controller's `cut`); rows with none verify `last`
@@ -62,6 +63,7 @@ from specloop.drafter.decode.speculative import (
     StepHooks,
     StepOptions,
     follows_plain,
+    lazy_part,
     speculative_step,
 )
 from specloop.drafter.decode.stats import AcceptanceStats
@@ -407,12 +409,14 @@ class Engine:
         drafter, on_trace = self._hooked(plan.k)
         resync_s = self._resync([s for s in plan.live if plan.row_k[s] and s in self.behind]) if plan.k else 0.0
         timed = self._timed(plan)
-        lazy = not timed and self._lazy(plan)
-        follow = bool(plan.k) or (follows_plain(drafter) and not lazy)
+        lazy = self._lazy(plan)
+        # a lazy step runs as the verifier alone's (nothing captured), but for what must see every token (a mix's
+        # suffix decoding): the drafter's rows go stale
+        drafter = lazy_part(drafter) if lazy else drafter
+        follow = bool(plan.k) or follows_plain(drafter)
         if not plan.k and self.drafter is not None and not follow and not lazy:
             self.behind.update(plan.live)
         (self.stale.update if lazy else self.stale.difference_update)(plan.live)
-        drafter = None if lazy else drafter  # the step runs as the verifier alone's: nothing captured or observed
         cache = self._step_cache(m)
         narrowed = drafter.narrow(m) if drafter is not None and follow and m < self.slots else drafter
         clock = StepClock() if timed else None  # the controller's costs: only where it learns them
@@ -455,8 +459,8 @@ class Engine:
         width = self._lookup(choice, rows, live, forced is not None)
         auto_k = width if width > 0 else 0 if choice is None else choice.k
         ks = [(auto_k if r.request.k is None else r.request.k) if r is not None else 0 for r in rows]
-        if self.stale:  # rows whose drafter skipped plain steps (`_lazy`) decode this one plain, and follow it
-            ks = [0 if s in self.stale else k for s, k in enumerate(ks)]
+        if self.stale and not width:  # rows whose drafter skipped plain steps (`_lazy`) decode this one plain, and
+            ks = [0 if s in self.stale else k for s, k in enumerate(ks)]  # follow it (a lookup's drafts are current)
         kmax = max(ks[s] for s in live)
         params, limit = self._params(rows, live, ks, kmax)
         u_draft, u_accept = (None, None) if params.greedy else self._uniforms(rows, ks, kmax)
@@ -482,11 +486,16 @@ class Engine:
         return shaper.forced(self._lookup_width(live))
 
     def _lazy(self, plan: StepPlan) -> bool:
-        """Whether this untimed plain step (no probe due: nothing drafts soon) leaves the drafter's rows stale instead
-        of following (`follows_lazily`: an eagle head, whose state is the verifier's newest feature), where no hook
-        observes plain steps (replay records of plain steps start from that feature). A row that is stale when the
-        controller drafts again decodes that step plain, following, and drafts from the next."""
-        if plan.k or not getattr(self.drafter, "follows_lazily", False):
+        """Whether this step, one the controller left plain with no probe due (`Choice.timed` False: nothing drafts
+        soon), plain or a lookup of free drafts, leaves the drafter's rows stale instead of following
+        (`follows_lazily`: an eagle head, whose state is the verifier's newest feature; a mix of such heads, whose
+        suffix member still follows: `lazy_part`), where no hook observes plain steps (replay records of plain
+        steps start from that feature). A row that is stale when the controller drafts again decodes that step
+        plain, following, and drafts from the next."""
+        choice = plan.choice
+        if choice is None or choice.k or choice.timed or (plan.k and (not plan.lookup or plan.forced is not None)):
+            return False  # (a grammar's forced tokens are drafted where the whole drafter follows)
+        if not getattr(self.drafter, "follows_lazily", False):
             return False
         return not (self.hooks is not None and getattr(self.hooks, "observes_some_plain", lambda: False)())
 
@@ -541,9 +550,33 @@ class Engine:
         if not (self.lookups and hasattr(self.drafter, "lookup")):
             return 0
         if not choice.k:  # the width (a read of the rows' lengths) only where a lookup is due
-            return self._lookup_width(live) if self.controller.lookup_due() else 0
+            if not self.controller.lookup_due():
+                return 0
+            width = self._lookup_width(live)
+            return width if self._free_drafts_verified(width, live, len(rows)) else 0
         prefers, width = getattr(self.drafter, "prefers_free", None), self._lookup_width(live)
         return width if prefers is not None and choice.k < width and prefers(choice.k, width, live) else 0
+
+    def _free_drafts_verified(self, width: int, live: list[int], m: int) -> bool:
+        """Whether a lookup due on a step left plain would verify any draft. A drafter that tells its free drafts'
+        confidence ahead (`free_confidence`: suffix decoding, a mix holding it) is asked: where no row has a
+        draft, or the gate would cut every live row's (as the step's `speculative.gated` would, from the same
+        confidences), the controller learns the lookup's outcome here and the step runs plain, untimed and, for
+        a lazily following drafter, lazy: as the verifier alone's (a lookup step is timed, draws a drafting
+        step's uniforms and has its drafter follow)."""
+        ask = getattr(self.drafter, "free_confidence", None)
+        if ask is None:
+            return True
+        confidence, sources = ask(width, m)
+        if not any(confidence):
+            self.controller.looked_up(earned=False, tried=False)
+            return False
+        if self.backend != "graph":  # the graph step verifies what it finds (`_plan`: no cut there)
+            keep = self.controller.cut(confidence, m, sources)
+            if not any(keep[s] for s in live):
+                self.controller.looked_up(earned=False, tried=True)
+                return False
+        return True
 
     def _lookup_width(self, live: list[int]) -> int:
         """The most free drafts a lookup verifies per row: the controller's `lookup_max` (its k_max on the graph

@@ -348,6 +348,14 @@ def follows_plain(drafter: Drafter | None) -> bool:
     return drafter is not None and getattr(drafter, "follows_plain", False)
 
 
+def lazy_part(drafter: Drafter | None) -> Drafter | None:
+    """What still follows a plain step on which the engine leaves a lazily following drafter behind
+    (`follows_lazily`): the members that must see every token (a mix's suffix decoding: `lazy_part`), or
+    None (an eagle head alone: nothing)."""
+    part = getattr(drafter, "lazy_part", None)
+    return part() if part is not None else None
+
+
 def at_emitting_position(hidden: dict[int, torch.Tensor], n: torch.Tensor) -> dict[int, torch.Tensor]:
     """layer -> [B, hidden] at block index n: the position whose output is the emitted token (a plain step's
     only position: a view, no gather)."""

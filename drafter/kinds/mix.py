@@ -64,6 +64,25 @@ class SpeculatorMix:
         self.calibration = Calibration(calibration_decay)  # of the suffix member's drafts
         self.served: dict[str, int] = {name: 0 for name in members}  # blocks drafted by each member
         self._last: tuple[list[str], list[float]] | None = None
+        self._lazy: SpeculatorMix | None = None  # `lazy_part`, made on first use
+
+    @property
+    def follows_lazily(self) -> bool:
+        """Whether the engine may leave the model members behind on plain steps nothing times (each an eagle head,
+        whose state is the verifier's newest feature: `follows_lazily`): the suffix member still follows them
+        (`lazy_part`), so that lookups on the steps left plain draft from every token."""
+        return all(getattr(d, "follows_lazily", False) for name, d in self.members.items() if name != "suffix")
+
+    def lazy_part(self) -> "SpeculatorMix | None":
+        """The mix as it follows a step its model members skip: its suffix member alone, capturing nothing (a view:
+        lookups, calibration and counts are the whole mix's); None without a suffix member."""
+        if "suffix" not in self.members:
+            return None
+        if self._lazy is None:  # made once (a copy costs a plain step ~15 µs): what it shares is never reassigned
+            self._lazy = copy.copy(self)
+            self._lazy.members = {"suffix": self.members["suffix"]}
+            self._lazy.verifier_layers = self._lazy.record_layers = ()
+        return self._lazy
 
     def use_chain(self, slots: int | None, depth: int = 0, compiled: bool = True) -> None:
         """The engine's graph backend asks (decode.engine `Chained`): each member whose greedy drafts run as one
@@ -132,6 +151,12 @@ class SpeculatorMix:
             self._last = (mine.sources, mine.confidence.tolist())  # the model members sat out no drafting step
         return mine
 
+    def free_confidence(self, k: int, m: int) -> tuple[list[list[float]], list[str] | None]:
+        """`SuffixDrafter.free_confidence` of the suffix member (no row has a draft without one), each row's
+        calibrated as "suffix" drafts, as `lookup` marks them."""
+        suffix = self._suffix()
+        return (suffix.free_confidence(k, m)[0] if suffix is not None else [[] for _ in range(m)]), ["suffix"] * m
+
     def _suffix(self) -> SuffixDrafter | None:
         """The "suffix" member (specloop.drafter.kinds.table builds it as a SuffixDrafter), or None."""
         return cast("SuffixDrafter | None", self.members.get("suffix"))
@@ -183,6 +208,7 @@ class SpeculatorMix:
     def narrow(self, m: int) -> "SpeculatorMix":
         view = copy.copy(self)  # acceptance, calibration and counts are shared with the pool
         view.members = {name: d.narrow(m) for name, d in self.members.items()}
+        view._lazy = None
         return view
 
     def widen(self, view: "SpeculatorMix", m: int) -> None:
@@ -208,6 +234,7 @@ class SpeculatorMix:
         if "adaptive" in self.acceptance:
             self.acceptance["adaptive"].fade(0.25)
         self.calibration, self.served, self.idle = copy.deepcopy(old.calibration), dict(old.served), dict(old.idle)
+        self._lazy = None  # it shared the replaced ones
 
 
 def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:

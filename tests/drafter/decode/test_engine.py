@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specloop.drafter.decode.capacity import positions_needed
-from specloop.drafter.decode.controller import Controller, ControllerConfig
+from specloop.drafter.decode.controller import Choice, Controller, ControllerConfig
 from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView
@@ -304,6 +304,59 @@ def test_an_eagle_head_skips_untimed_plain_steps_and_a_row_it_skipped_follows_on
     assert len(runs["lazy"][1]) >= 4 and sum(k for step in runs["lazy"][0] for _, k, _, _ in step) > 0
 
 
+def _mix(verifier, observed: dict):
+    """An eagle head with suffix decoding beside it (the served default's mix), each member's observations counted."""
+    from specloop.drafter.kinds.eagle import EagleDrafter
+    from specloop.drafter.kinds.mix import SpeculatorMix
+    from tests.drafter_helpers import trained_eagle
+
+    members = {"adaptive": EagleDrafter(verifier.lean, trained_eagle(verifier.lean)),
+               "suffix": SuffixDrafter(verifier.vocab_size)}
+    for name, member in members.items():
+        def counted(*args, name=name, observe=member.observe):
+            observed[name] += 1
+            return observe(*args)
+        member.observe = counted
+    return SpeculatorMix(members)
+
+
+@pytest.mark.parametrize("lookups", [False, True])
+def test_a_mix_leaves_its_eagle_head_behind_on_untimed_steps_while_its_suffix_member_follows_every_one(
+        verifier, lookups):
+    # the eagle test's schedules on the served default's mix: on a step the controller left plain and untimed (and
+    # on a lookup it leaves so) the head neither observes nor is captured for, the suffix member follows every
+    # step; without lookups, step for step what a mix whose head follows every plain step drafts and decodes
+    rule = StopRule(())
+    reqs = _auto([r for r in _requests(verifier, max_tokens=30) if r.params.greedy][:2])
+    want = {r.id: generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids for r in reqs}
+    schedules = {"lazy": [0, -1, -1, 3, 3, -1, 2, 2, 0], "eager": [0, 0, 0, 0, 3, 0, 0, 2, 0]}
+    runs = {}
+    for name, ks in schedules.items():
+        observed = {"adaptive": 0, "suffix": 0}
+        mix = _mix(verifier, observed)
+        mix.members["adaptive"].follows_lazily = name == "lazy"
+        engine = Engine(verifier.lean, mix, slots=2, capacity=96, stop_rule=rule, controller=Scripted(ks),
+                        lookups=lookups)
+        engine.admit(reqs)
+        steps, got, skipped_steps = [], {}, 0
+        while engine.running:
+            before = dict(observed)
+            updates = engine.step()
+            steps.append(sorted((u.id, u.k, u.accepted, tuple(u.new_tokens)) for u in updates))
+            for u in updates:
+                got.setdefault(u.id, []).extend(u.new_tokens)
+            skipped = engine.timing.choice is not None and not engine.timing.choice.timed
+            skipped_steps += skipped
+            assert observed["suffix"] == before["suffix"] + 1  # both rows in every step: no narrowed view
+            assert (observed["adaptive"] == before["adaptive"]) == (skipped and name == "lazy")
+        assert got == want
+        assert skipped_steps > 0 or name == "eager"
+        runs[name] = steps
+    if not lookups:
+        assert runs["lazy"] == runs["eager"]
+    assert sum(k for step in runs["lazy"] for _, k, _, _ in step) > 0
+
+
 def test_a_request_admitted_while_speculation_is_off_starts_in_a_drafter_lm_only_when_it_first_drafts(
         verifier, tiny_pair):
     # the drafter LM's prefill of a prompt is saved while the controller leaves speculation off (its last step
@@ -543,6 +596,48 @@ def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
         assert int(engine.cache.lens[0]) <= capacity
     assert got == want
     assert max(ks) > controller.cfg.k_max and max(ks) <= controller.cfg.lookup_max
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_lookup_that_would_verify_nothing_is_left_out_and_the_step_decodes_as_the_verifier_alone(verifier, keep):
+    """Where no row's free draft would reach the verify pass (it matched nothing, or the gate cuts it whole), the
+    step is the verifier alone's: the same sampled tokens draw for draw (a lookup step draws a drafting step's
+    uniforms), nothing timed or observed; the controller still learns each lookup's outcome and backs off after
+    cut ones. Where the gate keeps drafts, the lookups are verified as before."""
+    rule, tok = StopRule(verifier.eos_ids), verifier.tokenizer
+    prompt = tok.encode(" ".join(["the cat sat on the mat and looked at the dog"] * 4), add_special_tokens=False)
+    params = SamplingParams(1.0, 0, 1.0, 40, (), 3)
+    outcomes, observed = [], []
+
+    class Off(Controller):  # speculation off, no probe ever due; every lookup's drafts cut (or kept) whole
+        def choose(self, batch):
+            return Choice(0, timed=False)
+
+        def cut(self, confidence, rows, sources=None):
+            return [len(c) if keep else 0 for c in confidence]
+
+        def looked_up(self, earned, tried):
+            outcomes.append(tried)
+            super().looked_up(earned, tried)
+
+        def observe(self, step):
+            observed.append(step)
+            super().observe(step)
+
+    want = generate(verifier.lean, None, [prompt], params, 0, rule)[0].token_ids
+    engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1,
+                    capacity=positions_needed(len(prompt), params.max_tokens, None), stop_rule=rule, controller=Off())
+    engine.admit([EngineRequest("r", prompt, params, None, 0)])
+    got, ks = [], []
+    while engine.running:
+        for u in engine.step():
+            got.extend(u.new_tokens)
+            ks.append(u.k)
+    if keep:
+        assert max(ks) > 0 and len(observed) > 0  # verified lookups: timed, observed
+        return
+    assert got == want and ks == [0] * len(got) and observed == []
+    assert True in outcomes and len(outcomes) < len(got) / 2  # cut lookups back off (1, 3, then 4 steps between)
 
 
 def test_a_lookup_whose_drafts_were_all_cut_is_told_apart_from_one_that_matched_nothing():

@@ -47,6 +47,22 @@ def test_greedy_output_with_a_mix_equals_the_verifier_alone(lean, names, k):
     assert all(mix.served[n] > 0 for n in names), mix.served  # every member drafted some blocks
 
 
+def test_the_mix_follows_lazily_through_its_suffix_member_alone_sharing_its_lookups_calibration(lean):
+    """A mix of eagle heads (`follows_lazily`) leaves them behind on the steps the engine runs lazily: its lazy part
+    is the mix with the suffix member alone, capturing nothing, whose lookups are the whole mix's (sources, the
+    calibration they teach); a mix whose model member must follow every step, or with no suffix member, has none."""
+    mix = mix_of(lean, "static", "suffix")
+    assert mix.follows_lazily
+    part = mix.lazy_part()
+    assert part is mix.lazy_part() and list(part.members) == ["suffix"] and part.members["suffix"] is mix._suffix()
+    assert part.verifier_layers == part.record_layers == () and mix.verifier_layers
+    mix.members["suffix"].start([[1, 2, 1], [3]], 16)
+    assert part.calibration is mix.calibration and part.free_confidence(3, 2) == ([[1.0], []], ["suffix", "suffix"])
+    assert mix_of(lean, "static").lazy_part() is None
+    mix.members["static"].follows_lazily = False
+    assert not mix.follows_lazily
+
+
 def test_the_member_with_the_better_live_acceptance_drafts_and_a_starved_one_gets_a_turn(lean):
     mix = mix_of(lean, "static")
     for _ in range(20):

@@ -192,6 +192,17 @@ def test_drafts_are_one_hot_and_padded_past_each_rows_length(temperature):
     assert proposal.one_hot and proposal.probs is None  # q one-hot: the step makes it once the draft is cut
 
 
+def test_the_free_confidence_is_what_a_lookups_proposal_puts_before_the_gate():
+    """Row by row, the confidence a lookup's proposal carries up to the row's draft length (float32 bits), for the
+    first m rows; [] where a row has no draft."""
+    drafter = SuffixDrafter(16)
+    drafter.start([[1, 2, 3, 1, 2], [9], [4, 5, 4, 5, 4]], 32)
+    proposal = drafter.lookup(3, SamplingParams(temperature=1.0))
+    rows = [proposal.confidence[b, :n].tolist() for b, n in enumerate(proposal.lengths.tolist())]
+    assert drafter.free_confidence(3, 3) == (rows, None) and rows[1] == [] and rows[0] and rows[2]
+    assert drafter.free_confidence(3, 2) == (rows[:2], None)
+
+
 def test_a_sampled_step_verifies_one_hot_drafts_cut_to_their_length():
     """At T > 0 the step makes q one-hot on the drafted tokens, for the cut draft only."""
     verifier = LeanDecoder(build_model(llama_config(32, 1, 16), seed=3))
