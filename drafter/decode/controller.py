@@ -67,9 +67,9 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   the step runs plain, untimed: where free drafts never pay, a lookup costs the host a match and no more.
   Once the share of lookups that earned a token (decayed over `lookup_memory` lookups) is below
   `lookup_floor`, one that earned nothing waits `lookup_idle` steps: sampled chat, where ~1 lookup in 150
-  earns, then pays its matching on few steps; the first lookup that earns brings the short waits back. Rows a free speculator drafted
-  (a mix's suffix member) teach the calibration, never the acceptance k is chosen by: that prices the
-  drafter that costs a pass.
+  earns, then pays its matching on few steps; the first lookup that earns brings the short waits back.
+  Rows a free speculator drafted (a mix's suffix member) teach the calibration, never the acceptance k is
+  chosen by: that prices the drafter that costs a pass.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
   until a step drafts (new acceptance, new shapes): a plain step costs the controller a few µs. The step
   costs it rests on are priced again after `refresh` steps, a probe, or a step at a new shape: a steadily
