@@ -66,7 +66,7 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   ahead would verify nothing (no row's draft, or the gate would cut them all) is told here (`looked_up`) and
   the step runs plain, untimed: where free drafts never pay, a lookup costs the host a match and no more.
   Once the share of lookups that earned a token (decayed over `lookup_memory` lookups) is below
-  `lookup_floor`, one that earned nothing waits `lookup_idle` steps: sampled chat, where ~1 lookup in 150
+  `lookup_floor`, one that earned nothing waits `lookup_idle` steps: sampled chat, where ~1 lookup in 125
   earns, then pays its matching on few steps; the first lookup that earns brings the short waits back.
   Rows a free speculator drafted (a mix's suffix member) teach the calibration, never the acceptance k is
   chosen by: that prices the drafter that costs a pass.
@@ -503,7 +503,7 @@ class Controller:
         gate) keep earning nothing, so that where free drafts never pay they cost next to nothing: a gate that
         cuts every draft is not free either (at T = 1 on the fetched pair every other step was such a lookup,
         0.17 ms of a 4 ms step: bench/README section 32). Where the share of lookups that earned a token has
-        fallen below `lookup_floor` (sampled chat: ~1 in 150), one that earned nothing waits `lookup_idle` steps
+        fallen below `lookup_floor` (sampled chat: ~1 in 125), one that earned nothing waits `lookup_idle` steps
         (matching alone cost 3 % of the steps at T = 1.3 there: section 47); one that earns brings them back."""
         self.lookup_earning += (float(earned) - self.lookup_earning) / self.cfg.lookup_memory
         if earned:
