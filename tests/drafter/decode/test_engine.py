@@ -574,6 +574,18 @@ def test_steps_left_plain_verify_free_drafts_and_stay_exact(verifier):
     assert drafted[True] > 0 and drafted[False] == 0
 
 
+def _decode_one(engine: Engine, request: EngineRequest, check=lambda: True) -> tuple[list[int], list[int]]:
+    """One request decoded to its end: its tokens and each step's k; `check()` holds after every step."""
+    engine.admit([request])
+    got, ks = [], []
+    while engine.running:
+        for u in engine.step():
+            got.extend(u.new_tokens)
+            ks.append(u.k)
+        assert check()
+    return got, ks
+
+
 def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
     """A step left plain verifies up to `lookup_max` free drafts (more than the controller's k_max), never
     past the room a row's cache has left (its capacity is exactly what its request needs); output exact."""
@@ -587,13 +599,8 @@ def test_lookups_verify_past_k_max_within_each_rows_room(verifier):
     controller.cut = lambda confidence, rows, sources=None: [len(c) for c in confidence]  # keep every draft
     engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1, capacity=capacity, stop_rule=rule,
                     controller=controller)
-    engine.admit([EngineRequest("r", prompt, params, None, 0)])
-    got, ks = [], []
-    while engine.running:
-        for u in engine.step():
-            got.extend(u.new_tokens)
-            ks.append(u.k)
-        assert int(engine.cache.lens[0]) <= capacity
+    got, ks = _decode_one(engine, EngineRequest("r", prompt, params, None, 0),
+                          lambda: int(engine.cache.lens[0]) <= capacity)
     assert got == want
     assert max(ks) > controller.cfg.k_max and max(ks) <= controller.cfg.lookup_max
 
@@ -627,12 +634,7 @@ def test_a_lookup_that_would_verify_nothing_is_left_out_and_the_step_decodes_as_
     want = generate(verifier.lean, None, [prompt], params, 0, rule)[0].token_ids
     engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1,
                     capacity=positions_needed(len(prompt), params.max_tokens, None), stop_rule=rule, controller=Off())
-    engine.admit([EngineRequest("r", prompt, params, None, 0)])
-    got, ks = [], []
-    while engine.running:
-        for u in engine.step():
-            got.extend(u.new_tokens)
-            ks.append(u.k)
+    got, ks = _decode_one(engine, EngineRequest("r", prompt, params, None, 0))
     if keep:
         assert max(ks) > 0 and len(observed) > 0  # verified lookups: timed, observed
         return
