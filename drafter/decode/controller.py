@@ -65,9 +65,6 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   nothing waits one step; one that earned a token brings the next at once. A lookup the engine can tell
   ahead would verify nothing (no row's draft, or the gate would cut them all) is told here (`looked_up`) and
   the step runs plain, untimed: where free drafts never pay, a lookup costs the host a match and no more.
-  Once the share of lookups that earned a token (decayed over `lookup_memory` lookups) is below
-  `lookup_floor`, one that earned nothing waits `lookup_idle` steps: sampled chat, where ~1 lookup in 125
-  earns, then pays its matching on few steps; the first lookup that earns brings the short waits back.
   Rows a free speculator drafted (a mix's suffix member) teach the calibration, never the acceptance k is
   chosen by: that prices the drafter that costs a pass.
 - Cost of deciding: the evaluation of every k is reused for `refresh` steps of the same batch shape
@@ -86,9 +83,6 @@ from typing import NamedTuple
 from specloop.drafter.decode.capacity import AUTO_K_MAX
 
 MAX_DEPTH = 32  # draft positions whose acceptance the confidence gate keeps per speculator
-
-
-LOOKUP_PRIOR = 0.25  # the share of lookups that earn a token, before any was made
 
 
 @dataclass(frozen=True)
@@ -112,10 +106,6 @@ class ControllerConfig:
     calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
     lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
     lookup_max: int = 16  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
-    lookup_memory: int = 32  # lookups the share that earned a token is kept over (a decayed mean)
-    lookup_floor: float = 0.02  # below this share, a lookup that earned nothing waits `lookup_idle` steps: each
-    #                             costs ~2-3 % of a plain step in matching, one that earns saves a step or more
-    lookup_idle: int = 16
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -459,7 +449,6 @@ class Controller:
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.lookup_misses = 0  # lookups in a row that earned no token
         self.lookup_wait = 0  # plain steps before the next lookup
-        self.lookup_earning = LOOKUP_PRIOR  # the share of lookups that earned a token (decayed over `lookup_memory`)
         self.new_shape = 0  # the k of a probe whose verify shape was new at its bucket: probed again at once (0: none)
 
     # -- inputs
@@ -502,17 +491,13 @@ class Controller:
         steps (at most `lookup_backoff`) while lookups that found drafts (`tried`: verified, or all cut by the
         gate) keep earning nothing, so that where free drafts never pay they cost next to nothing: a gate that
         cuts every draft is not free either (at T = 1 on the fetched pair every other step was such a lookup,
-        0.17 ms of a 4 ms step: bench/README section 32). Where the share of lookups that earned a token has
-        fallen below `lookup_floor` (sampled chat: ~1 in 125), one that earned nothing waits `lookup_idle` steps
-        (matching alone cost 3 % of the steps at T = 1.3 there: section 47); one that earns brings them back."""
-        self.lookup_earning += (float(earned) - self.lookup_earning) / self.cfg.lookup_memory
+        0.17 ms of a 4 ms step: bench/README section 32)."""
         if earned:
             self.lookup_misses = self.lookup_wait = 0
             return
         if tried:
             self.lookup_misses = min(self.lookup_misses + 1, 16)
-        wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff) if tried else 1
-        self.lookup_wait = max(wait, self.cfg.lookup_idle) if self.lookup_earning < self.cfg.lookup_floor else wait
+        self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff) if tried else 1
 
     def lookup_due(self) -> bool:
         """Whether a step left plain looks the free drafts up (specloop.drafter.decode.engine); counts down the wait."""

@@ -467,28 +467,6 @@ def test_a_lookup_that_matched_nothing_waits_one_step_and_one_the_gate_cut_backs
         assert pattern == want and c.lookup_misses == (4 if cut else 0)
 
 
-def test_lookups_that_have_stopped_earning_wait_longer_until_one_earns_again():
-    """Lookups that earn nothing keep their short waits (1 after no match, 1 / 3 / 4 after cut drafts) until the
-    share of them that earned a token falls below `lookup_floor`; then every one that earns nothing waits
-    `lookup_idle` steps. One that earns brings the next at once and the short waits back."""
-    cfg = ControllerConfig(lookup_backoff=4, lookup_memory=32, lookup_floor=0.02, lookup_idle=16)
-    c, gaps, since = Controller(cfg), [], 0
-    for _ in range(1200):  # matched nothing and cut, taking turns: sampled text, where no free draft pays
-        if c.lookup_due():
-            c.looked_up(earned=False, tried=len(gaps) % 2 == 1)
-            gaps.append(since)
-            since = 0
-        else:
-            since += 1
-    short = max(gaps[1:40])
-    assert short <= cfg.lookup_backoff and c.lookup_earning < cfg.lookup_floor
-    assert gaps[-10:] == [cfg.lookup_idle] * 10  # 16 steps between lookups once they stopped earning
-    c.looked_up(earned=True, tried=True)
-    assert c.lookup_due() and c.lookup_earning >= cfg.lookup_floor
-    c.looked_up(earned=False, tried=False)
-    assert c.lookup_wait == 1  # the short waits again
-
-
 def test_a_long_sure_draft_is_cut_where_that_speculators_drafts_stop_being_accepted():
     """P_i = 1 for 16 tokens (a unique continuation) is worth 16 drafts only if drafts that deep earn:
     the gate caps c · P_i by Π a_j, the speculator's own per-position acceptance."""
