@@ -495,9 +495,11 @@ class Controller:
         if earned:
             self.lookup_misses = self.lookup_wait = 0
             return
-        if tried:
-            self.lookup_misses = min(self.lookup_misses + 1, 16)
-        self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff) if tried else 1
+        if not tried:
+            self.lookup_wait = 1
+            return
+        self.lookup_misses = min(self.lookup_misses + 1, 16)
+        self.lookup_wait = min((1 << self.lookup_misses) - 1, self.cfg.lookup_backoff)
 
     def lookup_due(self) -> bool:
         """Whether a step left plain looks the free drafts up (specloop.drafter.decode.engine); counts down the wait."""

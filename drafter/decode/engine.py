@@ -542,7 +542,8 @@ class Engine:
         """How many free drafts per row this step of auto rows verifies instead (`Drafter.lookup`; 0: none):
         where the controller left it plain (not to measure a plain pass), or gave a mix's model members k
         drafts but every row's free draft promises as much (`prefers_free`: a copy is not cut to k). Where a
-        row's grammar forces tokens (`forced`), a step left plain verifies them (they are all but certain)."""
+        row's grammar forces tokens (`forced`), a step left plain verifies them (they are all but certain). A due
+        lookup that would verify nothing is left out before the step (`_free_drafts_verified`)."""
         if not (choice is not None and not choice.probe and all(rows[s].request.k is None for s in live)):
             return 0
         if not choice.k and forced:
