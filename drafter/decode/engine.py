@@ -38,6 +38,7 @@ as `generate` alone would: `u_draft[b, :k_b]` drive drafting, `u_accept[b, :k_b]
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field, replace
@@ -469,7 +470,7 @@ class Engine:
         # drafts, and make the host wait for the drafts' confidence between the draft and the verify pass
         every_auto = choice is not None and all(r.request.k is None for r in rows if r is not None)
         cut = every_auto and self.backend != "graph"
-        return StepPlan(torch.tensor([r is not None for r in rows]), kmax, params, u_draft, u_accept, limit,
+        return StepPlan(occupied(tuple(r is not None for r in rows)), kmax, params, u_draft, u_accept, limit,
                         lookup=width > 0, confidence_cut=cut, shaper=shaper, forced=forced if kmax else None, m=m,
                         live=tuple(live), row_k=tuple(ks), choice=choice)
 
@@ -674,6 +675,13 @@ class Engine:
         if done:
             self._leave(s)
         return update
+
+
+@functools.lru_cache(maxsize=256)
+def occupied(flags: tuple[bool, ...]) -> torch.Tensor:
+    """[m] bool: which of a step's rows hold a request (`StepPlan.active`), made once per pattern and shared (nothing
+    writes a plan's flags; an op after a forward costs ~30 µs on a CPU, bench/README.md section 48)."""
+    return torch.tensor(flags)
 
 
 def lookup_cut(plan: StepPlan, outcome: BlockOutcome) -> bool:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from typing import Self  # Python 3.11: annotations only (the package runs on 3.10)
 
 from specloop.drafter.decode.rejection import BlockOutcome
-from specloop.drafter.decode.sampling import RowParams, SamplingParams, sample, warp
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, argmax, sample, warp
 from specloop.drafter.model.kv_cache import KVCache
 
 GRAMMAR = "grammar"  # the source (`Proposal.sources`) of a row whose drafts are the tokens its grammar forces
@@ -159,11 +159,11 @@ def choose(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Te
     """Next token per row from [B, V] logits: argmax when greedy, else a draw from warp(logits)
     (per row with RowParams: greedy rows take the argmax)."""
     if params.greedy:
-        return Choice(logits.argmax(dim=-1), None, logits)
+        return Choice(argmax(logits), None, logits)
     assert u is not None  # uniforms are drawn for every non-greedy step
     q = warp(logits, params)
     token = sample(q, u)
     if isinstance(params, RowParams):
-        token = torch.where(params.greedy_rows.to(token.device), logits.argmax(dim=-1), token)
+        token = torch.where(params.greedy_rows.to(token.device), argmax(logits), token)
     return Choice(token, q, logits)
 

@@ -12,6 +12,7 @@ the same temperature / top-k / top-p. Pure functions: all randomness comes in as
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -46,8 +47,17 @@ class BlockOutcome:
     @cached_property
     def last_tokens(self) -> torch.Tensor:
         """[B] the token each row emitted last: the recovered or bonus token at index n (gathered once: the engine
-        and a following drafter both read it)."""
+        and a following drafter both read it; a plain step's is its one column)."""
+        if self.tokens.shape[1] == 1:
+            return self.tokens[:, 0]
         return self.tokens[torch.arange(len(self.tokens)), self.num_accepted]
+
+
+@functools.lru_cache(maxsize=64)
+def no_accepts(rows: int, device: torch.device) -> torch.Tensor:
+    """[rows] int64 zeros: a plain step's accepted counts, made once per (rows, device) and shared (nothing writes an
+    outcome's counts: a step's first op after the forward costs ~30 µs on a CPU, bench/README.md section 48)."""
+    return torch.zeros(rows, dtype=torch.long, device=device)
 
 
 def _leading_true(mask: torch.Tensor) -> torch.Tensor:
@@ -70,8 +80,7 @@ def greedy_verdict(
     accepted while they equal it, and the argmax after the last accepted draft is the bonus/recovered token.
     """
     if draft_tokens.shape[1] == 0:  # a plain step: nothing to compare (three launches fewer on a GPU)
-        none = torch.zeros(len(target), dtype=torch.long, device=target.device)
-        return BlockOutcome(tokens=target, num_accepted=none)
+        return BlockOutcome(tokens=target, num_accepted=no_accepts(len(target), target.device))
     n = _capped(_leading_true(draft_tokens == target[:, :-1]), limit)
     return BlockOutcome(tokens=target, num_accepted=n)
 
@@ -110,4 +119,4 @@ def plain_sample(target_probs: torch.Tensor, uniforms: torch.Tensor) -> BlockOut
     path's (its residual max(0, p − 0) is p, whose mass is positive), without its eight passes over the
     vocabulary (gathers, a [B, 1, V] zero q, clamp, sum, select, scatter: ~0.2 ms of a 5 ms step on the CPU)."""
     emitted = sample(target_probs[:, 0], uniforms[:, 0])
-    return BlockOutcome(tokens=emitted[:, None], num_accepted=torch.zeros_like(emitted))
+    return BlockOutcome(tokens=emitted[:, None], num_accepted=no_accepts(len(emitted), emitted.device))

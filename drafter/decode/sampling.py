@@ -131,6 +131,15 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), the same indices (the first of equal maxima; a NaN counts as the largest): float
+    logits on the CPU through numpy, whose argmax is vectorised. torch's CPU argmax (2.13) is not: 87 µs over a
+    49,152-token vocabulary against numpy's 7, 1.74 ms against 0.16 at [8, 5, V] (bench/README.md section 48)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64) or logits.requires_grad:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.contiguous().numpy().argmax(axis=-1))
+
+
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [N, V] (need not sum to 1), u: [N] in [0, 1) → [N] int64."""
     cdf = probs.cumsum(dim=-1)

@@ -16,7 +16,7 @@ from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import GRAMMAR, Drafter, Proposal, VerifierView, steer_now
 from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, rejection_sample
-from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, argmax, warp
 from specloop.drafter.decode.shaping import StepShaper
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import KVCache
@@ -117,7 +117,7 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
     if o.scoring is not None:  # after the clock: the controller's costs are those of the step itself
         o.scoring.fill(out.logits, verdict.tokens)
     # roll back: keep the verifier's KV for `last` and the accepted drafts only
-    cache.lens = torch.where(plan.active, start + outcome.num_accepted + 1, start)
+    cache.lens = rolled_back(cache.lens, start, outcome.num_accepted, plan, block.k)
     if follower is not None:
         n = outcome.num_accepted
         view = VerifierView(cache, at_emitting_position(out.hidden, n), out.hidden, n + 1)
@@ -130,6 +130,15 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
         if o.clock is not None:
             o.clock.trace_s = time.perf_counter() - t_trace
     return outcome
+
+
+def rolled_back(lens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, plan: StepPlan, k: int) -> torch.Tensor:
+    """[B] each row's cache length after a block of k drafts: an active row keeps `last` and its n accepted drafts
+    (start + n + 1), an inactive one nothing (start). `lens` is what the verify pass left (start + 1 + k: a plain
+    step's already, where every row is active: no op, as each op after a forward costs ~30 µs on a CPU)."""
+    if k == 0:
+        return lens if len(plan.live) == len(start) else torch.where(plan.active, lens, start)
+    return torch.where(plan.active, start + n + 1, start)
 
 
 @dataclass(frozen=True)
@@ -232,7 +241,7 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
     sampled = lambda: sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)  # noqa: E731
     if not params.greedy and not isinstance(params, RowParams):  # no greedy row: the verifier's argmax is not read
         return sampled()
-    target = logits.argmax(dim=-1) if choices is None else choices
+    target = argmax(logits) if choices is None else choices
     if params.greedy:
         return greedy_verdict(*_choices_on_host(block, target), **cap)
     assert isinstance(params, RowParams)  # a sampled step with greedy rows: only per-row params mix them

@@ -248,13 +248,13 @@ class LeanDecoder:
     ) -> ForwardOut:
         """Append `tokens` at each row's `lens`, attend causally, advance `lens` by `n_new`."""
         B, T = tokens.shape
-        n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new
         at = self.positions(cache, T, wide=prefill)
+        advanced = cache.lens + (T if n_new is None else n_new)  # before the layers: an op after them runs cold
         hidden: dict[int, torch.Tensor] = {}
         x = self.run_layers(cache, at, self.embed_tokens(tokens), range(self.num_layers), capture, mlp_up_bias, hidden)
         if last_only:
-            x = last_valid(x, n_new)
-        cache.lens = cache.lens + n_new
+            x = last_valid(x, torch.full((B,), T, dtype=torch.long) if n_new is None else n_new)
+        cache.lens = advanced
         logits = self.logits(x, exact=x.shape[1] <= QUERY_CHUNK)
         if self.vocab_ids is not None:
             logits = expand(logits, self.vocab_ids, self.vocab_size)

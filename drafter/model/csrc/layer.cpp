@@ -157,6 +157,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_interleave", &w4a8_interleave, "w4a8_interleave");
   m.def("w8a8_mm", torch::wrap_pybind_function(w8a8_mm), "w8a8_mm");
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
+  m.def("w8a8_rows", torch::wrap_pybind_function(w8a8_rows), "w8a8_rows");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
   m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");
   // module_local: two builds in one process (bench/step_cost.py --baseline) each register their own type

@@ -1,6 +1,6 @@
 import torch
 
-from specloop.drafter.decode.rejection import greedy_verdict, rejection_sample
+from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, no_accepts, rejection_sample
 from tests.stats import chi2_pvalue
 
 
@@ -78,3 +78,12 @@ def test_an_empty_draft_draws_the_same_token_as_the_residual_of_a_zero_q():
         assert out.tokens.shape == (B, 1) and torch.equal(out.tokens[:, 0], want)
         assert torch.equal(out.num_accepted, torch.zeros(B, dtype=torch.long))
     assert bool((want[1::7] == 5).all()) and bool((want[::3] < V // 2).all())
+
+
+def test_the_last_tokens_are_each_rows_token_at_its_count_and_a_plain_steps_its_one_column():
+    tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    assert BlockOutcome(tokens, torch.tensor([2, 0])).last_tokens.tolist() == [7, 8]
+    plain = BlockOutcome(torch.tensor([[3], [4]]), no_accepts(2, torch.device("cpu")))
+    assert plain.last_tokens.tolist() == [3, 4] and plain.num_accepted.tolist() == [0, 0]
+    assert no_accepts(2, torch.device("cpu")) is plain.num_accepted  # made once, shared by every plain step
+    assert greedy_verdict(torch.zeros(2, 0, dtype=torch.long), torch.tensor([[1], [2]])).num_accepted is plain.num_accepted

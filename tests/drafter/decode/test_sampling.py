@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specloop.drafter.decode.sampling import SamplingParams, draw_uniforms, make_generators, sample, warp
+from specloop.drafter.decode.sampling import SamplingParams, argmax, draw_uniforms, make_generators, sample, warp
 from tests.stats import chi2_pvalue
 
 
@@ -76,3 +76,20 @@ def test_top_p_on_the_most_likely_tokens_gives_the_bits_of_the_whole_vocabulary_
         assert torch.equal(got, _top_p_sorted(probs, top_p)), top_p
     flat = torch.full((1, 1000), 1e-3)  # ties everywhere: the nucleus still holds the mass asked for
     assert (sampling._top_p(flat, 0.5) > 0).sum() == 500
+
+
+def test_argmax_is_torchs_argmax_first_of_equal_maxima_and_nan_as_the_largest():
+    g = torch.Generator().manual_seed(0)
+    nan_rows = torch.randint(-3, 3, (3, 7), generator=g).float()
+    nan_rows[:, 2::3] = float("nan")
+    for x in (torch.randint(-3, 3, (1, 1, 49152), generator=g).float(), torch.randint(-3, 3, (8, 5, 1000)).float(),
+              nan_rows):  # many ties for the maximum
+        got = argmax(x)
+        shape = x.shape
+        assert got.dtype == torch.long and got.shape == shape[:-1]
+        assert torch.equal(got, x.argmax(dim=-1))
+    for row in ([1.0, float("nan"), 5.0, float("nan")], [float("-inf")] * 3, [-0.0, 0.0], [float("inf"), float("nan")]):
+        x = torch.tensor([row], dtype=torch.float64)
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
+    half = torch.randn(2, 300, generator=g).bfloat16()  # no numpy bfloat16: torch's own
+    assert torch.equal(argmax(half), half.argmax(dim=-1))

@@ -8,8 +8,10 @@ import torch
 from bench.gpu_sampling import residual_dropped
 from specloop.drafter.decode.controller import Controller, ControllerConfig
 from specloop.drafter.decode.engine import generate
+from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
+from specloop.drafter.decode.speculative import rolled_back
 from specloop.drafter.kinds.dvi import DVIDrafter
 from specloop.drafter.kinds.ngram import NgramDrafter
 from specloop.drafter.kinds.pretrained import PretrainedDrafter
@@ -322,3 +324,13 @@ def test_stop_strings_end_speculative_and_plain_decoding_at_the_same_token(pair,
     for a, b in zip(plain, spec):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason == "stop"
         assert " the" in decode(a.token_ids) and " the" not in decode(a.token_ids[:-1])
+
+
+def test_a_block_rolls_each_active_rows_cache_back_to_last_and_its_accepted_drafts_an_idle_row_to_where_it_was():
+    start, n = torch.tensor([10, 20, 30]), torch.tensor([2, 0, 1])
+    busy = StepPlan(torch.tensor([True, False, True]), 3, SamplingParams(), m=3, live=(0, 2))
+    assert rolled_back(start + 4, start, n, busy, 3).tolist() == [13, 20, 32]  # the pass wrote 1 + k = 4 each
+    plain_lens = start + 1
+    assert rolled_back(plain_lens, start, n * 0, busy, 0).tolist() == [11, 20, 31]
+    full = StepPlan(torch.ones(3, dtype=torch.bool), 0, SamplingParams(), m=3, live=(0, 1, 2))
+    assert rolled_back(plain_lens, start, n * 0, full, 0) is plain_lens  # a plain step of full rows: as the pass left

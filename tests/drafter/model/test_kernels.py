@@ -238,6 +238,9 @@ def test_w8a8_multiplies_q8_0_blocks_by_int8_rounded_activations_and_looks_rows_
     w = q.double() * d.double().repeat_interleave(32, 1)
     ids = torch.tensor([[0, 99, 17], [64, 63, 5]])
     assert torch.equal(kernels.w8a8_rows(*packed, ids).double(), w[ids])  # q · d, the table's own values
+    assert torch.equal(kernels.w8a8_rows_by_ops(*packed, ids).double(), w[ids])
+    with pytest.raises(RuntimeError, match="outside the table"):  # past the packed blocks (100 rows, padded to 128)
+        kernels.w8a8_rows(*packed, torch.tensor([128]))
     x = torch.randn(9, 576, generator=g)
     xq, dx, _ = kernels.quantized_rows(x)
     exact = (xq.double().view(9, 18, 32) * dx.double()[..., None]).view(9, 576) @ w.t()
