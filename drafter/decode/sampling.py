@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specloop.drafter.model import kernels
+
 MIN_TEMPERATURE = 0.01  # a temperature in (0, this) samples at this one (as vLLM clamps it): logits / 1e-40 overflow
 
 
@@ -141,7 +143,17 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling. probs: [N, V] (need not sum to 1), u: [N] in [0, 1) → [N] int64."""
+    """Inverse-CDF sampling. probs: [N, V] (need not sum to 1), u: [N] in [0, 1) → [N] int64. On the CPU in one
+    compiled call (`kernels.sample_rows`: the same bits as `sample_by_ops`, ~0.2 ms a step less on 2 cores)."""
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 and u.device.type == "cpu":
+        drawn = kernels.sample_rows(probs, u)
+        if drawn is not None:
+            return drawn
+    return sample_by_ops(probs, u)
+
+
+def sample_by_ops(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample` in torch ops (any device: on a GPU no host read)."""
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     target = torch.minimum(u[:, None].to(cdf.device, cdf.dtype) * total,

@@ -318,6 +318,13 @@ def w8a8_rows_by_ops(packed: torch.Tensor, d: torch.Tensor, ids: torch.Tensor) -
     return rows.view(*ids.shape, G * GROUP)
 
 
+def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """specloop.drafter.decode.sampling.sample's draws (probs [N, V] fp32 on the CPU, u [N]) in one compiled call, the
+    same bits; None where the kernels are not built."""
+    mod = _module()
+    return None if mod is None else mod.sample_rows(probs, u)
+
+
 def w8a8_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [R, K] → [R, N'] fp32 (`pack_w8a8`'s layout): int8 blocks times int8 activations."""
     return _module().w8a8_mm(x, packed, d)

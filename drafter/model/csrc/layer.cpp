@@ -3,7 +3,52 @@
 // functions kernels.h declares).
 #include <torch/extension.h>
 
+#include <cmath>
+#include <limits>
+#include <vector>
+
 #include "kernels.h"
+
+// ---------------------------------------------------------------------------- sampling
+
+// torch's searchsorted(right=True) on one sorted row: the first index in [0, n) whose value exceeds v (n: none),
+// the same comparisons in the same order (a NaN compares as torch's loop compares it).
+static inline int64_t upper_bound_as_torch(const float* row, int64_t n, float v) {
+  int64_t start = 0, end = n;
+  while (start < end) {
+    const int64_t mid = start + ((end - start) >> 1);
+    if (!(row[mid] > v)) start = mid + 1; else end = mid;
+  }
+  return start;
+}
+
+// Inverse-CDF draws, one a row: probs [N, V] fp32 (need not sum to 1), u [N] -> [N] int64, the bits of
+// `sampling.sample_by_ops` in one call instead of its ten ops (~0.2 ms a step on 2 cores): the cumulative sums
+// as torch's CPU cumsum makes them (a double accumulator, each stored as a float), the target
+// min(u * total, the float below total) in fp32 (a NaN propagating as torch.minimum's), the first index whose
+// cumulative mass exceeds it, at most V - 1.
+torch::Tensor sample_rows(torch::Tensor probs_in, torch::Tensor u_in) {
+  TORCH_CHECK(probs_in.dim() == 2 && probs_in.scalar_type() == torch::kFloat32, "sample_rows: probs [N, V] fp32");
+  const torch::Tensor probs = probs_in.contiguous(), u = u_in.reshape({-1}).to(torch::kFloat32).contiguous();
+  const int64_t N = probs.size(0), V = probs.size(1);
+  TORCH_CHECK(u.numel() == N && V > 0, "sample_rows: one uniform a row");
+  auto out = torch::empty({N}, torch::kInt64);
+  const float *pp = probs.data_ptr<float>(), *up = u.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, 1, [&](int64_t a, int64_t e) {
+    thread_local std::vector<float> cdf;  // kept between calls: no allocation (nor page faults) a step
+    if ((int64_t)cdf.size() < V) cdf.resize(V);
+    for (int64_t r = a; r < e; ++r) {
+      double acc = 0.0;
+      for (int64_t i = 0; i < V; ++i) { acc += pp[r * V + i]; cdf[i] = static_cast<float>(acc); }
+      const float total = cdf[V - 1], below = std::nextafter(total, 0.0f), scaled = up[r] * total;
+      const float target = std::isnan(scaled) || std::isnan(below) ? std::numeric_limits<float>::quiet_NaN()
+                                                                     : (scaled < below ? scaled : below);
+      op[r] = std::min(upper_bound_as_torch(cdf.data(), V, target), V - 1);
+    }
+  });
+  return out;
+}
 
 // ---------------------------------------------------------------------------- element-wise
 
@@ -158,6 +203,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_mm", torch::wrap_pybind_function(w8a8_mm), "w8a8_mm");
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
   m.def("w8a8_rows", torch::wrap_pybind_function(w8a8_rows), "w8a8_rows");
+  m.def("sample_rows", torch::wrap_pybind_function(sample_rows), "sample_rows");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
   m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");
   // module_local: two builds in one process (bench/step_cost.py --baseline) each register their own type

@@ -1,7 +1,16 @@
 import pytest
 import torch
 
-from specloop.drafter.decode.sampling import SamplingParams, argmax, draw_uniforms, make_generators, sample, warp
+from specloop.drafter.decode.sampling import (
+    SamplingParams,
+    argmax,
+    draw_uniforms,
+    make_generators,
+    sample,
+    sample_by_ops,
+    warp,
+)
+from specloop.drafter.model import kernels
 from tests.stats import chi2_pvalue
 
 
@@ -93,3 +102,24 @@ def test_argmax_is_torchs_argmax_first_of_equal_maxima_and_nan_as_the_largest():
         assert torch.equal(argmax(x), x.argmax(dim=-1))
     half = torch.randn(2, 300, generator=g).bfloat16()  # no numpy bfloat16: torch's own
     assert torch.equal(argmax(half), half.argmax(dim=-1))
+
+
+@pytest.mark.skipif(not kernels.available(), reason="specloop kernels not built on this machine")
+def test_the_compiled_draw_is_the_ops_draw_bit_for_bit():
+    g = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(64, 49152, generator=g) * torch.linspace(0.1, 8, 64)[:, None], dim=-1)
+    probs[1] *= 3.0  # unnormalised
+    probs[2] = 0.0  # no mass: the last token, as the ops give it
+    probs[3, 100:] = 0.0  # a short support: u near 1 lands on its last token
+    probs[4, 7] = float("nan")
+    u = torch.rand(64, generator=g)
+    u[3], u[5], u[6] = 1.0 - 2**-24, 0.0, 0.5
+    got = sample(probs, u)
+    assert got.dtype == torch.long and torch.equal(got, sample_by_ops(probs, u))
+    assert got[2] == 49151 and got[3] < 100
+    edges = probs[:8].cumsum(-1)  # a uniform exactly at a cumulative mass: the next token
+    at = torch.tensor([0.25, 0.5, 0.75, 0.99, 0.01, 0.3, 0.6, 0.9])
+    u_at = (edges[torch.arange(8), (at * 49151).long()] / edges[:, -1]).float()
+    assert torch.equal(sample(probs[:8], u_at), sample_by_ops(probs[:8], u_at))
+    strided = probs.view(8, 8, 49152)[:, 0]  # a view of every eighth row, as a verify pass's first position
+    assert torch.equal(sample(strided, u[:8]), sample_by_ops(strided, u[:8]))
