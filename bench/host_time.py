@@ -22,15 +22,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ROOT.parent / "shared" / "prompts" / "chat_dev.jsonl"  # the last 16: held out from the fetched drafter
 CONDITIONS = ((1, 0.0), (1, 1.0), (8, 0.0), (8, 1.0))  # (batch, temperature)
 
 
-def measure(threads: int, max_tokens: int) -> dict:
+def measure(threads: int, max_tokens: int, prompt_file: str) -> dict:
     """In this process (its `specloop` imported from sys.path[0]): each condition's median host µs a step, tok/s."""
     import torch
 
     from bench.specbench import encode_chat
-    from bench.whole_process import PAIR, SHARED, held_out
+    from bench.whole_process import PAIR
     from specloop.drafter.decode.engine import Engine
     from specloop.drafter.decode.requests import EngineRequest, StopRule
     from specloop.drafter.decode.sampling import SamplingParams
@@ -39,9 +40,7 @@ def measure(threads: int, max_tokens: int) -> dict:
 
     torch.set_num_threads(threads)
     verifier = load_model(PAIR / "verifier", weights="auto")
-    with tempfile.TemporaryDirectory() as tmp:
-        records = [json.loads(line) for line in held_out(SHARED / "chat_dev.jsonl", 16, Path(tmp) / "p").read_text()
-                   .splitlines() if line.strip()]
+    records = [json.loads(line) for line in Path(prompt_file).read_text().splitlines() if line.strip()][-16:]
     prompts = [encode_chat(verifier.tokenizer, r["messages"]) for r in records]
     kernel_s = [0.0]
 
@@ -80,7 +79,7 @@ def in_process(root: Path, args) -> dict:
             f"sys.path.insert(0, {str(root)!r}); import specloop, runpy; "
             f"assert specloop.__file__.startswith({str(root)!r}); "
             f"measure = runpy.run_path({str(Path(__file__).resolve())!r})['measure']; "  # this file, that tree's code
-            f"print(json.dumps(measure({args.threads}, {args.max_tokens})))")
+            f"print(json.dumps(measure({args.threads}, {args.max_tokens}, {str(PROMPTS)!r})))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
