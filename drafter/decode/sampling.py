@@ -144,7 +144,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling. probs: [N, V] (need not sum to 1), u: [N] in [0, 1) → [N] int64. On the CPU in one
-    compiled call (`kernels.sample_rows`: the same bits as `sample_by_ops`, ~0.2 ms a step less on 2 cores)."""
+    compiled call (`kernels.sample_rows`: the same bits as `sample_by_ops`'s ten ops, each of which runs cold after
+    a forward; ~30 µs a sampled step less on 2 cores, bench/README.md section 48)."""
     if probs.device.type == "cpu" and probs.dtype == torch.float32 and probs.dim() == 2 and u.device.type == "cpu":
         drawn = kernels.sample_rows(probs, u)
         if drawn is not None:

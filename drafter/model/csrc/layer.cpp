@@ -23,7 +23,7 @@ static inline int64_t upper_bound_as_torch(const float* row, int64_t n, float v)
 }
 
 // Inverse-CDF draws, one a row: probs [N, V] fp32 (need not sum to 1), u [N] -> [N] int64, the bits of
-// `sampling.sample_by_ops` in one call instead of its ten ops (~0.2 ms a step on 2 cores): the cumulative sums
+// `sampling.sample_by_ops` in one call instead of its ten ops (each cold after a forward): the cumulative sums
 // as torch's CPU cumsum makes them (a double accumulator, each stored as a float), the target
 // min(u * total, the float below total) in fp32 (a NaN propagating as torch.minimum's), the first index whose
 // cumulative mass exceeds it, at most V - 1.
