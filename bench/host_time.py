@@ -122,7 +122,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for arm in ("before", "after") if r % 2 == 0 else ("after", "before"):
                     got = in_process(old if arm == "before" else ROOT, args)
-                    rows.append({"round": r, "arm": arm, **{k: v for k, v in got.items()}})
+                    rows.append({"round": r, "arm": arm, **got})
                     print(r, arm, {k: round(v["host_us"]) for k, v in got.items()}, flush=True)
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
