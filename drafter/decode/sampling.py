@@ -8,6 +8,7 @@ else shares its batch.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -151,6 +152,29 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         if drawn is not None:
             return drawn
     return sample_by_ops(probs, u)
+
+
+def plain_draw(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Tensor) -> torch.Tensor | None:
+    """A plain step's tokens [B] (logits [B, V] or [B, 1, V], u [B] or [B, 1]: no draft to judge) in one compiled
+    call on the CPU, where every row samples at a temperature alone (no top-k, top-p or min-p) or is greedy (its
+    argmax): the draw `warp` and `sample` make, from the same weights up to float rounding
+    (`kernels.softmax_sample_rows`), without their division, softmax and sequential cumulative sum, each a pass over
+    the vocabulary after a forward (bench/README.md section 49). None where it does not apply: the caller warps and
+    samples."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
+        return None
+    rows = params.rows if isinstance(params, RowParams) else (params,) * len(logits)
+    if len(rows) != len(logits) or any(p.top_k or p.top_p < 1.0 or p.min_p > 0 for p in rows if not p.greedy):
+        return None
+    if logits.dim() != 2 and (logits.dim() != 3 or logits.shape[1] != 1):
+        return None
+    return kernels.softmax_sample_rows(logits, _temperatures(tuple(p.temperature for p in rows)), u)
+
+
+@functools.lru_cache(maxsize=64)
+def _temperatures(values: tuple[float, ...]) -> torch.Tensor:
+    """The rows' temperatures as a tensor, shared by the steps of a batch (a tuple of a few floats a key)."""
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def sample_by_ops(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,18 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     return None if mod is None else mod.sample_rows(probs, u)
 
 
+def softmax_sample_rows(logits: torch.Tensor, t: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
+    """A plain sampled step's draws in one compiled call (logits [..., V] fp32 on the CPU: N rows; t [N] each row's
+    temperature, 0: its argmax; u [N] or [N, 1]): [N] int64; None where a row's logits hold a NaN or no finite
+    maximum, or where the kernels are not built (specloop.drafter.decode.sampling.plain_draw)."""
+    mod = _module()
+    fn = None if mod is None else getattr(mod, "softmax_sample_rows", None)  # an earlier revision's build has none
+    if fn is None:
+        return None
+    drawn, every_row = fn(logits, t, u)
+    return drawn if every_row else None
+
+
 def w8a8_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """x [R, K] → [R, N'] fp32 (`pack_w8a8`'s layout): int8 blocks times int8 activations."""
     return _module().w8a8_mm(x, packed, d)
