@@ -239,9 +239,9 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
     proposal, limit = block.proposal, block.limit
     cap = {} if limit is None else {"limit": limit}
     if block.k == 0 and not params.greedy and sampler is rejection_sample and block.u_accept is not None:
-        drawn = plain_draw(logits, params, block.u_accept)  # on the CPU: warp and draw in one call
-        if drawn is not None:
-            return BlockOutcome(tokens=drawn[:, None], num_accepted=no_accepts(len(drawn), drawn.device))
+        plain = plain_draw(logits, params, block.u_accept)  # on the CPU: warp and draw in one call
+        if plain is not None:
+            return BlockOutcome(tokens=plain[:, None], num_accepted=no_accepts(len(plain), plain.device))
     sampled = lambda: sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)  # noqa: E731
     if not params.greedy and not isinstance(params, RowParams):  # no greedy row: the verifier's argmax is not read
         return sampled()

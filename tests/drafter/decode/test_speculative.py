@@ -334,3 +334,31 @@ def test_a_block_rolls_each_active_rows_cache_back_to_last_and_its_accepted_draf
     assert rolled_back(plain_lens, start, n * 0, busy, 0).tolist() == [11, 20, 31]
     full = StepPlan(torch.ones(3, dtype=torch.bool), 0, SamplingParams(), m=3, live=(0, 1, 2))
     assert rolled_back(plain_lens, start, n * 0, full, 0) is plain_lens  # a plain step of full rows: as the pass left
+
+
+def test_a_plain_sampled_verdict_is_the_compiled_draw_and_a_sampler_of_ones_own_is_still_asked():
+    from specloop.drafter.decode.proposer import Proposal
+    from specloop.drafter.decode.rejection import rejection_sample
+    from specloop.drafter.decode.sampling import RowParams, plain_draw, sample, warp
+    from specloop.drafter.decode.speculative import Block, accept
+
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(3, 1, 500, generator=g) * 3
+    u = torch.rand(3, 1, generator=g)
+    block = Block(Proposal(torch.empty(3, 0, dtype=torch.long), None), 0, 0, None, u)
+    params = RowParams((SamplingParams(temperature=0.7), SamplingParams(), SamplingParams(temperature=1.3)))
+    got = accept(block, logits, params, rejection_sample)
+    drawn = plain_draw(logits, params, u)
+    if drawn is not None:  # the kernels are built: the verdict is their draw
+        assert torch.equal(got.tokens[:, 0], drawn)
+    assert got.tokens[1, 0] == logits[1, 0].argmax() and got.num_accepted.tolist() == [0, 0, 0]
+    for b in (0, 2):  # a sampled row: warp and sample's token (the same weights, far from any edge here)
+        assert got.tokens[b, 0] == sample(warp(logits[b], params.rows[b]), u[b])[0]
+    asked = []
+
+    def own(tokens, q, p, uniforms, **cap):
+        asked.append(p.shape)
+        return rejection_sample(tokens, q, p, uniforms, **cap)
+
+    accept(block, logits, params, own)
+    assert asked == [(3, 1, 500)]  # a sampler of the caller's own sees the warped p, as before
