@@ -18,7 +18,8 @@ from functools import cached_property
 
 import torch
 
-from specloop.drafter.decode.sampling import sample
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, sample, tempered_rows
+from specloop.drafter.model import kernels
 
 
 @dataclass
@@ -112,6 +113,22 @@ def rejection_sample(
     tokens = torch.cat([draft_tokens, emitted[:, None]], dim=1)
     tokens[rows, n] = emitted
     return BlockOutcome(tokens=tokens, num_accepted=n)
+
+
+def compiled_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
+                     params: SamplingParams | RowParams, uniforms: torch.Tensor,
+                     limit: torch.Tensor | None = None) -> BlockOutcome | None:
+    """A drafting step's verdict (logits [B, k + 1, V]: the verifier's, not yet warped) in one compiled call on the
+    CPU: `rejection_sample`'s rule on sampled rows (p from the tempered logits as `plain_draw` makes it, q as drafted)
+    and `greedy_verdict`'s on greedy rows, row by row (`kernels.rejection_rows`: the same verdicts up to float
+    rounding, without warp's division and softmax over k + 1 positions and the residual's passes: bench/README.md
+    section 50). None where it does not apply (top-k, top-p or min-p; q not fp32 on the CPU; a NaN): the caller warps
+    and judges by ops."""
+    t = tempered_rows(logits, params)
+    if t is None or draft_probs is None or draft_probs.dtype != torch.float32 or draft_probs.device.type != "cpu":
+        return None
+    judged = kernels.rejection_rows(logits, t, draft_tokens, draft_probs, uniforms, limit)
+    return None if judged is None else BlockOutcome(tokens=judged[0], num_accepted=judged[1])
 
 
 def plain_sample(target_probs: torch.Tensor, uniforms: torch.Tensor) -> BlockOutcome:

@@ -161,14 +161,21 @@ def plain_draw(logits: torch.Tensor, params: SamplingParams | RowParams, u: torc
     (`kernels.softmax_sample_rows`), without their division, softmax and sequential cumulative sum, each a pass over
     the vocabulary after a forward (bench/README.md section 49). None where it does not apply: the caller warps and
     samples."""
+    if logits.dim() != 2 and (logits.dim() != 3 or logits.shape[1] != 1):
+        return None
+    t = tempered_rows(logits, params)
+    return None if t is None else kernels.softmax_sample_rows(logits, t, u)
+
+
+def tempered_rows(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tensor | None:
+    """[B] each row's temperature (0: greedy) where the compiled verdicts can judge the rows of `logits` [B, ...]: fp32
+    on the CPU, every row greedy or at a temperature alone (no top-k, top-p or min-p); else None."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return None
     rows = params.rows if isinstance(params, RowParams) else (params,) * len(logits)
     if len(rows) != len(logits) or any(p.top_k or p.top_p < 1.0 or p.min_p > 0 for p in rows if not p.greedy):
         return None
-    if logits.dim() != 2 and (logits.dim() != 3 or logits.shape[1] != 1):
-        return None
-    return kernels.softmax_sample_rows(logits, _temperatures(tuple(p.temperature for p in rows)), u)
+    return _temperatures(tuple(p.temperature for p in rows))
 
 
 @functools.lru_cache(maxsize=64)

@@ -15,7 +15,13 @@ import torch
 from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import GRAMMAR, Drafter, Proposal, VerifierView, steer_now
-from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, no_accepts, rejection_sample
+from specloop.drafter.decode.rejection import (
+    BlockOutcome,
+    compiled_verdict,
+    greedy_verdict,
+    no_accepts,
+    rejection_sample,
+)
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, argmax, plain_draw, warp
 from specloop.drafter.decode.shaping import StepShaper
 from specloop.drafter.model.decoder import LeanDecoder
@@ -238,10 +244,15 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
     to launch on a GPU)."""
     proposal, limit = block.proposal, block.limit
     cap = {} if limit is None else {"limit": limit}
-    if block.k == 0 and not params.greedy and sampler is rejection_sample and block.u_accept is not None:
-        plain = plain_draw(logits, params, block.u_accept)  # on the CPU: warp and draw in one call
-        if plain is not None:
-            return BlockOutcome(tokens=plain[:, None], num_accepted=no_accepts(len(plain), plain.device))
+    if not params.greedy and sampler is rejection_sample and block.u_accept is not None:  # on the CPU: one call
+        if block.k == 0:
+            plain = plain_draw(logits, params, block.u_accept)
+            if plain is not None:
+                return BlockOutcome(tokens=plain[:, None], num_accepted=no_accepts(len(plain), plain.device))
+        else:
+            judged = compiled_verdict(proposal.tokens, proposal.probs, logits, params, block.u_accept, limit)
+            if judged is not None:
+                return judged
     sampled = lambda: sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)  # noqa: E731
     if not params.greedy and not isinstance(params, RowParams):  # no greedy row: the verifier's argmax is not read
         return sampled()

@@ -50,20 +50,28 @@ torch::Tensor sample_rows(torch::Tensor probs_in, torch::Tensor u_in) {
   return out;
 }
 
-// A plain sampled step's draw in one call: logits [..., V] fp32 (N rows), t [N] (a row's temperature; 0: its argmax),
-// u [N] -> ([N] int64, every row drawn): -1 for a row whose logits hold a NaN or no finite maximum (the caller then
-// takes the ops path).
-// A row's token is the inverse-CDF draw from softmax((x - max) / t): the weights exp((x_i - max) / t) (the layers'
-// own exp, 0 below e^-87) summed by blocks of SAMPLE_BLOCK in a fixed order (lanes in fp32, blocks in double), the target
-// min(u * total, the float below total) in fp32, the block whose running sum first exceeds it found from the block
-// sums, then the token inside it by a running sum (the block's last where rounding leaves none). The same draw
-// as warp + `sample` except where u falls within float rounding of a boundary between two tokens; every row
-// computed alone, in one pass over its logits for the max and one for the weights (instead of a division, a
-// softmax and a sequential double cumsum: ~30 us against ~170 us cold after a forward on 2 cores).
+// Sampled verdicts in one call on the CPU (`softmax_sample_rows`: a plain step's draw; `rejection_rows`: a drafting
+// step's), from the tempered weights exp((x - max) / t) of each position (the layers' own exp, 0 below e^-87; a
+// NaN or no finite max: the row is not judged here and the caller takes the ops path), summed by blocks of
+// SAMPLE_BLOCK in a fixed order (lanes in fp32, blocks in double). A draw: the target min(u * total, the float
+// below total) in fp32, the block whose running sum first exceeds it found from the block sums, then the token
+// inside it by a running sum (the block's last where rounding leaves none). The same draws as `sampling.warp`
+// then `sample` / `rejection.rejection_sample` except where a uniform falls within float rounding of an edge;
+// each row computed alone, without a tensor a pass (bench/README.md sections 49-50).
 constexpr int64_t SAMPLE_BLOCK = 256;
 
-static inline int64_t draw_row(const float* x, int64_t V, float t, float u, std::vector<float>& w,
-                               std::vector<double>& sums) {
+struct Scratch {  // a thread's buffers, kept between calls: no allocation (nor page faults) a step
+  std::vector<float> w, r;
+  std::vector<double> sums;
+  void fit(int64_t V) {
+    if ((int64_t)w.size() < V) { w.resize(V); r.resize(V); }
+    const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    if ((int64_t)sums.size() < nb) sums.resize(nb);
+  }
+};
+
+// The max of x [V]; false where it holds a NaN or no finite max.
+static inline bool row_max(const float* x, int64_t V, float& m) {
   const float ninf = -std::numeric_limits<float>::infinity();
   const int64_t vec = V / NL * NL;
   vn mx = vn{} + ninf;
@@ -73,22 +81,22 @@ static inline int64_t draw_row(const float* x, int64_t V, float t, float u, std:
     bad |= v != v;
     mx = v > mx ? v : mx;
   }
-  float m = ninf;
+  m = ninf;
   bool nan = false;
   for (int l = 0; l < NL; ++l) { nan |= bad[l] != 0; m = std::max(m, mx[l]); }
   for (int64_t i = vec; i < V; ++i) { nan |= x[i] != x[i]; m = std::max(m, x[i]); }
-  if (nan || !std::isfinite(m)) return -1;
-  if (t == 0.0f) return std::find(x, x + V, m) - x;  // the argmax: the max's first index
-  const float inv = 1.0f / t;
+  return !nan && std::isfinite(m);
+}
+
+// w = exp((x - m) * inv) and its block sums; the total.
+static inline double tempered(const float* x, int64_t V, float m, float inv, float* w, double* sums) {
   const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK, full = V / SAMPLE_BLOCK * SAMPLE_BLOCK;
-  if ((int64_t)w.size() < V) w.resize(V);
-  if ((int64_t)sums.size() < nb) sums.resize(nb);
   const vn mv = vn{} + m, iv = vn{} + inv;
   for (int64_t b = 0; b < full / SAMPLE_BLOCK; ++b) {
     vn acc = {};
     for (int64_t i = b * SAMPLE_BLOCK; i < (b + 1) * SAMPLE_BLOCK; i += NL) {
       const vn e = exp_neg_of<vn, vni>((load_vn(x + i) - mv) * iv);
-      std::memcpy(w.data() + i, &e, sizeof(vn));
+      std::memcpy(w + i, &e, sizeof(vn));
       acc += e;
     }
     double s = 0.0;
@@ -106,6 +114,42 @@ static inline int64_t draw_row(const float* x, int64_t V, float t, float u, std:
   }
   double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) total += sums[b];
+  return total;
+}
+
+// r = max(0, w * scale - q) (the residual norm(max(0, p - q)) before its norm) and its block sums; the total.
+static inline double residual(const float* w, float scale, const float* q, int64_t V, float* r, double* sums) {
+  const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK, full = V / SAMPLE_BLOCK * SAMPLE_BLOCK;
+  const vn sv = vn{} + scale, zero = {};
+  for (int64_t b = 0; b < full / SAMPLE_BLOCK; ++b) {
+    vn acc = {};
+    for (int64_t i = b * SAMPLE_BLOCK; i < (b + 1) * SAMPLE_BLOCK; i += NL) {
+      vn v = load_vn(w + i) * sv - load_vn(q + i);
+      v = v > zero ? v : zero;
+      std::memcpy(r + i, &v, sizeof(vn));
+      acc += v;
+    }
+    double sum = 0.0;
+    for (int l = 0; l < NL; ++l) sum += acc[l];
+    sums[b] = sum;
+  }
+  if (full < V) {
+    double sum = 0.0;
+    for (int64_t i = full; i < V; ++i) {
+      const float v = w[i] * scale - q[i];
+      r[i] = v > 0.0f ? v : 0.0f;
+      sum += r[i];
+    }
+    sums[nb - 1] = sum;
+  }
+  double total = 0.0;
+  for (int64_t b = 0; b < nb; ++b) total += sums[b];
+  return total;
+}
+
+// The inverse-CDF draw from weights w [V] (block sums `sums`, their total) with u.
+static inline int64_t draw_weights(const float* w, const double* sums, int64_t V, double total, float u) {
+  const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
   const float tf = static_cast<float>(total), below = std::nextafter(tf, 0.0f), scaled = u * tf;
   const float target = std::isnan(scaled) ? std::numeric_limits<float>::quiet_NaN() : (scaled < below ? scaled : below);
   double before = 0.0;
@@ -119,6 +163,16 @@ static inline int64_t draw_row(const float* x, int64_t V, float t, float u, std:
   return hi - 1;
 }
 
+// One plain row: its argmax at t = 0, else its draw; -1 where the row is not judged here.
+static inline int64_t draw_row(const float* x, int64_t V, float t, float u, Scratch& s) {
+  float m;
+  if (!row_max(x, V, m)) return -1;
+  if (t == 0.0f) return std::find(x, x + V, m) - x;  // the argmax: the max's first index
+  s.fit(V);
+  const double total = tempered(x, V, m, 1.0f / t, s.w.data(), s.sums.data());
+  return draw_weights(s.w.data(), s.sums.data(), V, total, u);
+}
+
 std::tuple<torch::Tensor, bool> softmax_sample_rows(torch::Tensor logits_in, torch::Tensor t_in, torch::Tensor u_in) {
   TORCH_CHECK(logits_in.dim() >= 1 && logits_in.scalar_type() == torch::kFloat32, "softmax_sample_rows: fp32 logits");
   const int64_t V = logits_in.size(-1);
@@ -130,11 +184,86 @@ std::tuple<torch::Tensor, bool> softmax_sample_rows(torch::Tensor logits_in, tor
   const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *up = u.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, N, 1, [&](int64_t a, int64_t e) {
-    thread_local std::vector<float> w;  // kept between calls: no allocation (nor page faults) a step
-    thread_local std::vector<double> sums;
-    for (int64_t r = a; r < e; ++r) op[r] = draw_row(xp + r * V, V, tp[r], up[r], w, sums);
+    thread_local Scratch scratch;
+    for (int64_t r = a; r < e; ++r) op[r] = draw_row(xp + r * V, V, tp[r], up[r], scratch);
   });
   return {out, std::all_of(op, op + N, [](int64_t v) { return v >= 0; })};
+}
+
+// One drafting row's verdict (`rejection_rows`): tok [K1] and its accepted count, false where it is not judged here.
+static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t, const int64_t* d, const float* q,
+                      const float* u, int64_t* tok, int64_t& n, Scratch& s) {
+  float m;
+  n = 0;
+  if (t == 0.0f) {  // greedy: the argmax at every position, drafts accepted while they equal it
+    for (int64_t i = 0; i <= k; ++i) {
+      if (!row_max(x + i * V, V, m)) return false;
+      tok[i] = std::find(x + i * V, x + (i + 1) * V, m) - (x + i * V);
+    }
+    while (n < kb && d[n] == tok[n]) ++n;
+    return true;
+  }
+  s.fit(V);
+  const float inv = 1.0f / t;
+  float* w = s.w.data();
+  double* sums = s.sums.data();
+  double total = 0.0;
+  int64_t at = -1;  // the position whose weights w holds
+  for (int64_t i = 0; i < kb; ++i) {  // accept draft i iff u_i * q_i(d_i) < p_i(d_i)
+    if (d[i] < 0 || d[i] >= V || !row_max(x + i * V, V, m)) return false;
+    total = tempered(x + i * V, V, m, inv, w, sums);
+    at = i;
+    const float p = static_cast<float>(w[d[i]] / total);
+    if (!(u[i] * q[i * V + d[i]] < p)) break;
+    ++n;
+  }
+  if (at != n) {  // every draft accepted: the bonus position's weights
+    if (!row_max(x + n * V, V, m)) return false;
+    total = tempered(x + n * V, V, m, inv, w, sums);
+  }
+  int64_t emitted;
+  if (n < kb) {  // a rejection: norm(max(0, p_n - q_n)), or p_n where that has no mass (p == q)
+    const double rest = residual(w, static_cast<float>(1.0 / total), q + n * V, V, s.r.data(), sums);
+    emitted = rest > 0.0 ? draw_weights(s.r.data(), sums, V, rest, u[k])
+                         : draw_weights(w, sums, V, tempered(x + n * V, V, m, inv, w, sums), u[k]);
+  } else {
+    emitted = draw_weights(w, sums, V, total, u[k]);
+  }
+  for (int64_t i = 0; i < k; ++i) tok[i] = d[i];
+  tok[n] = emitted;
+  tok[k] = emitted;
+  return true;
+}
+
+// Drafting steps' verdicts in one call: logits [B, k + 1, V] fp32, t [B] (0: greedy), drafts [B, k] int64, q [B, k, V]
+// fp32 (what they were drawn from; one-hot for a lookup), u [B, k + 1], limit [B] (each row's own k <= k; empty:
+// k) -> (tokens [B, k + 1], accepted [B], every row judged). `rejection.rejection_sample`'s rule, row by row.
+std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logits_in, torch::Tensor t_in,
+                                                              torch::Tensor d_in, torch::Tensor q_in,
+                                                              torch::Tensor u_in, torch::Tensor limit_in) {
+  TORCH_CHECK(logits_in.dim() == 3 && logits_in.scalar_type() == torch::kFloat32 &&
+              q_in.scalar_type() == torch::kFloat32, "rejection_rows: fp32 logits [B, k + 1, V] and q");
+  const int64_t B = logits_in.size(0), K1 = logits_in.size(1), V = logits_in.size(2), k = K1 - 1;
+  const torch::Tensor x = logits_in.contiguous(), t = t_in.reshape({-1}).to(torch::kFloat32).contiguous(),
+                      d = d_in.to(torch::kInt64).contiguous(), q = q_in.contiguous(),
+                      u = u_in.to(torch::kFloat32).contiguous(), limit = limit_in.to(torch::kInt64).contiguous();
+  TORCH_CHECK(k >= 1 && t.numel() == B && d.numel() == B * k && q.numel() == B * k * V && u.numel() == B * K1 &&
+              (limit.numel() == 0 || limit.numel() == B), "rejection_rows: shapes");
+  auto tokens = torch::empty({B, K1}, torch::kInt64);
+  auto accepted = torch::empty({B}, torch::kInt64);
+  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *qp = q.data_ptr<float>(), *up = u.data_ptr<float>();
+  const int64_t *dp = d.data_ptr<int64_t>(), *lp = limit.numel() ? limit.data_ptr<int64_t>() : nullptr;
+  int64_t *op = tokens.data_ptr<int64_t>(), *np = accepted.data_ptr<int64_t>();
+  std::vector<char> judged(B, 0);
+  at::parallel_for(0, B, 1, [&](int64_t a, int64_t e) {
+    thread_local Scratch scratch;
+    for (int64_t b = a; b < e; ++b) {
+      const int64_t kb = lp ? std::max<int64_t>(0, std::min(lp[b], k)) : k;
+      judged[b] = judge_row(xp + b * K1 * V, V, k, kb, tp[b], dp + b * k, qp + b * k * V, up + b * K1, op + b * K1,
+                            np[b], scratch);
+    }
+  });
+  return {tokens, accepted, std::all_of(judged.begin(), judged.end(), [](char v) { return v != 0; })};
 }
 
 // ---------------------------------------------------------------------------- element-wise
@@ -292,6 +421,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_rows", torch::wrap_pybind_function(w8a8_rows), "w8a8_rows");
   m.def("sample_rows", torch::wrap_pybind_function(sample_rows), "sample_rows");
   m.def("softmax_sample_rows", torch::wrap_pybind_function(softmax_sample_rows), "softmax_sample_rows");
+  m.def("rejection_rows", torch::wrap_pybind_function(rejection_rows), "rejection_rows");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
   m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");
   // module_local: two builds in one process (bench/step_cost.py --baseline) each register their own type

@@ -1,6 +1,15 @@
+import pytest
 import torch
 
-from specloop.drafter.decode.rejection import BlockOutcome, greedy_verdict, no_accepts, rejection_sample
+from specloop.drafter.decode.rejection import (
+    BlockOutcome,
+    compiled_verdict,
+    greedy_verdict,
+    no_accepts,
+    rejection_sample,
+)
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
+from specloop.drafter.model import kernels
 from tests.stats import chi2_pvalue
 
 
@@ -87,3 +96,75 @@ def test_the_last_tokens_are_each_rows_token_at_its_count_and_a_plain_steps_its_
     assert plain.last_tokens.tolist() == [3, 4] and plain.num_accepted.tolist() == [0, 0]
     assert no_accepts(2, torch.device("cpu")) is plain.num_accepted  # made once, shared by every plain step
     assert greedy_verdict(torch.zeros(2, 0, dtype=torch.long), torch.tensor([[1], [2]])).num_accepted is plain.num_accepted
+
+
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason="specloop kernels not built on this machine")
+
+
+@needs_kernels
+@pytest.mark.parametrize("lookup", [False, True])
+def test_the_compiled_verdict_is_the_rejection_samplers_on_warped_logits(lookup):
+    g = torch.Generator().manual_seed(2)
+    B, k, V = 6, 4, 3000
+    mismatches = 0
+    for trial in range(60):
+        logits = torch.randn(B, k + 1, V, generator=g) * 2
+        logits[:, :, ::11] = float("-inf")  # masked tokens
+        params = SamplingParams(temperature=(0.5, 1.0, 1.6)[trial % 3])
+        p = warp(logits, params)
+        if lookup:  # a lookup's drafts, q one-hot; the first often the most likely token
+            drafts = torch.randint(0, V, (B, k), generator=g)
+            drafts[:, 0] = p[:, 0].argmax(-1)
+            q = torch.zeros(B, k, V).scatter_(-1, drafts[..., None], 1.0)
+        else:  # a model's drafts from a q near p: several accepted
+            q = warp(logits[:, :k] + 0.3 * torch.randn(B, k, V, generator=g), params)
+            drafts = torch.multinomial(q.view(-1, V), 1, generator=g).view(B, k)
+        u = torch.rand(B, k + 1, generator=g)
+        limit = torch.randint(0, k + 1, (B,), generator=g) if trial % 2 else None
+        want = rejection_sample(drafts, q, p, u, limit=limit)
+        got = compiled_verdict(drafts, q, logits, params, u, limit)
+        assert got is not None
+        mismatches += int(not (torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)))
+        if limit is not None:
+            assert bool((got.num_accepted <= limit).all())
+    assert mismatches <= 1  # the same verdicts but where a uniform falls within float rounding of an edge
+
+
+@needs_kernels
+def test_the_compiled_verdict_judges_greedy_rows_by_argmax_and_leaves_what_it_cannot_to_the_ops():
+    g = torch.Generator().manual_seed(4)
+    k, V = 3, 500
+    logits = torch.randn(3, k + 1, V, generator=g)
+    target = logits.argmax(-1)
+    drafts = target[:, :k].clone()
+    drafts[2, 1] = (drafts[2, 1] + 1) % V  # row 2's second draft is not the argmax
+    q = torch.zeros(3, k, V).scatter_(-1, drafts[..., None], 1.0)
+    u = torch.rand(3, k + 1, generator=g)
+    params = RowParams((SamplingParams(), SamplingParams(temperature=1.0), SamplingParams()))
+    got = compiled_verdict(drafts, q, logits, params, u, torch.tensor([3, 3, 3]))
+    greedy = greedy_verdict(drafts, target)
+    assert got.num_accepted[0] == 3 and got.num_accepted[2] == 1
+    assert torch.equal(got.tokens[[0, 2]], greedy.tokens[[0, 2]])
+    alone = compiled_verdict(drafts[1:2], q[1:2], logits[1:2], params.rows[1], u[1:2])
+    assert torch.equal(got.tokens[1], alone.tokens[0]) and got.num_accepted[1] == alone.num_accepted[0]
+    nan = logits.clone()
+    nan[1, 0, 7] = float("nan")  # where the row is judged first (a NaN after its rejection is never read)
+    assert compiled_verdict(drafts, q, nan, params, u) is None
+    assert compiled_verdict(drafts, q, logits, SamplingParams(temperature=1.0, top_p=0.9), u) is None
+    assert compiled_verdict(drafts, q.bfloat16(), logits, SamplingParams(temperature=1.0), u) is None
+    assert compiled_verdict(drafts, None, logits, SamplingParams(temperature=1.0), u) is None
+
+
+@needs_kernels
+def test_the_compiled_verdicts_first_token_follows_the_target():
+    p_logits = torch.log(torch.tensor([0.1, 0.4, 0.3, 0.2, 1e-30]))
+    q = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])
+    n = 100_000
+    g = torch.Generator().manual_seed(9)
+    drafts = torch.multinomial(q, n, replacement=True, generator=g)[:, None]
+    out = compiled_verdict(drafts, q.expand(n, 1, -1).contiguous(), p_logits.expand(n, 2, -1).contiguous(),
+                           SamplingParams(temperature=1.0), torch.rand(n, 2, generator=g))
+    p = torch.softmax(p_logits.double(), -1)
+    assert chi2_pvalue(torch.bincount(out.tokens[:, 0], minlength=5).tolist(), p.tolist()) > 1e-3
+    accept_rate = float(out.num_accepted.double().mean())
+    assert abs(accept_rate - float(torch.minimum(p, q.double()).sum())) < 0.01  # Σ min(p, q)
