@@ -34,7 +34,6 @@ def main() -> None:
     import torch
 
     from bench.machine import machine_info
-    from bench.specbench import encode_chat
     from bench.whole_process import PAIR
     from specloop.drafter.decode import rejection, sampling, speculative
     from specloop.drafter.decode.controller import Controller
@@ -43,14 +42,13 @@ def main() -> None:
     from specloop.drafter.decode.sampling import SamplingParams
     from specloop.drafter.kinds.table import build_drafter, default_speculators
     from specloop.drafter.model.loading import load_model
+    from specloop.services.prompts import encode, load_prompts
 
     torch.set_num_threads(args.threads)
     verifier = load_model(PAIR / "verifier", weights="auto")
     drafter = build_drafter("eagle", verifier, PAIR / "drafter", "fp32", default_speculators("eagle"))
-    prompts = []
-    for name in ("chat_dev.jsonl", "code_dev.jsonl"):
-        lines = [line for line in (SHARED / name).read_text().splitlines() if line.strip()][-args.prompts:]
-        prompts += [encode_chat(verifier.tokenizer, json.loads(line)["messages"]) for line in lines]
+    prompts = [encode(verifier.tokenizer, r) for name in ("chat_dev.jsonl", "code_dev.jsonl")
+               for r in load_prompts(SHARED / name)[-args.prompts:]]  # chat messages templated, code as text
     rule = StopRule(verifier.eos_ids)
     compiled = (sampling.plain_draw, rejection.compiled_verdict)
     accept, times = speculative.accept, []
