@@ -88,45 +88,16 @@ static inline bool row_max(const float* x, int64_t V, float& m) {
   return !nan && std::isfinite(m);
 }
 
-// w = exp((x - m) * inv) and its block sums; the total.
-static inline double tempered(const float* x, int64_t V, float m, float inv, float* w, double* sums) {
+// out[i] = f(i) over [0, V) (fv: the NL values from i, fs: the value at i, for a tail) and out's block sums (lanes in
+// fp32, each block in double); the total.
+template <typename FV, typename FS>
+static inline double blockwise(int64_t V, float* out, double* sums, FV fv, FS fs) {
   const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK, full = V / SAMPLE_BLOCK * SAMPLE_BLOCK;
-  const vn mv = vn{} + m, iv = vn{} + inv;
   for (int64_t b = 0; b < full / SAMPLE_BLOCK; ++b) {
     vn acc = {};
     for (int64_t i = b * SAMPLE_BLOCK; i < (b + 1) * SAMPLE_BLOCK; i += NL) {
-      const vn e = exp_neg_of<vn, vni>((load_vn(x + i) - mv) * iv);
-      std::memcpy(w + i, &e, sizeof(vn));
-      acc += e;
-    }
-    double s = 0.0;
-    for (int l = 0; l < NL; ++l) s += acc[l];
-    sums[b] = s;
-  }
-  if (full < V) {
-    double s = 0.0;
-    for (int64_t i = full; i < V; ++i) {
-      const float z = (x[i] - m) * inv;
-      w[i] = z < -87.0f ? 0.0f : std::exp(z);
-      s += w[i];
-    }
-    sums[nb - 1] = s;
-  }
-  double total = 0.0;
-  for (int64_t b = 0; b < nb; ++b) total += sums[b];
-  return total;
-}
-
-// r = max(0, w * scale - q) (the residual norm(max(0, p - q)) before its norm) and its block sums; the total.
-static inline double residual(const float* w, float scale, const float* q, int64_t V, float* r, double* sums) {
-  const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK, full = V / SAMPLE_BLOCK * SAMPLE_BLOCK;
-  const vn sv = vn{} + scale, zero = {};
-  for (int64_t b = 0; b < full / SAMPLE_BLOCK; ++b) {
-    vn acc = {};
-    for (int64_t i = b * SAMPLE_BLOCK; i < (b + 1) * SAMPLE_BLOCK; i += NL) {
-      vn v = load_vn(w + i) * sv - load_vn(q + i);
-      v = v > zero ? v : zero;
-      std::memcpy(r + i, &v, sizeof(vn));
+      const vn v = fv(i);
+      std::memcpy(out + i, &v, sizeof(vn));
       acc += v;
     }
     double sum = 0.0;
@@ -135,16 +106,32 @@ static inline double residual(const float* w, float scale, const float* q, int64
   }
   if (full < V) {
     double sum = 0.0;
-    for (int64_t i = full; i < V; ++i) {
-      const float v = w[i] * scale - q[i];
-      r[i] = v > 0.0f ? v : 0.0f;
-      sum += r[i];
-    }
+    for (int64_t i = full; i < V; ++i) sum += (out[i] = fs(i));
     sums[nb - 1] = sum;
   }
   double total = 0.0;
   for (int64_t b = 0; b < nb; ++b) total += sums[b];
   return total;
+}
+
+// w = exp((x - m) * inv) and its block sums; the total.
+static inline double tempered(const float* x, int64_t V, float m, float inv, float* w, double* sums) {
+  const vn mv = vn{} + m, iv = vn{} + inv;
+  return blockwise(V, w, sums, [&](int64_t i) { return exp_neg_of<vn, vni>((load_vn(x + i) - mv) * iv); },
+                   [&](int64_t i) {
+                     const float z = (x[i] - m) * inv;
+                     return z < -87.0f ? 0.0f : std::exp(z);
+                   });
+}
+
+// r = max(0, w * scale - q) (the residual norm(max(0, p - q)) before its norm) and its block sums; the total.
+static inline double residual(const float* w, float scale, const float* q, int64_t V, float* r, double* sums) {
+  const vn sv = vn{} + scale, zero = {};
+  return blockwise(V, r, sums, [&](int64_t i) {
+                     const vn v = load_vn(w + i) * sv - load_vn(q + i);
+                     return v > zero ? v : zero;
+                   },
+                   [&](int64_t i) { return std::max(0.0f, w[i] * scale - q[i]); });
 }
 
 // The inverse-CDF draw from weights w [V] (block sums `sums`, their total) with u.
