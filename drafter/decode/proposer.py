@@ -36,8 +36,8 @@ class Proposal:
     #                                      longest
     confidence: torch.Tensor | None = None  # [B, k] the drafter's own estimate that the path up to i is accepted
     sources: list[str] | None = None  # [B] which speculator drafted each row (a mix of speculators; None: one)
-    one_hot: bool = False  # deterministic drafts (a lookup): q is one-hot on each token, made only where sampling
-    #                        needs it (`speculative_step`, after the draft is cut), so probs stay None here
+    one_hot: bool = False  # deterministic drafts (a lookup): q is one-hot on each token, made only where the
+    #                        rejection sampler's ops judge them (`speculative.drafted_q`), so probs stay None
 
     def logprobs(self) -> torch.Tensor:
         """[B, k] float32 log q(d_i), computed only when asked (replay logging), never in the step:

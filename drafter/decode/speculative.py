@@ -188,8 +188,6 @@ def propose(verifier: LeanDecoder, last: torch.Tensor, drafter: Drafter | None, 
     host = proposal.tokens if k and proposal.tokens.device.type == "cpu" else None  # a host-side drafter's (n-gram)
     if host is not None and not plan.params.greedy:  # a greedy verdict judges host drafts where they are
         proposal = replace(proposal, tokens=host.to(dev))
-    if proposal.one_hot and not plan.params.greedy:  # deterministic drafts: q is one-hot, made for the cut draft only
-        proposal = replace(proposal, probs=torch.nn.functional.one_hot(proposal.tokens, verifier.vocab_size).float())
     if proposal.probs is not None:
         proposal = replace(proposal, probs=proposal.probs.to(dev))
     return Block(proposal, asked, k, limit, None if u_accept is None else u_accept.to(dev), host)
@@ -250,10 +248,12 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
             if plain is not None:
                 return BlockOutcome(tokens=plain[:, None], num_accepted=no_accepts(len(plain), plain.device))
         else:
-            judged = compiled_verdict(proposal.tokens, proposal.probs, logits, params, block.u_accept, limit)
+            judged = compiled_verdict(proposal.tokens, proposal.probs, logits, params, block.u_accept, limit,
+                                      proposal.one_hot)
             if judged is not None:
                 return judged
-    sampled = lambda: sampler(proposal.tokens, proposal.probs, warp(logits, params), block.u_accept, **cap)  # noqa: E731
+    sampled = lambda: sampler(proposal.tokens, drafted_q(proposal, logits.shape[-1]), warp(logits, params),  # noqa: E731
+                              block.u_accept, **cap)
     if not params.greedy and not isinstance(params, RowParams):  # no greedy row: the verifier's argmax is not read
         return sampled()
     target = argmax(logits) if choices is None else choices
@@ -264,6 +264,14 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
     rows = params.greedy_rows.to(drawn.tokens.device)
     return BlockOutcome(tokens=torch.where(rows[:, None], greedy.tokens, drawn.tokens),
                         num_accepted=torch.where(rows, greedy.num_accepted, drawn.num_accepted))
+
+
+def drafted_q(proposal: Proposal, vocab_size: int) -> torch.Tensor | None:
+    """What the proposal's drafts were drawn from, for the rejection sampler's ops: deterministic drafts' q is one-hot,
+    made here where those ops judge them (the compiled verdict takes them as they are)."""
+    if proposal.one_hot and proposal.probs is None:
+        return torch.nn.functional.one_hot(proposal.tokens, vocab_size).float()
+    return proposal.probs
 
 
 def _choices_on_host(block: Block, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

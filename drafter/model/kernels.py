@@ -337,19 +337,19 @@ def softmax_sample_rows(logits: torch.Tensor, t: torch.Tensor, u: torch.Tensor) 
     return drawn if every_row else None
 
 
-def rejection_rows(logits: torch.Tensor, t: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor, u: torch.Tensor,
-                   limit: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+def rejection_rows(logits: torch.Tensor, t: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
+                   u: torch.Tensor, limit: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Drafting steps' verdicts in one compiled call (logits [B, k + 1, V] fp32 on the CPU, t [B] each row's
-    temperature, 0: greedy; drafts [B, k], q [B, k, V] fp32, u [B, k + 1], limit [B] or None): (tokens [B, k + 1],
-    accepted [B]);
-    None where a row's logits hold a NaN or no finite maximum, a draft is out of the vocabulary, or the kernels are
-    not built (specloop.drafter.decode.rejection.compiled_verdict)."""
+    temperature, 0: greedy; drafts [B, k], q [B, k, V] fp32 or None: one-hot on the drafts; u [B, k + 1], limit [B] or
+    None): (tokens [B, k + 1], accepted [B]); None where a row's logits hold a NaN or no finite maximum, a draft is out
+    of the vocabulary, or the kernels are not built (specloop.drafter.decode.rejection.compiled_verdict)."""
     mod = _module()
     fn = None if mod is None else getattr(mod, "rejection_rows", None)  # an earlier revision's build has none
     if fn is None:
         return None
-    limit = torch.empty(0, dtype=torch.long) if limit is None else limit
-    tokens, accepted, every_row = fn(logits, t, drafts, q, u, limit)
+    none = torch.empty(0)
+    tokens, accepted, every_row = fn(logits, t, drafts, none if q is None else q, u,
+                                     none.long() if limit is None else limit)
     return (tokens, accepted) if every_row else None
 
 

@@ -124,9 +124,20 @@ static inline double tempered(const float* x, int64_t V, float m, float inv, flo
                    });
 }
 
-// r = max(0, w * scale - q) (the residual norm(max(0, p - q)) before its norm) and its block sums; the total.
-static inline double residual(const float* w, float scale, const float* q, int64_t V, float* r, double* sums) {
+// r = max(0, w * scale - q) (the residual norm(max(0, p - q)) before its norm) and its block sums; the total. q null:
+// one-hot on the draft d (a lookup's), so r is w * scale but at d.
+static inline double residual(const float* w, float scale, const float* q, int64_t d, int64_t V, float* r,
+                              double* sums) {
   const vn sv = vn{} + scale, zero = {};
+  if (q == nullptr) {
+    double total = blockwise(V, r, sums, [&](int64_t i) { return load_vn(w + i) * sv; },
+                             [&](int64_t i) { return w[i] * scale; });
+    const float at = std::max(0.0f, w[d] * scale - 1.0f);
+    sums[d / SAMPLE_BLOCK] -= (double)r[d] - at;
+    total -= (double)r[d] - at;
+    r[d] = at;
+    return total;
+  }
   return blockwise(V, r, sums, [&](int64_t i) {
                      const vn v = load_vn(w + i) * sv - load_vn(q + i);
                      return v > zero ? v : zero;
@@ -201,7 +212,7 @@ static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t,
     total = tempered(x + i * V, V, m, inv, w, sums);
     at = i;
     const float p = static_cast<float>(w[d[i]] / total);
-    if (!(u[i] * q[i * V + d[i]] < p)) break;
+    if (!(u[i] * (q ? q[i * V + d[i]] : 1.0f) < p)) break;
     ++n;
   }
   if (at != n) {  // every draft accepted: the bonus position's weights
@@ -210,7 +221,8 @@ static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t,
   }
   int64_t emitted;
   if (n < kb) {  // a rejection: norm(max(0, p_n - q_n)), or p_n where that has no mass (p == q)
-    const double rest = residual(w, static_cast<float>(1.0 / total), q + n * V, V, s.r.data(), sums);
+    const float* qn = q ? q + n * V : nullptr;
+    const double rest = residual(w, static_cast<float>(1.0 / total), qn, d[n], V, s.r.data(), sums);
     emitted = rest > 0.0 ? draw_weights(s.r.data(), sums, V, rest, u[k])
                          : draw_weights(w, sums, V, tempered(x + n * V, V, m, inv, w, sums), u[k]);
   } else {
@@ -223,8 +235,9 @@ static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t,
 }
 
 // Drafting steps' verdicts in one call: logits [B, k + 1, V] fp32, t [B] (0: greedy), drafts [B, k] int64, q [B, k, V]
-// fp32 (what they were drawn from; one-hot for a lookup), u [B, k + 1], limit [B] (each row's own k <= k; empty:
-// k) -> (tokens [B, k + 1], accepted [B], every row judged). `rejection.rejection_sample`'s rule, row by row.
+// fp32 (what they were drawn from; empty: one-hot on the drafts, a lookup's), u [B, k + 1], limit [B] (each row's own
+// k <= k; empty: k) -> (tokens [B, k + 1], accepted [B], every row judged). `rejection.rejection_sample`'s rule, row
+// by row.
 std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logits_in, torch::Tensor t_in,
                                                               torch::Tensor d_in, torch::Tensor q_in,
                                                               torch::Tensor u_in, torch::Tensor limit_in) {
@@ -234,11 +247,12 @@ std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logi
   const torch::Tensor x = logits_in.contiguous(), t = t_in.reshape({-1}).to(torch::kFloat32).contiguous(),
                       d = d_in.to(torch::kInt64).contiguous(), q = q_in.contiguous(),
                       u = u_in.to(torch::kFloat32).contiguous(), limit = limit_in.to(torch::kInt64).contiguous();
-  TORCH_CHECK(k >= 1 && t.numel() == B && d.numel() == B * k && q.numel() == B * k * V && u.numel() == B * K1 &&
+  TORCH_CHECK(k >= 1 && t.numel() == B && d.numel() == B * k && (q.numel() == 0 || q.numel() == B * k * V) && u.numel() == B * K1 &&
               (limit.numel() == 0 || limit.numel() == B), "rejection_rows: shapes");
   auto tokens = torch::empty({B, K1}, torch::kInt64);
   auto accepted = torch::empty({B}, torch::kInt64);
-  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *qp = q.data_ptr<float>(), *up = u.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *up = u.data_ptr<float>();
+  const float* qp = q.numel() ? q.data_ptr<float>() : nullptr;
   const int64_t *dp = d.data_ptr<int64_t>(), *lp = limit.numel() ? limit.data_ptr<int64_t>() : nullptr;
   int64_t *op = tokens.data_ptr<int64_t>(), *np = accepted.data_ptr<int64_t>();
   std::vector<char> judged(B, 0);
@@ -246,7 +260,7 @@ std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logi
     thread_local Scratch scratch;
     for (int64_t b = a; b < e; ++b) {
       const int64_t kb = lp ? std::max<int64_t>(0, std::min(lp[b], k)) : k;
-      judged[b] = judge_row(xp + b * K1 * V, V, k, kb, tp[b], dp + b * k, qp + b * k * V, up + b * K1, op + b * K1,
+      judged[b] = judge_row(xp + b * K1 * V, V, k, kb, tp[b], dp + b * k, qp ? qp + b * k * V : nullptr, up + b * K1, op + b * K1,
                             np[b], scratch);
     }
   });

@@ -124,6 +124,9 @@ def test_the_compiled_verdict_is_the_rejection_samplers_on_warped_logits(lookup)
         want = rejection_sample(drafts, q, p, u, limit=limit)
         got = compiled_verdict(drafts, q, logits, params, u, limit)
         assert got is not None
+        if lookup:  # one-hot drafts as they are, q never made: the same verdict
+            same = compiled_verdict(drafts, None, logits, params, u, limit, one_hot=True)
+            assert torch.equal(same.tokens, got.tokens) and torch.equal(same.num_accepted, got.num_accepted)
         mismatches += int(not (torch.equal(got.num_accepted, want.num_accepted) and torch.equal(got.tokens, want.tokens)))
         if limit is not None:
             assert bool((got.num_accepted <= limit).all())
@@ -152,7 +155,7 @@ def test_the_compiled_verdict_judges_greedy_rows_by_argmax_and_leaves_what_it_ca
     assert compiled_verdict(drafts, q, nan, params, u) is None
     assert compiled_verdict(drafts, q, logits, SamplingParams(temperature=1.0, top_p=0.9), u) is None
     assert compiled_verdict(drafts, q.bfloat16(), logits, SamplingParams(temperature=1.0), u) is None
-    assert compiled_verdict(drafts, None, logits, SamplingParams(temperature=1.0), u) is None
+    assert compiled_verdict(drafts, None, logits, SamplingParams(temperature=1.0), u) is None  # q unknown
 
 
 @needs_kernels

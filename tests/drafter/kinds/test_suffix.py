@@ -10,7 +10,7 @@ from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.requests import EngineRequest, StopRule
 from specloop.drafter.decode.sampling import SamplingParams
-from specloop.drafter.decode.speculative import StepOptions, speculative_step
+from specloop.drafter.decode.speculative import StepOptions, drafted_q, speculative_step
 from specloop.drafter.kinds.suffix import (
     MAX_HITS,
     SEPARATOR,
@@ -204,7 +204,7 @@ def test_the_free_confidence_is_what_a_lookups_proposal_puts_before_the_gate():
 
 
 def test_a_sampled_step_verifies_one_hot_drafts_cut_to_their_length():
-    """At T > 0 the step makes q one-hot on the drafted tokens, for the cut draft only."""
+    """At T > 0 the step verifies the cut draft, q one-hot on its tokens (made only where the ops judge it)."""
     verifier = LeanDecoder(build_model(llama_config(32, 1, 16), seed=3))
     drafter = SuffixDrafter(verifier.vocab_size)
     prompt = [5, 6, 7, 8, 5, 6, 7]
@@ -214,7 +214,9 @@ def test_a_sampled_step_verifies_one_hot_drafts_cut_to_their_length():
     plan = StepPlan.from_uniforms(torch.tensor([True]), 4, SamplingParams(temperature=1.0), torch.full((1, 9), 0.5))
     outcome = speculative_step(verifier, cache, torch.tensor([prompt[-1]]), drafter, plan,
                                options=StepOptions(on_trace=seen.append))
-    q = seen[0].proposal.probs  # the match "5 6 7" (3 tokens) drafts [8, 5, 6]: k = 4 is cut to 3
+    proposal = seen[0].proposal  # the match "5 6 7" (3 tokens) drafts [8, 5, 6]: k = 4 is cut to 3
+    assert proposal.one_hot and proposal.probs is None  # the compiled verdict takes one-hot drafts as they are
+    q = drafted_q(proposal, verifier.vocab_size)  # what the rejection sampler's ops judge them with
     assert q.shape == (1, 3, verifier.vocab_size) and q.sum() == 3.0
     assert q[0].argmax(-1).tolist() == [8, 5, 6] and outcome.drafted.tolist() == [3]
 
