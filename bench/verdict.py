@@ -1,10 +1,10 @@
-"""Benchmark: a sampled step's verdict in situ, the compiled calls (`sampling.plain_draw`, `rejection.compiled_verdict`)
-against warp + the ops they replace, in one process, the arms alternating round by round.
+"""Benchmark: a sampled step's verdict in situ, the compiled call (`rejection.compiled_verdict`) against warp + the ops
+it replaces, in one process, the arms alternating round by round.
 
 The fetched pair as served by default (its eagle head with suffix decoding, k auto), held-out chat and code prompts,
 at batch 1 and 8, T = 0.7 and 1. The time of `speculative.accept` (the verdict: warp, accept tests, residual, draws)
 per step, split into plain steps and drafting steps, medians over a run; tokens/s of the same runs beside it (this VM's
-noise: not the figure). The "ops" arm turns the compiled calls off (both return None: their callers' fallback).
+noise: not the figure). The "ops" arm turns the compiled call off (it returns None: its caller's fallback).
 
     .venv/bin/python bench/verdict.py --rounds 3 --out verdict
 """
@@ -35,7 +35,7 @@ def main() -> None:
 
     from bench.machine import machine_info
     from bench.whole_process import PAIR
-    from specloop.drafter.decode import rejection, sampling, speculative
+    from specloop.drafter.decode import rejection, speculative
     from specloop.drafter.decode.controller import Controller
     from specloop.drafter.decode.engine import generate
     from specloop.drafter.decode.requests import StopRule
@@ -50,7 +50,7 @@ def main() -> None:
     prompts = [encode(verifier.tokenizer, r) for name in ("chat_dev.jsonl", "code_dev.jsonl")
                for r in load_prompts(SHARED / name)[-args.prompts:]]  # chat messages templated, code as text
     rule = StopRule(verifier.eos_ids)
-    compiled = (sampling.plain_draw, rejection.compiled_verdict)
+    compiled = rejection.compiled_verdict
     accept, times = speculative.accept, []
 
     def timed_accept(block, *a, **k):
@@ -63,8 +63,7 @@ def main() -> None:
 
     def run(arm: str, batch: int, temperature: float) -> dict:
         on = arm == "compiled"
-        speculative.plain_draw = compiled[0] if on else (lambda *a, **k: None)
-        speculative.compiled_verdict = compiled[1] if on else (lambda *a, **k: None)
+        speculative.compiled_verdict = compiled if on else (lambda *a, **k: None)
         times.clear()
         tokens, start, controller = 0, time.perf_counter(), Controller()
         for lo in range(0, len(prompts), batch):

@@ -118,14 +118,17 @@ def rejection_sample(
 def compiled_verdict(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor,
                      params: SamplingParams | RowParams, uniforms: torch.Tensor,
                      limit: torch.Tensor | None = None, one_hot: bool = False) -> BlockOutcome | None:
-    """A drafting step's verdict (logits [B, k + 1, V]: the verifier's, not yet warped) in one compiled call on the
-    CPU: `rejection_sample`'s rule on sampled rows (p from the tempered logits as `plain_draw` makes it, q as drafted;
-    `one_hot` with no q: deterministic drafts, q one-hot on them, never made) and `greedy_verdict`'s on greedy rows,
-    row by row (`kernels.rejection_rows`: the same verdicts up to float rounding, without warp's division and
-    softmax over k + 1 positions and the residual's passes: bench/README.md section 50). None where it does not
-    apply (top-k, top-p or min-p; q not fp32 on the CPU; a NaN): the caller warps and judges by ops."""
+    """A step's verdict (logits [B, k + 1, V]: the verifier's, not yet warped; k = 0 for a plain step) in one compiled
+    call on the CPU: `rejection_sample`'s rule on sampled rows (p from the tempered logits, q as drafted; `one_hot`
+    with no q: deterministic drafts, q one-hot on them, never made) and `greedy_verdict`'s on greedy rows, row by row
+    (`kernels.rejection_rows`: the same verdicts up to float rounding, without warp's division and softmax over k + 1
+    positions, the residual's passes and the draw's sequential cumulative sum: bench/README.md sections 49-50). None
+    where it does not apply (top-k, top-p or min-p; q not fp32 on the CPU; a NaN): the caller warps and judges by
+    ops."""
     t = tempered_rows(logits, params)
-    q_ok = one_hot if draft_probs is None else draft_probs.dtype == torch.float32 and draft_probs.device.type == "cpu"
+    plain = draft_tokens.shape[1] == 0  # nothing to judge against q
+    cpu32 = draft_probs is not None and draft_probs.dtype == torch.float32 and draft_probs.device.type == "cpu"
+    q_ok = plain or (one_hot if draft_probs is None else cpu32)
     if t is None or not q_ok:
         return None
     judged = kernels.rejection_rows(logits, t, draft_tokens, draft_probs, uniforms, limit)

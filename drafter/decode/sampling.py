@@ -154,22 +154,10 @@ def sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return sample_by_ops(probs, u)
 
 
-def plain_draw(logits: torch.Tensor, params: SamplingParams | RowParams, u: torch.Tensor) -> torch.Tensor | None:
-    """A plain step's tokens [B] (logits [B, V] or [B, 1, V], u [B] or [B, 1]: no draft to judge) in one compiled
-    call on the CPU, where every row samples at a temperature alone (no top-k, top-p or min-p) or is greedy (its
-    argmax): the draw `warp` and `sample` make, from the same weights up to float rounding
-    (`kernels.softmax_sample_rows`), without their division, softmax and sequential cumulative sum, each a pass over
-    the vocabulary after a forward (bench/README.md section 49). None where it does not apply: the caller warps and
-    samples."""
-    if logits.dim() != 2 and (logits.dim() != 3 or logits.shape[1] != 1):
-        return None
-    t = tempered_rows(logits, params)
-    return None if t is None else kernels.softmax_sample_rows(logits, t, u)
-
-
 def tempered_rows(logits: torch.Tensor, params: SamplingParams | RowParams) -> torch.Tensor | None:
-    """[B] each row's temperature (0: greedy) where the compiled verdicts can judge the rows of `logits` [B, ...]: fp32
-    on the CPU, every row greedy or at a temperature alone (no top-k, top-p or min-p); else None."""
+    """[B] each row's temperature (0: greedy) where the compiled verdict (`rejection.compiled_verdict`) can judge the
+    rows of `logits` [B, ...]: fp32 on the CPU, every row greedy or at a temperature alone (no top-k, top-p or min-p);
+    else None."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.requires_grad:
         return None
     rows = params.rows if isinstance(params, RowParams) else (params,) * len(logits)

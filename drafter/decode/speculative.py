@@ -15,14 +15,8 @@ import torch
 from specloop.drafter.decode.logprobs import Scoring
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import GRAMMAR, Drafter, Proposal, VerifierView, steer_now
-from specloop.drafter.decode.rejection import (
-    BlockOutcome,
-    compiled_verdict,
-    greedy_verdict,
-    no_accepts,
-    rejection_sample,
-)
-from specloop.drafter.decode.sampling import RowParams, SamplingParams, argmax, plain_draw, warp
+from specloop.drafter.decode.rejection import BlockOutcome, compiled_verdict, greedy_verdict, rejection_sample
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, argmax, warp
 from specloop.drafter.decode.shaping import StepShaper
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import KVCache
@@ -243,15 +237,10 @@ def accept(block: Block, logits: torch.Tensor, params: SamplingParams | RowParam
     proposal, limit = block.proposal, block.limit
     cap = {} if limit is None else {"limit": limit}
     if not params.greedy and sampler is rejection_sample and block.u_accept is not None:  # on the CPU: one call
-        if block.k == 0:
-            plain = plain_draw(logits, params, block.u_accept)
-            if plain is not None:
-                return BlockOutcome(tokens=plain[:, None], num_accepted=no_accepts(len(plain), plain.device))
-        else:
-            judged = compiled_verdict(proposal.tokens, proposal.probs, logits, params, block.u_accept, limit,
-                                      proposal.one_hot)
-            if judged is not None:
-                return judged
+        judged = compiled_verdict(proposal.tokens, proposal.probs, logits, params, block.u_accept, limit,
+                                  proposal.one_hot)
+        if judged is not None:
+            return judged
     sampled = lambda: sampler(proposal.tokens, drafted_q(proposal, logits.shape[-1]), warp(logits, params),  # noqa: E731
                               block.u_accept, **cap)
     if not params.greedy and not isinstance(params, RowParams):  # no greedy row: the verifier's argmax is not read

@@ -325,24 +325,13 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     return None if mod is None else mod.sample_rows(probs, u)
 
 
-def softmax_sample_rows(logits: torch.Tensor, t: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
-    """A plain sampled step's draws in one compiled call (logits [..., V] fp32 on the CPU: N rows; t [N] each row's
-    temperature, 0: its argmax; u [N] or [N, 1]): [N] int64; None where a row's logits hold a NaN or no finite
-    maximum, or where the kernels are not built (specloop.drafter.decode.sampling.plain_draw)."""
-    mod = _module()
-    fn = None if mod is None else getattr(mod, "softmax_sample_rows", None)  # an earlier revision's build has none
-    if fn is None:
-        return None
-    drawn, every_row = fn(logits, t, u)
-    return drawn if every_row else None
-
-
 def rejection_rows(logits: torch.Tensor, t: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
                    u: torch.Tensor, limit: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Drafting steps' verdicts in one compiled call (logits [B, k + 1, V] fp32 on the CPU, t [B] each row's
-    temperature, 0: greedy; drafts [B, k], q [B, k, V] fp32 or None: one-hot on the drafts; u [B, k + 1], limit [B] or
-    None): (tokens [B, k + 1], accepted [B]); None where a row's logits hold a NaN or no finite maximum, a draft is out
-    of the vocabulary, or the kernels are not built (specloop.drafter.decode.rejection.compiled_verdict)."""
+    """Steps' verdicts in one compiled call (logits [B, k + 1, V] fp32 on the CPU, t [B] each row's temperature, 0:
+    greedy; drafts [B, k], k = 0 for a plain step; q [B, k, V] fp32 or None: one-hot on the drafts; u [B, k + 1],
+    limit [B] or None): (tokens [B, k + 1], accepted [B]); None where a row's logits hold a NaN or no finite maximum,
+    a draft is out of the vocabulary, or the kernels are not built (specloop.drafter.decode.rejection.compiled_verdict).
+    """
     mod = _module()
     fn = None if mod is None else getattr(mod, "rejection_rows", None)  # an earlier revision's build has none
     if fn is None:

@@ -50,23 +50,23 @@ torch::Tensor sample_rows(torch::Tensor probs_in, torch::Tensor u_in) {
   return out;
 }
 
-// Sampled verdicts in one call on the CPU (`softmax_sample_rows`: a plain step's draw; `rejection_rows`: a drafting
-// step's), from the tempered weights exp((x - max) / t) of each position (the layers' own exp, 0 below e^-87; a
-// NaN or no finite max: the row is not judged here and the caller takes the ops path), summed by blocks of
-// SAMPLE_BLOCK in a fixed order (lanes in fp32, blocks in double). A draw: the target min(u * total, the float
-// below total) in fp32, the block whose running sum first exceeds it found from the block sums, then the token
-// inside it by a running sum (the block's last where rounding leaves none). The same draws as `sampling.warp`
-// then `sample` / `rejection.rejection_sample` except where a uniform falls within float rounding of an edge;
-// each row computed alone, without a tensor a pass (bench/README.md sections 49-50).
+// A step's sampled verdict in one call on the CPU (`rejection_rows`, plain or drafting), from the tempered weights
+// exp((x - max) / t) of each position (the layers' own exp, 0 below e^-87; a NaN or no finite max: the row is not
+// judged here and the caller takes the ops path), summed by blocks of SAMPLE_BLOCK in a fixed order (lanes in fp32,
+// blocks in double). A draw: the target min(u * total, the float below total) in fp32, the block whose running sum
+// first exceeds it found from the block sums, then the token inside it by a running sum (the block's last where
+// rounding leaves none). The same verdicts as `sampling.warp` then `rejection.rejection_sample` except where a
+// uniform falls within float rounding of an edge; each row computed alone, without a tensor a pass (bench/README.md
+// sections 49-50).
 constexpr int64_t SAMPLE_BLOCK = 256;
 
 struct Scratch {  // a thread's buffers, kept between calls: no allocation (nor page faults) a step
-  std::vector<float> w, r;
-  std::vector<double> sums;
+  std::vector<float> w, r;  // a position's tempered weights, the residual
+  std::vector<double> sums, rsums;  // their block sums
   void fit(int64_t V) {
     if ((int64_t)w.size() < V) { w.resize(V); r.resize(V); }
     const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
-    if ((int64_t)sums.size() < nb) sums.resize(nb);
+    if ((int64_t)sums.size() < nb) { sums.resize(nb); rsums.resize(nb); }
   }
 };
 
@@ -161,34 +161,8 @@ static inline int64_t draw_weights(const float* w, const double* sums, int64_t V
   return hi - 1;
 }
 
-// One plain row: its argmax at t = 0, else its draw; -1 where the row is not judged here.
-static inline int64_t draw_row(const float* x, int64_t V, float t, float u, Scratch& s) {
-  float m;
-  if (!row_max(x, V, m)) return -1;
-  if (t == 0.0f) return std::find(x, x + V, m) - x;  // the argmax: the max's first index
-  s.fit(V);
-  const double total = tempered(x, V, m, 1.0f / t, s.w.data(), s.sums.data());
-  return draw_weights(s.w.data(), s.sums.data(), V, total, u);
-}
-
-std::tuple<torch::Tensor, bool> softmax_sample_rows(torch::Tensor logits_in, torch::Tensor t_in, torch::Tensor u_in) {
-  TORCH_CHECK(logits_in.dim() >= 1 && logits_in.scalar_type() == torch::kFloat32, "softmax_sample_rows: fp32 logits");
-  const int64_t V = logits_in.size(-1);
-  const torch::Tensor x = logits_in.reshape({-1, V}).contiguous(), t = t_in.reshape({-1}).to(torch::kFloat32).contiguous(),
-                      u = u_in.reshape({-1}).to(torch::kFloat32).contiguous();
-  const int64_t N = x.size(0);
-  TORCH_CHECK(t.numel() == N && u.numel() == N && V > 0, "softmax_sample_rows: one temperature and one uniform a row");
-  auto out = torch::empty({N}, torch::kInt64);
-  const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *up = u.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, N, 1, [&](int64_t a, int64_t e) {
-    thread_local Scratch scratch;
-    for (int64_t r = a; r < e; ++r) op[r] = draw_row(xp + r * V, V, tp[r], up[r], scratch);
-  });
-  return {out, std::all_of(op, op + N, [](int64_t v) { return v >= 0; })};
-}
-
-// One drafting row's verdict (`rejection_rows`): tok [K1] and its accepted count, false where it is not judged here.
+// One row's verdict (`rejection_rows`; k = 0: a plain step's token): tok [K1] and its accepted count, false where it
+// is not judged here.
 static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t, const int64_t* d, const float* q,
                       const float* u, int64_t* tok, int64_t& n, Scratch& s) {
   float m;
@@ -222,9 +196,9 @@ static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t,
   int64_t emitted;
   if (n < kb) {  // a rejection: norm(max(0, p_n - q_n)), or p_n where that has no mass (p == q)
     const float* qn = q ? q + n * V : nullptr;
-    const double rest = residual(w, static_cast<float>(1.0 / total), qn, d[n], V, s.r.data(), sums);
-    emitted = rest > 0.0 ? draw_weights(s.r.data(), sums, V, rest, u[k])
-                         : draw_weights(w, sums, V, tempered(x + n * V, V, m, inv, w, sums), u[k]);
+    const double rest = residual(w, static_cast<float>(1.0 / total), qn, d[n], V, s.r.data(), s.rsums.data());
+    emitted = rest > 0.0 ? draw_weights(s.r.data(), s.rsums.data(), V, rest, u[k])
+                         : draw_weights(w, sums, V, total, u[k]);
   } else {
     emitted = draw_weights(w, sums, V, total, u[k]);
   }
@@ -234,10 +208,10 @@ static bool judge_row(const float* x, int64_t V, int64_t k, int64_t kb, float t,
   return true;
 }
 
-// Drafting steps' verdicts in one call: logits [B, k + 1, V] fp32, t [B] (0: greedy), drafts [B, k] int64, q [B, k, V]
-// fp32 (what they were drawn from; empty: one-hot on the drafts, a lookup's), u [B, k + 1], limit [B] (each row's own
-// k <= k; empty: k) -> (tokens [B, k + 1], accepted [B], every row judged). `rejection.rejection_sample`'s rule, row
-// by row.
+// Steps' verdicts in one call: logits [B, k + 1, V] fp32, t [B] (0: greedy), drafts [B, k] int64 (k = 0: a plain
+// step, its token drawn or its argmax), q [B, k, V] fp32 (what they were drawn from; empty: one-hot on the drafts, a
+// lookup's), u [B, k + 1], limit [B] (each row's own k <= k; empty: k) -> (tokens [B, k + 1], accepted [B], every
+// row judged). `rejection.rejection_sample`'s rule, row by row.
 std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logits_in, torch::Tensor t_in,
                                                               torch::Tensor d_in, torch::Tensor q_in,
                                                               torch::Tensor u_in, torch::Tensor limit_in) {
@@ -247,8 +221,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logi
   const torch::Tensor x = logits_in.contiguous(), t = t_in.reshape({-1}).to(torch::kFloat32).contiguous(),
                       d = d_in.to(torch::kInt64).contiguous(), q = q_in.contiguous(),
                       u = u_in.to(torch::kFloat32).contiguous(), limit = limit_in.to(torch::kInt64).contiguous();
-  TORCH_CHECK(k >= 1 && t.numel() == B && d.numel() == B * k && (q.numel() == 0 || q.numel() == B * k * V) && u.numel() == B * K1 &&
-              (limit.numel() == 0 || limit.numel() == B), "rejection_rows: shapes");
+  TORCH_CHECK(k >= 0 && t.numel() == B && d.numel() == B * k && (q.numel() == 0 || q.numel() == B * k * V) &&
+              u.numel() == B * K1 && (limit.numel() == 0 || limit.numel() == B), "rejection_rows: shapes");
   auto tokens = torch::empty({B, K1}, torch::kInt64);
   auto accepted = torch::empty({B}, torch::kInt64);
   const float *xp = x.data_ptr<float>(), *tp = t.data_ptr<float>(), *up = u.data_ptr<float>();
@@ -260,8 +234,8 @@ std::tuple<torch::Tensor, torch::Tensor, bool> rejection_rows(torch::Tensor logi
     thread_local Scratch scratch;
     for (int64_t b = a; b < e; ++b) {
       const int64_t kb = lp ? std::max<int64_t>(0, std::min(lp[b], k)) : k;
-      judged[b] = judge_row(xp + b * K1 * V, V, k, kb, tp[b], dp + b * k, qp ? qp + b * k * V : nullptr, up + b * K1, op + b * K1,
-                            np[b], scratch);
+      const float* qb = qp ? qp + b * k * V : nullptr;
+      judged[b] = judge_row(xp + b * K1 * V, V, k, kb, tp[b], dp + b * k, qb, up + b * K1, op + b * K1, np[b], scratch);
     }
   });
   return {tokens, accepted, std::all_of(judged.begin(), judged.end(), [](char v) { return v != 0; })};
@@ -421,7 +395,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
   m.def("w8a8_rows", torch::wrap_pybind_function(w8a8_rows), "w8a8_rows");
   m.def("sample_rows", torch::wrap_pybind_function(sample_rows), "sample_rows");
-  m.def("softmax_sample_rows", torch::wrap_pybind_function(softmax_sample_rows), "softmax_sample_rows");
   m.def("rejection_rows", torch::wrap_pybind_function(rejection_rows), "rejection_rows");
   m.def("layer", torch::wrap_pybind_function(layer), "layer");
   m.def("layer_by_ops", torch::wrap_pybind_function(layer_by_ops), "layer_by_ops");

@@ -8,7 +8,7 @@ from specloop.drafter.decode.rejection import (
     no_accepts,
     rejection_sample,
 )
-from specloop.drafter.decode.sampling import RowParams, SamplingParams, warp
+from specloop.drafter.decode.sampling import RowParams, SamplingParams, sample, warp
 from specloop.drafter.model import kernels
 from tests.stats import chi2_pvalue
 
@@ -171,3 +171,70 @@ def test_the_compiled_verdicts_first_token_follows_the_target():
     assert chi2_pvalue(torch.bincount(out.tokens[:, 0], minlength=5).tolist(), p.tolist()) > 1e-3
     accept_rate = float(out.num_accepted.double().mean())
     assert abs(accept_rate - float(torch.minimum(p, q.double()).sum())) < 0.01  # Σ min(p, q)
+
+
+def plain(logits, params, u):
+    """A plain step's tokens [B] (logits [B, V], u [B]) through the compiled verdict with an empty draft; None where it
+    leaves the step to the ops."""
+    B = len(logits)
+    judged = compiled_verdict(torch.empty(B, 0, dtype=torch.long), None, logits.reshape(B, 1, -1), params,
+                              u.reshape(B, 1), one_hot=True)
+    return None if judged is None else judged.tokens[:, 0]
+
+
+@needs_kernels
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
+def test_a_plain_steps_compiled_draw_is_warp_and_sample_up_to_float_rounding(temperature):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 49152, generator=g) * torch.linspace(0.5, 12, 64)[:, None]
+    logits[::3, ::7] = float("-inf")  # masked tokens (a grammar, a logit bias): never drawn
+    u = torch.rand(64, generator=g)
+    u[0], u[1] = 0.0, 1.0 - 2**-24
+    params = SamplingParams(temperature=temperature)
+    got = plain(logits, params, u)
+    probs = warp(logits, params)
+    want = sample(probs, u)
+    assert got is not None and got.dtype == torch.long
+    cdf = probs.double().cumsum(-1)
+    target = u.double() * cdf[:, -1]
+    for b in torch.nonzero(got != want).flatten().tolist():  # only where u is within rounding of an edge
+        assert abs(cdf[b, want[b]] - target[b]) < 1e-5 or abs(cdf[b, want[b] - 1] - target[b]) < 1e-5, b
+    assert int((got != want).sum()) <= 1
+    assert not bool(torch.isinf(logits[torch.arange(64), got]).any())
+    assert got[0] == 1  # u = 0 in a row whose token 0 is masked: the first token with mass
+
+
+@needs_kernels
+def test_a_plain_steps_compiled_draw_follows_the_tempered_distribution_in_a_vocabulary_of_no_whole_block():
+    g = torch.Generator().manual_seed(6)
+    logits = torch.randn(1, 300, generator=g) * 2  # 300: a block of 256 and a tail
+    n, temperature = 20_000, 0.8
+    u = torch.rand(n, generator=g)
+    drawn = torch.cat([plain(logits.expand(1000, -1).contiguous(), SamplingParams(temperature=temperature),
+                                  u[i : i + 1000]) for i in range(0, n, 1000)])
+    p = torch.softmax(logits[0].double() / temperature, dim=-1)
+    assert chi2_pvalue(torch.bincount(drawn, minlength=300).tolist(), p.tolist()) > 1e-3
+
+
+@needs_kernels
+def test_a_plain_steps_compiled_draw_takes_each_row_alone_and_leaves_what_it_cannot_draw_to_the_ops():
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(4, 1000, generator=g)
+    u = torch.rand(4, generator=g)
+    rows = RowParams((SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.5),
+                      SamplingParams(temperature=1.0, seed=3)))
+    got = plain(logits, rows, u)
+    assert got is not None and got[0] == logits[0].argmax()  # a greedy row: its argmax
+    for b in (1, 2, 3):  # a sampled row: its own draw, whatever the other rows hold
+        alone = plain(logits[b : b + 1], rows.rows[b], u[b : b + 1])
+        garbage = logits.clone()
+        garbage[torch.arange(4) != b] = torch.randn(3, 1000, generator=g) * 100
+        assert got[b] == alone[0] == plain(garbage, rows, u)[b]
+    nan = logits.clone()
+    nan[2, 10] = float("nan")
+    assert plain(nan, rows, u) is None  # the ops' NaN semantics decide
+    assert plain(torch.full((1, 1000), float("-inf")), SamplingParams(temperature=1.0), u[:1]) is None
+    for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=5),
+                   SamplingParams(temperature=1.0, min_p=0.1)):
+        assert plain(logits, params, u) is None
+    assert plain(logits.double(), SamplingParams(temperature=1.0), u) is None

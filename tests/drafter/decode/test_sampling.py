@@ -2,12 +2,10 @@ import pytest
 import torch
 
 from specloop.drafter.decode.sampling import (
-    RowParams,
     SamplingParams,
     argmax,
     draw_uniforms,
     make_generators,
-    plain_draw,
     sample,
     sample_by_ops,
     warp,
@@ -126,63 +124,3 @@ def test_the_compiled_draw_is_the_ops_draw_bit_for_bit():
     strided = probs.view(8, 8, 49152)[:, 0]  # a view of every eighth row, as a verify pass's first position
     assert torch.equal(sample(strided, u[:8]), sample_by_ops(strided, u[:8]))
 
-
-needs_kernels = pytest.mark.skipif(not kernels.available(), reason="specloop kernels not built on this machine")
-
-
-@needs_kernels
-@pytest.mark.parametrize("temperature", [0.3, 1.0, 1.7])
-def test_the_plain_draw_is_warp_and_sample_up_to_float_rounding(temperature):
-    g = torch.Generator().manual_seed(5)
-    logits = torch.randn(64, 49152, generator=g) * torch.linspace(0.5, 12, 64)[:, None]
-    logits[::3, ::7] = float("-inf")  # masked tokens (a grammar, a logit bias): never drawn
-    u = torch.rand(64, generator=g)
-    u[0], u[1] = 0.0, 1.0 - 2**-24
-    params = SamplingParams(temperature=temperature)
-    got = plain_draw(logits, params, u)
-    probs = warp(logits, params)
-    want = sample(probs, u)
-    assert got is not None and got.dtype == torch.long
-    cdf = probs.double().cumsum(-1)
-    target = u.double() * cdf[:, -1]
-    for b in torch.nonzero(got != want).flatten().tolist():  # only where u is within rounding of an edge
-        assert abs(cdf[b, want[b]] - target[b]) < 1e-5 or abs(cdf[b, want[b] - 1] - target[b]) < 1e-5, b
-    assert int((got != want).sum()) <= 1
-    assert not bool(torch.isinf(logits[torch.arange(64), got]).any())
-    assert got[0] == 1  # u = 0 in a row whose token 0 is masked: the first token with mass
-
-
-@needs_kernels
-def test_the_plain_draw_follows_the_tempered_distribution_in_a_vocabulary_of_no_whole_block():
-    g = torch.Generator().manual_seed(6)
-    logits = torch.randn(1, 300, generator=g) * 2  # 300: a block of 256 and a tail
-    n, temperature = 20_000, 0.8
-    u = torch.rand(n, generator=g)
-    drawn = torch.cat([plain_draw(logits.expand(1000, -1).contiguous(), SamplingParams(temperature=temperature),
-                                  u[i : i + 1000]) for i in range(0, n, 1000)])
-    p = torch.softmax(logits[0].double() / temperature, dim=-1)
-    assert chi2_pvalue(torch.bincount(drawn, minlength=300).tolist(), p.tolist()) > 1e-3
-
-
-@needs_kernels
-def test_the_plain_draw_takes_each_row_alone_and_leaves_what_it_cannot_draw_to_the_ops():
-    g = torch.Generator().manual_seed(7)
-    logits = torch.randn(4, 1000, generator=g)
-    u = torch.rand(4, generator=g)
-    rows = RowParams((SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(temperature=0.5),
-                      SamplingParams(temperature=1.0, seed=3)))
-    got = plain_draw(logits, rows, u)
-    assert got is not None and got[0] == logits[0].argmax()  # a greedy row: its argmax
-    for b in (1, 2, 3):  # a sampled row: its own draw, whatever the other rows hold
-        alone = plain_draw(logits[b : b + 1], rows.rows[b], u[b : b + 1])
-        garbage = logits.clone()
-        garbage[torch.arange(4) != b] = torch.randn(3, 1000, generator=g) * 100
-        assert got[b] == alone[0] == plain_draw(garbage, rows, u)[b]
-    nan = logits.clone()
-    nan[2, 10] = float("nan")
-    assert plain_draw(nan, rows, u) is None  # the ops' NaN semantics decide
-    assert plain_draw(torch.full((1, 1000), float("-inf")), SamplingParams(temperature=1.0), u[:1]) is None
-    for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=5),
-                   SamplingParams(temperature=1.0, min_p=0.1)):
-        assert plain_draw(logits, params, u) is None
-    assert plain_draw(logits.double(), SamplingParams(temperature=1.0), u) is None

@@ -338,8 +338,8 @@ def test_a_block_rolls_each_active_rows_cache_back_to_last_and_its_accepted_draf
 
 def test_a_plain_sampled_verdict_is_the_compiled_draw_and_a_sampler_of_ones_own_is_still_asked():
     from specloop.drafter.decode.proposer import Proposal
-    from specloop.drafter.decode.rejection import rejection_sample
-    from specloop.drafter.decode.sampling import RowParams, plain_draw, sample, warp
+    from specloop.drafter.decode.rejection import compiled_verdict, rejection_sample
+    from specloop.drafter.decode.sampling import RowParams, sample, warp
     from specloop.drafter.decode.speculative import Block, accept
 
     g = torch.Generator().manual_seed(11)
@@ -348,9 +348,9 @@ def test_a_plain_sampled_verdict_is_the_compiled_draw_and_a_sampler_of_ones_own_
     block = Block(Proposal(torch.empty(3, 0, dtype=torch.long), None), 0, 0, None, u)
     params = RowParams((SamplingParams(temperature=0.7), SamplingParams(), SamplingParams(temperature=1.3)))
     got = accept(block, logits, params, rejection_sample)
-    drawn = plain_draw(logits, params, u)
+    drawn = compiled_verdict(block.proposal.tokens, None, logits, params, u)
     if drawn is not None:  # the kernels are built: the verdict is their draw
-        assert torch.equal(got.tokens[:, 0], drawn)
+        assert torch.equal(got.tokens, drawn.tokens)
     assert got.tokens[1, 0] == logits[1, 0].argmax() and got.num_accepted.tolist() == [0, 0, 0]
     for b in (0, 2):  # a sampled row: warp and sample's token (the same weights, far from any edge here)
         assert got.tokens[b, 0] == sample(warp(logits[b], params.rows[b]), u[b])[0]
