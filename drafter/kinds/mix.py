@@ -115,7 +115,7 @@ class SpeculatorMix:
         bar = self.expected(model, k)
         scores = [1 + self.calibration.scale * d.score for d in drafts]
         takes = [bool(d.tokens) and s >= bar for d, s in zip(drafts, scores)]
-        mine = proposal_of(drafts, k, [r.tokens[-1] for r in suffix.rows])
+        mine = proposal_of(drafts, k, suffix.fillers())
         if all(takes):
             mine.sources = ["suffix"] * len(drafts)
             self._remember(mine.sources, drafts, model=None)

@@ -9,7 +9,9 @@ Two token stores are searched at every step, for every row:
 
 A store answers like a suffix tree over its tokens, computed on the fly rather than kept as nodes: its
 tokens (4 bytes each) and an index of where each token and each adjacent pair ends (`TokenIndex`,
-16 bytes a token, kept as tokens arrive and leave), so a step's matching never scans the store:
+16 bytes a token, kept as tokens arrive and leave), so a step's matching never scans the store. The store is
+C++ (csrc/suffix.cpp: appending, evicting, matching and following in one call each, ~10× less host time a
+step) where it builds, else `NumpyTokens`, the reference it is tested against draft for draft:
 
     match:   the positions P where the longest suffix of the context (up to `max_depth` tokens)
              occurs with a continuation, from the most recent MAX_HITS occurrences of its last two
@@ -27,9 +29,14 @@ lossless at any temperature, as with the n-gram kind.
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
+import logging
+import os
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -37,6 +44,9 @@ import torch
 from specloop.drafter.decode.proposer import Proposal, VerifierView, first_rows, with_rows
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
+from specloop.drafter.model.kernels import announce_first_build
+
+log = logging.getLogger(__name__)
 
 SEPARATOR = -1  # between two outputs in the global store: never a token, never continued past
 MAX_HITS = 4096  # the most recent occurrences a match starts from (bounds the work of a very common suffix)
@@ -137,21 +147,29 @@ def _live(positions: array | None, base: int, n: int) -> np.ndarray:
     return np.frombuffer(positions, dtype=np.int64)[max(0, hi - MAX_HITS) : hi] - base
 
 
-class Tokens:
-    """A token store searched for matches: its tokens in a growing int32 buffer (positions from `base`, the
-    absolute position of its first: the global store evicts) and their TokenIndex."""
+class NumpyTokens:
+    """The reference token store: its tokens in a growing int32 buffer (positions from `base`, the absolute position
+    of its first: the global store evicts) and their TokenIndex. csrc/suffix.cpp's `Store` is the same store in C++
+    (`Tokens` takes it where it is built): the same methods, the same drafts."""
 
-    def __init__(self, tokens: list[int] | np.ndarray | tuple[()] = ()):
-        self.buf = np.asarray(tokens, dtype=np.int32).copy()
-        self.n, self.base = len(self.buf), 0
+    def __init__(self, capacity: int = 16):
+        self.buf = np.empty(capacity, dtype=np.int32)
+        self.n, self.base = 0, 0
         self.index = TokenIndex()
-        self.index.add(self.buf.tolist(), 0)
 
-    @property
-    def tokens(self) -> np.ndarray:
-        return self.buf[: self.n]
+    def size(self) -> int:
+        return self.n
 
-    def extend(self, tokens: list[int] | np.ndarray) -> None:
+    def last(self) -> int:
+        if not self.n:
+            raise IndexError("an empty store has no last token")
+        return int(self.buf[self.n - 1])
+
+    def slice(self, lo: int, hi: int) -> np.ndarray:
+        """Tokens [lo, hi) from the store's first (a view)."""
+        return self.buf[: self.n][lo:hi]
+
+    def extend(self, tokens: list[int]) -> None:
         """Append and index `tokens` (the buffer doubles as needed)."""
         if self.n + len(tokens) > len(self.buf):
             grown = np.empty(max(2 * len(self.buf), self.n + len(tokens), 16), dtype=np.int32)
@@ -159,13 +177,14 @@ class Tokens:
             self.buf = grown
         before = int(self.buf[self.n - 1]) if self.n else SEPARATOR
         self.buf[self.n : self.n + len(tokens)] = tokens
-        self.index.add(list(map(int, tokens)), self.base + self.n, before)
+        self.index.add(tokens, self.base + self.n, before)
         self.n += len(tokens)
 
     def evict(self, count: int) -> None:
         """Drop the oldest `count` tokens (shifting the rest to the buffer's start): whole texts, each ended by a
         separator, so that no pair indexed across the cut stays behind."""
-        assert self.buf[count - 1] == SEPARATOR, "evict whole texts"
+        if not 0 < count <= self.n or self.buf[count - 1] != SEPARATOR:
+            raise ValueError("evict whole texts")
         self.index.drop(self.buf[:count].tolist(), self.base)
         self.buf[: self.n - count] = self.buf[count : self.n]
         self.n, self.base = self.n - count, self.base + count
@@ -188,6 +207,77 @@ class Tokens:
                 break
             ends, m = keep, m + 1
         return ends, m
+
+    def draft(self, ctx: "NumpyTokens", max_depth: int, k: int, spec_factor: float,
+              min_prob: float) -> tuple[list[int], list[float], int]:
+        """(tokens, p_i, match length) of the draft this store gives for `ctx`'s tokens (`draft_from`)."""
+        context = ctx.buf[max(0, ctx.n - max(max_depth, 2)) : ctx.n]  # all that a match of max_depth reads
+        ends, m = self.match(context, max_depth)
+        if not m:
+            return [], [], 0
+        limit = min(k, max(1, int(spec_factor * m)))
+        path = follow(self.buf[: self.n], ends, limit, min_prob)
+        return [t for t, _ in path], [p for _, p in path], m
+
+
+@functools.cache
+def native_module():
+    """csrc/suffix.cpp built for this machine (once; pybind11 only, seconds), or None: no compiler, a failed build,
+    or SPECLOOP_KERNELS=stock (the Python reference everywhere)."""
+    if os.environ.get("SPECLOOP_KERNELS", "auto") == "stock":
+        return None
+    source = Path(__file__).with_name("csrc") / "suffix.cpp"
+    try:
+        from torch.utils.cpp_extension import load
+
+        digest = hashlib.sha256(f"{torch.__version__}|{source.resolve()}|{source.read_text()}".encode()).hexdigest()
+        name = f"specloop_suffix_{digest[:12]}"
+        announce_first_build(name, "suffix decoding's C++ store (once, ~10 s)")
+        return load(name=name, sources=[str(source)],
+                    extra_cflags=["-O2", "-ffp-contract=off"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: the Python store, the same drafts
+        log.warning("suffix decoding's C++ store not built (%s: %s); using the Python one", type(e).__name__, e)
+        return None
+
+
+def new_store(native: bool | None = None, capacity: int = 16):
+    """An empty token store: the C++ one where it is built (native None: where available; True: required), else
+    the Python reference."""
+    mod = native_module() if native is not False else None
+    if native and mod is None:
+        raise RuntimeError("suffix decoding's C++ store is not built on this machine")
+    return mod.Store() if mod is not None else NumpyTokens(capacity)
+
+
+class Tokens:
+    """A token store searched for matches (a row's history, the global store of earlier outputs): its `impl` is
+    the C++ store or the Python reference (`new_store`), behind one interface."""
+
+    def __init__(self, tokens: list[int] | np.ndarray | tuple[()] = (), native: bool | None = None,
+                 capacity: int = 16):
+        self.impl = new_store(native, capacity)
+        if len(tokens):
+            self.extend(tokens)
+
+    @property
+    def n(self) -> int:
+        return self.impl.size()
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.asarray(self.impl.slice(0, self.n), dtype=np.int32)
+
+    @property
+    def last(self) -> int:
+        return self.impl.last()
+
+    def extend(self, tokens: list[int] | np.ndarray | tuple[()]) -> None:
+        """Append and index `tokens`."""
+        self.impl.extend(tokens.tolist() if isinstance(tokens, np.ndarray) else list(tokens))
+
+    def evict(self, count: int) -> None:
+        """Drop the oldest `count` tokens: whole texts, each ended by a separator."""
+        self.impl.evict(count)
 
 
 def follow(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float) -> list[tuple[int, float]]:
@@ -238,46 +328,41 @@ def _follow_many(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float)
     return path
 
 
-def draft_from(store: Tokens, context: np.ndarray, k: int, cfg: SuffixConfig) -> Draft:
-    """The draft one store gives for `context`: at most min(k, spec_factor · match length) tokens."""
-    ends, m = store.match(context, cfg.max_depth)
-    if not m:
-        return Draft()
-    limit = min(k, max(1, int(cfg.spec_factor * m)))
-    path = follow(store.tokens, ends, limit, cfg.min_prob)
-    return Draft([t for t, _ in path], [p for _, p in path], m)
+def draft_from(store: Tokens, context: Tokens, k: int, cfg: SuffixConfig) -> Draft:
+    """The draft `store` gives for `context`'s tokens: at most min(k, spec_factor · match length) tokens."""
+    tokens, probs, m = store.impl.draft(context.impl, cfg.max_depth, k, cfg.spec_factor, cfg.min_prob)
+    return Draft(list(tokens), list(probs), m)
 
 
 def best_draft(row: "History", store: "OutputStore", k: int, cfg: SuffixConfig) -> Draft:
     """A row's draft: its own history's or the global store's, by score (the history's on a tie). The store
     is not searched when the history's draft is already all that a draft of k tokens can promise."""
-    own = draft_from(row, row.tokens, k, cfg)
+    own = draft_from(row, row, k, cfg)
     if not store.n or own.score >= k:
         return own
-    other = draft_from(store, row.tokens, k, cfg)
+    other = draft_from(store, row, k, cfg)
     return own if own.score >= other.score else other
 
 
 class History(Tokens):
     """One row's tokens (prompt, then output), indexed as they grow."""
 
-    def __init__(self, prompt: list[int]):
-        super().__init__(prompt)
+    def __init__(self, prompt: list[int] | np.ndarray, native: bool | None = None):
+        super().__init__(prompt, native)
         self.prompt_len = len(prompt)
         self.drafted: tuple[tuple, Draft] | None = None  # the last draft asked of these tokens, and for what
 
     @property
     def output(self) -> np.ndarray:
-        return self.buf[self.prompt_len : self.n]
+        return np.asarray(self.impl.slice(self.prompt_len, self.n), dtype=np.int32)
 
 
 class OutputStore(Tokens):
     """Earlier requests' outputs, oldest evicted first: at most `capacity` tokens with separators."""
 
-    def __init__(self, capacity: int):
-        super().__init__()
+    def __init__(self, capacity: int, native: bool | None = None):
+        super().__init__((), native, capacity)
         self.capacity = capacity
-        self.buf = np.empty(capacity, dtype=np.int32)
         self.sizes: deque[int] = deque()  # tokens (and separator) of each stored output, oldest first
         self.version = 0  # outputs added so far: drafts computed before an addition are stale
 
@@ -343,13 +428,17 @@ class SuffixDrafter:
         return row.drafted[1]
 
     def propose(self, k: int, params: SamplingParams | RowParams, uniforms: torch.Tensor | None) -> Proposal:
-        return proposal_of(self.drafts(k), k, [row.tokens[-1] for row in self.rows])
+        return proposal_of(self.drafts(k), k, self.fillers())
+
+    def fillers(self) -> list[int]:
+        """Each row's last token (what fills a proposal past its draft)."""
+        return [row.last for row in self.rows]
 
     def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
         """Drafts that cost no model pass (decode.engine asks for them on steps the controller left plain):
         this drafter's own, or None where no row has one."""
         drafts = self.drafts(k)
-        return proposal_of(drafts, k, [row.tokens[-1] for row in self.rows]) if any(d.tokens for d in drafts) else None
+        return proposal_of(drafts, k, self.fillers()) if any(d.tokens for d in drafts) else None
 
     def free_confidence(self, k: int, m: int) -> tuple[list[list[float]], list[str] | None]:
         """What a lookup of rows [0, m) (`lookup`) would put before the confidence gate, without making it: each

@@ -100,7 +100,7 @@ def _module():
         return None
     try:
         name = f"specloop_kernels_{_cpu_digest()}"  # in the try: an install without csrc/ falls back too
-        _announce_first_build(name)
+        announce_first_build(name, "its CPU kernels for this CPU (once, ~40 s)")
         mod = build(_CSRC, name)
     except Exception as e:  # noqa: BLE001 - any build failure means: use the stock kernels
         log.warning("specloop kernels not built (%s: %s); using torch's stock int4/int8 kernels and the eager "
@@ -124,8 +124,8 @@ def build(folder: Path, name: str):
                 "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def _announce_first_build(name: str) -> None:
-    """Say so on stderr when this CPU's build is not cached yet (a ~30 s pause otherwise unexplained)."""
+def announce_first_build(name: str, what: str) -> None:
+    """Say so on stderr when extension `name` is not built and cached yet (a pause otherwise unexplained)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
@@ -133,7 +133,7 @@ def _announce_first_build(name: str) -> None:
     except Exception:  # noqa: BLE001 - only a message depends on it
         built = True
     if not built:
-        print("specloop: building its CPU kernels for this CPU (once, ~40 s)...", file=sys.stderr, flush=True)
+        print(f"specloop: building {what}...", file=sys.stderr, flush=True)
 
 
 def available() -> bool:

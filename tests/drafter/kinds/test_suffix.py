@@ -14,6 +14,7 @@ from specloop.drafter.decode.speculative import StepOptions, drafted_q, speculat
 from specloop.drafter.kinds.suffix import (
     MAX_HITS,
     SEPARATOR,
+    Draft,
     History,
     OutputStore,
     SuffixConfig,
@@ -22,10 +23,13 @@ from specloop.drafter.kinds.suffix import (
     best_draft,
     draft_from,
     follow,
+    native_module,
 )
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.kv_cache import prefill
 from tests.tiny import build_model, llama_config
+
+BACKENDS = [False, pytest.param(True, marks=pytest.mark.skipif(native_module() is None, reason="no C++ store built"))]
 
 
 def brute_match(seq: list[int], context: list[int], max_depth: int) -> tuple[list[int], int]:
@@ -62,7 +66,7 @@ def test_the_longest_match_and_its_continuations_equal_brute_force_on_random_tex
             seq = [SEPARATOR if rng.random() < 0.1 else t for t in seq]
         context = rng.integers(0, vocab, size=int(rng.integers(1, 12))).tolist()
         depth = int(rng.integers(1, 8))
-        ends, m = Tokens(seq).match(np.array(context, dtype=np.int32), depth)
+        ends, m = Tokens(seq, native=False).impl.match(np.array(context, dtype=np.int32), depth)
         want_ends, want_m = brute_match(seq, context, depth)
         assert (sorted(ends.tolist()), m) == (want_ends, want_m), (seq, context, depth)
         got = follow(np.array(seq, dtype=np.int32), ends, 6, 0.05)
@@ -71,27 +75,29 @@ def test_the_longest_match_and_its_continuations_equal_brute_force_on_random_tex
         assert np.allclose([p for _, p in got], [p for _, p in want])
 
 
-def test_a_draft_is_no_longer_than_the_match_allows_and_stops_when_unlikely():
-    text = np.array([5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 5, 6], dtype=np.int32)
-    short = draft_from(Tokens(text), text, 8, SuffixConfig())  # "5 6" matches: 2 tokens at spec_factor 1
+@pytest.mark.parametrize("native", BACKENDS)
+def test_a_draft_is_no_longer_than_the_match_allows_and_stops_when_unlikely(native):
+    text = Tokens([5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 5, 6], native)
+    short = draft_from(text, text, 8, SuffixConfig())  # "5 6" matches: 2 tokens at spec_factor 1
     assert (short.match_len, short.tokens) == (2, [7, 8])
-    long = draft_from(Tokens(text), text, 8, SuffixConfig(spec_factor=4.0))
+    long = draft_from(text, text, 8, SuffixConfig(spec_factor=4.0))
     assert long.tokens == [7, 8, 9, 10, 11, 12, 1, 2] and long.probs == [1.0] * 8
-    branchy = np.array([1, 2, 0, 1, 3, 0, 1, 4, 0, 1, 2, 0, 7, 1], dtype=np.int32)  # after "1": 2, 3, 4, 2
-    assert draft_from(Tokens(branchy), branchy, 4, SuffixConfig(min_prob=0.6)).tokens == []
-    assert draft_from(Tokens(branchy), branchy, 1, SuffixConfig(min_prob=0.4)).tokens == [2]
-    nothing = draft_from(Tokens(text), np.array([99], dtype=np.int32), 8, SuffixConfig())
+    branchy = Tokens([1, 2, 0, 1, 3, 0, 1, 4, 0, 1, 2, 0, 7, 1], native)  # after "1": 2, 3, 4, 2
+    assert draft_from(branchy, branchy, 4, SuffixConfig(min_prob=0.6)).tokens == []
+    assert draft_from(branchy, branchy, 1, SuffixConfig(min_prob=0.4)).tokens == [2]
+    nothing = draft_from(text, Tokens([99], native), 8, SuffixConfig())
     assert (nothing.tokens, nothing.match_len, nothing.score) == ([], 0, 0.0)
 
 
-def test_the_output_store_keeps_the_newest_outputs_within_its_capacity():
+@pytest.mark.parametrize("native", BACKENDS)
+def test_the_output_store_keeps_the_newest_outputs_within_its_capacity(native):
     rng = np.random.default_rng(1)
-    store, kept = OutputStore(200), []
+    store, kept = OutputStore(200, native), []
     for _ in range(500):
         out = rng.integers(0, 50, size=int(rng.integers(1, 90))).astype(np.int32)
         store.add(out)
         kept.append(out[-199:].tolist() + [SEPARATOR])
-        assert store.n <= 200 and len(store.buf) == 200  # memory never grows
+        assert store.n <= 200 and (native or len(store.impl.buf) == 200)  # memory never grows
         expect, total = [], 0
         for piece in reversed(kept):  # the newest outputs that fit, oldest evicted first
             if total + len(piece) > 200:
@@ -110,27 +116,69 @@ def test_the_stores_index_follows_appends_and_evictions_exactly():
     holds (so it holds one entry per token and pair kept: its memory is bounded with the store's), and every
     match on it equals brute force."""
     rng = np.random.default_rng(2)
-    store = OutputStore(300)
+    store = OutputStore(300, native=False)
     for step in range(400):
         store.add(rng.integers(0, 6, size=int(rng.integers(1, 60))).astype(np.int32))
-        assert _relative(store.index, store.base) == _relative(Tokens(store.tokens).index, 0)
+        assert _relative(store.impl.index, store.impl.base) == _relative(Tokens(store.tokens, False).impl.index, 0)
         if step % 20 == 0:
             seq = store.tokens.tolist()
             for _ in range(10):
                 context = rng.integers(0, 6, size=int(rng.integers(1, 10))).tolist()
-                ends, m = store.match(np.array(context, dtype=np.int32), 8)
+                ends, m = store.impl.match(np.array(context, dtype=np.int32), 8)
                 assert (ends.tolist(), m) == brute_match(seq, context, 8)
-    history = History([1, 2, 3])
+    history = History([1, 2, 3], native=False)
     for _ in range(50):
         history.extend(rng.integers(0, 6, size=int(rng.integers(1, 6))).tolist())
-    assert _relative(history.index, 0) == _relative(Tokens(history.tokens).index, 0)
+    assert _relative(history.impl.index, 0) == _relative(Tokens(history.tokens, False).impl.index, 0)
 
 
 def test_a_match_starts_from_the_most_recent_occurrences_of_a_very_common_pair():
     seq = np.array([3, 4] * (MAX_HITS + 100) + [9], dtype=np.int32)
-    ends, m = Tokens(seq).match(np.array([5, 3, 4], dtype=np.int32), 8)
+    ends, m = Tokens(seq, native=False).impl.match(np.array([5, 3, 4], dtype=np.int32), 8)
     pairs = [p for p in range(1, len(seq) - 1) if seq[p - 1] == 3 and seq[p] == 4]
     assert m == 2 and ends.tolist() == pairs[-MAX_HITS:]
+
+
+def _same_drafts(stores: tuple[Tokens, Tokens], rows: tuple[Tokens, Tokens], cfg: SuffixConfig, k: int) -> Draft:
+    """Each backend's draft of `stores` for `rows` (C++, Python): equal token for token and bit for bit."""
+    native, reference = (draft_from(store, row, k, cfg) for store, row in zip(stores, rows))
+    assert native == reference, (native, reference)
+    return native
+
+
+@pytest.mark.skipif(native_module() is None, reason="no C++ store built")
+def test_the_cpp_store_drafts_what_the_python_store_drafts_through_appends_and_evictions():
+    """csrc/suffix.cpp against the Python reference: a global store of random outputs (evicting its oldest), rows
+    growing a token or a few at a time, every configuration's draft equal (tokens, p_i to the bit, match length),
+    matches that start from MAX_HITS occurrences of a common pair, contexts that match nothing."""
+    rng = np.random.default_rng(7)
+    stores = OutputStore(500, native=True), OutputStore(500, native=False)
+    drafted = 0
+    for step in range(300):
+        vocab = int(rng.integers(2, 9))
+        out = rng.integers(0, vocab, size=int(rng.integers(1, 80))).astype(np.int32)
+        for store in stores:
+            store.add(out)
+        assert stores[0].tokens.tolist() == stores[1].tokens.tolist()
+        prompt = rng.integers(0, vocab, size=int(rng.integers(1, 30))).tolist()
+        rows = History(prompt, native=True), History(prompt, native=False)
+        for _ in range(4):
+            cfg = SuffixConfig(max_depth=int(rng.integers(1, 12)), spec_factor=float(rng.choice([0.5, 1.0, 2.5])),
+                               min_prob=float(rng.choice([0.0, 0.1, 0.4])))
+            k = int(rng.integers(1, 9))
+            drafted += len(_same_drafts(stores, rows, cfg, k).tokens)
+            assert best_draft(rows[0], stores[0], k, cfg) == best_draft(rows[1], stores[1], k, cfg)
+            _same_drafts(rows, rows, cfg, k)
+            more = rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()
+            for row in rows:
+                row.extend(more)
+            assert rows[0].output.tolist() == rows[1].output.tolist() and rows[0].last == rows[1].last
+    assert drafted > 500  # the stores matched often
+    common = [3, 4] * (MAX_HITS + 100) + [9, 3, 4, 3]
+    pair = Tokens(common, True), Tokens(common, False)
+    assert _same_drafts(pair, pair, SuffixConfig(max_depth=3, spec_factor=4.0), 8).tokens == [4, 3, 4, 3, 4, 3, 4, 3]
+    nothing = Tokens([99], True), Tokens([99], False)
+    assert _same_drafts(stores, nothing, SuffixConfig(), 4) == Draft()
 
 
 def test_the_best_draft_is_the_higher_scoring_stores_and_skips_the_store_when_it_cannot_win():
@@ -142,8 +190,8 @@ def test_the_best_draft_is_the_higher_scoring_stores_and_skips_the_store_when_it
             store.add(rng.integers(0, 4, size=int(rng.integers(1, 40))).astype(np.int32))
         row = History(rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist())
         k = int(rng.integers(1, 6))
-        own = draft_from(row, row.tokens, k, cfg)
-        other = draft_from(store, row.tokens, k, cfg)
+        own = draft_from(row, row, k, cfg)
+        other = draft_from(store, row, k, cfg)
         assert best_draft(row, store, k, cfg) == (own if own.score >= other.score else other)
 
 
