@@ -586,7 +586,8 @@ class Engine:
         (the capacity rule reserves that much)."""
         if self.backend == "graph":
             return self.controller.cfg.k_max
-        room = self.capacity - 1 - int(self.cache.lens[live].max())
+        lens = self.cache.lens.tolist()  # one read (indexing the tensor by `live` is ops: ~50 µs after the layers)
+        room = self.capacity - 1 - max(lens[s] for s in live)
         return max(self.controller.cfg.k_max, min(self.controller.cfg.lookup_max, room))
 
     def _choose(self, rows: list, live: list[int], m: int) -> Choice | None:

@@ -444,7 +444,7 @@ class SuffixDrafter:
         """What a lookup of rows [0, m) (`lookup`) would put before the confidence gate, without making it: each
         row's draft's confidence (its path probabilities as the proposal's float32 holds them; [] where it has
         none), and the speculator each row is calibrated as (None: this drafter's own)."""
-        return [np.asarray(d.probs, dtype=np.float32).tolist() for d in self.drafts(k, list(range(m)))], None
+        return [array("f", d.probs).tolist() for d in self.drafts(k, list(range(m)))], None  # float32, as proposal_of
 
     def observe(self, outcome: BlockOutcome, active: torch.Tensor, view: VerifierView | None = None) -> None:
         for b, on in enumerate(active.tolist()):  # one read of the rows' flags
