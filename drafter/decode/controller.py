@@ -23,7 +23,11 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   and the rest of the step (bookkeeping, acceptance, logging; by drafting or not) relative to the
   same step's plain-pass equivalent (verify / r). Shapes never measured take the nearest measured
   bucket's slope (steeper for a larger batch) or the priors; the first sample of a shape may carry
-  one-time costs, so a lower second sample replaces it. The decision needs only these ratios:
+  one-time costs, so a lower second sample replaces it. r(T) is never below 1 (more tokens never cost
+  a pass less): a pass of T >= 2 measured more than `reference_drift` faster than its plain reference
+  says the reference is stale (a process warming up runs each pass faster than the last for its first
+  tens of steps), so it teaches no ratio and the reference is taken again. The decision needs only
+  these ratios:
 
       S(k) / verify(1) = overhead(k > 0) + draft(k) + r(k + 1)
 
@@ -41,10 +45,13 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
   `idle` steps have passed without drafting: `explore_min` steps when the probe's verify shape was
   never measured at this bucket, else `interval`, which doubles after every probe (up to
   `explore_max`) and is reset when speculation wins or the drafter changes. While drafting pays, a
-  plain step is taken when the bucket's last one is more than `explore_max` steps old (or there is
-  none), to learn the ratios against. Both wait longer by the measured cost of switching (the
-  drafter restarts rows that skipped plain steps: `switch_cost`), so exploring costs at most about
-  one step in `explore_min` and tends to one in `explore_max`.
+  plain step is taken when the bucket's last one is older than `reference_age` (or there is none), to
+  learn the ratios against: `explore_min` · 2 steps after its first ratios, doubling with each pair
+  learned there, up to `explore_max` (the first ones are learned in a process's first steps; learned
+  again only every `explore_max` steps, a wrong one kept a drafter that did not pay drafting for 256).
+  Both wait longer by the measured cost of switching (the drafter restarts rows that skipped plain
+  steps: `switch_cost`), so exploring costs at most about one step in `explore_min` and tends to one in
+  `explore_max`.
 - Confidence (drafters that report it: suffix decoding's path frequency, an eagle head's own
   probability of its drafts): once a step has drafted, the verify pass is cut to the width W* that
   maximizes the batch's expected tokens per unit of time, and each row keeps the first min(W*, L_b)
@@ -96,6 +103,7 @@ class ControllerConfig:
     swap_keep: float = 0.25  # weight kept by acceptance counts when a new drafter takes over
     cost_decay: float = 0.9  # EWMA: weight kept by the old estimate at each new sample
     side_by_side: int = 2  # a drafting step this close (in steps) to a plain one measures r(T)
+    reference_drift: float = 0.05  # r(T >= 2) measured this far below 1: the plain reference is stale, not r
     prior_verify_slope: float = 0.5  # verify(T) ≈ verify(1) · (1 + slope · (T − 1)) before measuring
     prior_draft_ratio: float = 0.3  # drafting per token ≈ ratio · verify(1) before measuring
     prior_overhead_ratio: float = 2.0  # a drafting step's overhead ≈ ratio · a plain step's before measuring
@@ -232,6 +240,9 @@ class Costs:
                 seconds = step.verify_s  # the first plain pass may carry one-time costs: a lower second replaces it
             self.plain[b] = (self.steps, seconds)
             unit = step.verify_s
+        elif beside is not None and beside > 0 and step.verify_s < (1 - self.cfg.reference_drift) * beside:
+            del self.plain[b]  # faster than a plain pass: the machine sped up since it; `stale` until one is taken
+            unit = step.verify_s / self.ratio_of(T, b)
         elif beside is not None and beside > 0:
             self.add(self.ratio, (T, b), step.verify_s / beside)
             unit = beside
@@ -271,6 +282,12 @@ class Costs:
         """Drafts a step asking k verifies on average at bucket b: k, or less for a self-limiting drafter."""
         return min(float(k), self.offered[(k, b)].value) if (k, b) in self.offered else float(k)
 
+    def reference_age(self, b: int) -> int:
+        """Steps the plain reference at bucket b may age while drafting pays: `explore_min` · 2 after the first
+        ratios learned there, doubling with every `side_by_side` learned since, up to `explore_max`."""
+        learned = sum(e.n for (_, bb), e in self.ratio.items() if bb == b) // self.cfg.side_by_side
+        return min(self.cfg.explore_max, self.cfg.explore_min << min(learned, 16))
+
     def stale(self, b: int, age: int) -> bool:
         """No plain pass at bucket b within the last `age` steps (the reference the ratios are learned against)."""
         return b not in self.plain or self.steps - self.plain[b][0] >= age
@@ -280,7 +297,7 @@ class Costs:
         return min(buckets, key=lambda x: (abs(x.bit_length() - b.bit_length()), x)) if buckets else None
 
     def _points(self, b: int) -> dict[int, float]:
-        return {T: e.value for (T, bb), e in self.ratio.items() if bb == b}
+        return {T: max(1.0, e.value) for (T, bb), e in self.ratio.items() if bb == b}
 
     def slope(self, b: int) -> float:
         """r(T) − 1 per extra token at bucket b: through r(1) = 1 and the largest shape learned there; else
@@ -299,7 +316,7 @@ class Costs:
         if T == 1:
             return 1.0
         if (T, b) in self.ratio:
-            return self.ratio[(T, b)].value
+            return max(1.0, self.ratio[(T, b)].value)  # a noisy mean under 1 (one-width graph steps: r = 1)
         pts = {1: 1.0} | self._points(b)
         below, above = [t for t in pts if t < T], [t for t in pts if t > T]
         lo = max(below)
@@ -558,7 +575,7 @@ class Controller:
             return self._chose(Choice(0))
         if best > base and rates[best] >= (1 + self.cfg.margin) * rates[base]:
             self.interval = self.cfg.explore_min
-            if base == 0 and self.costs.stale(b, round(self.cfg.explore_max * switch)):  # refresh the reference
+            if base == 0 and self.costs.stale(b, round(self.costs.reference_age(b) * switch)):  # refresh the reference
                 return self._chose(Choice(0, True))
             return self._chose(Choice(best, False, rates[best] / rates[base]))
         if base == 0:

@@ -497,3 +497,49 @@ def test_steady_drafting_prices_the_step_costs_once_per_refresh_and_reweighs_the
     dropped = run(c, 40, accepted=lambda k: 0, rows=8)
     monkeypatch.setattr(every, "step_costs", lambda b: [every.costs.step_cost(k, b) for k in range(every.cfg.k_max + 1)])
     assert dropped == run(every, 40, accepted=lambda k: 0, rows=8) and dropped[-1] == 0
+
+
+def test_a_pass_faster_than_its_plain_reference_teaches_no_ratio_and_the_reference_is_taken_again():
+    costs = Costs(ControllerConfig())
+    costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    costs.observe(StepSample(1, 1, 0.001, 0.0087, 0.0))  # 13 % under its plain reference: the machine sped up
+    assert (2, 1) not in costs.ratio and costs.stale(1, 10**6)
+    assert costs.draft[1].value == pytest.approx(0.001 / 0.0087 * costs.ratio_of(2, 1))  # priced by the prior r(2)
+    costs.observe(StepSample(1, 0, 0.0, 0.0080, 0.0))  # the reference, taken again
+    costs.observe(StepSample(1, 1, 0.001, 0.0087, 0.0))
+    assert costs.ratio_of(2, 1) == pytest.approx(0.0087 / 0.0080)
+    fresh = Costs(ControllerConfig())
+    fresh.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    fresh.observe(StepSample(1, 2, 0.001, 0.0097, 0.0))  # within the drift: learned, but r(T) is never under 1
+    assert fresh.ratio[(3, 1)].n == 1 and fresh.ratio_of(3, 1) == 1.0 and fresh.ratio_of(4, 1) >= 1.0
+
+
+def test_while_drafting_pays_the_reference_is_refreshed_sooner_while_its_ratios_are_few():
+    c = Controller()
+    chosen = run(c, 1200, accepted=lambda k: k)
+    start = next(i for i, k in enumerate(chosen) if k and all(chosen[i : i + 8]))  # drafting from here on
+    plain = [i for i, k in enumerate(chosen) if k == 0 and i > start]
+    gaps = [b - a for a, b in zip([start] + plain, plain)]
+    assert gaps[0] <= 2 * c.cfg.explore_min + 2  # the first ratios learned are checked soon
+    assert gaps == sorted(gaps[:4]) + gaps[4:] and max(gaps) >= c.cfg.explore_max - 2  # then ever less often
+
+
+def test_a_process_warming_up_does_not_keep_a_drafter_that_does_not_pay_drafting():
+    """A fresh process's passes run slower for its first tens of steps, each faster than the last (the fetched pair
+    at T = 1 on the CPU: 4.8 ms falling to 2.9 over ~7 steps, bench/README.md section 52). Ratios learned then
+    against a plain reference a few steps old came out under 1 (0.87), and an eagle head whose drafts (accepted 0.3-0.45
+    of the time, 0.35 of a pass each) did not pay drafted on most of the next 256 steps: 0.88-0.93x the verifier
+    alone in whole processes. Here drafts accepted 40 % of the time, 0.35 of a pass each, r(2) = 1.15: k = 1 makes
+    1.4 tokens for 1.6 passes against a plain step's 1 for 1.1."""
+    c = Controller()
+    drafting, turn = [], iter([1, 0, 0, 1, 0] * 1000)
+    for i in range(400):
+        warm = 1 + 0.8 * max(0.0, 1 - i / 10)  # each pass faster than the last for 10 steps, then steady
+        choice = c.choose(Batch(1, 1))
+        k = choice.k
+        if choice.timed:
+            n = next((i for i in range(k) if not next(turn)), k)  # each draft accepted 40 % of the time
+            c.observe(StepSample(1, k, 0.0035 * k * warm, PLAIN_S * warm * (1 + 0.15 * k), OVERHEAD_S * warm,
+                                 ((k, n),) if k else ()))
+        drafting.append(k > 0)
+    assert sum(drafting[30:]) <= 80, sum(drafting[30:])  # until the reference is taken again (before: 246 of 370)
