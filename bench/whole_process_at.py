@@ -5,7 +5,8 @@ editable install: `run_at`), this tree from here; each runs the verifier alone (
 served default, every process with --threads given, the four taking turns (order reversed every round) on the
 held-out prompts of each set (bench/whole_process.py's `held_out`). Tokens/s = new tokens / the process's wall
 time (start-up, model load, prefill, decode), beside the in-process figure each process prints; ratios after /
-before per round, then the median. Also checks that every process's tokens equal this tree's verifier alone.
+before per round, then the median. Also checks that every process's tokens equal this tree's verifier alone (at
+--temperature > 0: the verifier alone's of both trees, same seed; the default's differ wherever it drafted).
 
     .venv/bin/python bench/whole_process_at.py 2aca0ba --rounds 3 --out whole_process_region
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -25,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 from bench.whole_process import PAIR, SHARED, SUMMARY, held_out  # noqa: E402
 
 SYSTEMS = {"alone": ["--no-speculation"], "default": []}
+TAU = re.compile(r"τ=([\d.]+)")
 SETS = ("chat_dev", "code_dev")
 # run a checkout's CLI, not the editable install's (whose finder would answer `import specloop` first)
 RUN_AT = ("import sys; root = sys.argv[1]; sys.meta_path = [f for f in sys.meta_path if 'editable' not in "
@@ -35,15 +38,16 @@ RUN_AT = ("import sys; root = sys.argv[1]; sys.meta_path = [f for f in sys.meta_
 def run(root: Path, system: str, prompts: Path, args) -> dict:
     cmd = [sys.executable, "-c", RUN_AT, str(root), "generate", str(args.pair / "verifier"), "--drafter",
            str(args.pair / "drafter"), "--prompts", str(prompts), "--threads", str(args.threads), "--max-tokens",
-           str(args.max_tokens), "--seed", "0", "--json", *SYSTEMS[system]]
+           str(args.max_tokens), "--temperature", str(args.temperature), "--seed", "0", "--json", *SYSTEMS[system]]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
     found = SUMMARY.search(done.stderr)
     assert found, done.stderr[-500:]
     ids = [json.loads(line)["token_ids"] for line in done.stdout.splitlines() if line.startswith("{")]
+    tau = TAU.search(done.stderr)  # the run's block efficiency (1.0: nothing drafted was accepted)
     return {"wall_s": wall, "tokens": int(found.group(2)), "whole_tps": int(found.group(2)) / wall,
-            "inproc_tps": float(found.group(4)), "ids": ids}
+            "inproc_tps": float(found.group(4)), "tau": float(tau.group(1)) if tau else None, "ids": ids}
 
 
 def main() -> None:
@@ -54,6 +58,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--pair", type=Path, default=PAIR, help="a fetched pair: verifier/ and drafter/")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--sets", default=",".join(SETS), help="prompt sets of ../shared/prompts (their last prompts)")
     ap.add_argument("--out", default="whole_process_at")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -67,7 +73,8 @@ def main() -> None:
 
 
 def measure(builds: dict[str, Path], tmp: Path, args) -> list[dict]:
-    sets = {name: held_out(SHARED / f"{name}.jsonl", args.prompts_per_set, tmp / f"{name}.jsonl") for name in SETS}
+    sets = {name: held_out(SHARED / f"{name}.jsonl", args.prompts_per_set, tmp / f"{name}.jsonl")
+            for name in args.sets.split(",")}
     for root in builds.values():  # each checkout builds its kernels once, outside the timing
         run(root, "alone", sets[SETS[0]], args)
     rows = []
@@ -76,9 +83,11 @@ def measure(builds: dict[str, Path], tmp: Path, args) -> list[dict]:
             order = [(b, s) for b in builds for s in SYSTEMS]
             out = {key: run(builds[key[0]], key[1], prompts, args) for key in (order if r % 2 == 0 else order[::-1])}
             reference = out[("after", "alone")]["ids"]
-            rows.append({"round": r, "set": name, "identical": all(o["ids"] == reference for o in out.values()),
+            compared = [o for (_, s), o in out.items() if not args.temperature or s == "alone"]
+            rows.append({"round": r, "set": name, "identical": all(o["ids"] == reference for o in compared),
                          **{f"{b}/{s}": {k: v for k, v in o.items() if k != "ids"} for (b, s), o in out.items()}})
-            print(f"round {r} {name}: " + "  ".join(f"{b}/{s} {o['whole_tps']:.1f}" for (b, s), o in out.items())
+            print(f"round {r} {name}: " + "  ".join(f"{b}/{s} {o['whole_tps']:.1f} (τ {o['tau']})"
+                                                     for (b, s), o in out.items())
                   + f"  identical {rows[-1]['identical']}", flush=True)
     return rows
 
@@ -87,7 +96,7 @@ def report(rows: list[dict], args) -> None:
     from bench.machine import machine_info
 
     summary = {}
-    for name in SETS:
+    for name in args.sets.split(","):
         mine = [x for x in rows if x["set"] == name]
         for s in SYSTEMS:
             med = lambda b, k: statistics.median(x[f"{b}/{s}"][k] for x in mine)  # noqa: E731
