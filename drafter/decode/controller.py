@@ -448,8 +448,11 @@ class Controller:
 
     def verify_at_one_width(self) -> None:
         """The steps it chooses for verify at one width whatever they verify (the graph backend, by construction):
-        a verify pass of T tokens is expected to cost a plain one until measured (prior slope 0, kept by resets)."""
-        self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0)
+        a verify pass of T tokens is expected to cost a plain one until measured (prior slope 0, kept by resets),
+        and only a pass 20 % faster than its plain reference says the reference is stale (every pass is the same
+        captured graph: smaller gaps are the timing's noise)."""
+        drift = max(0.2, self.cfg.reference_drift)
+        self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0, reference_drift=drift)
 
     def reset(self) -> None:
         """Forget every estimate (back to the priors)."""

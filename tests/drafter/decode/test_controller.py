@@ -543,3 +543,13 @@ def test_a_process_warming_up_does_not_keep_a_drafter_that_does_not_pay_drafting
                                  ((k, n),) if k else ()))
         drafting.append(k > 0)
     assert sum(drafting[30:]) <= 80, sum(drafting[30:])  # until the reference is taken again (before: 246 of 370)
+
+
+def test_at_one_width_only_a_large_gap_retakes_the_plain_reference():
+    c = Controller()
+    c.verify_at_one_width()
+    c.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
+    c.observe(StepSample(1, 1, 0.001, 0.0092, 0.0))  # 8 % under: the same graph, timing noise
+    assert c.costs.ratio[(2, 1)].n == 1 and c.costs.ratio_of(2, 1) == 1.0
+    c.observe(StepSample(1, 1, 0.001, 0.0070, 0.0))  # 30 % under: the reference is stale
+    assert c.costs.ratio[(2, 1)].n == 1 and c.costs.stale(1, 10**6)
