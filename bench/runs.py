@@ -19,3 +19,68 @@ def labelled_runs(labelled: list[str]) -> dict[str, list[dict]]:
         label, files = item.split("=", 1)
         runs[label] = [json.loads(Path(f).read_text()) for f in files.split(",")]
     return runs
+
+
+def time_kernels() -> list[float]:
+    """Patch the verifier's compiled layer calls (`LeanDecoder.run_layers`) and its LM head (the decoder's `linear`)
+    to add their seconds to the returned one-item list (its caller zeroes it per step): a step's host time is its
+    wall time less that."""
+    import time
+
+    from specloop.drafter.model import decoder
+
+    spent = [0.0]
+
+    def timed(fn):
+        def call(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[0] += time.perf_counter() - t
+            return out
+        return call
+
+    decoder.LeanDecoder.run_layers = timed(decoder.LeanDecoder.run_layers)  # type: ignore[method-assign]
+    decoder.linear = timed(decoder.linear)  # the LM head (the layers' products run inside their compiled calls)
+    return spent
+
+
+def plot_arms(conditions: dict[str, dict], arms: tuple[str, ...], panels: tuple[tuple[str, str, str], ...],
+              path: Path, label=lambda arm: arm) -> None:
+    """One bar chart a panel (key, y label, title) of conditions × arms, from cells {f"{arm}_{key}": value}."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, width = list(conditions), 0.8 / len(arms)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
+    for ax, (key, ylabel, title) in zip(axes[0], panels):
+        for i, arm in enumerate(arms):
+            ax.bar([j + width * i for j in range(len(names))], [conditions[n][f"{arm}_{key}"] or 0 for n in names],
+                   width, label=label(arm))
+        ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(names))], names)
+        ax.set(ylabel=ylabel, title=title)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def in_situ_args(doc: str, out: str) -> argparse.Namespace:
+    """The options of an in-situ A/B on the fetched pair's held-out chat and code prompts (bench/verdict.py,
+    bench/suffix_store.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts of each set (chat, code): the sets' last")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=out, help="bench/results/<out>.json and .png")
+    return ap.parse_args()
+
+
+def held_out_prompts(tokenizer, n: int) -> list[list[int]]:
+    """The last n prompts of ../shared/prompts' chat_dev and code_dev (held out from the fetched drafter's
+    self-distillation), chat messages templated, code as text."""
+    from specloop.services.prompts import encode, load_prompts
+
+    shared = Path(__file__).resolve().parents[2] / "shared" / "prompts"
+    return [encode(tokenizer, r) for name in ("chat_dev.jsonl", "code_dev.jsonl") for r in load_prompts(shared / name)[-n:]]

@@ -15,7 +15,6 @@ steps, chose another k.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -24,22 +23,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = ROOT.parent / "shared" / "prompts"
+from bench.runs import in_situ_args  # noqa: E402
+
 CONDITIONS = ((1, 0.0), (1, 1.0), (8, 0.0), (8, 1.0))  # (batch, temperature)
 ARMS = ("python", "cpp")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts of each set (chat, code): the sets' last")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="suffix_store", help="bench/results/<out>.json and .png")
-    args = ap.parse_args()
+    args = in_situ_args(__doc__, "suffix_store")
     import torch
 
     from bench.machine import machine_info
+    from bench.runs import held_out_prompts, plot_arms, time_kernels
     from bench.whole_process import PAIR
     from specloop.drafter.decode.controller import Controller
     from specloop.drafter.decode.engine import Engine
@@ -47,9 +42,7 @@ def main() -> None:
     from specloop.drafter.decode.sampling import SamplingParams
     from specloop.drafter.kinds import suffix
     from specloop.drafter.kinds.table import build_drafter, default_speculators
-    from specloop.drafter.model import decoder
     from specloop.drafter.model.loading import load_model
-    from specloop.services.prompts import encode, load_prompts
 
     if suffix.native_module() is None:
         raise SystemExit("suffix decoding's C++ store is not built here: nothing to compare")
@@ -61,22 +54,10 @@ def main() -> None:
         suffix.native_module = built if arm == "cpp" else (lambda: None)
         return build_drafter("eagle", verifier, PAIR / "drafter", "fp32", default_speculators("eagle"))
 
-    prompts = [encode(verifier.tokenizer, r) for name in ("chat_dev.jsonl", "code_dev.jsonl")
-               for r in load_prompts(SHARED / name)[-args.prompts:]]  # chat messages templated, code as text
+    prompts = held_out_prompts(verifier.tokenizer, args.prompts)
     rule = StopRule(verifier.eos_ids)
     capacity = max(map(len, prompts)) + args.max_tokens + 16
-    kernel_s = [0.0]
-
-    def timed(fn):
-        def call(*a, **k):
-            t = time.perf_counter()
-            out = fn(*a, **k)
-            kernel_s[0] += time.perf_counter() - t
-            return out
-        return call
-
-    decoder.LeanDecoder.run_layers = timed(decoder.LeanDecoder.run_layers)
-    decoder.linear = timed(decoder.linear)  # the LM head (the layers' products run inside their compiled calls)
+    kernel_s = time_kernels()
     suffix_s, depth = [0.0], [0]
 
     def in_suffix(fn):
@@ -146,27 +127,9 @@ def main() -> None:
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in cell.items()})
     out = ROOT / "bench" / "results" / args.out
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    plot(summary, out.with_suffix(".png"))
-
-
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(summary["conditions"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, title in zip(axes, ("suffix_us_mean", "host_us_mean"), ("in the suffix member", "host")):
-        for i, arm in enumerate(ARMS):
-            ax.bar([j + 0.4 * i for j in range(len(names))],
-                   [summary["conditions"][n][f"{arm}_{key}"] for n in names], 0.4, label=f"{arm} store")
-        ax.set_xticks([j + 0.2 for j in range(len(names))], names)
-        ax.set_ylabel(f"µs a step {title} (mean)")
-        ax.set_title("fetched pair, served default")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    plot_arms(summary["conditions"], ARMS, (("suffix_us_mean", "µs a step in the suffix member (mean)", "fetched pair, "
+               "served default"), ("host_us_mean", "host µs a step (mean)", "fetched pair, served default")),
+              out.with_suffix(".png"), label=lambda arm: f"{arm} store")
 
 
 if __name__ == "__main__":

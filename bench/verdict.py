@@ -10,7 +10,6 @@ noise: not the figure). The "ops" arm turns the compiled call off (it returns No
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,21 +18,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = ROOT.parent / "shared" / "prompts"
+from bench.runs import in_situ_args  # noqa: E402
+
 CONDITIONS = ((1, 0.7), (1, 1.0), (8, 0.7), (8, 1.0))  # (batch, temperature)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prompts", type=int, default=8, help="held-out prompts of each set (chat, code): the sets' last")
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default="verdict", help="bench/results/<out>.json and .png")
-    args = ap.parse_args()
+    args = in_situ_args(__doc__, "verdict")
     import torch
 
     from bench.machine import machine_info
+    from bench.runs import held_out_prompts, plot_arms
     from bench.whole_process import PAIR
     from specloop.drafter.decode import rejection, speculative
     from specloop.drafter.decode.controller import Controller
@@ -42,13 +37,11 @@ def main() -> None:
     from specloop.drafter.decode.sampling import SamplingParams
     from specloop.drafter.kinds.table import build_drafter, default_speculators
     from specloop.drafter.model.loading import load_model
-    from specloop.services.prompts import encode, load_prompts
 
     torch.set_num_threads(args.threads)
     verifier = load_model(PAIR / "verifier", weights="auto")
     drafter = build_drafter("eagle", verifier, PAIR / "drafter", "fp32", default_speculators("eagle"))
-    prompts = [encode(verifier.tokenizer, r) for name in ("chat_dev.jsonl", "code_dev.jsonl")
-               for r in load_prompts(SHARED / name)[-args.prompts:]]  # chat messages templated, code as text
+    prompts = held_out_prompts(verifier.tokenizer, args.prompts)
     rule = StopRule(verifier.eos_ids)
     compiled = rejection.compiled_verdict
     accept, times = speculative.accept, []
@@ -101,27 +94,10 @@ def main() -> None:
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in cell.items()})
     out = ROOT / "bench" / "results" / args.out
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    plot(summary, out.with_suffix(".png"))
-
-
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(summary["conditions"])
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, key, title in zip(axes, ("plain_us", "drafting_us"), ("plain steps", "drafting steps")):
-        for i, arm in enumerate(("ops", "compiled")):
-            ax.bar([j + 0.4 * i for j in range(len(names))],
-                   [summary["conditions"][n][f"{arm}_{key}"] or 0 for n in names], 0.4, label=arm)
-        ax.set_xticks([j + 0.2 for j in range(len(names))], names)
-        ax.set_ylabel("verdict µs a step (median)")
-        ax.set_title(f"fetched pair, served default: {title}")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    plot_arms(summary["conditions"], ("ops", "compiled"),
+              (("plain_us", "verdict µs a step (median)", "fetched pair, served default: plain steps"),
+               ("drafting_us", "verdict µs a step (median)", "fetched pair, served default: drafting steps")),
+              out.with_suffix(".png"))
 
 
 if __name__ == "__main__":
