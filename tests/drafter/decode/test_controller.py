@@ -499,18 +499,18 @@ def test_steady_drafting_prices_the_step_costs_once_per_refresh_and_reweighs_the
     assert dropped == run(every, 40, accepted=lambda k: 0, rows=8) and dropped[-1] == 0
 
 
-def test_a_pass_faster_than_its_plain_reference_teaches_no_ratio_and_the_reference_is_taken_again():
+def test_a_pass_faster_than_its_plain_reference_teaches_no_ratio():
     costs = Costs(ControllerConfig())
     costs.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
-    costs.observe(StepSample(1, 1, 0.001, 0.0087, 0.0))  # 13 % under its plain reference: the machine sped up
-    assert (2, 1) not in costs.ratio and costs.stale(1, 10**6)
-    assert costs.draft[1].value == pytest.approx(0.001 / 0.0087 * costs.ratio_of(2, 1))  # priced by the prior r(2)
+    costs.observe(StepSample(1, 1, 0.001, 0.0085, 0.0))  # 15 % under its plain reference: the machine sped up
+    assert (2, 1) not in costs.ratio
+    assert costs.draft[1].value == pytest.approx(0.001 / 0.0085 * costs.ratio_of(2, 1))  # priced by the prior r(2)
     costs.observe(StepSample(1, 0, 0.0, 0.0080, 0.0))  # the reference, taken again
     costs.observe(StepSample(1, 1, 0.001, 0.0087, 0.0))
-    assert costs.ratio_of(2, 1) == pytest.approx(0.0087 / 0.0080)
+    assert costs.ratio_of(2, 1) == pytest.approx(0.0087 / 0.0080)  # (a lower second plain pass replaced the first)
     fresh = Costs(ControllerConfig())
     fresh.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
-    fresh.observe(StepSample(1, 2, 0.001, 0.0097, 0.0))  # within the drift: learned, but r(T) is never under 1
+    fresh.observe(StepSample(1, 2, 0.001, 0.0095, 0.0))  # within the drift (noise): learned, but r(T) is never under 1
     assert fresh.ratio[(3, 1)].n == 1 and fresh.ratio_of(3, 1) == 1.0 and fresh.ratio_of(4, 1) >= 1.0
 
 
@@ -545,11 +545,11 @@ def test_a_process_warming_up_does_not_keep_a_drafter_that_does_not_pay_drafting
     assert sum(drafting[30:]) <= 80, sum(drafting[30:])  # until the reference is taken again (before: 246 of 370)
 
 
-def test_at_one_width_only_a_large_gap_retakes_the_plain_reference():
+def test_at_one_width_only_a_large_gap_says_the_plain_reference_is_stale():
     c = Controller()
     c.verify_at_one_width()
     c.observe(StepSample(1, 0, 0.0, 0.010, 0.0))
     c.observe(StepSample(1, 1, 0.001, 0.0092, 0.0))  # 8 % under: the same graph, timing noise
     assert c.costs.ratio[(2, 1)].n == 1 and c.costs.ratio_of(2, 1) == 1.0
-    c.observe(StepSample(1, 1, 0.001, 0.0070, 0.0))  # 30 % under: the reference is stale
-    assert c.costs.ratio[(2, 1)].n == 1 and c.costs.stale(1, 10**6)
+    c.observe(StepSample(1, 1, 0.001, 0.0070, 0.0))  # 30 % under: the reference is stale, nothing learned
+    assert c.costs.ratio[(2, 1)].n == 1
