@@ -240,12 +240,11 @@ class Costs:
                 seconds = step.verify_s  # the first plain pass may carry one-time costs: a lower second replaces it
             self.plain[b] = (self.steps, seconds)
             unit = step.verify_s
-        elif beside is not None and beside > 0 and step.verify_s < (1 - self.cfg.reference_drift) * beside:
-            unit = step.verify_s / self.ratio_of(T, b)  # faster than a plain pass: the machine sped up since it
-        elif beside is not None and beside > 0:
+        elif beside is not None and beside > 0 and step.verify_s >= (1 - self.cfg.reference_drift) * beside:
             self.add(self.ratio, (T, b), step.verify_s / beside)
             unit = beside
-        else:  # drafting steps only: this pass in plain-pass units, by the ratio learned before
+        else:  # drafting steps only (or one faster than its plain reference: the machine sped up since, no ratio
+            #     learned): this pass in plain-pass units, by the ratio learned before
             unit = step.verify_s / self.ratio_of(T, b)
         if unit <= 0:
             return

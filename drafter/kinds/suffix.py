@@ -330,8 +330,7 @@ def _follow_many(seq: np.ndarray, ends: np.ndarray, limit: int, min_prob: float)
 
 def draft_from(store: Tokens, context: Tokens, k: int, cfg: SuffixConfig) -> Draft:
     """The draft `store` gives for `context`'s tokens: at most min(k, spec_factor · match length) tokens."""
-    tokens, probs, m = store.impl.draft(context.impl, cfg.max_depth, k, cfg.spec_factor, cfg.min_prob)
-    return Draft(list(tokens), list(probs), m)
+    return Draft(*store.impl.draft(context.impl, cfg.max_depth, k, cfg.spec_factor, cfg.min_prob))  # fresh lists
 
 
 def best_draft(row: "History", store: "OutputStore", k: int, cfg: SuffixConfig) -> Draft:
