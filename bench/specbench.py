@@ -25,6 +25,8 @@ Systems (--systems; those whose drafter is missing are skipped and recorded so):
   --drafter-method eagle3`;
 - suffix, ngram: model-free (`--drafter-kind suffix|ngram`);
 - mix: the eagle head with a frozen static copy and suffix decoding (`--speculators static,suffix`).
+- default-global: the default with the controller of before section 53 (suffix decoding's drafts judged by its
+  calibration over every request alone): the A/B of that change, in one process.
 """
 from __future__ import annotations
 
@@ -52,7 +54,10 @@ LEADERBOARD = {
     "EAGLE-2": ([2.56, 1.78, 2.09, 2.07, 2.66, 1.86], 4.35),
     "SAMD (suffix automaton + EAGLE-2)": ([2.85, 1.83, 2.64, 2.15, 2.63, 2.10], 4.61),
 }
-SYSTEMS = ("alone", "default", "eagle", "eagle3", "suffix", "ngram", "mix")
+SYSTEMS = ("alone", "default", "eagle", "eagle3", "suffix", "ngram", "mix", "default-global")
+# systems whose controller is not the served one: the default judging suffix decoding's drafts by its calibration
+# over every request alone (before bench/README.md section 53: no request's own outcomes, no tries)
+CONTROLLERS = {"default-global": {"per_request": frozenset()}}
 
 
 @dataclass
@@ -115,6 +120,7 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
     table = {
         "alone": lambda: None,
         "default": lambda: model(kind, drafter_dir, default_speculators(kind)),
+        "default-global": lambda: model(kind, drafter_dir, default_speculators(kind)),
         "eagle": lambda: model(kind, drafter_dir, ()),
         "eagle3": lambda: model("eagle3", eagle3_dir, ()),
         "suffix": lambda: build_drafter("suffix", verifier, None),
@@ -124,8 +130,10 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
     return {name: table[name]() for name in names}
 
 
-def decode(verifier, drafter, controller, prompt: list[int], max_tokens: int, run: Run) -> list[int]:
-    """One whole request on a fresh engine (as `specloop generate` runs it); accumulates into `run`."""
+def decode(verifier, drafter, controller, prompt: list[int], max_tokens: int, run: Run,
+           params=None) -> list[int]:
+    """One whole request on a fresh engine (as `specloop generate` runs it); accumulates into `run`. `params`:
+    its SamplingParams (default: greedy, `max_tokens`)."""
     from specloop.drafter.decode.capacity import positions_needed
     from specloop.drafter.decode.engine import Engine
     from specloop.drafter.decode.requests import EngineRequest, StopRule
@@ -135,7 +143,7 @@ def decode(verifier, drafter, controller, prompt: list[int], max_tokens: int, ru
     capacity = positions_needed(len(prompt), max_tokens, k, controller.cfg.k_max)
     t0 = time.perf_counter()
     engine = Engine(verifier.lean, drafter, 1, capacity, StopRule(verifier.eos_ids), controller=controller)
-    engine.admit([EngineRequest("q", prompt, SamplingParams(max_tokens=max_tokens), k)])
+    engine.admit([EngineRequest("q", prompt, params or SamplingParams(max_tokens=max_tokens), k)])
     t1 = time.perf_counter()
     tokens, gen = [], None
     while engine.running:
@@ -306,7 +314,7 @@ def main() -> None:
     import torch
 
     from bench.machine import machine_info
-    from specloop.drafter.decode.controller import Controller
+    from specloop.drafter.decode.controller import Controller, ControllerConfig
     from specloop.drafter.kinds.table import resolve_kind
     from specloop.drafter.model.loading import load_model
     from specloop.services.cli.options import DEFAULT_CACHE
@@ -329,7 +337,7 @@ def main() -> None:
     skipped = {n: v for n, v in built.items() if isinstance(v, str)}
     systems = {n: v for n, v in built.items() if not isinstance(v, str)}
     order = [n for n in names if n in systems]
-    controllers = {n: Controller() for n in order}
+    controllers = {n: Controller(ControllerConfig(**CONTROLLERS.get(n, {}))) for n in order}
     print(f"verifier {verifier_dir} served as {verifier.served}; {len(questions)} questions; systems {order}"
           + (f"; skipped {skipped}" if skipped else ""), flush=True)
     runs: list[Run] = []

@@ -60,8 +60,10 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
       W* = argmax_W Σ_b (1 + c · Σ_{i≤min(W, L_b)} P_{b,i}) / (overhead(W > 0) + r(W + 1))
 
   where P_{b,i} is the drafter's probability that row b's first i drafts are accepted and c the live
-  calibration of the speculator that drafted row b (accepted / predicted, decayed), each term c · P_{b,i}
-  capped by Π_{j≤i} a_j, the per-position acceptance of that speculator's verified drafts (`depth`: a
+  calibration of the speculator that drafted row b (accepted / predicted, decayed; for a `per_request`
+  speculator, suffix decoding, the row's own request's outcomes where they say more, and a request's first
+  draft promising `try_tokens`, or one after `row_retry` cuts, at the speculator's word: `_weights`), each
+  term c · P_{b,i} capped by Π_{j≤i} a_j, the per-position acceptance of that speculator's verified drafts (`depth`: a
   long unique continuation, P = 1 throughout, is worth only as deep as such drafts are accepted): a
   draft the verifier is unlikely to take costs no verify
   pass, and one row's draft widens the pass of a batch only where the batch gains. The drafting cost is
@@ -114,6 +116,14 @@ class ControllerConfig:
     calibration_decay: float = 0.98  # weight kept by older drafts in the confidence calibration
     lookup_backoff: int = 4  # the most steps without a lookup after lookups that earned nothing (1, 3, then this)
     lookup_max: int = 16  # the most free drafts a lookup verifies per row (eager backend; a graph step's k_max)
+    # speculators whose drafts' worth is the request's own (suffix decoding copies from its prompt and answer): a
+    # row's own outcomes weigh beside the speculator's calibration (`row_prior` predicted tokens' worth behind the
+    # latter); its first draft promising `try_tokens` (Σ P_i) is verified at the speculator's word, and so is one
+    # after `row_retry` cuts of the row's drafts (doubling while such tries earn nothing)
+    per_request: frozenset[str] = frozenset({"suffix"})
+    row_prior: float = 2.0
+    try_tokens: float = 2.0
+    row_retry: int = 8
 
     def __post_init__(self):
         if self.k_max < 1:
@@ -173,6 +183,12 @@ class Acceptance:
         self.hits = [h * keep for h in self.hits]
         self.trials = [t * keep for t in self.trials]
 
+    def toward(self, prior: list[float]) -> list[float]:
+        """Per position, this evidence shrunk towards `prior` (another estimate's rates) with `prior_strength`
+        trials' worth behind it."""
+        m = self.cfg.prior_strength
+        return [(h + m * g) / (t + m) for h, t, g in zip(self.hits, self.trials, prior)]
+
 
 @dataclass
 class Calibration:
@@ -193,6 +209,17 @@ class Calibration:
     @property
     def scale(self) -> float:
         return self.accepted / self.predicted if self.predicted > 0 else 1.0
+
+
+@dataclass
+class RowEvidence:
+    """One request's own verified drafts of one speculator: what they predicted and earned, and per position
+    (no decay: a request's lifetime)."""
+
+    calibration: Calibration
+    depth: Acceptance
+    cuts: int = 0  # the row's drafts the gate cut since one was verified
+    retry: int = 0  # cuts before a draft is tried at the speculator's word again (0: none verified yet)
 
 
 @dataclass
@@ -407,12 +434,13 @@ class Choice:
 class Confident(NamedTuple):
     """One row whose draft carried confidence, as verified: what its drafter predicted (Σ_i P_i over the
     drafts verified), what was accepted, the speculator that drafted it (None: the drafter itself; each
-    speculator is calibrated on its own) and how many drafts were verified (0: not known)."""
+    speculator is calibrated on its own), how many drafts were verified (0: not known) and the row."""
 
     predicted: float
     accepted: int
     source: str | None = None
     drafted: int = 0
+    row: int | None = None  # the row (slot) that drafted it (None: not known; no request's own evidence)
 
 
 @dataclass(frozen=True)
@@ -465,6 +493,7 @@ class Controller:
         self._probing = False  # the last choice was a probe of drafting: its costs are priced again at once
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
+        self.rows: dict[int, dict[str | None, RowEvidence]] = {}  # per row, its request's own (`per_request`)
         self.lookup_misses = 0  # lookups in a row that earned no token
         self.lookup_wait = 0  # plain steps before the next lookup
         self.new_shape = 0  # the k of a probe whose verify shape was new at its bucket: probed again at once (0: none)
@@ -487,11 +516,23 @@ class Controller:
             self.calibration(row.source).observe(row.predicted, row.accepted)
             if row.drafted:
                 self.depth(row.source).observe(row.drafted, row.accepted)
+            if row.row is not None and row.source in self.cfg.per_request:
+                own = self.row_evidence(row.row, row.source)
+                own.calibration.observe(row.predicted, row.accepted)
+                if row.drafted:
+                    own.depth.observe(row.drafted, row.accepted)
+                own.cuts = 0
+                own.retry = self.cfg.row_retry if row.accepted else min(2 * max(own.retry, self.cfg.row_retry // 2),
+                                                                        self.cfg.explore_max)
         if step.lookup:
             self.looked_up(any(row.accepted for row in rows), bool(rows) or step.cut)
         if step.drafting and not step.lookup:  # a lookup's free drafts say nothing of what asking k earns
             self._cached = None
         self._age += 1  # another observed step since the last evaluation
+
+    def row_left(self, row: int) -> None:
+        """Its request left the row (slot): its own evidence goes with it."""
+        self.rows.pop(row, None)
 
     def drafter_swapped(self) -> None:
         """A new drafter (version) serves: its acceptance is unknown; the old estimate stays as a weak
@@ -621,6 +662,46 @@ class Controller:
                                                               depth_discount=1.0))
         return self.depths[source]
 
+    def row_evidence(self, row: int, source: str | None) -> RowEvidence:
+        """A row's request's own outcomes of one speculator's drafts."""
+        own = self.rows.setdefault(row, {})
+        if source not in own:
+            own[source] = RowEvidence(Calibration(1.0, 0.0, 0.0), Acceptance(replace(
+                self.depth(source).cfg, acceptance_decay=1.0, prior_strength=self.cfg.prior_strength)))
+        return own[source]
+
+    def cuts(self, confidence: list[list[float]], keep: list[int], sources: list[str] | None) -> None:
+        """The gate's verdict on a step's drafts (`cut`, as applied): a `per_request` speculator's rows it cut
+        count towards their next try."""
+        for row, (probs, kept) in enumerate(zip(confidence, keep)):
+            source = None if sources is None else sources[row]
+            if probs and not kept and source in self.cfg.per_request:
+                self.row_evidence(row, source).cuts += 1
+
+    def _weights(self, source: str | None, row: int, promised: float, scales: dict) -> tuple[float, list[float]]:
+        """(c, a_1..a_MAX_DEPTH) the gate weighs a row's draft by: the speculator's (computed once a call, in
+        `scales`), or for a `per_request` speculator the row's own evidence beside it where it says more (a request
+        that copies its prompt earns where others did not; one whose drafts fail is judged as the rest, whose
+        failures the calibration holds: cutting more there kept the copies of a grounded request's later text
+        unverified after its first short drafts failed). A draft promising at least
+        `try_tokens` is taken at the speculator's word (c ≥ 1, its depth prior at least) where the row has no
+        verified draft yet, or had `retry` drafts cut since: other requests' outcomes, or the row's own early
+        ones, never keep a request from copying (a suffix calibration learned on chat cut every draft of a later
+        request that edited its prompt, and learned nothing more: bench/README.md section 53)."""
+        if source not in scales:
+            scales[source] = (self.confidence_scale(source), self.depth(source).rates())
+        c, rates = scales[source]
+        if source not in self.cfg.per_request:
+            return c, rates
+        own = self.rows.get(row, {}).get(source)
+        if promised >= self.cfg.try_tokens and (own is None or own.cuts >= own.retry):
+            fresh = Acceptance(self.depth(source).cfg).rates()
+            return max(1.0, c), [max(a, f) for a, f in zip(rates, fresh)]
+        if own is None or not own.calibration.predicted:
+            return c, rates
+        w, cal = self.cfg.row_prior, own.calibration  # never below the speculator's: the row's failures are in it
+        return max(c, (cal.accepted + w * c) / (cal.predicted + w)), list(map(max, own.depth.toward(rates), rates))
+
     def confidence_scale(self, source: str | None = None) -> float:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
         return self.calibration(source).scale
@@ -637,9 +718,7 @@ class Controller:
         scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator: c and a_1..a_MAX_DEPTH, once
         for row, probs in enumerate(confidence):
             source = None if sources is None else sources[row]
-            if source not in scales:
-                scales[source] = (self.confidence_scale(source), self.depth(source).rates())
-            (c, rates), total, run = scales[source], 1.0, 1.0
+            (c, rates), total, run = self._weights(source, row, sum(probs), scales), 1.0, 1.0
             earned = [total]
             for i, p in enumerate(probs):  # c · P_i, but never above what drafts this deep earned: Π_{j≤i} a_j
                 run *= rates[min(i, MAX_DEPTH - 1)]

@@ -336,6 +336,7 @@ class Engine:
         row = self._row(slot)
         del self._slot_of[row.request.id]
         self.rows[slot] = None
+        self.controller.row_left(slot)
         self.behind.discard(slot)
         self.stale.discard(slot)
         if self.prefix_cache is not None and self.prefix_cache.outputs and row.gen.finish_reason is not None:
@@ -509,7 +510,12 @@ class Engine:
         """Each row's draft length from its confidence (the controller's `cut`), where the plan lets it cut."""
         if not plan.confidence_cut:
             return None
-        return lambda confidence, sources: self.controller.cut(confidence, plan.m, sources)
+        def gate(confidence: list[list[float]], sources: list[str] | None) -> list[int]:
+            keep = self.controller.cut(confidence, plan.m, sources)
+            self.controller.cuts(confidence, keep, sources)
+            return keep
+
+        return gate
 
     def _commit(self, plan: StepPlan, outcome: BlockOutcome, scoring: Scoring | None, timing: StepTiming,
                 t0: float, timed: bool) -> list[RowUpdate]:
@@ -525,10 +531,11 @@ class Engine:
         blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in FREE_SOURCES))
         predicted = None if outcome.predicted is None else outcome.predicted.tolist()  # one read, not one a row
+        updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
+        # (after the rows' updates: a row whose request finished teaches the calibration, no request's own)
         confident = () if predicted is None else tuple(
             Confident(predicted[s], outcome.accepted(s), None if outcome.sources is None else outcome.sources[s],
-                      drafted[s]) for s in live if drafted[s])
-        updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
+                      drafted[s], s if self.rows[s] is not None else None) for s in live if drafted[s])
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
@@ -576,6 +583,7 @@ class Engine:
         if self.backend != "graph":  # the graph step verifies what it finds (`_plan`: no cut there)
             keep = self.controller.cut(confidence, m, sources)
             if not any(keep[s] for s in live):
+                self.controller.cuts(confidence, keep, sources)  # (else the step's gate cuts again, and counts)
                 self.controller.looked_up(earned=False, tried=True)
                 return False
         return True

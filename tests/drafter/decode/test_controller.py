@@ -481,6 +481,63 @@ def test_a_long_sure_draft_is_cut_where_that_speculators_drafts_stop_being_accep
     assert c.cut(sure, rows=1, sources=["guess"]) == [2]
 
 
+def chat_taught_suffix(cfg: ControllerConfig | None = None) -> Controller:
+    """A controller whose suffix calibration earlier requests taught low (~0.25: their drafts mostly failed), with
+    r(T) = 1 + 0.4 (T − 1): a draft pays there only at c · P > 0.4 a token."""
+    c = Controller(cfg or ControllerConfig(calibration_decay=1.0))
+    for rows in (1, 2):
+        c.costs.observe(StepSample(rows, 0, 0.0, 0.010, 0.0))
+        c.costs.observe(StepSample(rows, 4, 0.0, 0.026, 0.0))  # r(5) = 2.6
+    for _ in range(50):  # other requests' rows (row 3, since left), predicted 2 and earned 0.5 a draft
+        c.observe(StepSample(1, 2, 0.0, 0.018, 0.0, confident=((2.0, 0, "suffix", 2, 3), (2.0, 1, "suffix", 2, 3)),
+                             lookup=True))
+    c.row_left(3)
+    assert c.confidence_scale("suffix") == pytest.approx(51 / 201)
+    return c
+
+
+def test_a_requests_first_sure_free_draft_is_tried_whatever_other_requests_taught():
+    """A suffix calibration learned on chat cut every draft of a later request that copies its prompt, and, as a cut
+    draft is never verified, learned nothing more (bench/README.md section 53): a row's first draft promising two
+    tokens is verified at the speculator's word; one promising less is judged by the calibration."""
+    c = chat_taught_suffix()
+    sure = [1.0, 1.0, 1.0]
+    assert c.cut([sure], rows=1, sources=["suffix"]) == [3]
+    assert c.cut([[1.0]], rows=1, sources=["suffix"]) == [0]  # promises one token: the calibration's cut
+    c.calibrations[None] = c.calibration("suffix")
+    assert c.cut([sure], rows=1) == [0]  # the drafter's own drafts (drafting paid for them): its calibration
+    old = chat_taught_suffix(ControllerConfig(calibration_decay=1.0, per_request=frozenset()))
+    assert old.cut([sure], rows=1, sources=["suffix"]) == [0]  # judged by the other requests alone: cut
+
+
+def test_a_rows_own_outcomes_weigh_beside_its_speculators_calibration():
+    c = chat_taught_suffix()
+    for _ in range(3):  # row 0 copies its prompt: every verified draft accepted
+        c.observe(StepSample(2, 2, 0.0, 0.018, 0.0, confident=((2.0, 2, "suffix", 2, 0),), lookup=True))
+    assert c.cut([[1.0], [1.0]], rows=2, sources=["suffix"] * 2) == [1, 1]  # one pass for both: row 0 pays for it
+    assert c.cut([[], [1.0]], rows=2, sources=["suffix"] * 2) == [0, 0]  # row 1 alone: the calibration's 0.25
+    c.row_left(0)  # its request left: the next one in the slot starts from the calibration
+    assert c.cut([[1.0], []], rows=2, sources=["suffix"] * 2) == [0, 0]
+
+
+def test_a_row_tries_again_after_cuts_and_waits_twice_as_long_after_each_try_that_earned_nothing():
+    c, sure = chat_taught_suffix(), [[1.0, 1.0]]
+
+    def gate() -> int:
+        keep = c.cut(sure, rows=1, sources=["suffix"])
+        c.cuts(sure, keep, ["suffix"])
+        if keep[0]:  # verified: nothing accepted
+            c.observe(StepSample(1, keep[0], 0.0, 0.018, 0.0, confident=((2.0, 0, "suffix", 2, 0),), lookup=True))
+        return keep[0]
+
+    tried = [i for i in range(60) if gate()]
+    retry = ControllerConfig().row_retry
+    assert tried == [0, retry + 1, 3 * retry + 2, 7 * retry + 3]  # 8 cuts, then 16, then 32 between tries
+    for _ in range(2):  # a try that earns resets the wait
+        c.observe(StepSample(1, 2, 0.0, 0.018, 0.0, confident=((2.0, 2, "suffix", 2, 0),), lookup=True))
+    assert c.rows[0]["suffix"].retry == retry and c.rows[0]["suffix"].cuts == 0
+
+
 def test_steady_drafting_prices_the_step_costs_once_per_refresh_and_reweighs_the_acceptance_every_step(monkeypatch):
     # pricing S(k) for every k on every drafting step cost the host ~0.1 ms a step at batch 8 (bench/README section
     # 34): while drafting pays, the costs are priced again every `refresh` steps; the acceptance, every step

@@ -674,3 +674,31 @@ def test_each_rows_uniforms_are_its_own_streams_draws_in_the_plans_layout():
     plain = torch.rand(1, generator=second)
     assert torch.equal(u_accept[1], torch.tensor([0.5, 0.5, float(plain)]))
     assert bool((u_draft[1:] == 0.5).all()) and bool((u_accept[2:] == 0.5).all())
+
+
+def test_a_rows_own_free_draft_outcomes_are_its_requests_and_leave_with_it(verifier):
+    # the served default's mix: suffix decoding's verified drafts teach the controller the row's (slot's) own
+    # evidence beside its calibration, read while the request runs and dropped when it leaves the slot
+    seen, during = [], []
+
+    class Watching(Controller):
+        def observe(self, step):
+            seen.extend(row for row in step.confident if row[2] == "suffix")
+            during.append(set(self.rows))
+            super().observe(step)
+
+    rule = StopRule(())
+    reqs = _auto([r for r in _requests(verifier, max_tokens=60) if r.params.greedy][:2])
+    controller = Watching()
+    engine = Engine(verifier.lean, _mix(verifier, {"adaptive": 0, "suffix": 0}), slots=2, capacity=128,
+                    stop_rule=rule, controller=controller)
+    slots = dict(zip((r.id for r in reqs), engine.admit(reqs)))
+    got: dict[str, list[int]] = {}
+    while engine.running:
+        for u in engine.step():
+            got.setdefault(u.id, []).extend(u.new_tokens)
+    # every verified suffix draft: its row's (None: the step its request finished in, after which the slot is free)
+    assert {row[4] for row in seen} - {None} == set(slots.values())
+    assert any(during) and controller.rows == {}  # kept while the requests ran; gone with them
+    for r in reqs:  # and the output is the verifier's
+        assert got[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
