@@ -522,8 +522,8 @@ class Controller:
                 if row.drafted:
                     own.depth.observe(row.drafted, row.accepted)
                 own.cuts = 0
-                own.retry = self.cfg.row_retry if row.accepted else min(2 * max(own.retry, self.cfg.row_retry // 2),
-                                                                        self.cfg.explore_max)
+                retry = self.cfg.row_retry  # after one that earned nothing, twice the last wait
+                own.retry = retry if row.accepted else min(max(2 * own.retry, retry), self.cfg.explore_max)
         if step.lookup:
             self.looked_up(any(row.accepted for row in rows), bool(rows) or step.cut)
         if step.drafting and not step.lookup:  # a lookup's free drafts say nothing of what asking k earns
