@@ -26,6 +26,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,15 @@ def traffic(tokenizer, questions: Path, chat: int, grounded: int) -> list[tuple[
     half = len(chats) // 2
     return ([("chat", p, True) for p in chats[:half]] + [("grounded", p, False) for p in firsts]
             + [("chat again", p, True) for p in chats[half:]])
+
+
+def controller_state(c) -> dict:
+    """What a controller knows after a request: its cost ratios and overheads (value, samples), its probe interval
+    and idle steps, suffix decoding's calibration and the lookups' wait."""
+    cells = lambda table: {str(k): [round(e.value, 3), e.n] for k, e in table.items()}  # noqa: E731
+    return {"ratio": cells(c.costs.ratio), "overhead": cells(c.costs.overhead), "resync": cells(c.costs.resync),
+            "interval": c.interval, "idle": c.idle, "steps": c.costs.steps,
+            "c_suffix": round(c.confidence_scale("suffix"), 3), "lookup_wait": c.lookup_wait}
 
 
 def phase_summary(runs: list[Run], systems: list[str], phase: str) -> dict:
@@ -102,6 +112,7 @@ def main() -> None:
     controllers = {n: Controller(ControllerConfig(**CONTROLLERS.get(n, {}))) for n in SYSTEMS}
     requests = traffic(verifier.tokenizer, args.questions, args.chat, args.grounded)
     runs: list[Run] = []
+    states: list[dict] = []  # each system's controller after each request: what a run that stopped drafting knew
     identical = 0
     for i, (phase, prompt, sampled) in enumerate(requests):
         params = SamplingParams(args.temperature if sampled else 0.0, max_tokens=args.max_tokens, seed=i)
@@ -110,6 +121,9 @@ def main() -> None:
         for name in order:
             got[name] = Run(name, str(i), phase)
             decode(verifier, systems[name], controllers[name], prompt, args.max_tokens, got[name], params)
+            if systems[name] is not None:
+                states.append({"request": i, "system": name, "k_chosen": dict(Counter(got[name].ks)),
+                               **controller_state(controllers[name])})
         runs += got.values()
         identical += not sampled and all(r.token_ids == got["alone"].token_ids for r in got.values())
         print(f"[{i + 1}/{len(requests)}] {phase}: " + " ".join(
@@ -120,7 +134,8 @@ def main() -> None:
     greedy = sum(not s for _, _, s in requests)
     result = {"machine": machine_info(), "threads": args.threads, "temperature": args.temperature,
               "max_tokens": args.max_tokens, "greedy_identical": f"{identical}/{greedy}", "summary": summary,
-              "runs": [{k: v for k, v in r.__dict__.items() if k not in ("token_ids", "ks")} for r in runs]}
+              "runs": [{k: v for k, v in r.__dict__.items() if k not in ("token_ids", "ks")} for r in runs],
+              "controllers": states}
     out = ROOT / "bench" / "results" / f"{args.out}.json"
     out.write_text(json.dumps(result, separators=(",", ":")))
     plot(summary, out.with_suffix(".png"))

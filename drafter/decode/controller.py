@@ -134,6 +134,25 @@ class ControllerConfig:
             raise ValueError("need 1 <= explore_min <= explore_max")
 
 
+SAMPLED = "@sampled"  # a calibration key's suffix for rows that sample (`calibrated_as`)
+
+
+def calibrated_as(source: str | None, sampled: bool) -> str | None:
+    """The key a row's confident drafts are calibrated under: its speculator's (None: the drafter's own), apart for a
+    row that samples: a drafted token is taken there with the probability the verifier gives it at the row's
+    temperature, not whenever it is the verifier's choice (suffix decoding's drafts, taken 0.4-0.7 of the time on
+    greedy grounded requests, earn ~0.1 on chat at T = 1: one calibration for both verified chat's lookups at a loss
+    after grounded requests, bench/README.md section 53)."""
+    return f"{source or ''}{SAMPLED}" if sampled else source
+
+
+def speculator_of(key: str | None) -> str | None:
+    """`calibrated_as`'s inverse: the speculator a calibration key is of."""
+    if key is None or not key.endswith(SAMPLED):
+        return key
+    return key[: -len(SAMPLED)] or None
+
+
 def bucket(rows: int) -> int:
     """Rows of a verify pass rounded up to a power of two: the unit costs are measured and kept by."""
     return 1 << max(0, rows - 1).bit_length()
@@ -516,7 +535,7 @@ class Controller:
             self.calibration(row.source).observe(row.predicted, row.accepted)
             if row.drafted:
                 self.depth(row.source).observe(row.drafted, row.accepted)
-            if row.row is not None and row.source in self.cfg.per_request:
+            if row.row is not None and speculator_of(row.source) in self.cfg.per_request:
                 own = self.row_evidence(row.row, row.source)
                 own.calibration.observe(row.predicted, row.accepted)
                 if row.drafted:
@@ -539,8 +558,9 @@ class Controller:
         prior, and a probe comes soon."""
         self.acceptance.fade(self.cfg.swap_keep)
         for source in (None, "adaptive"):  # the served drafter's; the other speculators did not change
-            self.calibration(source).fade(self.cfg.swap_keep)
-            self.depth(source).fade(self.cfg.swap_keep)
+            for key in (source, calibrated_as(source, True)):
+                self.calibration(key).fade(self.cfg.swap_keep)
+                self.depth(key).fade(self.cfg.swap_keep)
         self.interval = self.cfg.explore_min
         self._cached = None
 
@@ -670,12 +690,12 @@ class Controller:
                 self.depth(source).cfg, acceptance_decay=1.0, prior_strength=self.cfg.prior_strength)))
         return own[source]
 
-    def cuts(self, confidence: list[list[float]], keep: list[int], sources: list[str] | None) -> None:
+    def cuts(self, confidence: list[list[float]], keep: list[int], sources: list[str | None] | None) -> None:
         """The gate's verdict on a step's drafts (`cut`, as applied): a `per_request` speculator's rows it cut
         count towards their next try."""
         for row, (probs, kept) in enumerate(zip(confidence, keep)):
             source = None if sources is None else sources[row]
-            if probs and not kept and source in self.cfg.per_request:
+            if probs and not kept and speculator_of(source) in self.cfg.per_request:
                 self.row_evidence(row, source).cuts += 1
 
     def _weights(self, source: str | None, row: int, promised: float, scales: dict) -> tuple[float, list[float]]:
@@ -691,7 +711,7 @@ class Controller:
         if source not in scales:
             scales[source] = (self.confidence_scale(source), self.depth(source).rates())
         c, rates = scales[source]
-        if source not in self.cfg.per_request:
+        if speculator_of(source) not in self.cfg.per_request:
             return c, rates
         own = self.rows.get(row, {}).get(source)
         if promised >= self.cfg.try_tokens and (own is None or own.cuts >= own.retry):
@@ -706,7 +726,7 @@ class Controller:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
         return self.calibration(source).scale
 
-    def cut(self, confidence: list[list[float]], rows: int, sources: list[str] | None = None) -> list[int]:
+    def cut(self, confidence: list[list[float]], rows: int, sources: list[str | None] | None = None) -> list[int]:
         """Per row, how many of its drafts the verify pass keeps (see the module doc: one width W* for the
         batch) for cumulative acceptance probabilities confidence[b] = [P_1, P_2, ...] (non-increasing),
         at the bucket of a `rows`-row verify pass; row b's confidence is scaled by the calibration of the

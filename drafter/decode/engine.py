@@ -47,7 +47,7 @@ from typing import Protocol, cast
 import torch
 
 from specloop.drafter.decode.capacity import draft_reserve, positions_needed
-from specloop.drafter.decode.controller import Batch, Choice, Confident, Controller, StepSample
+from specloop.drafter.decode.controller import Batch, Choice, Confident, Controller, StepSample, calibrated_as
 from specloop.drafter.decode.grammar import GrammarCompiler, GrammarSpec
 from specloop.drafter.decode.logprobs import Scoring, TokenScore, scoring_for
 from specloop.drafter.decode.plan import StepPlan
@@ -469,8 +469,10 @@ class Engine:
         # confidence may cut (the rows are those of `live`, and the empty slots between them); not on the graph
         # backend, whose verify pass has one width whatever it verifies: a cut would save nothing, cost accepted
         # drafts, and make the host wait for the drafts' confidence between the draft and the verify pass
+        # nor on a probe, which measures the pass it chose: cut by the estimates it is to check, one outlier r(2) (a
+        # stalled pass, 3.2 plain passes) had every later probe's draft cut, and was never measured again
         every_auto = choice is not None and all(r.request.k is None for r in rows if r is not None)
-        cut = every_auto and self.backend != "graph"
+        cut = every_auto and self.backend != "graph" and not (choice is not None and choice.probe)
         return StepPlan(occupied(tuple(r is not None for r in rows)), kmax, params, u_draft, u_accept, limit,
                         lookup=width > 0, confidence_cut=cut, shaper=shaper, forced=forced if kmax else None, m=m,
                         live=tuple(live), row_k=tuple(ks), choice=choice)
@@ -510,12 +512,21 @@ class Engine:
         """Each row's draft length from its confidence (the controller's `cut`), where the plan lets it cut."""
         if not plan.confidence_cut:
             return None
-        def gate(confidence: list[list[float]], sources: list[str] | None) -> list[int]:
+        def gate(confidence: list[list[float]], speculators: list[str] | None) -> list[int]:
+            sources = self._calibrated(speculators, plan.m)
             keep = self.controller.cut(confidence, plan.m, sources)
             self.controller.cuts(confidence, keep, sources)
             return keep
 
         return gate
+
+    def _calibrated(self, speculators: list[str] | None, m: int) -> list[str | None] | None:
+        """Rows [0, m)'s calibration keys (`controller.calibrated_as`: their speculator, apart where the row samples);
+        None where every row is greedy and its drafter's own."""
+        sampled = [r is not None and not r.request.params.greedy for r in self.rows[:m]]
+        if speculators is None and not any(sampled):
+            return None
+        return [calibrated_as(None if speculators is None else speculators[b], sampled[b]) for b in range(m)]
 
     def _commit(self, plan: StepPlan, outcome: BlockOutcome, scoring: Scoring | None, timing: StepTiming,
                 t0: float, timed: bool) -> list[RowUpdate]:
@@ -531,11 +542,12 @@ class Engine:
         blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
             outcome.sources is None or outcome.sources[s] not in FREE_SOURCES))
         predicted = None if outcome.predicted is None else outcome.predicted.tolist()  # one read, not one a row
+        keys = self._calibrated(outcome.sources, plan.m) if predicted is not None else None  # (rows still running)
         updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
         # (after the rows' updates: a row whose request finished teaches the calibration, no request's own)
         confident = () if predicted is None else tuple(
-            Confident(predicted[s], outcome.accepted(s), None if outcome.sources is None else outcome.sources[s],
-                      drafted[s], s if self.rows[s] is not None else None) for s in live if drafted[s])
+            Confident(predicted[s], outcome.accepted(s), None if keys is None else keys[s], drafted[s],
+                      s if self.rows[s] is not None else None) for s in live if drafted[s])
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
@@ -576,7 +588,8 @@ class Engine:
         ask = getattr(self.drafter, "free_confidence", None)
         if ask is None:
             return True
-        confidence, sources = ask(width, m)
+        confidence, speculators = ask(width, m)
+        sources = self._calibrated(speculators, m)
         if not any(confidence):
             self.controller.looked_up(earned=False, tried=False)
             return False

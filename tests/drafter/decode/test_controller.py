@@ -15,7 +15,9 @@ from specloop.drafter.decode.controller import (
     Ewma,
     StepSample,
     bucket,
+    calibrated_as,
     expected_tokens,
+    speculator_of,
 )
 
 PLAIN_S, OVERHEAD_S = 0.010, 0.001
@@ -536,6 +538,23 @@ def test_a_row_tries_again_after_cuts_and_waits_twice_as_long_after_each_try_tha
     for _ in range(2):  # a try that earns resets the wait
         c.observe(StepSample(1, 2, 0.0, 0.018, 0.0, confident=((2.0, 2, "suffix", 2, 0),), lookup=True))
     assert c.rows[0]["suffix"].retry == retry and c.rows[0]["suffix"].cuts == 0
+
+
+def test_rows_that_sample_are_calibrated_apart_from_greedy_ones():
+    """A drafted token is taken from a row that samples with the probability the verifier gives it, not whenever it is
+    the verifier's choice: one calibration for both verified sampled chat's lookups at a loss after greedy grounded
+    requests had raised it (bench/README.md section 53)."""
+    key = calibrated_as("suffix", True)
+    assert key != "suffix" and speculator_of(key) == "suffix" and calibrated_as("suffix", False) == "suffix"
+    assert speculator_of(calibrated_as(None, True)) is None and speculator_of(None) is None
+    c = chat_taught_suffix()  # greedy rows' suffix drafts earned a quarter of what they promised
+    for _ in range(50):  # sampled rows' earned all of it
+        c.observe(StepSample(1, 2, 0.0, 0.018, 0.0, confident=((2.0, 2, key, 2, 3),), lookup=True))
+    c.row_left(3)
+    assert c.confidence_scale("suffix") == pytest.approx(51 / 201) and c.confidence_scale(key) == pytest.approx(1.0)
+    assert c.cut([[1.0]], rows=1, sources=[key]) == [1] and c.cut([[1.0]], rows=1, sources=["suffix"]) == [0]
+    c.observe(StepSample(1, 2, 0.0, 0.018, 0.0, confident=((2.0, 2, key, 2, 0),), lookup=True))
+    assert set(c.rows[0]) == {key}  # a request's own evidence: as its rows are keyed (a row samples or not)
 
 
 def test_steady_drafting_prices_the_step_costs_once_per_refresh_and_reweighs_the_acceptance_every_step(monkeypatch):

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 from specloop.drafter.decode.capacity import positions_needed
-from specloop.drafter.decode.controller import Choice, Controller, ControllerConfig
+from specloop.drafter.decode.controller import Choice, Controller, ControllerConfig, speculator_of
 from specloop.drafter.decode.engine import Engine, generate
 from specloop.drafter.decode.plan import StepPlan
 from specloop.drafter.decode.proposer import VerifierView
@@ -676,19 +677,22 @@ def test_each_rows_uniforms_are_its_own_streams_draws_in_the_plans_layout():
     assert bool((u_draft[1:] == 0.5).all()) and bool((u_accept[2:] == 0.5).all())
 
 
-def test_a_rows_own_free_draft_outcomes_are_its_requests_and_leave_with_it(verifier):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_rows_own_free_draft_outcomes_are_its_requests_and_leave_with_it(verifier, temperature):
     # the served default's mix: suffix decoding's verified drafts teach the controller the row's (slot's) own
     # evidence beside its calibration, read while the request runs and dropped when it leaves the slot
-    seen, during = [], []
+    seen, during, keys = [], [], set()
 
     class Watching(Controller):
         def observe(self, step):
-            seen.extend(row for row in step.confident if row[2] == "suffix")
+            seen.extend(row for row in step.confident if speculator_of(row[2]) == "suffix")
+            keys.update(row[2] for row in step.confident)
             during.append(set(self.rows))
             super().observe(step)
 
     rule = StopRule(())
-    reqs = _auto([r for r in _requests(verifier, max_tokens=60) if r.params.greedy][:2])
+    reqs = [EngineRequest(r.id, r.prompt, replace(r.params, temperature=temperature, seed=1), None, r.stream)
+            for r in _requests(verifier, max_tokens=60) if r.params.greedy][:2]
     controller = Watching()
     engine = Engine(verifier.lean, _mix(verifier, {"adaptive": 0, "suffix": 0}), slots=2, capacity=128,
                     stop_rule=rule, controller=controller)
@@ -698,7 +702,38 @@ def test_a_rows_own_free_draft_outcomes_are_its_requests_and_leave_with_it(verif
         for u in engine.step():
             got.setdefault(u.id, []).extend(u.new_tokens)
     # every verified suffix draft: its row's (None: the step its request finished in, after which the slot is free)
-    assert {row[4] for row in seen} - {None} == set(slots.values())
+    rows = {row[4] for row in seen} - {None}
+    assert rows <= set(slots.values()) and rows and (temperature > 0 or rows == set(slots.values()))
     assert any(during) and controller.rows == {}  # kept while the requests ran; gone with them
-    for r in reqs:  # and the output is the verifier's
+    # the calibration a row's drafts teach: its speculator's, apart where it samples
+    assert {speculator_of(k) for k in keys} <= {"suffix", "adaptive"} and all(k.endswith("@sampled") == (
+        temperature > 0) for k in keys if k is not None)
+    for r in reqs if not temperature else ():  # and greedy output is the verifier's
         assert got[r.id] == generate(verifier.lean, None, [r.prompt], r.params, 0, rule)[0].token_ids
+
+
+def test_a_probe_verifies_the_drafts_it_chose_whatever_the_gate_would_cut(verifier, tiny_pair):
+    # a probe measures the pass it chose: cut by the estimates it is to check (one outlier r(2), a stalled pass of
+    # 3.2 plain passes, cut every later probe's draft and was never measured again), it would measure nothing
+    class CutsAll(Controller):
+        def __init__(self):
+            super().__init__(ControllerConfig(k_max=4))
+            self.calls = 0
+
+        def choose(self, batch):
+            self.calls += 1
+            return Choice(2, probe=self.calls % 2 == 0)
+
+        def cut(self, confidence, rows, sources=None):
+            return [0] * len(confidence)
+
+    rule = StopRule(())
+    req = _auto([r for r in _requests(verifier, max_tokens=12) if r.params.greedy][:1])[0]
+    engine = Engine(verifier.lean, _drafter("eagle", verifier, tiny_pair), slots=1, capacity=96, stop_rule=rule,
+                    controller=CutsAll())
+    engine.admit([req])
+    verified = []
+    while engine.running:
+        probe = engine.controller.calls % 2 == 1  # the next choice's
+        verified += [(probe, u.k) for u in engine.step()]
+    assert {k for probe, k in verified if probe} == {2} and {k for probe, k in verified if not probe} == {0}
