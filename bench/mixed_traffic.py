@@ -10,8 +10,12 @@ controller and its drafter's state throughout:
 
 - alone: the verifier alone;
 - default: the served default (the fetched eagle head with suffix decoding, k auto);
-- default-global: the same with suffix decoding's drafts judged by its calibration over every request alone (the
-  controller of before section 53).
+- default-global: the same without a request's own evidence of suffix decoding's drafts, nor its tries
+  (`per_request` empty; up to 61d2b31 the gate of before section 53 exactly; since, it has the section's other two
+  changes: sampled rows calibrated apart, probes never cut).
+
+Each system's controller after each request (its cost ratios and overheads, probe interval, calibration) is in
+the JSON's "controllers": what a run that stopped drafting knew.
 
 Per phase: tokens/s over the verifier alone (aggregate over the phase's requests, and the median of per-request
 ratios, decode only: prefill excluded), τ, the free (suffix) drafts verified and accepted. Greedy outputs are

@@ -25,8 +25,8 @@ Systems (--systems; those whose drafter is missing are skipped and recorded so):
   --drafter-method eagle3`;
 - suffix, ngram: model-free (`--drafter-kind suffix|ngram`);
 - mix: the eagle head with a frozen static copy and suffix decoding (`--speculators static,suffix`).
-- default-global: the default with the controller of before section 53 (suffix decoding's drafts judged by its
-  calibration over every request alone): the A/B of that change, in one process.
+- default-global: the default without a request's own evidence of suffix decoding's drafts, nor its tries
+  (`per_request` empty: its drafts judged by the calibration over every request alone, as before section 53).
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ LEADERBOARD = {
 }
 SYSTEMS = ("alone", "default", "eagle", "eagle3", "suffix", "ngram", "mix", "default-global")
 # systems whose controller is not the served one: the default judging suffix decoding's drafts by its calibration
-# over every request alone (before bench/README.md section 53: no request's own outcomes, no tries)
+# over every request alone (bench/README.md section 53: no request's own outcomes, no tries)
 CONTROLLERS = {"default-global": {"per_request": frozenset()}}
 
 
