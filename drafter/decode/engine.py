@@ -589,11 +589,11 @@ class Engine:
         if ask is None:
             return True
         confidence, speculators = ask(width, m)
-        sources = self._calibrated(speculators, m)
         if not any(confidence):
             self.controller.looked_up(earned=False, tried=False)
             return False
         if self.backend != "graph":  # the graph step verifies what it finds (`_plan`: no cut there)
+            sources = self._calibrated(speculators, m)
             keep = self.controller.cut(confidence, m, sources)
             if not any(keep[s] for s in live):
                 self.controller.cuts(confidence, keep, sources)  # (else the step's gate cuts again, and counts)
