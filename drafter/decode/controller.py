@@ -715,8 +715,8 @@ class Controller:
             return c, rates
         own = self.rows.get(row, {}).get(source)
         if promised >= self.cfg.try_tokens and (own is None or own.cuts >= own.retry):
-            fresh = Acceptance(self.depth(source).cfg).rates()
-            return max(1.0, c), [max(a, f) for a, f in zip(rates, fresh)]
+            prior = self.depth(source).cfg.prior_acceptance  # a depth estimate's prior at every position
+            return max(1.0, c), [max(a, prior) for a in rates]
         if own is None or not own.calibration.predicted:
             return c, rates
         w, cal = self.cfg.row_prior, own.calibration  # never below the speculator's: the row's failures are in it

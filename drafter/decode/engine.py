@@ -537,22 +537,23 @@ class Engine:
             drafted = [min(k, int(d)) for k, d in zip(ks, outcome.drafted.tolist())]
         else:  # every row drafted its k, or none did (a pass of `last` alone: a lookup that found nothing)
             drafted = ks if outcome.tokens.shape[1] > 1 else [0] * len(ks)
-        # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
-        # they teach the calibration alone)
-        blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
-            outcome.sources is None or outcome.sources[s] not in FREE_SOURCES))
-        predicted = None if outcome.predicted is None else outcome.predicted.tolist()  # one read, not one a row
-        keys = self._calibrated(outcome.sources, plan.m) if predicted is not None else None  # (rows still running)
+        learns = timed and outcome.predicted is not None  # the rows' calibration keys: read while they run
+        keys = self._calibrated(outcome.sources, plan.m) if learns else None
         updates = [self._commit_row(s, outcome, drafted[s], scoring) for s in live]
-        # (after the rows' updates: a row whose request finished teaches the calibration, no request's own)
-        confident = () if predicted is None else tuple(
-            Confident(predicted[s], outcome.accepted(s), None if keys is None else keys[s], drafted[s],
-                      s if self.rows[s] is not None else None) for s in live if drafted[s])
         self.last[:plan.m] = outcome.last_tokens
         self.timing = replace(timing, total_s=time.perf_counter() - t0)
         draft_s, verify_s, resync_s = timing.draft_s, timing.verify_s, timing.resync_s
         if not timed:  # the verifier alone, or a plain step nothing learns from: nothing to observe
             return updates
+        # what asking k earns (a lookup's drafts, and a free speculator's rows, were not what k pays for:
+        # they teach the calibration alone)
+        blocks = () if plan.lookup else tuple((ks[s], outcome.accepted(s)) for s in live if ks[s] and (
+            outcome.sources is None or outcome.sources[s] not in FREE_SOURCES))
+        predicted = None if outcome.predicted is None else outcome.predicted.tolist()  # one read, not one a row
+        # a row whose request finished in this step teaches the calibration, no request's own (its slot is free)
+        confident = () if predicted is None else tuple(
+            Confident(predicted[s], outcome.accepted(s), None if keys is None else keys[s], drafted[s],
+                      s if self.rows[s] is not None else None) for s in live if drafted[s])
         rest = self.timing.total_s - draft_s - verify_s - resync_s - timing.trace_s
         self.controller.observe(StepSample(plan.m, outcome.tokens.shape[1] - 1, draft_s, verify_s, rest, blocks,
                                            resync_s, plan.k, confident, plan.lookup, lookup_cut(plan, outcome)))
