@@ -62,6 +62,12 @@ def controller_state(c) -> dict:
             "c_suffix": round(c.confidence_scale("suffix"), 3), "lookup_wait": c.lookup_wait}
 
 
+def mix_state(drafter) -> dict:
+    """A mix of speculators' own suffix calibration (which decides, on drafting steps, each row's speculator)."""
+    calibration = getattr(drafter, "calibration", None)
+    return {} if calibration is None else {"c_mix": round(calibration.scale, 3)}
+
+
 def phase_summary(runs: list[Run], systems: list[str], phase: str) -> dict:
     """One phase's figures per system (see the module doc)."""
     sel = {s: [r for r in runs if r.system == s and r.category == phase] for s in systems}
@@ -98,6 +104,9 @@ def main() -> None:
     ap.add_argument("--grounded", type=int, default=5, help="Spec-Bench questions of each grounded category")
     ap.add_argument("--temperature", type=float, default=1.0, help="the chat requests' temperature")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=None,
+                    help="the drafting systems' k (default: auto); a fixed k drafts every step, as the controller "
+                         "does where the head pays (a GPU): the mix alone then picks each row's speculator")
     ap.add_argument("--threads", type=int, default=1, help="1: a `specloop serve` worker's on a 2-core machine")
     ap.add_argument("--out", default="mixed_traffic", help="bench/results/<out>.json")
     args = ap.parse_args()
@@ -124,10 +133,11 @@ def main() -> None:
         got = {}
         for name in order:
             got[name] = Run(name, str(i), phase)
-            decode(verifier, systems[name], controllers[name], prompt, args.max_tokens, got[name], params)
+            decode(verifier, systems[name], controllers[name], prompt, args.max_tokens, got[name], params,
+                   args.k)
             if systems[name] is not None:
                 states.append({"request": i, "system": name, "k_chosen": dict(Counter(got[name].ks)),
-                               **controller_state(controllers[name])})
+                               **controller_state(controllers[name]), **mix_state(systems[name])})
         runs += got.values()
         identical += not sampled and all(r.token_ids == got["alone"].token_ids for r in got.values())
         print(f"[{i + 1}/{len(requests)}] {phase}: " + " ".join(
@@ -136,7 +146,7 @@ def main() -> None:
     phases = list(dict.fromkeys(p for p, _, _ in requests))
     summary = {p: phase_summary(runs, list(SYSTEMS), p) for p in phases}
     greedy = sum(not s for _, _, s in requests)
-    result = {"machine": machine_info(), "threads": args.threads, "temperature": args.temperature,
+    result = {"machine": machine_info(), "threads": args.threads, "temperature": args.temperature, "k": args.k,
               "max_tokens": args.max_tokens, "greedy_identical": f"{identical}/{greedy}", "summary": summary,
               "runs": [{k: v for k, v in r.__dict__.items() if k not in ("token_ids", "ks")} for r in runs],
               "controllers": states}

@@ -131,15 +131,15 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
 
 
 def decode(verifier, drafter, controller, prompt: list[int], max_tokens: int, run: Run,
-           params=None) -> list[int]:
+           params=None, k: int | None = None) -> list[int]:
     """One whole request on a fresh engine (as `specloop generate` runs it); accumulates into `run`. `params`:
-    its SamplingParams (default: greedy, `max_tokens`)."""
+    its SamplingParams (default: greedy, `max_tokens`); `k`: the drafter's draft length (None: auto)."""
     from specloop.drafter.decode.capacity import positions_needed
     from specloop.drafter.decode.engine import Engine
     from specloop.drafter.decode.requests import EngineRequest, StopRule
     from specloop.drafter.decode.sampling import SamplingParams
 
-    k = 0 if drafter is None else None
+    k = 0 if drafter is None else k
     capacity = positions_needed(len(prompt), max_tokens, k, controller.cfg.k_max)
     t0 = time.perf_counter()
     engine = Engine(verifier.lean, drafter, 1, capacity, StopRule(verifier.eos_ids), controller=controller)

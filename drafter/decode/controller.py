@@ -86,6 +86,7 @@ anyway, so the controller's rows draft at least that much (up to `k_max`) at no 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -450,6 +451,9 @@ class Choice:
     timed: bool = True  # False: a step left plain that nothing learns from (the engine times and reports none)
 
 
+QUIET = Choice(0, timed=False)  # a step left plain that nothing learns from
+
+
 class Confident(NamedTuple):
     """One row whose draft carried confidence, as verified: what its drafter predicted (Σ_i P_i over the
     drafts verified), what was accepted, the speculator that drafted it (None: the drafter itself; each
@@ -498,6 +502,7 @@ class Controller:
         captured graph: smaller gaps are the timing's noise, whose low half a tighter bound would drop)."""
         drift = max(0.2, self.cfg.reference_drift)
         self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0, reference_drift=drift)
+        self._cached = self._quiet = None
 
     def reset(self) -> None:
         """Forget every estimate (back to the priors)."""
@@ -510,6 +515,7 @@ class Controller:
         self._step_costs: dict[int, list[float]] = {}  # bucket -> S(k) for k = 0..k_max, in use (`step_costs`)
         self._costs_age = 0  # steps observed since they were priced
         self._probing = False  # the last choice was a probe of drafting: its costs are priced again at once
+        self._quiet: tuple[Batch, int] | None = None  # (batch, n): its next n choices are untimed plain ones (`choose`)
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.rows: dict[int, dict[str | None, RowEvidence]] = {}  # per row, its request's own (`per_request`)
@@ -520,6 +526,7 @@ class Controller:
     # -- inputs
 
     def observe(self, step: StepSample) -> None:
+        self._quiet = None  # a choice rests on what was observed
         # what a drafting step brings that the step costs in use lack: a probe's costs, or a shape never measured
         if step.drafting and not step.lookup and (
                 self._probing or not self.costs.measured(step.drafting, bucket(step.rows))):
@@ -562,7 +569,7 @@ class Controller:
                 self.calibration(key).fade(self.cfg.swap_keep)
                 self.depth(key).fade(self.cfg.swap_keep)
         self.interval = self.cfg.explore_min
-        self._cached = None
+        self._cached = self._quiet = None
 
     def looked_up(self, earned: bool, tried: bool) -> None:
         """After a lookup: the next one comes at once if this one earned a token; after one step if nothing
@@ -628,6 +635,10 @@ class Controller:
         return got
 
     def choose(self, batch: Batch) -> Choice:
+        quiet = self._quiet
+        if quiet is not None and quiet[1] and (quiet[0] is batch or quiet[0] == batch):  # what the last choice said of the steps after it
+            self._quiet = (batch, quiet[1] - 1)
+            return self._chose(QUIET)
         e, b = self._evaluate(batch), bucket(batch.rows)
         rates, base, best, switch = e.rates, e.base, e.best, e.switch
         if base == 0 and self.costs.samples(False, b) < 2:
@@ -659,7 +670,10 @@ class Controller:
                 return self._chose(Choice(probe, True, rates[probe] / rates[0]))
             # left plain with no probe due: untimed but for the last `side_by_side` steps before one, the plain
             # reference the probe is priced against (a plain step's cost moves slowly; timing it costs the host)
-            return self._chose(Choice(0, timed=again or self.idle + 1 + self.cfg.side_by_side >= due * switch))
+            timed = again or self.idle + 1 + self.cfg.side_by_side >= due * switch
+            if not timed:  # so are the next ones until then: nothing they decide on changes unobserved
+                self._quiet = (batch, math.ceil(due * switch - self.cfg.side_by_side - self.idle - 2))
+            return self._chose(QUIET if not timed else Choice(0))
         return self._chose(Choice(base))
 
     def _chose(self, choice: Choice) -> Choice:

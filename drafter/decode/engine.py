@@ -157,6 +157,7 @@ class Engine:
         # finished requests whose history the prefix cache takes when the engine is idle (`cache_finished`):
         # slot -> (prompt length, prompt + output); dropped when the slot is reused first
         self.finished: dict[int, tuple[int, list[int]]] = {}
+        self._batch: tuple[Batch | None] | None = None  # what `_choose` asks of the running requests (None: not made)
         if self.drafter is not None:
             self._start_drafter(self.drafter)
         self.warm_s = self._warm()  # graph backend: seconds spent compiling / capturing the steps at start-up
@@ -278,6 +279,7 @@ class Engine:
                                        shaping)
             self._slot_of[r.id] = s
             self.last[s] = r.prompt[-1]
+        self._batch = None
         (self.behind.update if deferred else self.behind.difference_update)(slots)
         self.stale.difference_update(slots)
         return slots
@@ -336,6 +338,7 @@ class Engine:
         row = self._row(slot)
         del self._slot_of[row.request.id]
         self.rows[slot] = None
+        self._batch = None
         self.controller.row_left(slot)
         self.behind.discard(slot)
         self.stale.discard(slot)
@@ -616,10 +619,11 @@ class Engine:
         """The controller's k for this step's auto rows (None when there are none, or no drafter)."""
         if self.drafter is None:
             return None
-        fixed = tuple(rows[s].request.k for s in live if rows[s].request.k is not None)
-        if len(fixed) == len(live):
-            return None
-        return self.controller.choose(Batch(m, len(live) - len(fixed), fixed))
+        if self._batch is None:  # the same object while the same requests run (the controller's `choose` sees so)
+            fixed = tuple(rows[s].request.k for s in live if rows[s].request.k is not None)
+            self._batch = (None if len(fixed) == len(live) else Batch(m, len(live) - len(fixed), fixed),)
+        batch = self._batch[0]
+        return None if batch is None else self.controller.choose(batch)
 
     def _resync(self, slots: list[int]) -> float:
         """Rows that skipped plain steps restart in the drafter from their committed tokens (`join`);

@@ -106,6 +106,27 @@ def test_a_controller_that_left_speculation_off_times_only_the_steps_before_a_pr
     assert all(x.timed for x in paying[20:])  # where drafting pays, every step is timed
 
 
+def test_the_steps_a_quiet_choice_leaves_plain_are_chosen_without_the_rule_and_as_the_rule_chooses_them():
+    # a choice that left the step plain and untimed says how many after it will be (nothing they decide on changes
+    # unobserved): those are answered without evaluating, and exactly as the whole rule answers them
+    fast, full, evaluated = Controller(), Controller(), []
+    original = Controller._evaluate
+    fast._evaluate = lambda batch: evaluated.append(1) or original(fast, batch)
+    one, two = Batch(1, 1), Batch(2, 2)
+    for i in range(3000):
+        batch = one if (i // 500) % 2 == 0 else two  # a request joins, then leaves: another batch
+        full._quiet = None
+        got, want = fast.choose(batch), full.choose(batch)
+        assert got == want, i
+        if got.timed:
+            for c in (fast, full):
+                c.observe(StepSample(batch.rows, got.k, 0.0005 * got.k, verify_time(got.k + 1, batch.rows),
+                                     OVERHEAD_S, ((got.k, 0),) * batch.rows if got.k else ()))
+    assert len(evaluated) < 0.2 * 3000
+    fast.drafter_swapped()  # a new drafter: probed soon, not after the quiet run it was in
+    assert fast._quiet is None
+
+
 def test_a_probe_of_a_new_verify_shape_is_probed_again_so_its_one_time_costs_do_not_keep_drafting_off():
     # host-bound steps (the graph backend): a drafting step's overhead is 2.7x a plain one's, every draft is
     # accepted, and the first step of each verify shape costs 1.5-3x (first calls): drafting at k = 4 pays 1.7x.
