@@ -635,8 +635,8 @@ class Controller:
         return got
 
     def choose(self, batch: Batch) -> Choice:
-        quiet = self._quiet
-        if quiet is not None and quiet[1] and (quiet[0] is batch or quiet[0] == batch):  # what the last choice said of the steps after it
+        quiet = self._quiet  # what the last choice said of the steps after it
+        if quiet is not None and quiet[1] and (quiet[0] is batch or quiet[0] == batch):
             self._quiet = (batch, quiet[1] - 1)
             return self._chose(QUIET)
         e, b = self._evaluate(batch), bucket(batch.rows)
