@@ -502,7 +502,6 @@ class Controller:
         captured graph: smaller gaps are the timing's noise, whose low half a tighter bound would drop)."""
         drift = max(0.2, self.cfg.reference_drift)
         self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0, reference_drift=drift)
-        self._cached = self._quiet = None
 
     def reset(self) -> None:
         """Forget every estimate (back to the priors)."""
