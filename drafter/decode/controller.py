@@ -735,6 +735,11 @@ class Controller:
         w, cal = self.cfg.row_prior, own.calibration  # never below the speculator's: the row's failures are in it
         return max(c, (cal.accepted + w * c) / (cal.predicted + w)), list(map(max, own.depth.toward(rates), rates))
 
+    def free_scale(self, row: int, source: str | None, promised: float) -> float:
+        """c for row `row`'s draft of speculator `source` (a calibration key) promising `promised` (Σ_i P_i), as the
+        gate weighs it (`_weights`): what a mix of speculators weighs a row's suffix draft against its model's by."""
+        return self._weights(source, row, promised, {})[0]
+
     def confidence_scale(self, source: str | None = None) -> float:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
         return self.calibration(source).scale

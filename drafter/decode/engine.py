@@ -219,10 +219,17 @@ class Engine:
             self.verifier.release(self.cache)
 
     def _start_drafter(self, drafter: Drafter) -> None:
+        self._calibrate(drafter)
         empty = [[0]] * self.slots
         zeros = {i: torch.zeros(self.slots, self.verifier.hidden_size, device=self.verifier.device,
                                 dtype=self.verifier.dtype) for i in drafter.verifier_layers}
         drafter.start(empty, self.capacity, VerifierView(self.cache, zeros))
+
+    def _calibrate(self, drafter: Drafter) -> None:
+        """A drafter that weighs free drafts against its model's (a mix of speculators: `calibrated_by`) does so by
+        this engine's controller, the one whose gate judges them."""
+        if hasattr(drafter, "calibrated_by"):
+            drafter.calibrated_by(self.controller)
 
     # -- admission
 
@@ -387,6 +394,7 @@ class Engine:
         if new is not self.drafter:
             assert self.backend is not None  # resolved in __post_init__
             self._graph_drafter(new, self.backend)
+            self._calibrate(new)
             self.drafter = new
             self.controller.drafter_swapped()
 
@@ -580,7 +588,9 @@ class Engine:
             width = self._lookup_width(live)
             return width if self._free_drafts_verified(width, live, len(rows)) else 0
         prefers, width = getattr(self.drafter, "prefers_free", None), self._lookup_width(live)
-        return width if prefers is not None and choice.k < width and prefers(choice.k, width, live) else 0
+        if prefers is None or choice.k >= width:
+            return 0
+        return width if prefers(choice.k, width, live, [not rows[s].request.params.greedy for s in live]) else 0
 
     def _free_drafts_verified(self, width: int, live: list[int], m: int) -> bool:
         """Whether a lookup due on a step left plain would verify any draft. A drafter that tells its free drafts'

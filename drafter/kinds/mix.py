@@ -13,8 +13,10 @@ per-position trials and hits, shrunk to a prior):
     E_m(k) = 1 + Σ_{i≤k} Π_{j≤i} a_{m,j}                 a model member's expected tokens per block
     model  = argmax over {adaptive, static} of E_m(k)     one of them drafts for the batch; the other
                                                            drafts once every `explore` steps it sat out
-    row b takes the suffix draft when 1 + c · Σ_i p_{b,i} ≥ E_model(k), where p_{b,i} is the suffix
-    draft's own path probability and c its live calibration (accepted / predicted, decayed)
+    row b takes the suffix draft when 1 + c_b · Σ_i p_{b,i} ≥ E_model(k), where p_{b,i} is the suffix
+    draft's own path probability and c_b what such drafts really earn over what they promise, as the engine's
+    controller judges row b's (`Controller.free_scale`: suffix decoding's calibration, apart for rows that sample,
+    with the row's request's own outcomes beside it and a first draft taken at its word; 1 without a controller)
 
 and the model member is not run at all when every row took a suffix draft (its cost is saved).
 On steps where the controller chose not to draft (the model members do not pay), `lookup` offers the
@@ -31,7 +33,7 @@ from typing import cast
 
 import torch
 
-from specloop.drafter.decode.controller import Acceptance, Calibration, ControllerConfig, expected_tokens
+from specloop.drafter.decode.controller import Acceptance, Controller, ControllerConfig, calibrated_as, expected_tokens
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView, steer_now
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
@@ -44,7 +46,7 @@ MODELS = ("adaptive", "static")
 class SpeculatorMix:
     """The Drafter protocol over named members (see the module doc)."""
 
-    def __init__(self, members: dict[str, Drafter], explore: int = 32, calibration_decay: float = 0.98):
+    def __init__(self, members: dict[str, Drafter], explore: int = 32):
         bad = [name for name, d in members.items() if not getattr(d, "follows_plain", False)]
         if bad:
             raise ValueError(f"a mix of speculators needs members that follow plain steps; "
@@ -61,9 +63,9 @@ class SpeculatorMix:
         cfg = ControllerConfig(k_max=8)
         self.acceptance = {name: Acceptance(cfg) for name in members if name != "suffix"}
         self.idle = {name: 0 for name in self.acceptance}  # drafting steps each model member sat out
-        self.calibration = Calibration(calibration_decay)  # of the suffix member's drafts
+        self.controller: Controller | None = None  # what judges the suffix member's drafts (`calibrated_by`)
         self.served: dict[str, int] = {name: 0 for name in members}  # blocks drafted by each member
-        self._last: tuple[list[str], list[float]] | None = None
+        self._last: list[str] | None = None  # each row's speculator in the step being verified (None: a plain step)
         self._lazy: SpeculatorMix | None = None  # `lazy_part`, made on first use
 
     @property
@@ -75,7 +77,7 @@ class SpeculatorMix:
 
     def lazy_part(self) -> "SpeculatorMix | None":
         """The mix as it follows a step its model members skip: its suffix member alone, capturing nothing (a view:
-        lookups, calibration and counts are the whole mix's); None without a suffix member."""
+        lookups and counts are the whole mix's); None without a suffix member."""
         if "suffix" not in self.members:
             return None
         if self._lazy is None:  # made once (a copy costs a plain step ~15 µs): what it shares is never reassigned
@@ -90,6 +92,13 @@ class SpeculatorMix:
         for member in self.members.values():
             if hasattr(member, "use_chain"):
                 member.use_chain(slots, depth, compiled)
+
+    def calibrated_by(self, controller: Controller) -> None:
+        """The engine's controller, whose calibration of suffix decoding's drafts (the one its gate cuts them by)
+        weighs a row's suffix draft against the model's: one estimate of what those drafts earn, not two (the
+        mix's own, one for every request and greedy and sampled rows alike, could stay low after sampled chat and
+        keep a grounded request's copies from being drafted: bench/README.md section 54)."""
+        self.controller = controller
 
     def steer_now(self) -> torch.Tensor | None:
         """The served ("adaptive") member's: an observed record of a step left plain is the adaptive drafter's."""
@@ -113,31 +122,37 @@ class SpeculatorMix:
             return self._model_proposal(model, k, params, uniforms)
         drafts = suffix.drafts(k)
         bar = self.expected(model, k)
-        scores = [1 + self.calibration.scale * d.score for d in drafts]
-        takes = [bool(d.tokens) and s >= bar for d, s in zip(drafts, scores)]
+        sampled = sampled_rows(params, len(drafts))
+        takes = [bool(d.tokens) and self.worth(b, d.score, sampled[b]) >= bar for b, d in enumerate(drafts)]
         mine = proposal_of(drafts, k, suffix.fillers())
         if all(takes):
             mine.sources = ["suffix"] * len(drafts)
-            self._remember(mine.sources, drafts, model=None)
+            self._remember(mine.sources, model=None)
             return mine
         theirs = self._model_proposal(model, k, params, uniforms)
         rows = torch.tensor(takes)
         merged = merge(theirs, mine, rows)
         merged.sources = ["suffix" if t else model for t in takes]
-        self._remember(merged.sources, drafts, model)
+        self._remember(merged.sources, model)
         return merged
 
-    def prefers_free(self, k: int, width: int, live: list[int]) -> bool:
-        """Whether, on a step the controller gave the model members k drafts, every live row is expected to do at
-        least as well with its suffix draft of up to `width` tokens (the widest a pass may verify) as with
-        the model's: specloop.drafter.decode.engine then runs the step as a lookup (no model pass, the suffix drafts not
-        capped at k)."""
+    def prefers_free(self, k: int, width: int, live: list[int], sampled: list[bool]) -> bool:
+        """Whether, on a step the controller gave the model members k drafts, every live row (`sampled`: whether
+        each samples) is expected to do at least as well with its suffix draft of up to `width` tokens (the widest a
+        pass may verify) as with the model's: specloop.drafter.decode.engine then runs the step as a lookup (no model
+        pass, the suffix drafts not capped at k)."""
         suffix = self._suffix()
         if suffix is None:
             return False
         bar = self.expected(self.pick_model(k), k)
         drafts = suffix.drafts(width, live)
-        return all(d.tokens and 1 + self.calibration.scale * d.score >= bar for d in drafts)
+        return all(d.tokens and self.worth(b, d.score, s) >= bar for b, d, s in zip(live, drafts, sampled))
+
+    def worth(self, row: int, score: float, sampled: bool) -> float:
+        """1 + c · Σ_i p_i: the tokens row `row`'s suffix draft promising `score` (Σ_i p_i) is expected to gain."""
+        if self.controller is None:
+            return 1 + score
+        return 1 + self.controller.free_scale(row, calibrated_as("suffix", sampled), score) * score
 
     def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
         """The suffix member's drafts alone, no model member run: what specloop.drafter.decode.engine verifies on a step
@@ -146,9 +161,7 @@ class SpeculatorMix:
         suffix = self._suffix()
         mine = suffix.lookup(k, params) if suffix is not None else None
         if mine is not None:
-            assert mine.confidence is not None  # proposal_of sets it
-            mine.sources = ["suffix"] * len(mine.tokens)
-            self._last = (mine.sources, mine.confidence.tolist())  # the model members sat out no drafting step
+            mine.sources = self._last = ["suffix"] * len(mine.tokens)  # the model members sat out no drafting step
         return mine
 
     def free_confidence(self, k: int, m: int) -> tuple[list[list[float]], list[str] | None]:
@@ -164,12 +177,11 @@ class SpeculatorMix:
     def _model_proposal(self, model: str, k: int, params: SamplingParams | RowParams, uniforms) -> Proposal:
         proposal = self.members[model].propose(k, params, uniforms)
         proposal.sources = [model] * len(proposal.tokens)
-        self._remember(proposal.sources, None, model)
+        self._remember(proposal.sources, model)
         return proposal
 
-    def _remember(self, sources: list[str], drafts, model: str | None) -> None:
-        predicted = [0.0] * len(sources) if drafts is None else [d.probs for d in drafts]
-        self._last = (sources, predicted)
+    def _remember(self, sources: list[str], model: str | None) -> None:
+        self._last = sources
         for name in self.idle:
             self.idle[name] = 0 if name == model else self.idle[name] + 1
 
@@ -180,8 +192,7 @@ class SpeculatorMix:
             member.observe(outcome, active, view)
         if self._last is None:  # a plain step
             return
-        sources, predicted = self._last
-        self._last = None
+        sources, self._last = self._last, None
         k = outcome.tokens.shape[1] - 1
         rows = None if outcome.drafted is None else outcome.drafted.tolist()  # one read, not one a row
         for b in torch.nonzero(active).flatten().tolist():
@@ -190,9 +201,7 @@ class SpeculatorMix:
             if not drafted or (outcome.sources is not None and outcome.sources[b] not in self.members):
                 continue  # a row whose grammar drafted for it (`speculative.with_forced`): no member's draft
             self.served[sources[b]] += 1
-            if sources[b] == "suffix":
-                self.calibration.observe(sum(predicted[b][:drafted]), n)
-            else:
+            if sources[b] != "suffix":  # (the controller learns what suffix drafts earn, from the step's rows)
                 self.acceptance[sources[b]].observe(drafted, n)
 
     # -- rows and swaps
@@ -206,7 +215,7 @@ class SpeculatorMix:
             member.join(slots, prompts, view)
 
     def narrow(self, m: int) -> "SpeculatorMix":
-        view = copy.copy(self)  # acceptance, calibration and counts are shared with the pool
+        view = copy.copy(self)  # acceptance and counts are shared with the pool
         view.members = {name: d.narrow(m) for name, d in self.members.items()}
         view._lazy = None
         return view
@@ -233,8 +242,15 @@ class SpeculatorMix:
                 self.acceptance[name] = copy.deepcopy(acc)
         if "adaptive" in self.acceptance:
             self.acceptance["adaptive"].fade(0.25)
-        self.calibration, self.served, self.idle = copy.deepcopy(old.calibration), dict(old.served), dict(old.idle)
+        self.served, self.idle = dict(old.served), dict(old.idle)
         self._lazy = None  # it shared the replaced ones
+
+
+def sampled_rows(params: SamplingParams | RowParams, rows: int) -> list[bool]:
+    """Whether each of a step's rows samples."""
+    if isinstance(params, RowParams):
+        return [not p.greedy for p in params.rows]
+    return [not params.greedy] * rows
 
 
 def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:

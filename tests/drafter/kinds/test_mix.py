@@ -50,14 +50,14 @@ def test_greedy_output_with_a_mix_equals_the_verifier_alone(lean, names, k):
 def test_the_mix_follows_lazily_through_its_suffix_member_alone_sharing_its_lookups_calibration(lean):
     """A mix of eagle heads (`follows_lazily`) leaves them behind on the steps the engine runs lazily: its lazy part
     is the mix with the suffix member alone, capturing nothing, whose lookups are the whole mix's (sources, the
-    calibration they teach); a mix whose model member must follow every step, or with no suffix member, has none."""
+    counts they teach); a mix whose model member must follow every step, or with no suffix member, has none."""
     mix = mix_of(lean, "static", "suffix")
     assert mix.follows_lazily
     part = mix.lazy_part()
     assert part is mix.lazy_part() and list(part.members) == ["suffix"] and part.members["suffix"] is mix._suffix()
     assert part.verifier_layers == part.record_layers == () and mix.verifier_layers
     mix.members["suffix"].start([[1, 2, 1], [3]], 16)
-    assert part.calibration is mix.calibration and part.free_confidence(3, 2) == ([[1.0], []], ["suffix", "suffix"])
+    assert part.served is mix.served and part.free_confidence(3, 2) == ([[1.0], []], ["suffix", "suffix"])
     assert mix_of(lean, "static").lazy_part() is None
     mix.members["static"].follows_lazily = False
     assert not mix.follows_lazily
@@ -124,18 +124,37 @@ def _view(lean, rows):
     return VerifierView(cache, {lean.num_layers - 1: torch.zeros(rows, lean.hidden_size)})
 
 
-def test_suffix_calibration_follows_what_its_drafts_really_earn(lean):
+def test_a_rows_suffix_draft_is_weighed_as_the_engines_controller_judges_that_rows_drafts(lean):
+    """One estimate of what suffix drafts earn, the controller's: its calibration apart for rows that sample (chat at
+    T = 1 taught it low), a request's first draft at its word, then the request's own outcomes; an engine hands its
+    controller to the mix (a swapped-in version too), and without one a draft is taken at its word."""
+    from specloop.drafter.decode.controller import Controller, ControllerConfig
+    from specloop.drafter.decode.engine import Engine
+    from specloop.drafter.decode.sampling import RowParams
+
     mix = mix_of(lean, "suffix")
-    mix.start([[1, 2, 3, 1, 2]], 32, _view(lean, 1))
-    mix._last = (["suffix"], [[1.0, 1.0]])
-    from specloop.drafter.decode.rejection import BlockOutcome
-    outcome = BlockOutcome(torch.tensor([[3, 9, 9]]), torch.tensor([0]), torch.tensor([2]))
-    view = _view(lean, 1)
-    for _ in range(50):
-        mix._last = (["suffix"], [[1.0, 1.0]])
-        mix.observe(outcome, torch.tensor([True]), view)
-    assert mix.calibration.scale < 0.05  # predicted 2 per block, earned 0
-    assert np.isclose(sum(mix.served.values()), 50)
+    for _ in range(30):
+        mix.acceptance["adaptive"].observe(3, 1)  # the model's E(3) ~1.9; the suffix drafts promise 2 tokens
+    mix.start([[1, 2, 3, 1, 2], [4, 5, 6, 4, 5]], 32, _view(lean, 2))
+    u = torch.full((2, 3), 0.5)
+    mixed = RowParams((SamplingParams(), SamplingParams(temperature=1.0)))  # row 0 greedy, row 1 sampled
+    assert mix.propose(3, mixed, u).sources == ["suffix", "suffix"]  # no controller: at the drafts' word
+    controller = Controller(ControllerConfig(calibration_decay=1.0))
+    for _ in range(20):
+        controller.calibration("suffix@sampled").observe(2.0, 0)  # sampled rows' suffix drafts earned nothing
+    engine = Engine(lean, mix, slots=2, capacity=32, stop_rule=StopRule(), controller=controller)
+    assert mix.controller is engine.controller
+    mix.start([[1, 2, 3, 1, 2], [4, 5, 6, 4, 5]], 32, _view(lean, 2))  # (the engine started it with empty rows)
+    assert mix.propose(3, mixed, u).sources == ["suffix", "suffix"]  # row 1: its request's first draft, a try
+    own = controller.row_evidence(1, "suffix@sampled")
+    own.calibration.observe(2.0, 0)  # ...which earned nothing
+    own.retry = controller.cfg.row_retry
+    assert mix.propose(3, mixed, u).sources == ["suffix", "adaptive"]  # the greedy row's copy is still drafted
+    assert not mix.prefers_free(1, 8, [0, 1], [False, True]) and mix.prefers_free(1, 8, [0], [False])
+    swapped = mix_of(lean, "suffix", seed=4)
+    engine.hooks = type("Swap", (), {"swap": lambda self, old, histories: swapped})()
+    engine.offer_swap()
+    assert swapped.controller is controller
 
 
 def test_rows_the_suffix_member_drafts_teach_the_calibration_not_the_acceptance_k_is_chosen_by(lean):
