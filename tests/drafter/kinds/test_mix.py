@@ -1,6 +1,5 @@
 """A mix of speculators (specloop.drafter.kinds.mix): lossless whichever member drafts, the choice per step and row
 follows live acceptance, unused members cost nothing, and a hot swap keeps what the others learned."""
-import numpy as np
 import pytest
 import torch
 
