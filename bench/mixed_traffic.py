@@ -62,12 +62,6 @@ def controller_state(c) -> dict:
             "c_suffix": round(c.confidence_scale("suffix"), 3), "lookup_wait": c.lookup_wait}
 
 
-def mix_state(drafter) -> dict:
-    """A mix of speculators' own suffix calibration (which decides, on drafting steps, each row's speculator)."""
-    calibration = getattr(drafter, "calibration", None)
-    return {} if calibration is None else {"c_mix": round(calibration.scale, 3)}
-
-
 def phase_summary(runs: list[Run], systems: list[str], phase: str) -> dict:
     """One phase's figures per system (see the module doc)."""
     sel = {s: [r for r in runs if r.system == s and r.category == phase] for s in systems}
@@ -137,7 +131,7 @@ def main() -> None:
                    args.k)
             if systems[name] is not None:
                 states.append({"request": i, "system": name, "k_chosen": dict(Counter(got[name].ks)),
-                               **controller_state(controllers[name]), **mix_state(systems[name])})
+                               **controller_state(controllers[name])})
         runs += got.values()
         identical += not sampled and all(r.token_ids == got["alone"].token_ids for r in got.values())
         print(f"[{i + 1}/{len(requests)}] {phase}: " + " ".join(
