@@ -178,6 +178,7 @@ class Acceptance:
     cfg: ControllerConfig
     hits: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
+    _rates: list[float] | None = field(default=None, init=False, repr=False, compare=False)  # `rates`, until observed
 
     def __post_init__(self):
         self.hits = self.hits or [0.0] * self.cfg.k_max
@@ -185,12 +186,19 @@ class Acceptance:
 
     def observe(self, k: int, n: int) -> None:
         """One block: k drafts, the first n accepted. Positions 1..min(n + 1, k) were tried."""
-        lam = self.cfg.acceptance_decay
+        lam, self._rates = self.cfg.acceptance_decay, None
         for i in range(min(n + 1, k, self.cfg.k_max)):
             self.hits[i] = lam * self.hits[i] + (i < n)
             self.trials[i] = lam * self.trials[i] + 1.0
 
     def rates(self) -> list[float]:
+        """a_1..a_{k_max} (one list until the next observation: read, not written, by its callers; the gate reads a
+        speculator's 32 on every lookup with drafts)."""
+        if self._rates is None:
+            self._rates = self._estimate()
+        return self._rates
+
+    def _estimate(self) -> list[float]:
         m, prior, out = self.cfg.prior_strength, self.cfg.prior_acceptance, []
         for h, t in zip(self.hits, self.trials):
             a = (h + m * prior) / (t + m)
@@ -202,6 +210,7 @@ class Acceptance:
         """Keep `keep` of the evidence (a new drafter: the old one's estimate becomes a weak prior)."""
         self.hits = [h * keep for h in self.hits]
         self.trials = [t * keep for t in self.trials]
+        self._rates = None
 
     def toward(self, prior: list[float]) -> list[float]:
         """Per position, this evidence shrunk towards `prior` (another estimate's rates) with `prior_strength`
@@ -502,6 +511,7 @@ class Controller:
         captured graph: smaller gaps are the timing's noise, whose low half a tighter bound would drop)."""
         drift = max(0.2, self.cfg.reference_drift)
         self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0, reference_drift=drift)
+        self._pass_costs.clear()
 
     def reset(self) -> None:
         """Forget every estimate (back to the priors)."""
@@ -515,6 +525,7 @@ class Controller:
         self._costs_age = 0  # steps observed since they were priced
         self._probing = False  # the last choice was a probe of drafting: its costs are priced again at once
         self._quiet: tuple[Batch, int] | None = None  # (batch, n): its next n choices are untimed plain ones (`choose`)
+        self._pass_costs: dict[tuple[int, int], list[float]] = {}  # (bucket, width) -> what `cut` prices passes at
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.rows: dict[int, dict[str | None, RowEvidence]] = {}  # per row, its request's own (`per_request`)
@@ -525,7 +536,8 @@ class Controller:
     # -- inputs
 
     def observe(self, step: StepSample) -> None:
-        self._quiet = None  # a choice rests on what was observed
+        self._quiet = None  # a choice rests on what was observed, and so do the gate's prices
+        self._pass_costs.clear()
         # what a drafting step brings that the step costs in use lack: a probe's costs, or a shape never measured
         if step.drafting and not step.lookup and (
                 self._probing or not self.costs.measured(step.drafting, bucket(step.rows))):
@@ -711,9 +723,10 @@ class Controller:
             if probs and not kept and speculator_of(source) in self.cfg.per_request:
                 self.row_evidence(row, source).cuts += 1
 
-    def _weights(self, source: str | None, row: int, promised: float, scales: dict) -> tuple[float, list[float]]:
-        """(c, a_1..a_MAX_DEPTH) the gate weighs a row's draft by: the speculator's (computed once a call, in
-        `scales`), or for a `per_request` speculator the row's own evidence beside it where it says more (a request
+    def _weights(self, source: str | None, row: int, promised: float,
+                 scales: dict | None = None) -> tuple[float, list[float]]:
+        """(c, a_1..a_MAX_DEPTH) the gate weighs a row's draft by: the speculator's (made once a call where `scales`
+        holds them), or for a `per_request` speculator the row's own evidence beside it where it says more (a request
         that copies its prompt earns where others did not; one whose drafts fail is judged as the rest, whose
         failures the calibration holds: cutting more there kept the copies of a grounded request's later text
         unverified after its first short drafts failed). A draft promising at least
@@ -721,6 +734,7 @@ class Controller:
         verified draft yet, or had `retry` drafts cut since: other requests' outcomes, or the row's own early
         ones, never keep a request from copying (a suffix calibration learned on chat cut every draft of a later
         request that edited its prompt, and learned nothing more: bench/README.md section 53)."""
+        scales = {} if scales is None else scales
         if source not in scales:
             scales[source] = (self.confidence_scale(source), self.depth(source).rates())
         c, rates = scales[source]
@@ -738,7 +752,7 @@ class Controller:
     def free_scale(self, row: int, source: str | None, promised: float) -> float:
         """c for row `row`'s draft of speculator `source` (a calibration key) promising `promised` (Σ_i P_i), as the
         gate weighs it (`_weights`): what a mix of speculators weighs a row's suffix draft against its model's by."""
-        return self._weights(source, row, promised, {})[0]
+        return self._weights(source, row, promised)[0]
 
     def confidence_scale(self, source: str | None = None) -> float:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
@@ -751,9 +765,12 @@ class Controller:
         speculator that drafted it (`sources[b]`; None: the drafter's)."""
         b = bucket(rows)
         width = max(map(len, confidence), default=0)
-        costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
-        gains = [0.0] * (width + 1)
         scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator: c and a_1..a_MAX_DEPTH, once
+        costs = self._pass_costs.get((b, width))
+        if costs is None:  # the same until a step is observed (lookups that verified nothing are not)
+            costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
+            self._pass_costs[(b, width)] = costs
+        gains = [0.0] * (width + 1)
         for row, probs in enumerate(confidence):
             source = None if sources is None else sources[row]
             (c, rates), total, run = self._weights(source, row, sum(probs), scales), 1.0, 1.0
