@@ -723,17 +723,18 @@ class Controller:
             if probs and not kept and speculator_of(source) in self.cfg.per_request:
                 self.row_evidence(row, source).cuts += 1
 
-    def _weights(self, source: str | None, row: int, promised: float,
-                 scales: dict | None = None) -> tuple[float, list[float]]:
-        """(c, a_1..a_MAX_DEPTH) the gate weighs a row's draft by: the speculator's (made once a call where `scales`
-        holds them), or for a `per_request` speculator the row's own evidence beside it where it says more (a request
-        that copies its prompt earns where others did not; one whose drafts fail is judged as the rest, whose
-        failures the calibration holds: cutting more there kept the copies of a grounded request's later text
-        unverified after its first short drafts failed). A draft promising at least
-        `try_tokens` is taken at the speculator's word (c ≥ 1, its depth prior at least) where the row has no
-        verified draft yet, or had `retry` drafts cut since: other requests' outcomes, or the row's own early
-        ones, never keep a request from copying (a suffix calibration learned on chat cut every draft of a later
-        request that edited its prompt, and learned nothing more: bench/README.md section 53)."""
+    def _weights(self, source: str | None, row: int, promised: float, scales: dict | None = None,
+                 depth: bool = True) -> tuple[float, list[float]]:
+        """(c, a_1..a_MAX_DEPTH) the gate weighs a row's draft by (`depth` False: c alone is read, and the rates
+        are the speculator's): the speculator's (made once a call where `scales` holds them), or for a `per_request`
+        speculator the row's own evidence beside it where it says more (a request that copies its prompt earns where
+        others did not; one whose drafts fail is judged as the rest, whose failures the calibration holds: cutting
+        more there kept the copies of a grounded request's later text unverified after its first short drafts
+        failed). A draft promising at least `try_tokens` is taken at the speculator's word (c ≥ 1, its depth prior
+        at least) where the row has no verified draft yet, or had `retry` drafts cut since: other requests'
+        outcomes, or the row's own early ones, never keep a request from copying (a suffix calibration learned on
+        chat cut every draft of a later request that edited its prompt, and learned nothing more: bench/README.md
+        section 53)."""
         scales = {} if scales is None else scales
         if source not in scales:
             scales[source] = (self.confidence_scale(source), self.depth(source).rates())
@@ -743,16 +744,17 @@ class Controller:
         own = self.rows.get(row, {}).get(source)
         if promised >= self.cfg.try_tokens and (own is None or own.cuts >= own.retry):
             prior = self.depth(source).cfg.prior_acceptance  # a depth estimate's prior at every position
-            return max(1.0, c), [max(a, prior) for a in rates]
+            return max(1.0, c), [max(a, prior) for a in rates] if depth else rates
         if own is None or not own.calibration.predicted:
             return c, rates
         w, cal = self.cfg.row_prior, own.calibration  # never below the speculator's: the row's failures are in it
-        return max(c, (cal.accepted + w * c) / (cal.predicted + w)), list(map(max, own.depth.toward(rates), rates))
+        c = max(c, (cal.accepted + w * c) / (cal.predicted + w))
+        return c, list(map(max, own.depth.toward(rates), rates)) if depth else rates
 
     def free_scale(self, row: int, source: str | None, promised: float) -> float:
         """c for row `row`'s draft of speculator `source` (a calibration key) promising `promised` (Σ_i P_i), as the
         gate weighs it (`_weights`): what a mix of speculators weighs a row's suffix draft against its model's by."""
-        return self._weights(source, row, promised)[0]
+        return self._weights(source, row, promised, depth=False)[0]
 
     def confidence_scale(self, source: str | None = None) -> float:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""
