@@ -751,10 +751,11 @@ class Controller:
         c = max(c, (cal.accepted + w * c) / (cal.predicted + w))
         return c, list(map(max, own.depth.toward(rates), rates)) if depth else rates
 
-    def free_scale(self, row: int, source: str | None, promised: float) -> float:
-        """c for row `row`'s draft of speculator `source` (a calibration key) promising `promised` (Σ_i P_i), as the
+    def free_scales(self, rows: list[int], sources: list[str | None], promised: list[float]) -> list[float]:
+        """c for each row's draft of speculator sources[i] (a calibration key) promising promised[i] (Σ_j P_j), as the
         gate weighs it (`_weights`): what a mix of speculators weighs a row's suffix draft against its model's by."""
-        return self._weights(source, row, promised, depth=False)[0]
+        scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator, once a call
+        return [self._weights(s, r, p, scales, depth=False)[0] for r, s, p in zip(rows, sources, promised)]
 
     def confidence_scale(self, source: str | None = None) -> float:
         """c: what a speculator's confident drafts really earned over what it predicted (1 before any)."""

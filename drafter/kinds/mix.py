@@ -15,7 +15,7 @@ per-position trials and hits, shrunk to a prior):
                                                            drafts once every `explore` steps it sat out
     row b takes the suffix draft when 1 + c_b · Σ_i p_{b,i} ≥ E_model(k), where p_{b,i} is the suffix
     draft's own path probability and c_b what such drafts really earn over what they promise, as the engine's
-    controller judges row b's (`Controller.free_scale`: suffix decoding's calibration, apart for rows that sample,
+    controller judges row b's (`Controller.free_scales`: suffix decoding's calibration, apart for rows that sample,
     with the row's request's own outcomes beside it and a first draft taken at its word; 1 without a controller)
 
 and the model member is not run at all when every row took a suffix draft (its cost is saved).
@@ -37,7 +37,7 @@ from specloop.drafter.decode.controller import Acceptance, Controller, Controlle
 from specloop.drafter.decode.proposer import Drafter, Proposal, VerifierView, steer_now
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams
-from specloop.drafter.kinds.suffix import SuffixDrafter, proposal_of
+from specloop.drafter.kinds.suffix import Draft, SuffixDrafter, proposal_of
 
 SPECULATORS = ("static", "suffix")  # what may join the served ("adaptive") drafter
 MODELS = ("adaptive", "static")
@@ -122,8 +122,8 @@ class SpeculatorMix:
             return self._model_proposal(model, k, params, uniforms)
         drafts = suffix.drafts(k)
         bar = self.expected(model, k)
-        sampled = sampled_rows(params, len(drafts))
-        takes = [bool(d.tokens) and self.worth(b, d.score, sampled[b]) >= bar for b, d in enumerate(drafts)]
+        worth = self.worths(list(range(len(drafts))), drafts, sampled_rows(params, len(drafts)))
+        takes = [w >= bar for w in worth]
         mine = proposal_of(drafts, k, suffix.fillers())
         if all(takes):
             mine.sources = ["suffix"] * len(drafts)
@@ -146,13 +146,22 @@ class SpeculatorMix:
             return False
         bar = self.expected(self.pick_model(k), k)
         drafts = suffix.drafts(width, live)
-        return all(d.tokens and self.worth(b, d.score, s) >= bar for b, d, s in zip(live, drafts, sampled))
+        return all(w >= bar for w in self.worths(live, drafts, sampled))
 
-    def worth(self, row: int, score: float, sampled: bool) -> float:
-        """1 + c · Σ_i p_i: the tokens row `row`'s suffix draft promising `score` (Σ_i p_i) is expected to gain."""
+    def worths(self, rows: list[int], drafts: list[Draft], sampled: list[bool]) -> list[float]:
+        """1 + c_b · Σ_i p_{b,i}: the tokens each row's suffix draft is expected to gain (`sampled`: whether each row
+        samples); 0 where a row has none (never taken). One call a step: its speculator's estimates are read once."""
+        have = [i for i, d in enumerate(drafts) if d.tokens]
+        scores = [drafts[i].score for i in have]
         if self.controller is None:
-            return 1 + score
-        return 1 + self.controller.free_scale(row, calibrated_as("suffix", sampled), score) * score
+            scales = [1.0] * len(have)
+        else:
+            keys = [calibrated_as("suffix", sampled[i]) for i in have]
+            scales = self.controller.free_scales([rows[i] for i in have], keys, scores)
+        out = [0.0] * len(drafts)
+        for i, c, score in zip(have, scales, scores):
+            out[i] = 1 + c * score
+        return out
 
     def lookup(self, k: int, params: SamplingParams) -> Proposal | None:
         """The suffix member's drafts alone, no model member run: what specloop.drafter.decode.engine verifies on a step
