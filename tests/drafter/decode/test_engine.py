@@ -205,6 +205,32 @@ def test_explicit_k_rows_keep_their_k_and_auto_rows_take_the_controllers(verifie
     assert stats.drafted == 4 and stats.drafted_per_position == [2, 1, 1, 0] and stats.blocks == 2
 
 
+def test_the_controller_is_asked_for_the_running_requests_as_they_join_and_leave(verifier, tiny_pair):
+    """The engine makes the controller's `Batch` once per set of running requests (the controller answers the same
+    batch from a quiet run of plain choices): every admission and departure makes it again."""
+    seen = []
+
+    class Recording(Scripted):
+        def choose(self, batch):
+            seen.append(batch)
+            return super().choose(batch)
+
+    reqs = _requests(verifier)
+    engine = Engine(verifier.lean, _drafter("pretrained", verifier, tiny_pair), slots=3, capacity=96,
+                    stop_rule=StopRule(verifier.eos_ids), controller=Recording([0]))
+    engine.admit(_auto([reqs[0]]))
+    engine.step()
+    engine.admit([EngineRequest("fixed", reqs[5].prompt, reqs[5].params, 2, 0)])
+    engine.step()
+    engine.admit(_auto([reqs[2]]))
+    engine.step()
+    engine.abort("r0")
+    engine.step()
+    engine.abort("r2")
+    engine.step()  # the explicit row alone: nothing to choose
+    assert [(b.rows, b.auto, b.fixed) for b in seen] == [(1, 1, ()), (2, 1, (2,)), (3, 2, (2,)), (3, 1, (2,))]
+
+
 def test_the_controller_prices_a_step_without_its_trace_callback(verifier, tiny_pair):
     # replay logging runs inside the step (inline): its time is reported apart and never taken for a cost of
     # decoding (a cold first record of tens of ms made plain steps look dear and kept a losing drafter on)
