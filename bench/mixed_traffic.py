@@ -21,6 +21,9 @@ Per phase: tokens/s over the verifier alone (aggregate over the phase's requests
 ratios, decode only: prefill excluded), τ, the free (suffix) drafts verified and accepted. Greedy outputs are
 compared with the verifier alone's.
 
+With `--k N` the drafting systems draft N on every step (no controller choice): the head drafts throughout, as it
+does where it pays (a GPU), and the mix of speculators alone picks each row's speculator (bench/README.md section 54).
+
     .venv/bin/python bench/mixed_traffic.py --questions /tmp/Spec-Bench/data/spec_bench/question.jsonl \\
         --threads 1 --out mixed_traffic
 """
