@@ -170,11 +170,17 @@ WARPED = "T=0.7,top-p=0.9"
 def chained_like_the_loop(drafter, k: int, slots: int, depth: int = 4):
     """A head's greedy block of k drafts from its loop, then from its captured chain (`use_chain`, uncompiled: on the
     CPU a replay calls again) on the same state, checked equal bit for bit: tokens, confidence and logits. Returns
-    (loop, chained) proposals; the chain is left in place."""
+    (loop, chained) proposals; the chain is left in place. The loop's greedy logits may be its draft vocabulary's
+    rows alone (`Proposal.logit_rows`): expanded to the whole vocabulary, they are the chain's."""
+    from specloop.drafter.model.vocab import expand
+
     loop = drafter.propose(k, SamplingParams(), None)
     drafter.use_chain(slots=slots, depth=depth, compiled=False)  # more slots than rows: the engine's pool, partly empty
     assert drafter.chain is not None
     chained = drafter.propose(k, SamplingParams(), None)
     assert torch.equal(chained.tokens, loop.tokens) and torch.equal(chained.confidence, loop.confidence)
-    assert all(torch.equal(a, b) for a, b in zip(chained.logits, loop.logits)) and len(chained.logits) == k
+    width = chained.logits[0].shape[-1]
+    whole = lambda p: [x if p.logit_rows is None else expand(x, p.logit_rows, width) for x in p.logits]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(whole(chained), whole(loop))) and len(chained.logits) == k
+    assert torch.allclose(chained.logprobs(), loop.logprobs(), atol=1e-6)  # what the logits are kept for
     return loop, chained

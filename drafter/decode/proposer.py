@@ -30,6 +30,8 @@ class Proposal:
     tokens: torch.Tensor  # [B, k] int64 drafted tokens
     probs: torch.Tensor | None  # [B, k, V] q the tokens were drawn from; None at temperature 0
     logits: list[torch.Tensor] | None = None  # k × [B, V] raw drafter logits (kept, not copied, for logging)
+    logit_rows: torch.Tensor | None = None  # the vocabulary ids `logits`' columns are, sorted (a head's draft
+    #                                          vocabulary: [B, n] logits, n < V); None: the whole vocabulary
     steer: torch.Tensor | None = None  # [B, 3, d_verifier] SD² steering inputs this block was drafted with
     lengths: torch.Tensor | None = None  # [B] int64: row b drafted only its first lengths[b] tokens (None: all k);
     #                                      the rest are filler, never accepted, and the verify pass is cut to the
@@ -46,8 +48,19 @@ class Proposal:
         if self.probs is not None:
             return self.probs.gather(-1, idx).squeeze(-1).clamp(min=1e-30).log()
         if self.logits:
-            return torch.log_softmax(torch.stack(self.logits, dim=1).float(), dim=-1).gather(-1, idx).squeeze(-1)
+            logp = torch.log_softmax(torch.stack(self.logits, dim=1).float(), dim=-1)
+            if self.logit_rows is None:
+                return logp.gather(-1, idx).squeeze(-1)
+            col = columns(self.logit_rows, self.tokens.to(self.logit_rows.device))  # a token outside them: q = 0
+            got = logp.gather(-1, col.clamp(min=0)[..., None].to(logp.device)).squeeze(-1)
+            return torch.where(col.to(got.device) >= 0, got, torch.full_like(got, float("-inf")))
         return torch.zeros(self.tokens.shape)
+
+
+def columns(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Each token's column among the sorted vocabulary ids `rows` (-1 where it is not one of them)."""
+    at = torch.searchsorted(rows, tokens).clamp(max=len(rows) - 1)
+    return torch.where(rows[at] == tokens, at, torch.full_like(at, -1))
 
 
 @dataclass

@@ -276,5 +276,5 @@ def merge(model: Proposal, suffix: Proposal, rows: torch.Tensor) -> Proposal:
     lengths = torch.where(rows, suffix.lengths, torch.full_like(suffix.lengths, k))
     theirs = model.confidence.float().cpu() if model.confidence is not None else torch.ones(len(rows), k)
     confidence = torch.where(rows[:, None], suffix.confidence, theirs)
-    return Proposal(tokens=tokens, probs=probs, logits=model.logits, steer=model.steer, lengths=lengths,
-                    confidence=confidence)
+    return Proposal(tokens=tokens, probs=probs, logits=model.logits, logit_rows=model.logit_rows, steer=model.steer,
+                    lengths=lengths, confidence=confidence)

@@ -61,6 +61,37 @@ def test_a_draft_vocabulary_keeps_drafts_inside_it(verifier):
     assert torch.allclose(sampled.probs.sum(-1), torch.ones(3, 4))
 
 
+def test_a_greedy_draft_over_a_draft_vocabulary_is_picked_without_the_whole_vocabularys_row(verifier):
+    """Greedy drafts read the draft vocabulary's logits alone (`pick_greedy`): the same tokens and confidence as the
+    argmax of those logits expanded to the whole vocabulary (ties included: the rows are sorted), the proposal's
+    logits are the rows' (`logit_rows`), and its log q is the expanded one's; a token outside the rows (a suffix
+    row merged in) has log q = -inf, not an error."""
+    from specloop.drafter.decode.proposer import Proposal
+    from specloop.drafter.kinds.eagle import pick, pick_greedy
+    from specloop.drafter.model.vocab import expand
+
+    lean = LeanDecoder(verifier)
+    vocab = torch.arange(0, 60, 3)
+    logits = torch.randn(4, len(vocab))
+    logits[1, 2] = logits[1, 5] = logits[1].max() + 1  # a tie: the lower token, as the whole row's argmax takes it
+    fast, p_fast = pick_greedy(logits, vocab)
+    full, p_full = pick(logits, vocab, 60, SamplingParams(), None)
+    assert torch.equal(fast.token, full.token) and int(fast.token[1]) == 6 and torch.equal(p_fast, p_full)
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
+    d = EagleDrafter(lean, trained_like(lean), vocab)
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    greedy = d.propose(3, SamplingParams(), None)
+    assert greedy.logit_rows is vocab and greedy.logits[0].shape == (3, len(vocab))
+    whole = Proposal(greedy.tokens, None, logits=[expand(x, vocab, 60) for x in greedy.logits])
+    assert torch.allclose(greedy.logprobs(), whole.logprobs(), atol=1e-6)
+    outside = Proposal(torch.tensor([[1, 3, 59]]), None, logits=[torch.zeros(1, len(vocab))] * 3, logit_rows=vocab)
+    got = outside.logprobs()[0]
+    assert got[0] == float("-inf") and got[2] == float("-inf") and got[1] == pytest.approx(-float(torch.log(
+        torch.tensor(float(len(vocab))))))
+    assert d.propose(2, SamplingParams(temperature=1.0), torch.rand(3, 2)).logit_rows is None  # sampling: the rows
+    #                                                                                     expanded, as `pick` makes them
+
+
 @pytest.mark.parametrize("k", [1, 3, None])
 def test_speculation_with_the_head_reproduces_the_verifier_alone(verifier, k):
     lean = LeanDecoder(verifier)
