@@ -511,7 +511,6 @@ class Controller:
         captured graph: smaller gaps are the timing's noise, whose low half a tighter bound would drop)."""
         drift = max(0.2, self.cfg.reference_drift)
         self.cfg = self.costs.cfg = replace(self.cfg, prior_verify_slope=0.0, reference_drift=drift)
-        self._pass_costs.clear()
 
     def reset(self) -> None:
         """Forget every estimate (back to the priors)."""
@@ -525,7 +524,6 @@ class Controller:
         self._costs_age = 0  # steps observed since they were priced
         self._probing = False  # the last choice was a probe of drafting: its costs are priced again at once
         self._quiet: tuple[Batch, int] | None = None  # (batch, n): its next n choices are untimed plain ones (`choose`)
-        self._pass_costs: dict[tuple[int, int], list[float]] = {}  # (bucket, width) -> what `cut` prices passes at
         self.calibrations: dict[str | None, Calibration] = {}  # per speculator, of rows whose drafts carried confidence
         self.depths: dict[str | None, Acceptance] = {}  # per speculator, per-position acceptance of those rows
         self.rows: dict[int, dict[str | None, RowEvidence]] = {}  # per row, its request's own (`per_request`)
@@ -536,8 +534,7 @@ class Controller:
     # -- inputs
 
     def observe(self, step: StepSample) -> None:
-        self._quiet = None  # a choice rests on what was observed, and so do the gate's prices
-        self._pass_costs.clear()
+        self._quiet = None  # a choice rests on what was observed
         # what a drafting step brings that the step costs in use lack: a probe's costs, or a shape never measured
         if step.drafting and not step.lookup and (
                 self._probing or not self.costs.measured(step.drafting, bucket(step.rows))):
@@ -768,12 +765,9 @@ class Controller:
         speculator that drafted it (`sources[b]`; None: the drafter's)."""
         b = bucket(rows)
         width = max(map(len, confidence), default=0)
-        scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator: c and a_1..a_MAX_DEPTH, once
-        costs = self._pass_costs.get((b, width))
-        if costs is None:  # the same until a step is observed (lookups that verified nothing are not)
-            costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
-            self._pass_costs[(b, width)] = costs
+        costs = [self.costs.overhead_of(W > 0, b) + self.costs.ratio_of(W + 1, b) for W in range(width + 1)]
         gains = [0.0] * (width + 1)
+        scales: dict[str | None, tuple[float, list[float]]] = {}  # per speculator: c and a_1..a_MAX_DEPTH, once
         for row, probs in enumerate(confidence):
             source = None if sources is None else sources[row]
             (c, rates), total, run = self._weights(source, row, sum(probs), scales), 1.0, 1.0

@@ -534,10 +534,14 @@ class Engine:
     def _calibrated(self, speculators: list[str] | None, m: int) -> list[str | None] | None:
         """Rows [0, m)'s calibration keys (`controller.calibrated_as`: their speculator, apart where the row samples);
         None where every row is greedy and its drafter's own."""
-        sampled = [r is not None and not r.request.params.greedy for r in self.rows[:m]]
+        sampled = self._sampled(m)
         if speculators is None and not any(sampled):
             return None
         return [calibrated_as(None if speculators is None else speculators[b], sampled[b]) for b in range(m)]
+
+    def _sampled(self, m: int) -> list[bool]:
+        """Whether each of rows [0, m) samples (an empty slot does not)."""
+        return [r is not None and not r.request.params.greedy for r in self.rows[:m]]
 
     def _commit(self, plan: StepPlan, outcome: BlockOutcome, scoring: Scoring | None, timing: StepTiming,
                 t0: float, timed: bool) -> list[RowUpdate]:
@@ -590,7 +594,8 @@ class Engine:
         prefers, width = getattr(self.drafter, "prefers_free", None), self._lookup_width(live)
         if prefers is None or choice.k >= width:
             return 0
-        return width if prefers(choice.k, width, live, [not rows[s].request.params.greedy for s in live]) else 0
+        sampled = self._sampled(len(rows))
+        return width if prefers(choice.k, width, live, [sampled[s] for s in live]) else 0
 
     def _free_drafts_verified(self, width: int, live: list[int], m: int) -> bool:
         """Whether a lookup due on a step left plain would verify any draft. A drafter that tells its free drafts'

@@ -132,6 +132,9 @@ def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, para
          u: torch.Tensor | None) -> tuple[Choice, torch.Tensor]:
     """A draft from a head's logits over the draft vocabulary: the choice (its logits expanded to the
     full vocabulary) and the head's own probability of the token chosen [B]."""
+    if params.greedy:  # the argmax over the rows (`pick_greedy`), the row expanded only for the choice's logits
+        c, p = pick_greedy(logits, vocab)
+        return (c if vocab is None else Choice(c.token, None, expand(c.logits, vocab, vocab_size))), p
     logits = logits.float()
     norm = torch.logsumexp(logits, dim=-1)  # over the draft vocabulary, before it is expanded
     if vocab is not None:
@@ -291,7 +294,7 @@ class EagleDrafter:
         """One draft: the next feature, the choice read from it, the head's probability of the token chosen."""
         z = self.step(z, tokens)
         logits = head_logits(z, self.weights(), self.head_module.cfg.eps)
-        if params.greedy:
+        if params.greedy:  # the rows' logits kept as they are (`Proposal.logit_rows`)
             choice, p = pick_greedy(logits, self.vocab)
         else:
             choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, u)

@@ -75,15 +75,19 @@ def test_a_greedy_draft_over_a_draft_vocabulary_is_picked_without_the_whole_voca
     logits = torch.randn(4, len(vocab))
     logits[1, 2] = logits[1, 5] = logits[1].max() + 1  # a tie: the lower token, as the whole row's argmax takes it
     fast, p_fast = pick_greedy(logits, vocab)
-    full, p_full = pick(logits, vocab, 60, SamplingParams(), None)
-    assert torch.equal(fast.token, full.token) and int(fast.token[1]) == 6 and torch.equal(p_fast, p_full)
+    whole = expand(logits, vocab, 60)
+    token = whole.argmax(-1)  # the whole row's argmax, and the head's probability of it as the rows give it
+    p_whole = (whole.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).exp()
+    assert torch.equal(fast.token, token) and int(fast.token[1]) == 6 and torch.equal(p_fast, p_whole)
+    full, p_full = pick(logits, vocab, 60, SamplingParams(), None)  # the chain's pick: the same, its row expanded
+    assert torch.equal(full.token, token) and torch.equal(p_full, p_whole) and torch.equal(full.logits, whole)
     cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
     d = EagleDrafter(lean, trained_like(lean), vocab)
     d.start(PROMPTS, 32, VerifierView(cache, feats))
     greedy = d.propose(3, SamplingParams(), None)
     assert greedy.logit_rows is vocab and greedy.logits[0].shape == (3, len(vocab))
-    whole = Proposal(greedy.tokens, None, logits=[expand(x, vocab, 60) for x in greedy.logits])
-    assert torch.allclose(greedy.logprobs(), whole.logprobs(), atol=1e-6)
+    expanded = Proposal(greedy.tokens, None, logits=[expand(x, vocab, 60) for x in greedy.logits])
+    assert torch.allclose(greedy.logprobs(), expanded.logprobs(), atol=1e-6)
     outside = Proposal(torch.tensor([[1, 3, 59]]), None, logits=[torch.zeros(1, len(vocab))] * 3, logit_rows=vocab)
     got = outside.logprobs()[0]
     assert got[0] == float("-inf") and got[2] == float("-inf") and got[1] == pytest.approx(-float(torch.log(
