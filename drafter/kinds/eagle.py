@@ -43,10 +43,12 @@ from specloop.drafter.decode.proposer import (
 from specloop.drafter.decode.rejection import BlockOutcome
 from specloop.drafter.decode.sampling import RowParams, SamplingParams, argmax
 from specloop.drafter.kinds.sd2 import MANIFEST
+from specloop.drafter.model import kernels
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.graph import Replay
 from specloop.drafter.model.vocab import expand
 from specloop.drafter.model.weights.linears import linear
+from specloop.drafter.model.weights.own_linears import kernel_linears
 from specloop.drafter.model.weights.quant import quantize_like
 
 HEAD_FILE = "eagle_head.safetensors"
@@ -143,16 +145,22 @@ def pick(logits: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int, para
     return c, (logits.gather(-1, c.token[:, None].to(logits.device)).squeeze(-1) - norm).exp()
 
 
-def pick_greedy(logits: torch.Tensor, vocab: torch.Tensor | None) -> tuple[Choice, torch.Tensor]:
+def pick_greedy(logits: torch.Tensor, vocab: torch.Tensor | None, fast: bool = False) -> tuple[Choice, torch.Tensor]:
     """`pick` for greedy drafts, over the draft vocabulary's rows alone: the same token (the first of equal maxima,
     the draft vocabulary sorted as the full one is) and the same probability, with no [B, V] row made for an argmax
     (in situ, after a verifier step, expanding 8,192 rows to 49,152 tokens cost a draft ~0.2 ms on two CPU cores:
-    bench/README.md section 55). The choice's logits are the rows' (`Proposal.logit_rows`)."""
+    bench/README.md section 55). The choice's logits are the rows' (`Proposal.logit_rows`). `fast`: in one C++ call
+    on the CPU (`kernels.greedy_rows`: the same token, the probability within float rounding of the ops'; a
+    quantized head's loop, where no captured chain is to match it bit for bit; section 56)."""
     logits = logits.float()
-    col = argmax(logits).to(logits.device)
-    best = logits.gather(-1, col[:, None]).squeeze(-1)
+    picked = kernels.greedy_rows(logits) if fast else None
+    if picked is None:
+        col = argmax(logits).to(logits.device)
+        best = logits.gather(-1, col[:, None]).squeeze(-1)
+        picked = col, (best - torch.logsumexp(logits, dim=-1)).exp()
+    col, p = picked
     token = col if vocab is None else vocab[col.to(vocab.device)]
-    return Choice(token, None, logits), (best - torch.logsumexp(logits, dim=-1)).exp()
+    return Choice(token, None, logits), p
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -171,6 +179,16 @@ def head_logits(z: torch.Tensor, w: tuple, eps: float) -> torch.Tensor:
     """The prepared head's logits over its vocabulary rows from a predicted feature z [B, d]."""
     norm_out, head = w[6:]
     return linear(_rms(z, norm_out, eps), head)
+
+
+def one_call(w: tuple) -> tuple | None:
+    """The prepared head `w` (EagleDrafter.weights) as `kernels.head_draft` takes it: (the op, the four norms in fp32,
+    (kinds, widths, packed tensors) of fc, gate_up, down and the LM head rows), or None where a linear is not one of
+    specloop's CPU kernel weights (float heads, a GPU) or the kernels are not built."""
+    op, args = kernels.head_draft_op(), kernel_linears((w[3], w[4], w[5], w[7]))
+    if op is None or args is None:
+        return None
+    return op, [n.float() for n in (*w[:3], w[6])], args
 
 
 def draft_chain(z: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor, *w: torch.Tensor,
@@ -268,6 +286,8 @@ class EagleDrafter:
         self.norms = [p.detach().to(self.lean.device, dt) for p in (head.norm_feature, head.norm_token, head.norm_mlp)]
         self.norm_out = head.norm_out.detach().to(self.lean.device, dt)
         self.head = prep(head_rows(self.lean, self.vocab))
+        self._one_call = one_call(self.weights())
+
 
     def weights(self) -> tuple:
         """The head as `head_step` / `head_logits` take it: (norms ×3, fc, gate_up, down, norm_out, lm head rows)."""
@@ -289,13 +309,23 @@ class EagleDrafter:
         self.feature = feature
         self.last[idx] = torch.tensor([p[-1] for p in prompts], dtype=torch.long)
 
+    def _head(self, z: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next feature and its logits over the head's rows: in one C++ call where the head's linears are
+        specloop's CPU kernels (`one_call`), else `head_step` then `head_logits`."""
+        eps = self.head_module.cfg.eps
+        if self._one_call is not None:
+            op, norms, args = self._one_call
+            e = self.lean.embed_tokens(tokens[:, None])[:, 0].to(z.dtype)
+            return tuple(op(z, e, norms, eps, *args))  # type: ignore[return-value]
+        z = self.step(z, tokens)
+        return z, head_logits(z, self.weights(), eps)
+
     def _draft(self, z: torch.Tensor, tokens: torch.Tensor, params: SamplingParams | RowParams,
                u: torch.Tensor | None) -> tuple[torch.Tensor, Choice, torch.Tensor]:
         """One draft: the next feature, the choice read from it, the head's probability of the token chosen."""
-        z = self.step(z, tokens)
-        logits = head_logits(z, self.weights(), self.head_module.cfg.eps)
+        z, logits = self._head(z, tokens)
         if params.greedy:  # the rows' logits kept as they are (`Proposal.logit_rows`)
-            choice, p = pick_greedy(logits, self.vocab)
+            choice, p = pick_greedy(logits, self.vocab, fast=self._one_call is not None)
         else:
             choice, p = pick(logits, self.vocab, self.lean.vocab_size, params, u)
         return z, choice, p

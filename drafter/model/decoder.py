@@ -323,11 +323,13 @@ class LeanDecoder:
         one of them is not one of specloop's kernel weights (or has a bias, or the layer per-head
         norms). Cached on the layer, keyed by the weight objects (quantize_decoder replaces them; the cache holds
         them, so that no id is reused while it is kept)."""
+        from specloop.drafter.model.weights.own_linears import kernel_linears
+
         linears = (w.qkv, w.o, w.gate_up, w.down)
         key = tuple(map(id, linears))
         cached = getattr(w, "_fused_args", None)
         if cached is None or cached[0] != key:
-            cached = (key, _fused_linears(linears) if w.q_norm is None and w.qkv_bias is None else None, linears)
+            cached = (key, kernel_linears(linears) if w.q_norm is None and w.qkv_bias is None else None, linears)
             w._fused_args = cached
         return cached[1]
 
@@ -351,20 +353,6 @@ class LeanDecoder:
         kc[at.rows, :, at.pos] = k.to(kc.dtype)  # [B, T, Hkv, D] into [B, Hkv, capacity, D]
         vc[at.rows, :, at.pos] = v.view(B, T, Hkv, D).to(vc.dtype)
         return exact_attention(q, kc, vc, at.mask, self.scaling, wide=at.wide).reshape(B, T, H * D)
-
-
-def _fused_linears(linears) -> tuple | None:
-    from specloop.drafter.model.weights.own_linears import OwnInt4Weight, OwnInt8Weight, OwnW4A8Weight
-
-    kinds, dims, parts = [], [], []
-    for lin in linears:
-        kind = {OwnInt4Weight: 0, OwnInt8Weight: 1, OwnW4A8Weight: 2}.get(type(lin))
-        if kind is None or lin.bias is not None or lin.act_dtype != torch.float32:
-            return None
-        kinds.append(kind)
-        dims.append(lin.out_features)
-        parts += [lin.q, lin.scales, lin.scales] if kind == 1 else [lin.nibbles, lin.d, lin.m]
-    return kinds, dims, parts
 
 
 def last_valid(x: torch.Tensor, n_new: torch.Tensor) -> torch.Tensor:

@@ -325,6 +325,18 @@ def sample_rows(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor | None:
     return None if mod is None else mod.sample_rows(probs, u)
 
 
+def greedy_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Greedy picks in one compiled call (logits [B, V] fp32 on the CPU): (each row's first maximal index [B], its
+    softmax probability [B]); None where a row holds a NaN or no finite maximum, or the kernels are not built
+    (specloop.drafter.kinds.eagle.pick_greedy then takes torch's ops)."""
+    mod = _module()
+    fn = None if mod is None else getattr(mod, "greedy_rows", None)  # an earlier revision's build has none
+    if fn is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return None
+    out = fn(logits)
+    return (out[0], out[1]) if out else None
+
+
 def rejection_rows(logits: torch.Tensor, t: torch.Tensor, drafts: torch.Tensor, q: torch.Tensor | None,
                    u: torch.Tensor, limit: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Steps' verdicts in one compiled call (logits [B, k + 1, V] fp32 on the CPU, t [B] each row's temperature, 0:
@@ -416,6 +428,13 @@ def layer(*args) -> torch.Tensor:
     """A whole decoder layer in one call (specloop.drafter.model.decoder builds the arguments:
     `LeanDecoder._layer_args`)."""
     return _module().layer(*args)
+
+
+def head_draft_op():
+    """The eagle head's draft in one call, `head_draft(z, e, norms, eps, kinds, dims, parts) -> [z', logits]`
+    (csrc/layer.cpp: the head's norms, four linears and SwiGLU by the functions its ops path calls), or None without
+    the kernels or from a build that has none (an earlier revision's, bench/kernels_at.py)."""
+    return getattr(_module(), "head_draft", None) if available() else None
 
 
 def layer_stack(in_norms: list, post_norms: list, args: list, cos: torch.Tensor, sin: torch.Tensor, eps: float,

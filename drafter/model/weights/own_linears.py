@@ -114,3 +114,18 @@ class OwnInt8Weight:
     def dequantize(self) -> torch.Tensor:
         eye = torch.eye(self.in_features)
         return kernels.q8_mm(eye, self.q, self.scales)[:, : self.out_features].t().contiguous()
+
+
+def kernel_linears(linears) -> tuple[list[int], list[int], list[torch.Tensor]] | None:
+    """(kinds, widths, packed tensors) of `linears` as the C++ calls that take several linears at once read them
+    (`kernels.layer`, `kernels.head_draft`: kind 0 int4, 1 int8, 2 w4a8; three tensors each), or None where one of
+    them is not one of these weights, has a bias, or computes in another dtype than fp32."""
+    kinds, dims, parts = [], [], []
+    for lin in linears:
+        kind = {OwnInt4Weight: 0, OwnInt8Weight: 1, OwnW4A8Weight: 2}.get(type(lin))
+        if kind is None or lin.bias is not None or lin.act_dtype != torch.float32:
+            return None
+        kinds.append(kind)
+        dims.append(lin.out_features)
+        parts += [lin.q, lin.scales, lin.scales] if kind == 1 else [lin.nibbles, lin.d, lin.m]
+    return kinds, dims, parts

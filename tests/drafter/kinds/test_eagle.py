@@ -10,6 +10,7 @@ from specloop.drafter.decode.proposer import VerifierView
 from specloop.drafter.decode.requests import StopRule
 from specloop.drafter.decode.sampling import SamplingParams
 from specloop.drafter.decode.speculative import speculative_step
+from specloop.drafter.kinds import eagle as eagle_module
 from specloop.drafter.kinds.eagle import EagleConfig, EagleDrafter, FeatureHead, new_head
 from specloop.drafter.kinds.table import build_drafter
 from specloop.drafter.model.decoder import LeanDecoder
@@ -79,6 +80,11 @@ def test_a_greedy_draft_over_a_draft_vocabulary_is_picked_without_the_whole_voca
     token = whole.argmax(-1)  # the whole row's argmax, and the head's probability of it as the rows give it
     p_whole = (whole.gather(-1, token[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)).exp()
     assert torch.equal(fast.token, token) and int(fast.token[1]) == 6 and torch.equal(p_fast, p_whole)
+    one, p_one = pick_greedy(logits, vocab, fast=True)  # in one C++ call where the kernels are built
+    assert torch.equal(one.token, token) and torch.allclose(p_one, p_whole, rtol=1e-5, atol=0)
+    nan = logits.clone()
+    nan[2, 7] = float("nan")  # a NaN counts as the largest (torch's argmax): the ops path answers for every row
+    assert torch.equal(pick_greedy(nan, vocab, fast=True)[0].token, pick_greedy(nan, vocab)[0].token)
     full, p_full = pick(logits, vocab, 60, SamplingParams(), None)  # the chain's pick: the same, its row expanded
     assert torch.equal(full.token, token) and torch.equal(p_full, p_whole) and torch.equal(full.logits, whole)
     cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
@@ -94,6 +100,50 @@ def test_a_greedy_draft_over_a_draft_vocabulary_is_picked_without_the_whole_voca
         torch.tensor(float(len(vocab))))))
     assert d.propose(2, SamplingParams(temperature=1.0), torch.rand(3, 2)).logit_rows is None  # sampling: the rows
     #                                                                                     expanded, as `pick` makes them
+
+
+@pytest.mark.parametrize("mode", ["w4a8", "int4"])
+def test_a_quantized_heads_draft_is_one_call_with_the_bits_of_its_ops(mode):
+    """On specloop's CPU kernels the head drafts in one C++ call (`kernels.head_draft`): its next feature and logits
+    are, bit for bit, the head's norms, linears and SwiGLU called one by one through the same kernels, and within
+    float rounding of `head_step` / `head_logits` (torch's norms); the drafts it proposes are the ops path's, and
+    speculation through it is still the verifier's own greedy output. A float head keeps the ops path."""
+    from specloop.drafter.model import kernels
+    from specloop.drafter.model.weights.linears import linear
+    from specloop.drafter.model.weights.quant import quantize_decoder
+
+    if kernels.head_draft_op() is None:
+        pytest.skip("specloop's CPU kernels are not built here")
+    model = build_model(llama_config(97, 2, 128, num_attention_heads=2, num_key_value_heads=1), seed=3, init_std=0.1)
+    assert EagleDrafter(LeanDecoder(model), trained_like(LeanDecoder(model)))._one_call is None  # fp32: the ops
+    lean = quantize_decoder(LeanDecoder(model), mode)
+    head, vocab = trained_like(lean), torch.arange(0, 97, 2)
+    d = EagleDrafter(lean, head, vocab)
+    assert d._one_call is not None
+    w, eps = d.weights(), head.cfg.eps
+    g = torch.Generator().manual_seed(1)
+    z, tokens = torch.randn(3, 128, generator=g), torch.tensor([5, 17, 96])
+    got_z, got_logits = d._head(z, tokens)
+    e = lean.embed_tokens(tokens[:, None])[:, 0]
+    norm = lambda x, i: kernels.rms_norm(x, w[i], eps)
+    x = linear(torch.cat([norm(z, 0), norm(e, 1)], dim=-1), w[3])
+    want_z = x + linear(kernels.silu_mul(linear(norm(x, 2), w[4])), w[5])
+    assert torch.equal(got_z, want_z) and torch.equal(got_logits, linear(norm(want_z, 6), w[7]))
+    ops_z = eagle_module.head_step(z, e, w, eps)
+    assert torch.allclose(got_z, ops_z, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(got_logits, eagle_module.head_logits(ops_z, w, eps), rtol=1e-3, atol=1e-3)
+    cache, feats = prefill(lean, PROMPTS, 32, capture=(lean.num_layers - 1,))
+    d.start(PROMPTS, 32, VerifierView(cache, feats))
+    fused = d.propose(3, SamplingParams(), None)
+    d._one_call = None
+    ops = d.propose(3, SamplingParams(), None)
+    assert torch.equal(fused.tokens, ops.tokens)
+    assert torch.allclose(fused.confidence, ops.confidence, rtol=1e-3)
+    prompts = [[3, 9, 27, 81], [2, 4, 8, 16, 32, 64]]
+    params = SamplingParams(max_tokens=12)
+    alone = generate(lean, None, prompts, params, 0, StopRule())
+    out = generate(lean, EagleDrafter(lean, head, vocab), prompts, params, 3, StopRule())
+    assert [g.token_ids for g in out] == [g.token_ids for g in alone]
 
 
 @pytest.mark.parametrize("k", [1, 3, None])

@@ -293,3 +293,25 @@ def test_a_w4a8_layer_in_one_parallel_region_is_the_step_by_step_layer_bit_for_b
             assert not torch.equal(kc, kv[0])  # the step wrote its keys
     finally:
         torch.set_num_threads(threads)
+
+
+def test_greedy_rows_pick_each_rows_first_maximum_and_its_softmax_probability():
+    """`kernels.greedy_rows` (a draft head's greedy pick in one call): the first of equal maxima as torch's argmax
+    takes it, its softmax probability within float rounding of torch's, any width (a tail past the vector lanes),
+    and None where a row holds a NaN or no finite maximum (the caller's ops path)."""
+    if not kernels.available():
+        pytest.skip("specloop's CPU kernels are not built here")
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 7, 256, 8192, 8197):
+        x = torch.randn(5, V, generator=g) * 4
+        x[3] = x[3].round()  # ties: many equal maxima
+        got = kernels.greedy_rows(x)
+        assert got is not None
+        col, p = got
+        assert torch.equal(col, x.argmax(-1)), V
+        assert torch.allclose(p, torch.softmax(x, -1).gather(-1, col[:, None])[:, 0], rtol=1e-5, atol=0), V
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 64, generator=g)
+        x[1, 5] = bad
+        assert kernels.greedy_rows(x) is None
+    assert kernels.greedy_rows(torch.full((1, 40), float("-inf"))) is None
