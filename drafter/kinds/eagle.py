@@ -316,7 +316,7 @@ class EagleDrafter:
         if self._one_call is not None:
             op, norms, args = self._one_call
             e = self.lean.embed_tokens(tokens[:, None])[:, 0].to(z.dtype)
-            return tuple(op(z, e, norms, eps, *args))  # type: ignore[return-value]
+            return tuple(op(z, e, norms, eps, *args))
         z = self.step(z, tokens)
         return z, head_logits(z, self.weights(), eps)
 
