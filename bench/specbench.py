@@ -27,6 +27,8 @@ Systems (--systems; those whose drafter is missing are skipped and recorded so):
 - mix: the eagle head with a frozen static copy and suffix decoding (`--speculators static,suffix`).
 - default-global: the default without a request's own evidence of suffix decoding's drafts, nor its tries
   (`per_request` empty: its drafts judged by the calibration over every request alone, as before section 53).
+- default-ops, eagle-ops: the default / the eagle head alone with the head's draft by torch's ops, as before section
+  56 (not one C++ call).
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ LEADERBOARD = {
     "EAGLE-2": ([2.56, 1.78, 2.09, 2.07, 2.66, 1.86], 4.35),
     "SAMD (suffix automaton + EAGLE-2)": ([2.85, 1.83, 2.64, 2.15, 2.63, 2.10], 4.61),
 }
-SYSTEMS = ("alone", "default", "eagle", "eagle3", "suffix", "ngram", "mix", "default-global")
+SYSTEMS = ("alone", "default", "eagle", "eagle3", "suffix", "ngram", "mix", "default-global", "default-ops",
+           "eagle-ops")
 # systems whose controller is not the served one: the default judging suffix decoding's drafts by its calibration
 # over every request alone (bench/README.md section 53: no request's own outcomes, no tries)
 CONTROLLERS = {"default-global": {"per_request": frozenset()}}
@@ -117,11 +120,20 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
             return f"skipped: no {kind_} drafter at {path}"
         return build_drafter(kind_, verifier, path, "auto", speculators)
 
+    def by_ops(drafter):  # the eagle head's draft by torch's ops (EagleDrafter._one_call None: before section 56)
+        members = () if isinstance(drafter, str) else getattr(drafter, "members", {"": drafter}).values()
+        for member in members:
+            if hasattr(member, "_one_call"):
+                member._one_call = None
+        return drafter
+
     table = {
         "alone": lambda: None,
         "default": lambda: model(kind, drafter_dir, default_speculators(kind)),
         "default-global": lambda: model(kind, drafter_dir, default_speculators(kind)),
+        "default-ops": lambda: by_ops(model(kind, drafter_dir, default_speculators(kind))),
         "eagle": lambda: model(kind, drafter_dir, ()),
+        "eagle-ops": lambda: by_ops(model(kind, drafter_dir, ())),
         "eagle3": lambda: model("eagle3", eagle3_dir, ()),
         "suffix": lambda: build_drafter("suffix", verifier, None),
         "ngram": lambda: build_drafter("ngram", verifier, None),

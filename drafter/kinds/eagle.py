@@ -185,7 +185,8 @@ def one_call(w: tuple) -> tuple | None:
     """The prepared head `w` (EagleDrafter.weights) as `kernels.head_draft` takes it: (the op, the four norms in fp32,
     (kinds, widths, packed tensors) of fc, gate_up, down and the LM head rows), or None where a linear is not one of
     specloop's CPU kernel weights (float heads, a GPU) or the kernels are not built."""
-    op, args = kernels.head_draft_op(), kernel_linears((w[3], w[4], w[5], w[7]))
+    args = kernel_linears((w[3], w[4], w[5], w[7]))  # first: only such weights have built the kernels already
+    op = None if args is None else kernels.head_draft_op()
     if op is None or args is None:
         return None
     return op, [n.float() for n in (*w[:3], w[6])], args
