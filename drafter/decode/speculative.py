@@ -106,7 +106,7 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
     observed = not plan.k and o.on_trace is not None
     steer = steer_now(drafter) if observed else None
     start = cache.lens
-    out = verifier.forward(cache, block_tokens(last, block, dev), capture=capture)
+    out = verifier.forward(cache, block_tokens(last, block, dev), capture=capture, choose=reads_argmax(plan))
     logits = out.logits if plan.shaper is None else plan.shaper.apply(out.logits, block.proposal.tokens)
     choices = out.choices if plan.shaper is None else None  # the step's own argmax, where it made one
     verdict = accept(block, logits, plan.params, o.sampler, choices)
@@ -130,6 +130,13 @@ def speculative_step(verifier: LeanDecoder, cache: KVCache, last: torch.Tensor, 
         if o.clock is not None:
             o.clock.trace_s = time.perf_counter() - t_trace
     return outcome
+
+
+def reads_argmax(plan: StepPlan) -> bool:
+    """Whether the step's verdict is the logits' argmax (`accept`: every row greedy, the logits not reshaped by a
+    grammar): then the verifier's LM head is asked to find it in its own call (`ForwardOut.choices`). A sampled step
+    with greedy rows is judged in one compiled call on the CPU, its argmax read there."""
+    return plan.shaper is None and plan.params.greedy
 
 
 def rolled_back(lens: torch.Tensor, start: torch.Tensor, n: torch.Tensor, plan: StepPlan, k: int) -> torch.Tensor:

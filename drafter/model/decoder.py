@@ -44,7 +44,8 @@ from specloop.drafter.model.weights.linears import linear
 class ForwardOut:
     logits: torch.Tensor  # [B, T, V] (or [B, 1, V] when only the last valid position was asked for)
     hidden: dict[int, torch.Tensor]  # layer index -> [B, T, hidden] (residual stream after that layer)
-    choices: torch.Tensor | None = None  # [B, T] the logits' argmax where the pass computed it (the graph step)
+    choices: torch.Tensor | None = None  # [B, T] the logits' argmax where the pass computed it (the graph step, the
+    #                                      CPU's w8a8 LM head)
 
 
 @contextmanager
@@ -245,6 +246,7 @@ class LeanDecoder:
         capture: tuple[int, ...] = (),
         mlp_up_bias: list[torch.Tensor] | None = None,  # per layer [B, I] added to the up projection
         prefill: bool = False,  # a prompt's prefill: on a GPU its attention is one product (`attend_wide`)
+        choose: bool = False,  # the caller reads the logits' argmax: `choices` where the LM head finds it in its call
     ) -> ForwardOut:
         """Append `tokens` at each row's `lens`, attend causally, advance `lens` by `n_new`."""
         B, T = tokens.shape
@@ -255,10 +257,21 @@ class LeanDecoder:
         if last_only:
             x = last_valid(x, torch.full((B,), T, dtype=torch.long) if n_new is None else n_new)
         cache.lens = advanced
-        logits = self.logits(x, exact=x.shape[1] <= QUERY_CHUNK)
+        logits, choices = self._logits_and_choices(x, exact=x.shape[1] <= QUERY_CHUNK, choose=choose)
         if self.vocab_ids is not None:
             logits = expand(logits, self.vocab_ids, self.vocab_size)
-        return ForwardOut(logits=logits, hidden=hidden)
+        return ForwardOut(logits=logits, hidden=hidden, choices=choices)
+
+    def _logits_and_choices(self, x: torch.Tensor, exact: bool,
+                            choose: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`logits`, and (`choose`) each position's argmax [B, T] where the LM head finds it in the same call
+        (specloop's w8a8 head, `OwnW8A8Weight.choose`: while each thread's logits are in its cache; reading 49,152 of
+        them back for numpy's argmax cost a greedy step ~160 µs on two cores, bench/README.md section 57); else
+        None."""
+        head = getattr(self.lm_head, "choose", None) if choose and self.vocab_ids is None else None
+        if head is None:
+            return self.logits(x, exact=exact), None
+        return head(self._norm(x, self.final_norm))
 
     def _layer(self, w: _Layer, x, kc, vc, at: "StepPositions", up_bias):
         if self.fused and up_bias is None and x.dtype == torch.float32:

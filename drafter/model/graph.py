@@ -787,12 +787,13 @@ class GraphDecoder:
     @torch.inference_mode()
     def forward(self, cache: KVCache, tokens: torch.Tensor, n_new: torch.Tensor | None = None,
                 last_only: bool = False, capture: tuple[int, ...] = (),
-                mlp_up_bias: list[torch.Tensor] | None = None):
-        """LeanDecoder.forward's contract (append at each row's lens, advance lens by n_new)."""
+                mlp_up_bias: list[torch.Tensor] | None = None, choose: bool = False):
+        """LeanDecoder.forward's contract (append at each row's lens, advance lens by n_new; the captured step finds
+        its choices whatever `choose` says)."""
         B, T = tokens.shape
         pool = self._pool(cache) if T <= self.width else None
         if pool is None:
-            return self.lean.forward(cache, tokens, n_new, last_only, capture, mlp_up_bias)
+            return self.lean.forward(cache, tokens, n_new, last_only, capture, mlp_up_bias, choose=choose)
         n_new = torch.full((B,), T, dtype=torch.long) if n_new is None else n_new.cpu()
         S, W, dev = self.slots, self.width, self.lean.device
         meta = _meta(n_new, cache.lens, S)  # counts, lens: one copy to the device

@@ -359,6 +359,18 @@ def w8a8_mm(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor) -> torch.Ten
     return _module().w8a8_mm(x, packed, d)
 
 
+def w8a8_choose(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor,
+                n: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """`w8a8_linear` (x [..., K] -> [..., n]) and each row's argmax over its n outputs, found while each thread's
+    outputs are in its cache (numpy's argmax: the first of equal maxima; None where a row holds a NaN: the caller
+    reads it from the logits); None from a build that has no such call (an earlier revision's)."""
+    fn = getattr(_module(), "w8a8_choose", None)
+    if fn is None:
+        return None
+    y, choices, every_row = fn(x, packed, d, n)
+    return y, (choices if every_row else None)
+
+
 def unpack_w4a8(packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, N: int, interleave: int | None = None):
     """`pack_w4a8`'s inverse: (q [N, K] uint8, scale [N, K/32], minimum [N, K/32])."""
     G, runs = d.shape[1], _interleave() if interleave is None else interleave

@@ -1,6 +1,9 @@
 // int8 activations (rounded per row and group of 32) times int4 (`w4a8_mm`) or int8 (`w8a8_mm`) weight
 // blocks, by integer dot products: AVX-512 VNNI, else AVX-512BW / AVX2 (AVX-VNNI where present), else
 // lane by lane.
+#include <algorithm>
+#include <mutex>
+
 #include "kernels.h"
 
 // ---------------------------------------------------------------------------- w4a8
@@ -429,11 +432,79 @@ static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, cons
 }
 #endif
 
-torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d) {
-  // x [R, K]; w [N/16, K/32 * 512] int8; d [N/16, K/32, 16] fp16 -> [R, N] fp32
+// A row's first maximum as numpy's argmax finds it (strictly greater replaces, so the first of equal maxima stays):
+// its value, its index (-1: none yet) and whether a NaN was met (numpy's argmax would answer the first NaN: the
+// caller reads that one from the logits).
+struct SpanMax {
+  float v;
+  int64_t i;
+  bool nan;
+};
+static inline SpanMax span_max_scalar(const float* y, int64_t c0, int64_t c1, SpanMax s) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float v = y[c];
+    if (v != v) s.nan = true;
+    if (s.i < 0 || v > s.v) { s.v = v; s.i = c; }
+  }
+  return s;
+}
+
+// `later` (indices after all of `first`'s) merged into `first`: it replaces only a strictly greater maximum.
+static inline SpanMax merged(SpanMax first, SpanMax later) {
+  first.nan = first.nan || later.nan;
+  if (later.i >= 0 && (first.i < 0 || later.v > first.v)) first.v = later.v, first.i = later.i;
+  return first;
+}
+
+// The same lane by lane (each lane keeps its first maximum; then the lanes' largest value at its smallest index), fed
+// the outputs a few tiles at a time right after the tiles wrote them, while they are in L1: read at the end of a
+// thread's share instead, after its weights streamed through the cache, 49,152 logits cost ~36 µs on two cores.
+struct Lanes {
+  vn best;
+  vni at, bad;
+  bool any = false;
+  SpanMax tail{0.0f, -1, false};  // a row's last values past its whole vectors (n cuts a vector)
+
+  void scan(const float* y, int64_t c0, int64_t c1) {  // columns [c0, c1) of row y; c0 a multiple of NL
+    const int64_t ve = c0 + std::max<int64_t>(c1 - c0, 0) / NL * NL;
+    vni iota;
+    for (int l = 0; l < NL; ++l) iota[l] = l;
+    int64_t c = c0;
+    if (!any && c < ve) {
+      best = load_vn(y + c), at = iota + (int32_t)c, bad = best != best, any = true;
+      c += NL;
+    }
+    vn b = best;
+    vni a = at, nan = bad;
+    for (; c < ve; c += NL) {
+      const vn v = load_vn(y + c);
+      nan |= v != v;
+      const vni gt = v > b;
+      b = gt ? v : b;
+      a = gt ? iota + (int32_t)c : a;
+    }
+    best = b, at = a, bad = nan;
+    if (ve < c1) tail = span_max_scalar(y, ve, c1, tail);
+  }
+
+  SpanMax max() const {
+    SpanMax s{0.0f, -1, false};
+    for (int l = 0; any && l < NL; ++l) {
+      s.nan = s.nan || bad[l] != 0;
+      if (s.i < 0 || best[l] > s.v || (best[l] == s.v && at[l] < s.i)) s.v = best[l], s.i = at[l];
+    }
+    return merged(s, tail);
+  }
+};
+
+// x [R, K]; w [N/16, K/32 * 512] int8; d [N/16, K/32, 16] fp16 -> [R, N] fp32. With `choices` (R int64), also each
+// row's argmax over its first n outputs, found tile by tile by the thread that wrote the tile, while it is in that
+// thread's cache, then the tiles' maxima in order (the first of equal maxima; -1 for a row holding a NaN).
+static torch::Tensor w8a8_product(const torch::Tensor& x_in, const torch::Tensor& w, const torch::Tensor& d, int64_t n,
+                                  int64_t* choices) {
   const torch::Tensor x = rows_of(x_in);
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kInt8 && d.scalar_type() == torch::kHalf);
-  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32;
+  const int64_t R = x.size(0), K = x.size(1), NB = w.size(0), G = K / 32, T = NB / UNIT;
   TORCH_CHECK(K % 32 == 0 && w.size(1) == G * 512 && d.size(1) == G && NB % TILE == 0);
   auto xq = torch::empty({R, K}, x.options().dtype(torch::kInt8));
   auto dx = torch::empty({R, G}, x.options()), sx = torch::empty({R, G}, x.options());
@@ -448,11 +519,54 @@ torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d) {
   const int8_t* qp = xq.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
-  over_tiles<UNIT>(NB, R, 4 * TILE / UNIT, [&](int64_t nb, int64_t r0, auto m) {
-    w8a8_tile<decltype(m)::value, UNIT>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G, ip + r0 * G,
-                                        yp + r0 * ldy + nb * 16, G, ldy);
+  const SpanMax none{0.0f, -1, false};
+  struct Share {
+    int64_t row, first;  // the share's first tile
+    SpanMax max;
+  };
+  std::vector<Share> shares;  // each thread's share's maxima, a row each
+  std::mutex taking;
+  constexpr int64_t SCAN = 16;  // blocks of 16 outputs written, then scanned (1 KB a row: still in L1)
+  at::parallel_for(0, T, 4 * TILE / UNIT, [&](int64_t t0, int64_t t1) {  // over_tiles<UNIT>'s split and order
+    std::vector<Lanes> lanes(choices ? R : 0);
+    for (int64_t g0 = t0 * UNIT; g0 < t1 * UNIT; g0 += SCAN) {
+      const int64_t g1 = std::min(g0 + SCAN, t1 * UNIT);
+      for (int64_t nb = g0; nb < g1; nb += UNIT)
+        by_rows(R, [&](int64_t r0, auto m) {
+          w8a8_tile<decltype(m)::value, UNIT>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G,
+                                              ip + r0 * G, yp + r0 * ldy + nb * 16, G, ldy);
+        });
+      for (int64_t r = 0; choices && r < R; ++r) lanes[r].scan(yp + r * ldy, g0 * 16, std::min(g1 * 16, n));
+    }
+    if (!choices) return;
+    std::lock_guard<std::mutex> hold(taking);
+    for (int64_t r = 0; r < R; ++r) shares.push_back({r, t0, lanes[r].max()});
   });
+  if (!choices) return y;
+  std::sort(shares.begin(), shares.end(),
+            [](const Share& a, const Share& b) { return a.row != b.row ? a.row < b.row : a.first < b.first; });
+  std::vector<SpanMax> best(R, none);
+  for (const Share& s : shares) best[s.row] = merged(best[s.row], s.max);  // in column order
+  for (int64_t r = 0; r < R; ++r) choices[r] = best[r].nan ? -1 : best[r].i;
   return y;
+}
+
+torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d) { return w8a8_product(x_in, w, d, 0, nullptr); }
+
+// `w8a8_linear` and each row's argmax over its n outputs (`w8a8_product`): a greedy step's choices without reading
+// the logits back from the threads that wrote them (numpy's argmax over 49,152 logits after the LM head: ~160 µs cold
+// on two cores, bench/README.md section 57). (y [..., n], choices [...] int64, whether no row held a NaN).
+std::tuple<torch::Tensor, torch::Tensor, bool> w8a8_choose(torch::Tensor x, torch::Tensor w, torch::Tensor d,
+                                                           int64_t n) {
+  const int64_t R = x.numel() / x.size(-1);
+  auto choices = torch::empty({R}, torch::kInt64);
+  int64_t* cp = choices.data_ptr<int64_t>();
+  const torch::Tensor y = shaped(w8a8_product(x, w, d, n, cp), x, n);
+  bool every = true;
+  for (int64_t r = 0; r < R; ++r) every = every && cp[r] >= 0;
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  return {y, choices.reshape(sizes), every};
 }
 
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, int64_t n) {

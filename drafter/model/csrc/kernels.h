@@ -138,6 +138,8 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
 int64_t w4a8_interleave();
 torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, int64_t n);
+std::tuple<torch::Tensor, torch::Tensor, bool> w8a8_choose(torch::Tensor x, torch::Tensor w, torch::Tensor d,
+                                                           int64_t n);
 torch::Tensor w8a8_rows(torch::Tensor w, torch::Tensor d, torch::Tensor ids);
 // attention.cpp
 torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,

@@ -439,6 +439,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_interleave", &w4a8_interleave, "w4a8_interleave");
   m.def("w8a8_mm", torch::wrap_pybind_function(w8a8_mm), "w8a8_mm");
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
+  m.def("w8a8_choose", torch::wrap_pybind_function(w8a8_choose), "w8a8_choose");
   m.def("w8a8_rows", torch::wrap_pybind_function(w8a8_rows), "w8a8_rows");
   m.def("sample_rows", torch::wrap_pybind_function(sample_rows), "sample_rows");
   m.def("rejection_rows", torch::wrap_pybind_function(rejection_rows), "rejection_rows");

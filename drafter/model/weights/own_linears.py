@@ -85,6 +85,15 @@ class OwnW8A8Weight:
         y = self._op(x, self.q, self.d, self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def choose(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(this product, each row's argmax over it [...]: the logits and the greedy choices of an LM head, from one
+        call, specloop.drafter.model.kernels.w8a8_choose; None for the choices where a row holds a NaN, or with a
+        bias)."""
+        if self.bias is not None:
+            return self(x), None
+        both = kernels.w8a8_choose(x, self.q, self.d, self.out_features)
+        return (self(x), None) if both is None else both
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding lookup: rows `ids` as q · d in fp32 ([*ids.shape, K]), exactly the table's values."""
         return kernels.w8a8_rows(self.q, self.d, ids)

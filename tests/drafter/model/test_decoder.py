@@ -292,3 +292,31 @@ def test_the_rope_tables_are_computed_on_one_thread_and_the_thread_count_restore
     with torch.no_grad():  # a forward's positions, as transformers computes them: the same bits
         ref_cos, ref_sin = rotary(torch.zeros(1), torch.arange(4096)[None])
     assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+
+
+def test_a_w8a8_lm_head_finds_the_greedy_choices_in_its_own_call():
+    """`forward(choose=True)` with specloop's w8a8 LM head (the fetched pair's: `OwnW8A8Weight`) returns each
+    position's argmax beside the logits (`ForwardOut.choices`), the logits' own argmax, and the same logits as
+    without; a head that cannot (a float one), or choose=False, leaves choices None."""
+    from specloop.drafter.decode.sampling import argmax
+    from specloop.drafter.model import kernels
+    from specloop.drafter.model.weights.own_linears import OwnW8A8Weight
+    from specloop.drafter.model.weights.quant import quantize_decoder
+
+    if not kernels.available():
+        pytest.skip("specloop's CPU kernels are not built here")
+    model = build_model(llama_config(97, 2, 128, num_attention_heads=2, num_key_value_heads=1), seed=7, init_std=0.1)
+    float_head = LeanDecoder(model)
+    lean = quantize_decoder(LeanDecoder(model), "w4a8")
+    w = model.lm_head.weight.detach().float()
+    d = (w.view(97, 4, 32).abs().amax(-1) / 127).half().float().clamp(min=1e-4)
+    q = (w.view(97, 4, 32) / d[..., None]).round().clamp(-127, 127).to(torch.int8).view(97, 128)
+    lean.lm_head = OwnW8A8Weight(q, d)
+    histories = [[1, 5, 9, 2, 40], [3, 3, 3], [60, 61, 62, 63, 64, 65]]
+    tokens = torch.tensor([[7, 8, 9], [10, 11, 12], [13, 14, 15]])
+    chosen = lean.forward(_prefilled(lean, histories), tokens, choose=True)
+    plain = lean.forward(_prefilled(lean, histories), tokens)
+    assert chosen.choices is not None and chosen.choices.shape == (3, 3)
+    assert torch.equal(chosen.logits, plain.logits) and plain.choices is None
+    assert torch.equal(chosen.choices, argmax(chosen.logits))
+    assert float_head.forward(_prefilled(float_head, histories), tokens, choose=True).choices is None

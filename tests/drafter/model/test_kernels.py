@@ -252,6 +252,33 @@ def test_w8a8_multiplies_q8_0_blocks_by_int8_rounded_activations_and_looks_rows_
         kernels.pack_w8a8(torch.full((64, 32), -128, dtype=torch.int8), torch.ones(64, 1))
 
 
+@needs_kernels
+@pytest.mark.parametrize("N", [100, 2048, 5000])
+def test_w8a8_choose_finds_the_argmax_of_the_product_it_returns(N):
+    """`w8a8_choose` (an LM head's logits and greedy choices in one call): the same product as `w8a8_linear`, bit for
+    bit, and numpy's argmax of it for every row (ties: the first; widths that cut a vector, several threads' shares);
+    a row holding a NaN is reported, not chosen."""
+    from specloop.drafter.decode.sampling import argmax
+
+    g = torch.Generator().manual_seed(11)
+    q = torch.randint(-127, 128, (N, 64), generator=g, dtype=torch.int8)
+    q[N // 2] = q[N // 3] = q[7]  # equal rows: equal logits, the lowest index wins a tie
+    q[7] = torch.where(torch.arange(64) % 2 == 0, 127, -127).to(torch.int8)  # a row some inputs make the largest
+    q[N // 2] = q[N // 3] = q[7]
+    d = torch.full((N, 2), 0.01).half().float()
+    packed = kernels.pack_w8a8(q, d)
+    x = torch.randn(2, 5, 64, generator=g)
+    x[0, 0] = torch.where(torch.arange(64) % 2 == 0, 1.0, -1.0)  # row 0's maximum is the tied rows'
+    y, choices = kernels.w8a8_choose(x, *packed, N)
+    assert torch.equal(y, kernels.linear_op("w8a8")(x, *packed, N))
+    assert torch.equal(y, kernels.w8a8_mm(x.reshape(10, 64), *packed)[:, :N].reshape(2, 5, N))
+    assert choices is not None and choices.shape == (2, 5) and torch.equal(choices, argmax(y))
+    assert int(choices[0, 0]) == 7  # the first of the three equal maxima
+    x[1, 2, 3] = float("inf")  # a row's outputs NaN (its int8 rounding's scale inf)
+    y, choices = kernels.w8a8_choose(x, *packed, N)
+    assert choices is None and torch.isnan(y[1, 2]).all()
+
+
 def _w4a8_layer(Hd, H, Hkv, D, I, g):
     """A random SwiGLU layer of four w4a8 linears: (dims, packed parts) as `kernels.layer` takes them."""
     dims, parts = [(H + 2 * Hkv) * D, Hd, 2 * I, Hd], []
