@@ -669,6 +669,38 @@ def test_a_lookup_that_would_verify_nothing_is_left_out_and_the_step_decodes_as_
     assert True in outcomes and len(outcomes) < len(got) / 2  # cut lookups back off (1, 3, then 4 steps between)
 
 
+def test_a_verified_lookup_prices_its_drafts_once_and_the_gate_keeps_the_same_cut(verifier):
+    """A lookup the pre-check lets through (`_free_drafts_verified`) has its drafts priced once: the step's gate takes
+    the pre-check's cut of the same drafts (nothing the controller reads changes in between) instead of pricing them
+    again; every verified lookup is cut as the controller's `cut` would cut it, and output stays the verifier's."""
+    rule, tok = StopRule(verifier.eos_ids), verifier.tokenizer
+    prompt = tok.encode(" ".join(["the cat sat on the mat and looked at the dog"] * 5), add_special_tokens=False)
+    params = SamplingParams(0.0, 0, 1.0, 40, (), 0)
+    priced, gated = [], []
+
+    class Off(Controller):  # speculation off, no probe due: every step plain, lookups where suffix decoding matches
+        def choose(self, batch):
+            return Choice(0, timed=False)
+
+        def cut(self, confidence, rows, sources=None):
+            keep = [min(len(c), 1 + len(priced) % 3) for c in confidence]  # cuts that differ from one call to the next
+            priced.append((confidence, keep))
+            return keep
+
+        def cuts(self, confidence, keep, sources=None):
+            gated.append((confidence, keep))
+            super().cuts(confidence, keep, sources)
+
+    want = generate(verifier.lean, None, [prompt], params, 0, rule)[0].token_ids
+    engine = Engine(verifier.lean, SuffixDrafter(verifier.vocab_size), slots=1,
+                    capacity=positions_needed(len(prompt), params.max_tokens, None), stop_rule=rule, controller=Off())
+    got, ks = _decode_one(engine, EngineRequest("r", prompt, params, None, 0))
+    assert got == want and max(ks) > 0
+    verified = [k for k in ks if k]
+    assert len(gated) == len(verified) and len(priced) == len(verified)  # one price a lookup, the pre-check's
+    assert all(g == p for g, p in zip(gated, priced))  # the gate's cut is the one priced, for the same drafts
+
+
 def test_a_lookup_whose_drafts_were_all_cut_is_told_apart_from_one_that_matched_nothing():
     """The controller backs lookups off after drafts that earned nothing, cut ones included, but looks again one
     step after a lookup that matched nothing (decode.controller `_looked_up`): the engine tells the two apart."""
