@@ -366,8 +366,8 @@ def predicted(proposal: Proposal, drafted: torch.Tensor | None) -> torch.Tensor 
     conf = proposal.confidence.float().cpu()
     if drafted is None:
         return conf.sum(dim=1)
-    mask = torch.arange(conf.shape[1])[None, :] < drafted[:, None]
-    return (conf * mask).sum(dim=1)
+    rows, lengths = conf.tolist(), drafted.tolist()  # a read each (three ops after the layers, each cold)
+    return torch.tensor([sum(row[: int(n)]) for row, n in zip(rows, lengths)], dtype=torch.float32)
 
 
 def follows_plain(drafter: Drafter | None) -> bool:

@@ -23,6 +23,21 @@ def test_greedy_accepts_the_leading_drafts_that_match_the_argmax():
     assert out.tokens[1, :2].tolist() == [1, 5]  # recovered token at the first mismatch
 
 
+@pytest.mark.parametrize("limited", [False, True])
+def test_a_host_verdict_is_the_tensor_forms_counts_and_its_lists_are_the_outcomes(limited):
+    g = torch.Generator().manual_seed(3)
+    drafts = torch.randint(0, 3, (64, 4), generator=g)  # three symbols: long runs of matches and early misses
+    target = torch.randint(0, 3, (64, 5), generator=g)
+    limit = torch.randint(0, 5, (64,), generator=g) if limited else None
+    out = greedy_verdict(drafts, target, limit)
+    runs = (drafts == target[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+    expected = runs if limit is None else torch.minimum(runs, limit)
+    assert out.num_accepted.tolist() == expected.tolist()
+    assert 0 < int((expected > 0).sum()) < 64 and (not limited or bool((runs > limit).any()))  # both cases met
+    assert [out.emitted(b) for b in range(64)] == [target[b, : int(n) + 1].tolist() for b, n in enumerate(expected)]
+    assert out.last_tokens.tolist() == target[torch.arange(64), expected].tolist()
+
+
 def _one_step(p, q, n=200_000, seed=0):
     """k = 1 with drafts drawn from q: returns the emitted first tokens and acceptance counts."""
     g = torch.Generator().manual_seed(seed)
