@@ -2,7 +2,7 @@
 
 The verifier (default: the `specloop models fetch` pair, served as `auto`) is loaded once per
 kernel choice (`own`: drafter/model/kernels.py; `stock`: torch's int kernels, SPECLOOP_KERNELS=stock),
-a prompt of --context tokens is prefilled, and forwards of T = 1..5 new tokens on one row are
+a prompt of --context tokens is prefilled, and forwards of T new tokens on one row (--widths, 1..5) are
 timed at that context (the cache length reset each time). Kinds take turns T by T, the order
 alternating every round, medians of --repeats forwards per round and of the rounds. v_T = cost(T)
 / cost(1) is what a verify pass of k + 1 = T tokens costs in one-token steps. `--baseline REV` adds the
@@ -75,6 +75,7 @@ def main() -> None:
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (default: both)")
     ap.add_argument("--second-thread", action="store_true", help="time the forwards from a thread other than the "
                     "one that loaded and ran the model first, as a Ray worker decodes (two OpenMP masters)")
+    ap.add_argument("--widths", default="1,2,3,4,5", help="the T timed, comma-separated (1 first: v_T is over it)")
     ap.add_argument("--out", default="step_cost")
     args = ap.parse_args()
     import torch
@@ -92,7 +93,9 @@ def main() -> None:
     for kind, build in builds.items():
         with kernels_from(build):
             models[kind] = load(args.verifier, kind)
-    widths = range(1, 6)
+    widths = [int(t) for t in args.widths.split(",")]
+    if widths[0] != 1:
+        ap.error("--widths starts at 1 (v_T = cost(T) / cost(1))")
     samples = {(kind, T): [] for kind in kinds for T in widths}
 
     def measure() -> None:

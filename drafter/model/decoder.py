@@ -176,7 +176,7 @@ class LeanDecoder:
         attended in whole blocks of KEY_BLOCK (`exact_attention`), the tail masked; `wide`: all queries in one
         product where the decoder is on a GPU (a prefill: `attend_wide`)."""
         B = cache.lens.shape[0]
-        max_len = int(cache.lens.max()) + T
+        max_len = max(cache.lens.tolist()) + T  # one read (max, then its item: two ops, each cold after the layers)
         if max_len > min(cache.capacity, self.cos.shape[0]):
             raise ValueError(f"KV cache of {min(cache.capacity, self.cos.shape[0])} positions is full")
         if self.fused:  # specloop.drafter.model.kernels.attend needs only where each row starts
@@ -314,12 +314,12 @@ class LeanDecoder:
     def _stack(self):
         """Every layer's `kernels.layer` arguments held by one compiled object (`kernels.LayerStack`), where each
         layer takes the fused call, else None: a run of layers is then one call (the same functions, the same
-        bits) instead of one a layer from Python. Rebuilt when any of a layer's weight or norm objects is
-        replaced (keyed by their ids; the cache holds the objects, so that no id is reused while it is kept)."""
+        bits) instead of one a layer from Python. Rebuilt when any layer's field is assigned (`_Layer.writes`) or
+        the layer list changes (its identity and length; the cache holds the list, so that no id is reused while
+        it is kept)."""
         if not self.fused:
             return None
-        held = [x for w in self.layers for x in (w.qkv, w.o, w.gate_up, w.down, w.in_norm, w.post_norm)]
-        key = tuple(map(id, held))
+        key = (_Layer.writes, id(self.layers), len(self.layers))
         cached = getattr(self, "_stack_cached", None)
         if cached is None or cached[0] != key:
             args = [self._layer_args(w) for w in self.layers]
@@ -328,7 +328,7 @@ class LeanDecoder:
                 assert self._rope32 is not None  # set whenever self.fused
                 stack = kernels.layer_stack([w.in_norm for w in self.layers], [w.post_norm for w in self.layers],
                                             args, *self._rope32, self.eps, self.n_heads, self.scaling)
-            cached = self._stack_cached = (key, stack, held)
+            cached = self._stack_cached = (key, stack, self.layers)
         return cached[1]
 
     def _layer_args(self, w: _Layer):

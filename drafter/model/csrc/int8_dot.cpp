@@ -21,11 +21,25 @@ static inline ivec iv_lo(ivec b) { return _mm512_and_si512(b, _mm512_set1_epi8(1
 static inline ivec iv_hi(ivec b) { return _mm512_and_si512(_mm512_srli_epi16(b, 4), _mm512_set1_epi8(15)); }
 static inline ivec iv_zero() { return _mm512_setzero_si512(); }
 static inline ivec iv_bcast(int32_t v) { return _mm512_set1_epi32(v); }
+static inline ivec iv_add(ivec a, ivec b) { return _mm512_add_epi32(a, b); }
 #if defined(__AVX512VNNI__)
 static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return _mm512_dpbusd_epi32(acc, w, x); }
+// acc += w times the 4 bytes at x broadcast to every lane, read by the instruction itself ({1to16}): GCC would
+// otherwise broadcast every row's quads once for all the tile's blocks and spill them (32 registers at 4 rows)
+static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
+  return acc;
+}
 #else
 static inline ivec iv_dot(ivec acc, ivec w, ivec x) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+}
+#endif
+#if !defined(__AVX512VNNI__)
+static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return iv_dot(acc, w, iv_bcast(quad));
 }
 #endif
 static inline vf iv_float(ivec a) { const __m512 f = _mm512_cvtepi32_ps(a); vf v; std::memcpy(&v, &f, 64); return v; }
@@ -54,6 +68,12 @@ static inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
 #endif
 }
 static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return {dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)}; }
+static inline ivec iv_add(ivec a, ivec b) { return {_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
+static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return iv_dot(acc, w, iv_bcast(quad));
+}
 static inline vf iv_float(ivec v) {
   const __m256 a = _mm256_cvtepi32_ps(v.a), b = _mm256_cvtepi32_ps(v.b);
   vf o; std::memcpy(&o, &a, 32); std::memcpy(reinterpret_cast<char*>(&o) + 32, &b, 32); return o;
@@ -166,6 +186,12 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
   }
 }
 #elif defined(SPECLOOP_W4A8)
+// Group by group, and in each group block by block: one block's nibbles unpacked (8 registers) serve every row
+// before the next block's are read, so that the weights, the rows' integer sums and their outputs (M x TB) fit
+// AVX-512's 32 registers. Unpacking every block of the group first (32 registers for the weights alone) had GCC
+// spill them and the outputs to the stack: ~150 moves to 128 dot products a group at 4 rows (2 threads of an AMD
+// EPYC: 8 rows cost 1.95x one row's product, bench/README.md section 58). The float operations per (row, output)
+// are the same, in the same order (by group): the same bits.
 template <int M, int TB>
 static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
                       const float* dx, const float* sx, float* y, int64_t G, int64_t ldy) {
@@ -175,29 +201,27 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
   _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
     _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
   for (int64_t g = 0; g < G; ++g) {
-    ivec wq[TB][8];
-    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)  // each line asked for 4 KB (4 groups) before it is read
-      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) __builtin_prefetch(w + (at[t] + g * IL) * 256 + 4096 + 64 * j);
-    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+      const uint8_t* p = w + (at[t] + g * IL) * 256;
+      _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) __builtin_prefetch(p + 4096 + 64 * j);  // 4 KB ahead
+      ivec wq[8];
       _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
-        const ivec b = iv_load(w + (at[t] + g * IL) * 256 + 64 * j);
-        wq[t][j] = iv_lo(b);
-        wq[t][j + 4] = iv_hi(b);
+        const ivec b = iv_load(p + 64 * j);
+        wq[j] = iv_lo(b);
+        wq[j + 4] = iv_hi(b);
       }
-    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
-      int32_t quads[8];
-      std::memcpy(quads, xq + (r * G + g) * 32, 32);
-      ivec acc[TB];
-      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_zero();
-      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
-        const ivec xb = iv_bcast(quads[j]);
-        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_dot(acc[t], wq[t][j], xb);
-      }
-      const float dxr = dx[r * G + g], sxr = sx[r * G + g];
-      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
-        const vf dg = load_h16(d + (at[t] + g * IL) * 16) * dxr, mg = load_h16(mn + (at[t] + g * IL) * 16);
-        out[r][t] = out[r][t] + dg * iv_float(acc[t]);
-        out[r][t] = out[r][t] + mg * sxr;
+      const vf dt = load_h16(d + (at[t] + g * IL) * 16), mg = load_h16(mn + (at[t] + g * IL) * 16);
+      _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+        const int8_t* xr = xq + (r * G + g) * 32;
+        ivec acc = iv_zero(), acc2 = iv_zero();  // two chains of dependent dot products, not one of 8 (exact sums)
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+          acc = iv_dot_quad(acc, wq[j], xr + 4 * j);
+          acc2 = iv_dot_quad(acc2, wq[j + 4], xr + 16 + 4 * j);
+        }
+        acc = iv_add(acc, acc2);
+        const vf dg = dt * dx[r * G + g];
+        out[r][t] = out[r][t] + dg * iv_float(acc);
+        out[r][t] = out[r][t] + mg * sx[r * G + g];
       }
     }
   }
@@ -337,16 +361,21 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
 // int8 weights in blocks of 32 with an fp16 scale each (GGUF Q8_0: w = q * d) times int8 activations
 // as in w4a8: y[n] = sum_g (d dx) * sum_i q xq (llama.cpp's Q8_0 x Q8_0). Weights: [N/16, G, 8 chunks
 // of 64 bytes]; in chunk j, lane l's 4 bytes b hold q[4j + b] of output l (q in [-127, 127]).
+// AVX-512: s8_ready(w) once per weight vector, then s8_dot_quad(acc, ready, x) per row: acc += q times the 4
+// bytes at x in every lane.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr int32_t W8_OFFSET = 128;  // dpbusd multiplies unsigned by signed: (q + 128) * xq
-static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
-  return _mm512_dpbusd_epi32(acc, _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), x);
-}
+static inline ivec s8_ready(ivec w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
+static inline ivec s8_dot_quad(ivec acc, ivec ready, const int8_t* x) { return iv_dot_quad(acc, ready, x); }
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
 static constexpr int32_t W8_OFFSET = 0;  // |x| times q with x's sign: no saturation for q, x in [-127, 127]
-static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
-  const __m512i sw = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), _mm512_setzero_si512(), w);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(x), sw), _mm512_set1_epi16(1)));
+static inline ivec s8_ready(ivec w) { return w; }
+static inline ivec s8_dot_quad(ivec acc, ivec w, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  const ivec xb = iv_bcast(quad);
+  const __m512i sw = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(xb), _mm512_setzero_si512(), w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(xb), sw), _mm512_set1_epi16(1)));
 }
 #elif defined(__AVX2__)
 static constexpr int32_t W8_OFFSET = 0;
@@ -354,7 +383,13 @@ static inline __m256i dot8_s8(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(x), _mm256_sign_epi8(w, x)),
                                                  _mm256_set1_epi16(1)));
 }
-static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) { return {dot8_s8(acc.a, w.a, x.a), dot8_s8(acc.b, w.b, x.b)}; }
+static inline ivec s8_ready(ivec w) { return w; }
+static inline ivec s8_dot_quad(ivec acc, ivec w, const int8_t* x) {
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  const __m256i xb = _mm256_set1_epi32(quad);
+  return {dot8_s8(acc.a, w.a, xb), dot8_s8(acc.b, w.b, xb)};
+}
 #endif
 
 #if defined(SPECLOOP_AVX2_TILES)
@@ -389,6 +424,8 @@ static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, cons
   }
 }
 #elif defined(SPECLOOP_W4A8)
+// As w4a8's AVX-512 tile: block by block within a group, one block's 8 weight vectors (made ready once) serving every
+// row; the float operations per (row, output) the same, in the same order.
 template <int M, int TB>
 static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, const float* dx, const int32_t* isum,
                       float* y, int64_t G, int64_t ldy) {
@@ -396,21 +433,21 @@ static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, cons
   _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r)
     _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) out[r][t] = vf{};
   for (int64_t g = 0; g < G; ++g) {
-    _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
-      int32_t quads[8];
-      std::memcpy(quads, xq + (r * G + g) * 32, 32);
-      ivec acc[TB];
-      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) acc[t] = iv_zero();
-      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) {
-        const ivec xb = iv_bcast(quads[j]);
-        _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t)
-          acc[t] = iv_dot_s8(acc[t], iv_load(reinterpret_cast<const uint8_t*>(w) + (t * G + g) * 512 + 64 * j), xb);
-      }
-      const float dxr = dx[r * G + g];
-      const vf corr = vf{} + (float)(W8_OFFSET * isum[r * G + g]);  // exact: |value| < 2^24
-      _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
-        const vf dg = load_h16(d + (t * G + g) * 16) * dxr;
-        out[r][t] = out[r][t] + dg * (iv_float(acc[t]) - corr);
+    _Pragma("GCC unroll 8") for (int t = 0; t < TB; ++t) {
+      const uint8_t* p = reinterpret_cast<const uint8_t*>(w) + (t * G + g) * 512;
+      ivec wr[8];
+      _Pragma("GCC unroll 8") for (int j = 0; j < 8; ++j) wr[j] = s8_ready(iv_load(p + 64 * j));
+      const vf dt = load_h16(d + (t * G + g) * 16);
+      _Pragma("GCC unroll 8") for (int r = 0; r < M; ++r) {
+        const int8_t* xr = xq + (r * G + g) * 32;
+        ivec acc = iv_zero(), acc2 = iv_zero();  // two chains of dependent dot products (exact sums)
+        _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+          acc = s8_dot_quad(acc, wr[j], xr + 4 * j);
+          acc2 = s8_dot_quad(acc2, wr[j + 4], xr + 16 + 4 * j);
+        }
+        const vf corr = vf{} + (float)(W8_OFFSET * isum[r * G + g]);  // exact: |value| < 2^24
+        const vf dg = dt * dx[r * G + g];
+        out[r][t] = out[r][t] + dg * (iv_float(iv_add(acc, acc2)) - corr);
       }
     }
   }

@@ -160,6 +160,10 @@ def test_runs_of_layers_in_one_call_are_the_layer_by_layer_bits_with_the_capture
     lean.layers[1].in_norm = lean.layers[1].in_norm * 1.5  # a new tensor: the stack is built again
     again = run(True)
     assert not torch.equal(again[0].logits, first[0].logits) and same(again, run(False))
+    stack = lean._stack()
+    assert lean._stack() is stack  # nothing assigned: the same stack, its key read without the layers' objects
+    lean.layers = lean.layers[:3]  # a new list: built again, over the layers it holds
+    assert lean._stack() is not stack and same(run(True), run(False))
 
 
 def test_a_run_of_layers_from_a_second_thread_gives_the_main_threads_bits():
