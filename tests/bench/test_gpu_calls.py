@@ -37,8 +37,8 @@ def test_gzip_halves_rebuild_the_file_byte_for_byte():
 
 
 def test_a_keep_stage_fits_one_call_beside_the_tree():
-    # every call carries the tracked tree: grown past ~19.8 MiB (17.3 now), a GGUF half no longer fits and the fetched pair
-    # needs a third call of the session's 900 s of device time
+    # every call carries the tracked tree: grown past ~19.8 MiB (19.0 now, bench/results' JSON stored compact), a GGUF half
+    # no longer fits and the fetched pair needs a third call of the session's 900 s of device time
     assert tree_bytes() + HALF_BYTES <= CALL_BYTES, f"tree {tree_bytes() / 2**20:.1f} MiB"
 
 
