@@ -107,7 +107,7 @@ def main() -> None:
     result = {"benchmark": "controller_warmup", "machine": machine_info(), "settings": vars(args), "summary": summary,
               "runs": rows}
     out = ROOT / "bench" / "results" / args.out
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(summary, out.with_suffix(".png"), args)
 
 

@@ -734,7 +734,7 @@ def main() -> None:
         "errors": errors,
     }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(rows, live, temperatures, OUT / f"{args.out}.png")
     print(table(rows))
     print("\n| system | status | RSS base MiB | RSS loaded MiB | peak RSS load MiB | peak RSS decoding MiB |")

@@ -89,7 +89,7 @@ def main() -> None:
             rows[name]["x_alone"] = statistics.median(a / b for a, b in zip(rates[name], rates["alone"]))
         result["batches"][str(batch)] = rows
         print(json.dumps({batch: rows}, indent=1), flush=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
 
 
 if __name__ == "__main__":

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             "series": series, "requests": chat + code, "machine": machine_info(),
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
         plot(result, args.png)
         print(json.dumps(figs, indent=1))
         print(f"wrote {args.out} and {args.png}", file=sys.stderr)

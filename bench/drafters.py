@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"drafters_{args.tag}" if args.tag else "drafters"
-    (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (args.out / f"{name}.json").write_text(json.dumps(report, separators=(",", ":")) + "\n")
     plot(report, args.out / f"{name}_tau.png")
     print(markdown(report))
     return 0

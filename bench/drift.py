@@ -283,7 +283,7 @@ def main() -> None:
             ready = any(r["learner"] == "off" and r["kind"] == (args.frozen or r["kind"]) for r in runs)
             table = analyse(runs, oracle, segments, args.frozen) if ready and runs[-1]["kind"] != "none" else []
             out.write_text(json.dumps({"machine": machine_info(), "segments": segments, "max_tokens": args.max_tokens,
-                                       "k": args.k, "table": table, "oracle": oracle, "runs": runs}, indent=1))
+                                       "k": args.k, "table": table, "oracle": oracle, "runs": runs}, separators=(",", ":")) + "\n")
             print(json.dumps(table[-1] if table else {}, default=str), file=sys.stderr)
     plot(runs, oracle, segments, OUT / f"drift_{args.tag}.png", together=args.frozen is not None,
          oracle_label=args.oracle_label)

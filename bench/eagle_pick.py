@@ -106,7 +106,7 @@ def main() -> None:
           f"{summary[last]['wall'] / summary[first]['wall']:.3f}; outputs identical: {identical}")
     out = ROOT / "bench" / "results" / f"{Path(args.out).name}.json"
     out.write_text(json.dumps({"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "k": 2,
-                               "arms": arms, "summary": summary, "identical": identical}, indent=1))
+                               "arms": arms, "summary": summary, "identical": identical}, separators=(",", ":")) + "\n")
     plot_arms({"k = 2, greedy": {f"{a}_{key}": summary[a][key] for a in arms for key in ("draft", "wall")}}, arms,
               (("draft", "µs a drafting step (median)", "drafting"),
                ("wall", "µs a drafting step (median)", "the whole step")), out.with_suffix(".png"))

@@ -269,7 +269,7 @@ class Report:
 
     def save(self, plot: bool = False) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        self.path.write_text(json.dumps(self.data, separators=(",", ":"), default=str) + "\n")
         if plot:
             try:
                 _plot(self.data, self.path.with_suffix(".png"))
@@ -741,7 +741,7 @@ def products_section(models: Models) -> None:
                 if isinstance(timed, dict) and timed.get("best_tiling"):
                     tiles[key] = timed["best_tiling"]
                     if p.tiles:
-                        p.tiles.write_text(json.dumps(tiles, indent=1) + "\n")
+                        p.tiles.write_text(json.dumps(tiles, separators=(",", ":")) + "\n")
                 if isinstance(timed, dict):
                     us = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
                     models.budget.say(f"{name} {label} M={rows}: cuBLAS {timed['cublas_us']:.1f} µs, skinny "

@@ -169,7 +169,7 @@ def copy_in_bf16(src: Path, dst: Path) -> None:
         for key in ("dtype", "torch_dtype"):
             if key in data:
                 data[key] = "bfloat16"
-        config.write_text(json.dumps(data, indent=2) + "\n")
+        config.write_text(json.dumps(data, separators=(",", ":")) + "\n")
 
 
 def carried_in_bf16(models: Path) -> bool:

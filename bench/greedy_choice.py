@@ -90,7 +90,7 @@ def main() -> None:
               f"identical: {s['identical']}")
     out = ROOT / "bench" / "results" / f"{Path(args.out).name}.json"
     out.write_text(json.dumps({"machine": machine_info(), "threads": args.threads, "rounds": args.rounds,
-                               "max_tokens": args.max_tokens, "summary": summary}, indent=1))
+                               "max_tokens": args.max_tokens, "summary": summary}, separators=(",", ":")) + "\n")
     cells = {system: {f"{arm}_{key}": summary[system][key][arm] for arm in ARMS for key in ("step_us", "tok_s")}
              for system in names}
     plot_arms(cells, ARMS, (("step_us", "µs a step (median)", "a step"), ("tok_s", "tokens/s (median)", "requests")),

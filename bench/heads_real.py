@@ -135,7 +135,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     result = run(args)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(result, OUT / f"{args.out}.png")
     print(json.dumps(result["summary"], indent=1))
     return 0

@@ -266,7 +266,7 @@ def main() -> None:
             print(f"batch {batch} {s.name:16s} {row['step_us_median']:7.0f} µs/step {row['token_us_median']:6.0f} "
                   f"µs/token  x{row['x_alone_per_token']:.2f}  τ {s.tau or 0:.2f}  ops/step {s.ops_per_step:.0f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    args.out.write_text(json.dumps(report, separators=(",", ":")) + "\n")
     plot({"this checkout": [report]}, args.out.with_suffix(".png"))
 
 
@@ -310,7 +310,7 @@ def compare(labelled: list[str], out: Path) -> None:
                                     "tau": reports[0]["batches"][batch][name]["tau"]}
                              for name in reports[0]["batches"][batch]} for batch in reports[0]["batches"]}
              for label, reports in runs.items()}
-    out.write_text(json.dumps({"benchmark": "host_step compare", "medians": table, "runs": runs}, indent=1))
+    out.write_text(json.dumps({"benchmark": "host_step compare", "medians": table, "runs": runs}, separators=(",", ":")) + "\n")
     plot(runs, out.with_suffix(".png"))
 
 

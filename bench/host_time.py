@@ -125,7 +125,7 @@ def main() -> None:
         a[n]["tok_s"] / b[n]["tok_s"] for a, b in zip([x for x in rows if x["arm"] == "after"],
                                                      [x for x in rows if x["arm"] == "before"])) for n in names}
     out = ROOT / "bench" / "results" / args.out
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    out.with_suffix(".json").write_text(json.dumps(summary, separators=(",", ":")) + "\n")
     plot(summary, out.with_suffix(".png"))
     for n in names:
         print(f"{n}: host {summary['before'][n]:.0f} -> {summary['after'][n]:.0f} us a step; tok/s after / before "

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     result = {"machine": machine_info(), "threads": args.threads, "rounds": args.rounds, "rows": rows,
               "summary": summary}
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "hostile.json").write_text(json.dumps(result, indent=1) + "\n")
+    (OUT / "hostile.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(summary, OUT / "hostile.png")
     print("| request | status | refused in (median / max) | stream's largest gap (median / max) |")
     print("|---|---|---|---|")

@@ -171,7 +171,7 @@ def main() -> None:
               f"beside it / alone: T=1 {result['beside_learner_over_none'][f'{m}/T1']:.3f}, "
               f"T=5 {result['beside_learner_over_none'][f'{m}/T5']:.3f}")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(result, OUT / f"{args.out}.png")
     print(f"wrote {OUT / args.out}.json and .png")
 

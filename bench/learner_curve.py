@@ -288,7 +288,7 @@ def main(argv=None) -> int:
     result["held_out"] = evaluate(args, held_out, checkpoints(served["requests"], args.every), registry)
     OUT.mkdir(parents=True, exist_ok=True)
     path = OUT / f"learner_curve_{args.tag}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(result, path.with_suffix(".png"))
     print(json.dumps({"curve": result["held_out"]["curve"], "speedup": result["held_out"]["speedup"],
                       "learner": served["summary"].get("learner")}, indent=1))

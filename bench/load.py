@@ -597,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
                "server_start_s": starts, "wall_s": time.monotonic() - t_start, "code": code},
            "results": bench.results, "rounds": rounds, "summary": summary, "phase2": phase2_info, "nginx_upstream_statuses": nginx_status}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     plot(out, args.out.with_suffix(".png"))
     print_table(out)
     print(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.monotonic() - t_start:.0f} s")

@@ -96,7 +96,7 @@ def main() -> None:
               "redis_bytes_per_1000_blocks": None if not mem or not stream_len else 1000 * mem / stream_len}
     OUT.mkdir(parents=True, exist_ok=True)
     tail = "" if args.k != 0 else f"_k0_every{workers['redis'].cfg.observe_every}"
-    (OUT / f"online_overhead_{args.kind}{tail}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"online_overhead_{args.kind}{tail}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "machine"}, indent=1))
     for w in workers.values():
         w.close()

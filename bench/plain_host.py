@@ -112,7 +112,7 @@ def main() -> None:
     result = {"machine": machine_info(), "threads": args.threads, "temperature": args.temperature,
               "rounds": args.rounds, "prompts": len(prompts), "max_tokens": args.max_tokens, "summary": summary}
     out = ROOT / "bench" / "results" / f"{Path(args.out).name}.json"
-    out.write_text(json.dumps(result, indent=1))
+    out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     cells = {f"T = {args.temperature:g}": {f"{a}_{k}": summary[a][k] for a in ARMS for k in ("host_us", "kernels_us")}}
     plot_arms(cells, ARMS, (("host_us", "µs a plain step (median)", "host"),
                             ("kernels_us", "µs a plain step (median)", "layers and LM head")), out.with_suffix(".png"))

@@ -141,7 +141,7 @@ def main() -> None:
               "tokens_per_s": {k: len(tokens) / v for k, v in median.items() if k != "specloop attention"}}
     if "llama.cpp" in median:
         result["specloop_over_llama_cpp_time"] = median["specloop"] / median["llama.cpp"]
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     print(json.dumps({k: result[k] for k in ("median_s", "tokens_per_s")}, indent=1))
     print(f"wrote {args.out}")
 

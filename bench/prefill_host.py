@@ -133,7 +133,7 @@ def main() -> None:
     report = {"benchmark": "prefill_host", "machine": machine_info(), "torch": torch.__version__,
               "threads": args.threads, "models": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    args.out.write_text(json.dumps(report, separators=(",", ":")) + "\n")
 
 
 if __name__ == "__main__":

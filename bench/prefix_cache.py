@@ -188,7 +188,7 @@ def main() -> None:
                  for m in runs},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(result, args.out.with_suffix(".png"))
     print(json.dumps({k: result[k] for k in ("prompt_tokens", "hit_tokens", "hit_rate", "ttft_last_over_first_on",
                                              "ttft_last_over_first_off", "greedy_identical_on_off")}))

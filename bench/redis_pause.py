@@ -168,7 +168,7 @@ def main() -> int:
     results = [run(args, False, folder), run(args, True, folder)]
     out = {"machine": machine_info(), "args": vars(args),
            "runs": [{k: v for k, v in r.items() if k != "arrivals_s"} for r in results]}
-    Path(args.out + ".json").write_text(json.dumps(out, indent=1))
+    Path(args.out + ".json").write_text(json.dumps(out, separators=(",", ":")) + "\n")
     plot(results, Path(args.out + ".png"))
     for r in out["runs"]:
         print(json.dumps(r))

@@ -50,4 +50,4 @@ for m, d in drafters.items():
 for dom in ("chat", "code"):
     res[f"ratio_{dom}"] = res["sd2"][dom]["accepted_per_block"] / max(res["distill"][dom]["accepted_per_block"], 1e-9)
 print(json.dumps({k: (v if k.startswith("ratio") else {x: y for x, y in v.items() if x != "train"} | {"steps": v["train"]["steps"], "final_acceptance": v["train"]["final_acceptance"]}) for k, v in res.items()}, indent=1))
-(Path(__file__).resolve().parent / "results" / "sd2_vs_distill_real.json").write_text(json.dumps(res, indent=2) + "\n")
+(Path(__file__).resolve().parent / "results" / "sd2_vs_distill_real.json").write_text(json.dumps(res, separators=(",", ":")) + "\n")

@@ -205,7 +205,7 @@ def main() -> int:
     out = {"machine": machine_info(), "args": vars(args), "soak": soak, "sweep": sweep,
            "rss_during_soak": processes,
            "redis_used_memory_mib": [(t, m / 2**20) for t, m in redis_memory[:: max(1, len(redis_memory) // 50)]]}
-    Path(args.out + ".json").write_text(json.dumps(out, indent=1))
+    Path(args.out + ".json").write_text(json.dumps(out, separators=(",", ":")) + "\n")
     plot(out, big, Path(args.out + ".png"))
     print(json.dumps({"soak": {k: soak[k] for k in ("status", "ttft_s", "itl_s", "mean_k", "errors")},
                       "rss": processes}, indent=1))

@@ -366,7 +366,7 @@ def main() -> None:
               "skipped": skipped, "summary": summary, "leaderboard_vicuna7b_3090": LEADERBOARD,
               "runs": [{k: v for k, v in asdict(r).items() if k != "token_ids"} for r in runs]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(summary, order, args.out.with_suffix(".png"))
     print(table(summary, order))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")

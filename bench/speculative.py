@@ -232,7 +232,7 @@ def main(argv=None) -> int:
     costs = cost_model(v, d, args.ks, context)
     report = build_report(results, costs, args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "speculative.json").write_text(json.dumps(report, indent=2))
+    (args.out / "speculative.json").write_text(json.dumps(report, separators=(",", ":")) + "\n")
     plot(report, args.out)
     print(markdown(report))
     return 0

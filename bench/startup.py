@@ -174,7 +174,7 @@ def main() -> None:
            "graph": args.graph, "env": GRAPH_ENV if args.graph else {},
            "runs": runs, "medians": medians}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     plot({("this tree " + commits[rev] if rev == "." else rev): per for rev, per in medians.items()},
          args.out.with_suffix(".png"))
     print(f"wrote {args.out} and .png")

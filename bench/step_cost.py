@@ -133,7 +133,7 @@ def main() -> None:
         print(f"      {kinds[0]} / {kind}, median of the rounds' ratios: "
               + "  ".join(f"T={T} {r:.3f}" for T, r in ratios.items()))
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     _plot(result, OUT / f"{args.out}.png")
     print(f"wrote {OUT / args.out}.json and .png")
 

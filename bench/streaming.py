@@ -166,7 +166,7 @@ def main() -> int:
     result = {"machine": machine_info(), "threads": args.threads, "tokens": args.tokens, "verifier": args.verifier,
               "per_token": per_token_costs(args), "end_to_end": end_to_end(args)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out + ".json").write_text(json.dumps(result, indent=2))
+    Path(args.out + ".json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(result, Path(args.out + ".png"))
     print(json.dumps({k: result[k] for k in ("per_token", "end_to_end")}, indent=2))
     return 0

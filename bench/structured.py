@@ -195,7 +195,7 @@ def main() -> None:
               "served": verifier.served, "drafter_kind": kind, "schemas": args.schemas,
               "max_tokens": args.max_tokens, "summary": summary, "runs": [asdict(r) for r in runs]}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+    args.out.write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(summary, args.out.with_suffix(".png"))
     print(json.dumps(summary, indent=1))
 

@@ -188,7 +188,7 @@ def main() -> None:
         results[name] = summarize(replay(answers, policy, costs, k, cfg))
         print(f"{name:>15}: " + "  ".join(f"{c} {v['speedup']:.2f}×" for c, v in results[name].items()), flush=True)
     args.out.write_text(json.dumps({"verify_ratios": list(ratios), "overhead": costs.overhead, "answers": len(answers),
-                                    "max_tokens": args.max_tokens, "policies": results}, indent=1))
+                                    "max_tokens": args.max_tokens, "policies": results}, separators=(",", ":")) + "\n")
     print(f"wrote {args.out}")
 
 

@@ -100,7 +100,7 @@ def main() -> None:
               f"drafted per row, store {row['store_tokens']} tokens, {row['add_us_per_output']:.0f} µs per output "
               f"stored, {row['start_us_per_prompt_token']:.2f} µs per prompt token to start a row")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
+    args.out.write_text(json.dumps(report, separators=(",", ":")) + "\n")
     compare_runs({"this checkout": [report]}, args.out.with_suffix(".png"))
 
 
@@ -108,7 +108,7 @@ def compare(labelled: list[str], out: Path) -> None:
     runs = labelled_runs(labelled)
     medians = {label: {b: statistics.median(v for r in reports for v in r["batches"][b]["row_us_rounds"])
                        for b in reports[0]["batches"]} for label, reports in runs.items()}
-    out.write_text(json.dumps({"benchmark": "suffix_cost compare", "row_us_medians": medians, "runs": runs}, indent=1))
+    out.write_text(json.dumps({"benchmark": "suffix_cost compare", "row_us_medians": medians, "runs": runs}, separators=(",", ":")) + "\n")
     compare_runs(runs, out.with_suffix(".png"))
 
 

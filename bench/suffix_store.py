@@ -126,7 +126,7 @@ def main() -> None:
         summary["conditions"][name] = cell
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in cell.items()})
     out = ROOT / "bench" / "results" / args.out
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    out.with_suffix(".json").write_text(json.dumps(summary, separators=(",", ":")) + "\n")
     plot_arms(summary["conditions"], ARMS, (("suffix_us_mean", "µs a step in the suffix member (mean)", "fetched pair, "
                "served default"), ("host_us_mean", "host µs a step (mean)", "fetched pair, served default")),
               out.with_suffix(".png"), label=lambda arm: f"{arm} store")

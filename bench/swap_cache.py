@@ -111,7 +111,7 @@ def main() -> None:
             "tokens_per_s": tokens[mode] / seconds[mode],
         }
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"swap_cache_{args.kind}.json").write_text(json.dumps(result, indent=1))
+    (OUT / f"swap_cache_{args.kind}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     print(json.dumps(result["modes"], indent=1))
 
 

@@ -93,7 +93,7 @@ def main() -> None:
         summary["conditions"][name] = cell
         print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in cell.items()})
     out = ROOT / "bench" / "results" / args.out
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    out.with_suffix(".json").write_text(json.dumps(summary, separators=(",", ":")) + "\n")
     plot_arms(summary["conditions"], ("ops", "compiled"),
               (("plain_us", "verdict µs a step (median)", "fetched pair, served default: plain steps"),
                ("drafting_us", "verdict µs a step (median)", "fetched pair, served default: drafting steps")),

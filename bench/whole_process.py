@@ -98,7 +98,7 @@ def main() -> None:
     out = {"machine": machine_info(), "threads": args.threads, "max_tokens": args.max_tokens,
            "prompts_per_set": args.prompts_per_set, "results": results}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
+    args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
     plot(results, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and .png")
 

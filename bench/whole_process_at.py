@@ -113,7 +113,7 @@ def report(rows: list[dict], args) -> None:
               "settings": {k: str(v) for k, v in vars(args).items()}, "summary": summary,
               "identical_rounds": sum(x["identical"] for x in rows), "rounds": rows}
     out = ROOT / "bench" / "results"
-    (out / f"{args.out}.json").write_text(json.dumps(result, indent=1))
+    (out / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
     plot(summary, out / f"{args.out}.png", args.rev)
     print(f"wrote {out / args.out}.json and .png")
 
