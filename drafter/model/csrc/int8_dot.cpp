@@ -30,16 +30,10 @@ static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) {
   __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
   return acc;
 }
+#define SPECLOOP_DOT_QUAD 1
 #else
 static inline ivec iv_dot(ivec acc, ivec w, ivec x) {
   return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
-}
-#endif
-#if !defined(__AVX512VNNI__)
-static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, 4);
-  return iv_dot(acc, w, iv_bcast(quad));
 }
 #endif
 static inline vf iv_float(ivec a) { const __m512 f = _mm512_cvtepi32_ps(a); vf v; std::memcpy(&v, &f, 64); return v; }
@@ -69,11 +63,6 @@ static inline __m256i dot8(__m256i acc, __m256i w, __m256i x) {
 }
 static inline ivec iv_dot(ivec acc, ivec w, ivec x) { return {dot8(acc.a, w.a, x.a), dot8(acc.b, w.b, x.b)}; }
 static inline ivec iv_add(ivec a, ivec b) { return {_mm256_add_epi32(a.a, b.a), _mm256_add_epi32(a.b, b.b)}; }
-static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, 4);
-  return iv_dot(acc, w, iv_bcast(quad));
-}
 static inline vf iv_float(ivec v) {
   const __m256 a = _mm256_cvtepi32_ps(v.a), b = _mm256_cvtepi32_ps(v.b);
   vf o; std::memcpy(&o, &a, 32); std::memcpy(reinterpret_cast<char*>(&o) + 32, &b, 32); return o;
@@ -81,6 +70,18 @@ static inline vf iv_float(ivec v) {
 #define SPECLOOP_W4A8 1
 #if defined(__F16C__) && defined(__FMA__)
 #define SPECLOOP_AVX2_TILES 1  // AVX2's 16 registers: the tiles below, not the AVX-512 ones
+#endif
+#endif
+
+#if defined(SPECLOOP_W4A8)
+static inline int32_t quad_at(const int8_t* x) {  // the 4 bytes at x as one lane's worth
+  int32_t quad;
+  std::memcpy(&quad, x, 4);
+  return quad;
+}
+#if !defined(SPECLOOP_DOT_QUAD)
+// acc += w times the 4 bytes at x broadcast to every lane (VNNI reads them in its own instruction, above)
+static inline ivec iv_dot_quad(ivec acc, ivec w, const int8_t* x) { return iv_dot(acc, w, iv_bcast(quad_at(x))); }
 #endif
 #endif
 
@@ -361,21 +362,18 @@ torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, tor
 // int8 weights in blocks of 32 with an fp16 scale each (GGUF Q8_0: w = q * d) times int8 activations
 // as in w4a8: y[n] = sum_g (d dx) * sum_i q xq (llama.cpp's Q8_0 x Q8_0). Weights: [N/16, G, 8 chunks
 // of 64 bytes]; in chunk j, lane l's 4 bytes b hold q[4j + b] of output l (q in [-127, 127]).
-// AVX-512: s8_ready(w) once per weight vector, then s8_dot_quad(acc, ready, x) per row: acc += q times the 4
-// bytes at x in every lane.
+// s8_ready(w) once per weight vector, then s8_dot_quad(acc, ready, x) per row: acc += q times the 4 bytes at x in
+// every lane (iv_dot_s8: the same with x broadcast already).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr int32_t W8_OFFSET = 128;  // dpbusd multiplies unsigned by signed: (q + 128) * xq
 static inline ivec s8_ready(ivec w) { return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)); }
-static inline ivec s8_dot_quad(ivec acc, ivec ready, const int8_t* x) { return iv_dot_quad(acc, ready, x); }
+static inline ivec iv_dot_s8(ivec acc, ivec ready, ivec x) { return _mm512_dpbusd_epi32(acc, ready, x); }
 #elif defined(__AVX512F__) && defined(__AVX512BW__)
 static constexpr int32_t W8_OFFSET = 0;  // |x| times q with x's sign: no saturation for q, x in [-127, 127]
 static inline ivec s8_ready(ivec w) { return w; }
-static inline ivec s8_dot_quad(ivec acc, ivec w, const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, 4);
-  const ivec xb = iv_bcast(quad);
-  const __m512i sw = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(xb), _mm512_setzero_si512(), w);
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(xb), sw), _mm512_set1_epi16(1)));
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) {
+  const __m512i sw = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), _mm512_setzero_si512(), w);
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(_mm512_abs_epi8(x), sw), _mm512_set1_epi16(1)));
 }
 #elif defined(__AVX2__)
 static constexpr int32_t W8_OFFSET = 0;
@@ -384,11 +382,15 @@ static inline __m256i dot8_s8(__m256i acc, __m256i w, __m256i x) {
                                                  _mm256_set1_epi16(1)));
 }
 static inline ivec s8_ready(ivec w) { return w; }
-static inline ivec s8_dot_quad(ivec acc, ivec w, const int8_t* x) {
-  int32_t quad;
-  std::memcpy(&quad, x, 4);
-  const __m256i xb = _mm256_set1_epi32(quad);
-  return {dot8_s8(acc.a, w.a, xb), dot8_s8(acc.b, w.b, xb)};
+static inline ivec iv_dot_s8(ivec acc, ivec w, ivec x) { return {dot8_s8(acc.a, w.a, x.a), dot8_s8(acc.b, w.b, x.b)}; }
+#endif
+#if defined(SPECLOOP_W4A8)
+static inline ivec s8_dot_quad(ivec acc, ivec ready, const int8_t* x) {
+#if defined(SPECLOOP_DOT_QUAD)
+  return iv_dot_quad(acc, ready, x);  // dpbusd with the quad read by the instruction
+#else
+  return iv_dot_s8(acc, ready, iv_bcast(quad_at(x)));
+#endif
 }
 #endif
 
