@@ -175,39 +175,55 @@ static inline float exp_row(float* si, int64_t Li, float m) {
   return hsum(total);
 }
 
-// Each query's values over its keys, in tiles of TQ queries (their accumulators in registers together).
+// The value sums of MQ queries (a compile-time count: their MQ C16 accumulators stay in registers, with the
+// C16 of a value row beside them; with a count known only at run time GCC kept them on the stack, a load and
+// a store a product), over the keys in order: each lane's chain of adds the same whatever the tile.
+// s, Ls, inv, outs: the first query's.
+template <int C16, int MQ>
+__attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, const int64_t* Ls, const float* inv,
+                                                  float* const* outs, const float* V, int64_t D) {
+  int64_t lo = Ls[0];
+  for (int i = 1; i < MQ; ++i) lo = std::min(lo, Ls[i]);
+  vf o[MQ][C16];
+  for (int i = 0; i < MQ; ++i)
+    for (int c = 0; c < C16; ++c) o[i][c] = vf{};
+  for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
+    const float* v = V + j * D;
+    vf vv[C16];
+    for (int c = 0; c < C16; ++c) vv[c] = load_vf(v + 16 * c);
+    for (int i = 0; i < MQ; ++i) {
+      const float pj = s[i * Lp + j];
+      for (int c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * vv[c];
+    }
+  }
+  for (int i = 0; i < MQ; ++i) {  // each query's own last keys (the causal tail), then its output
+    for (int64_t j = lo; j < Ls[i]; ++j) {
+      const float pj = s[i * Lp + j];
+      const float* v = V + j * D;
+      for (int c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * load_vf(v + 16 * c);
+    }
+    for (int c = 0; c < C16; ++c) {
+      const vf y = o[i][c] * inv[i];
+      std::memcpy(outs[i] + 16 * c, &y, 64);
+    }
+  }
+}
+
+// Queries [0, n) in tiles of MQ, the n % MQ left in one smaller tile.
+template <int C16, int MQ>
+static void values_by(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
+                      const float* V, int64_t D) {
+  int i0 = 0;
+  for (; i0 + MQ <= n; i0 += MQ) values_tile<C16, MQ>(s + i0 * Lp, Lp, Ls + i0, inv + i0, outs + i0, V, D);
+  if constexpr (MQ > 1)
+    if (i0 < n) values_by<C16, MQ - 1>(s + i0 * Lp, Lp, Ls + i0, inv + i0, outs + i0, n - i0, V, D);
+}
+
+// Each query's values over its keys, in tiles of up to 24 / C16 queries.
 template <int C16>
 static void values(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
                    const float* V, int64_t D) {
-  constexpr int TQ = C16 >= 16 ? 1 : 24 / C16;
-  for (int i0 = 0; i0 < n; i0 += TQ) {
-    const int m = std::min(TQ, n - i0);
-    int64_t lo = Ls[i0];
-    for (int i = 0; i < m; ++i) lo = std::min(lo, Ls[i0 + i]);
-    vf o[TQ][C16];
-    for (int i = 0; i < m; ++i)
-      for (int64_t c = 0; c < C16; ++c) o[i][c] = vf{};
-    for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
-      const float* v = V + j * D;
-      vf vv[C16];
-      for (int64_t c = 0; c < C16; ++c) vv[c] = load_vf(v + 16 * c);
-      for (int i = 0; i < m; ++i) {
-        const float pj = s[(i0 + i) * Lp + j];
-        for (int64_t c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * vv[c];
-      }
-    }
-    for (int i = 0; i < m; ++i) {  // each query's own last keys (the causal tail), then its output
-      for (int64_t j = lo; j < Ls[i0 + i]; ++j) {
-        const float pj = s[(i0 + i) * Lp + j];
-        const float* v = V + j * D;
-        for (int64_t c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * load_vf(v + 16 * c);
-      }
-      for (int64_t c = 0; c < C16; ++c) {
-        const vf y = o[i][c] * inv[i0 + i];
-        std::memcpy(outs[i0 + i] + 16 * c, &y, 64);
-      }
-    }
-  }
+  values_by<C16, C16 >= 16 ? 1 : 24 / C16>(s, Lp, Ls, inv, outs, n, V, D);
 }
 #endif
 
@@ -216,6 +232,22 @@ static inline void rope_head(const float* x, const float* c, const float* s, flo
   const int64_t half = D / 2;
   for (int64_t i = 0; i < half; ++i) dst[i] = x[i] * c[i] - x[i + half] * s[i];
   for (int64_t i = half; i < D; ++i) dst[i] = x[i] * c[i] + x[i - half] * s[i];
+}
+
+// The largest of x[0, n) (NaNs passed over; -inf if none), as the scalar loop `m = max(m, x[j])` finds it:
+// a max is exact in any order, so NL lanes' maxima and then theirs (that loop, one compare a key in a chain
+// of dependent compares, was a fifth of the attention's time).
+static inline float max_of(const float* x, int64_t n) {
+  vn mv = vn{} - INFINITY;
+  int64_t j = 0;
+  for (; j + NL <= n; j += NL) {
+    const vn v = load_vn(x + j);
+    mv = (mv < v) ? v : mv;  // a NaN in v leaves the lane as it was
+  }
+  float m = -INFINITY;
+  for (int l = 0; l < NL; ++l) m = std::max(m, mv[l]);
+  for (; j < n; ++j) m = std::max(m, x[j]);
+  return m;
 }
 
 // Query heads that share one KV head (a row's head group, over one or more new tokens), query i over keys
@@ -241,8 +273,7 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
   for (int i = 0; i < n; ++i) {  // softmax numerators, each query over its own keys
     float* si = s.data() + i * Lp;
     const int64_t L = Ls[i], Li = (L + 15) / 16 * 16;
-    float m = -INFINITY;
-    for (int64_t j = 0; j < L; ++j) m = std::max(m, si[j]);  // a max is exact in any order
+    const float m = max_of(si, L);
     for (int64_t j = L; j < Li; ++j) si[j] = -INFINITY;      // exp gives exactly 0 there
     inv[i] = 1.0f / exp_row(si, Li, m);
   }
