@@ -294,7 +294,7 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
 
 // One call's attention, as its units of work read it: qkv rows [B T, (H + 2 Hkv) D] at stride W, queries
 // after RoPE q [B T H, D], the cache kc / vc [B, Hkv, C, D], out [B T, H D], each row's length before the
-// call lens [B]; `per` queries of a KV head's group make one unit of the attention.
+// call lens [B]; `per` queries of a KV head's group make one unit of the attention, `tiles` units a group.
 struct Attn {
   const float *x, *cos, *sin;
   float *q, *kc, *vc, *out;
@@ -303,14 +303,101 @@ struct Attn {
   float scale;
 };
 
-// Units of work: (row, KV head, a tile of its rep · T queries, token-major), about four a thread where the
-// call has that many queries, at most 48 queries a unit (a query's result does not depend on its tile).
+// sum of q / rep over q in [0, n) (integer division)
+static inline int64_t steps_below(int64_t n, int64_t rep) {
+  const int64_t k = n / rep;
+  return rep * k * (k - 1) / 2 + k * (n - rep * k);
+}
+
+// f(unit, thread, its cost) for every unit in order. A unit's cost is in keys read: each of its queries' keys
+// (query qi of a row is token qi / rep's, over lens[b] + qi / rep + 1 keys) and the tile's own pass over the
+// row's keys and values (once for all its queries). Each unit goes to the thread whose even share of the
+// whole cost holds the unit's middle: every thread takes a contiguous run of units about even in cost (rows of
+// different lengths, tiles of different sizes), not in count. Which thread computes a query changes none of
+// its bits.
+template <typename F>
+static void by_owner(const Attn& a, int nt, F&& f) {
+  const int64_t rep = a.H / a.Hkv, nq = rep * a.T;
+  int64_t rows = 0, extra = 0;  // the cost of a row's tiles: rows * (lens[b] + 1) + extra
+  for (int64_t t = 0; t < a.tiles; ++t) {
+    const int64_t q0 = t * a.per, q1 = std::min(nq, q0 + a.per);
+    rows += q1 - q0 + 1;
+    extra += (q1 - 1) / rep + steps_below(q1, rep) - steps_below(q0, rep);
+  }
+  int64_t total = 0;
+  for (int64_t b = 0; b < a.B; ++b) total += a.Hkv * (rows * (a.lens[b] + 1) + extra);
+  int64_t done = 0, u = 0;
+  int owner = 0;
+  for (int64_t b = 0; b < a.B; ++b) {
+    const int64_t L0 = a.lens[b] + 1;
+    for (int64_t g = 0; g < a.Hkv; ++g)
+      for (int64_t t = 0; t < a.tiles; ++t, ++u) {
+        const int64_t q0 = t * a.per, q1 = std::min(nq, q0 + a.per);
+        const int64_t c = (q1 - q0 + 1) * L0 + (q1 - 1) / rep + steps_below(q1, rep) - steps_below(q0, rep);
+        while (owner < nt - 1 && (2 * done + c) * nt >= 2 * total * (owner + 1)) ++owner;  // the middle's share
+        f(u, owner, c);
+        done += c;
+      }
+  }
+}
+
+// The units [a, b) thread `tid` of `nt` takes (`by_owner`).
+struct Span {
+  int64_t a = 0, b = 0;
+};
+static Span attn_span(const Attn& a, int tid, int nt) {
+  if (nt == 1) return {0, a.B * a.Hkv * a.tiles};
+  Span s;
+  bool any = false;
+  by_owner(a, nt, [&](int64_t u, int owner, int64_t) {
+    if (owner != tid) return;
+    if (!any) s.a = u;
+    any = true;
+    s.b = u + 1;
+  });
+  return s;
+}
+
+// The cost of the busiest of `nt` threads (owners come in order: one running sum).
+static int64_t busiest(const Attn& a, int nt) {
+  int64_t most = 0, sum = 0;
+  int at = 0;
+  by_owner(a, nt, [&](int64_t, int owner, int64_t c) {
+    if (owner != at) sum = 0, at = owner;
+    sum += c;
+    most = std::max(most, sum);
+  });
+  return most;
+}
+
+// Units of work: (row, KV head, a tile of its rep · T queries, token-major), at most 48 queries a tile (a
+// query's result does not depend on its tile). About four units a thread, unless a count of tiles near that
+// (as even as they can be) leaves the busiest thread less to do: fewer tiles read the keys fewer times, more
+// spread them over the threads (`busiest`; with 3 KV heads on 2 threads, a 4-token pass's 12 queries a head
+// go 6 + 6, not 5 + 5 + 2). `like`: a plan of the same shapes and lengths to take the tiles from (a stack's
+// layers).
 static Attn attn_of(const float* x, int64_t W, const float* cos, const float* sin, float* q, float* kc, float* vc,
                     float* out, const int64_t* lens, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t C,
-                    int64_t D, float scale, int64_t threads) {
-  const int64_t nq = H / Hkv * T;
-  const int64_t per = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * threads - 1) / (4 * threads)));
-  return Attn{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per, (nq + per - 1) / per, scale};
+                    int64_t D, float scale, int64_t threads, const Attn* like = nullptr) {
+  const int64_t nq = H / Hkv * T, nt = std::max<int64_t>(1, threads);
+  const int64_t per0 = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * nt - 1) / (4 * nt)));
+  Attn a{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per0, (nq + per0 - 1) / per0, scale};
+  if (like) {
+    a.per = like->per, a.tiles = like->tiles;
+    return a;
+  }
+  if (nt == 1) return a;
+  Attn best = a;
+  int64_t least = busiest(a, (int)nt);
+  for (int64_t tiles = std::max((nq + 47) / 48, a.tiles - 2); tiles <= std::min(nq, a.tiles + 2); ++tiles) {
+    Attn c = a;
+    c.per = (nq + tiles - 1) / tiles;
+    c.tiles = (nq + c.per - 1) / c.per;
+    if (c.tiles != tiles || (c.per == a.per && c.tiles == a.tiles)) continue;  // the same as another count
+    const int64_t m = busiest(c, (int)nt);
+    if (m < least) least = m, best = c;
+  }
+  return best;
 }
 
 // RoPE unit u of B T (H + Hkv): token i's head u % (H + Hkv), a query head rotated into q, a KV head's key
@@ -384,9 +471,13 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
   at::parallel_for(0, B * T * (H + Hkv), 8 * (H + Hkv), [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) rope_unit(a, u);
   });
-  at::parallel_for(0, B * Hkv * a.tiles, 1, [&](int64_t u0, int64_t u1) {
+  const int nt = at::get_num_threads();
+  at::parallel_for(0, nt, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> s;
-    for (int64_t u = u0; u < u1; ++u) attn_unit(a, u, s);
+    for (int64_t tid = t0; tid < t1; ++tid) {
+      const Span sp = attn_span(a, (int)tid, nt);
+      for (int64_t u = sp.a; u < sp.b; ++u) attn_unit(a, u, s);
+    }
   });
   return out;
 }

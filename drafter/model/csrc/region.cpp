@@ -142,7 +142,7 @@ Work carve(float* p, const Plan& L) {
 Plan plan_of(const torch::Tensor& x, const torch::Tensor& nw1, const torch::Tensor& nw2, double eps_d,
              const std::vector<int64_t>& dims, const std::vector<torch::Tensor>& parts, const torch::Tensor& kc,
              const torch::Tensor& vc, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& lens,
-             int64_t H, double scale, const torch::Tensor& out, int nt) {
+             int64_t H, double scale, const torch::Tensor& out, int nt, const Attn* like = nullptr) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "layer: x [B, T, hidden] fp32");
   const int64_t B = x.size(0), T = x.size(1), Hd = x.size(2), R = B * T;
   const int64_t Hkv = kc.size(1), D = kc.size(3), I = dims[2] / 2, Wq = (H + 2 * Hkv) * D;
@@ -158,7 +158,8 @@ Plan plan_of(const torch::Tensor& x, const torch::Tensor& nw1, const torch::Tens
   L.ldgu = L.gu.NB * 16;
   // the attention's buffers are the step buffers' (`with_work` points them there)
   L.a = attn_of(nullptr, L.ldq, cos.data_ptr<float>(), sin.data_ptr<float>(), nullptr, kc.data_ptr<float>(),
-                vc.data_ptr<float>(), nullptr, lens.data_ptr<int64_t>(), B, T, H, Hkv, kc.size(2), D, (float)scale, nt);
+                vc.data_ptr<float>(), nullptr, lens.data_ptr<int64_t>(), B, T, H, Hkv, kc.size(2), D, (float)scale, nt,
+                like);
   return L;
 }
 
@@ -182,7 +183,7 @@ void run_layer(const Plan& L, Work& k, int tid, int n, Barrier& bar) {
   const Share ru(R * (a.H + a.Hkv), tid, n);
   for (int64_t u = ru.a; u < ru.b; ++u) rope_unit(a, u);
   bar.wait();
-  const Share au(a.B * a.Hkv * a.tiles, tid, n);
+  const Span au = attn_span(a, tid, n);  // even in cost, not in count
   for (int64_t u = au.a; u < au.b; ++u) attn_unit(a, u, s);
   bar.wait();
   const Share ag(R * GA, tid, n);  // the attention's rows rounded group by group
@@ -245,7 +246,9 @@ torch::Tensor stack_region(const torch::Tensor& x_in, const std::vector<const to
     const torch::Tensor nw1 = in_norms[i]->to(torch::kFloat32).contiguous(),
                         nw2 = post_norms[i]->to(torch::kFloat32).contiguous();
     auto out = torch::empty_like(x);
-    plans.push_back(plan_of(x, nw1, nw2, eps, *dims[i], *parts[i], keys[i], values[i], cos, sin, lens, H, scale, out, nt));
+    const bool same = i > 0 && keys[i].sizes() == keys[0].sizes();  // the first layer's tiles (the same lengths)
+    plans.push_back(plan_of(x, nw1, nw2, eps, *dims[i], *parts[i], keys[i], values[i], cos, sin, lens, H, scale, out, nt,
+                            same ? &plans[0].a : nullptr));
     held.insert(held.end(), {x, nw1, nw2});
     x = out;
   }

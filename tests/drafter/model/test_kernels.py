@@ -176,6 +176,33 @@ def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_a
 
 
 @needs_kernels
+@pytest.mark.parametrize("T", [1, 4, 9])
+def test_attend_splits_rows_of_unequal_lengths_over_any_thread_count_without_changing_a_bit(T):
+    """A batch whose rows' lengths differ by 50x (the threads' shares are even in keys read, not in units of
+    work): 1, 2, 3 and 5 threads give the same bits, every row equal to the float64 attention (a unit of work
+    that no thread took would leave its outputs unwritten)."""
+    g = torch.Generator().manual_seed(5)
+    B, H, Hkv, C, D = 4, 9, 3, 1100, 64
+    cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
+    starts = torch.tensor([1000, 20, 333, 0])
+    history = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g)
+    saved, outs = torch.get_num_threads(), []
+    try:
+        for n in (1, 2, 3, 5):
+            torch.set_num_threads(n)
+            kc, vc = history[0].clone(), history[1].clone()
+            outs.append(kernels.attend(qkv, kc, vc, cos, sin, starts.clone(), H, 0.125))
+    finally:
+        torch.set_num_threads(saved)
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    for b in range(B):
+        ref = _attention_reference(qkv[b], history[0][b], history[1][b], cos, sin, int(starts[b]), H)
+        torch.testing.assert_close(outs[0][b].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
 def test_attend_refuses_a_full_cache():
     kc = torch.zeros(1, 1, 16, 32)
     with pytest.raises(RuntimeError, match="KV cache full"):
