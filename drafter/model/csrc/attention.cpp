@@ -318,27 +318,23 @@ static inline int64_t steps_below(int64_t n, int64_t rep) {
 template <typename F>
 static void by_owner(const Attn& a, int nt, F&& f) {
   const int64_t rep = a.H / a.Hkv, nq = rep * a.T;
-  int64_t rows = 0, extra = 0;  // the cost of a row's tiles: rows * (lens[b] + 1) + extra
-  for (int64_t t = 0; t < a.tiles; ++t) {
+  const auto cost = [&](int64_t t, int64_t L0) {  // tile t of a row of L0 - 1 cached tokens
     const int64_t q0 = t * a.per, q1 = std::min(nq, q0 + a.per);
-    rows += q1 - q0 + 1;
-    extra += (q1 - 1) / rep + steps_below(q1, rep) - steps_below(q0, rep);
-  }
+    return (q1 - q0 + 1) * L0 + (q1 - 1) / rep + steps_below(q1, rep) - steps_below(q0, rep);
+  };
   int64_t total = 0;
-  for (int64_t b = 0; b < a.B; ++b) total += a.Hkv * (rows * (a.lens[b] + 1) + extra);
+  for (int64_t b = 0; b < a.B; ++b)
+    for (int64_t t = 0; t < a.tiles; ++t) total += a.Hkv * cost(t, a.lens[b] + 1);
   int64_t done = 0, u = 0;
   int owner = 0;
-  for (int64_t b = 0; b < a.B; ++b) {
-    const int64_t L0 = a.lens[b] + 1;
+  for (int64_t b = 0; b < a.B; ++b)
     for (int64_t g = 0; g < a.Hkv; ++g)
       for (int64_t t = 0; t < a.tiles; ++t, ++u) {
-        const int64_t q0 = t * a.per, q1 = std::min(nq, q0 + a.per);
-        const int64_t c = (q1 - q0 + 1) * L0 + (q1 - 1) / rep + steps_below(q1, rep) - steps_below(q0, rep);
+        const int64_t c = cost(t, a.lens[b] + 1);
         while (owner < nt - 1 && (2 * done + c) * nt >= 2 * total * (owner + 1)) ++owner;  // the middle's share
         f(u, owner, c);
         done += c;
       }
-  }
 }
 
 // The units [a, b) thread `tid` of `nt` takes (`by_owner`).
