@@ -20,7 +20,10 @@ for bit as a one-token step does, by construction:
   AVX2 but not AVX-512 these products and the attention run in explicit 8-lane registers, RMSNorm and
   SwiGLU on `vn`, the widest vector a register holds (GCC keeps the 16-lane vectors the other paths use
   in memory there): a 5-token verify pass 0.36x, a one-token step 0.68x what they cost in that vector
-  code (bench/README.md sections 40 and 41).
+  code (bench/README.md sections 40 and 41). On a CPU with AMX-INT8 (Intel Xeon since Sapphire Rapids)
+  w4a8 products of 32 rows or more (a prompt's prefill, a batch's verify pass) take their integer sums
+  16 rows at a time from tile products instead (`set_amx`; the same exact integers, then the same float
+  steps: the same bits; bench/README.md section 60).
 
 The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:
 every query head over the keys up to its position through the same operations whichever query heads
@@ -140,6 +143,14 @@ def available() -> bool:
     return _module() is not None
 
 
+def set_amx(on: bool) -> bool:
+    """Whether w4a8 products of 32 rows or more take their integer sums from AMX tiles (on by default where the
+    CPU has AMX-INT8 and Linux lends the tiles to the process); off: the vector tiles alone, the same bits.
+    Returns whether the tiles are used now (False without them or without the kernels)."""
+    mod = _module()
+    return bool(mod.set_amx(on)) if mod is not None else False
+
+
 def _self_check(mod) -> bool:
     """The build computes what it should (against a float64 product of the same weights) and every row
     count 1..9 gives each row exactly what it gets alone (the property verification needs)."""
@@ -168,6 +179,9 @@ def _self_check(mod) -> bool:
             return False
         if not all(torch.equal(call(x[:R].contiguous()), alone[:R]) for R in range(2, 10)):
             return False
+    many = torch.randn(34, K, generator=g)  # 32 rows through w4a8's AMX tiles where the CPU has them, 2 not
+    if not torch.equal(mod.w4a8_mm(many, *packed48), torch.cat([mod.w4a8_mm(r[None], *packed48) for r in many])):
+        return False
     return _attention_checks(mod, g)
 
 

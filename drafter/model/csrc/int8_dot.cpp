@@ -2,7 +2,11 @@
 // blocks, by integer dot products: AVX-512 VNNI, else AVX-512BW / AVX2 (AVX-VNNI where present), else
 // lane by lane.
 #include <algorithm>
+#include <atomic>
 #include <mutex>
+#include <optional>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels.h"
 
@@ -187,6 +191,13 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
   }
 }
 #elif defined(SPECLOOP_W4A8)
+// One group's part of a row's 16 outputs: out + (d dx) * its integer sums + m sx (the AMX tile below runs the same).
+static inline vf group_step(vf out, ivec sums, vf d, vf mg, float dx, float sx) {
+  const vf dg = d * dx;
+  out = out + dg * iv_float(sums);
+  return out + mg * sx;
+}
+
 // Group by group, and in each group block by block: one block's nibbles unpacked (8 registers) serve every row
 // before the next block's are read, so that the weights, the rows' integer sums and their outputs (M x TB) fit
 // AVX-512's 32 registers. Unpacking every block of the group first (32 registers for the weights alone) had GCC
@@ -219,10 +230,7 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
           acc = iv_dot_quad(acc, wq[j], xr + 4 * j);
           acc2 = iv_dot_quad(acc2, wq[j + 4], xr + 16 + 4 * j);
         }
-        acc = iv_add(acc, acc2);
-        const vf dg = dt * dx[r * G + g];
-        out[r][t] = out[r][t] + dg * iv_float(acc);
-        out[r][t] = out[r][t] + mg * sx[r * G + g];
+        out[r][t] = group_step(out[r][t], iv_add(acc, acc2), dt, mg, dx[r * G + g], sx[r * G + g]);
       }
     }
   }
@@ -273,6 +281,148 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
 }
 #endif
 
+// ---------------------------------------------------------------------------- w4a8 on AMX tiles
+// Intel Xeons since Sapphire Rapids multiply int8 matrices in tile registers (AMX-INT8): one TDPBSUD makes 16
+// rows' integer sums over a group's 32 inputs for a block's 16 outputs (16 x 16 x 32 products), where the vector tile
+// spends 128 VNNI dot products. The rows' group is the A tile as it lies in xq (16 rows of 32 bytes, K apart); the
+// block's group of nibbles, unpacked, is the B tile as it is (row j: inputs 4j..4j+3 of each of the 16 outputs, the
+// vector tile's wq[j]); the sums come out as 16 rows of 16 int32, each row the vector tile's `acc` (exact integers
+// either way), and the float step after them is the same `group_step`: the same bits for every row, with or without
+// the tiles (tests/drafter/model/test_kernels.py). Runs of 16 rows go through here (a prompt's prefill, a batch's
+// verify pass: `amx_rows`); the rows left over and every call on a CPU without AMX, through the vector tiles.
+static std::atomic<bool> amx_wanted{true};  // set_amx: off to time or test the vector tiles alone
+
+#if defined(SPECLOOP_DOT_QUAD) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define SPECLOOP_AMX 1
+constexpr int64_t AMX_ROWS = 16;
+
+// Linux lends the tile registers to a process that asks (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, kernel
+// 5.16+); refused (an older kernel, a hypervisor that hides them): the vector tiles.
+static bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr long REQ = 0x1023, GET = 0x1022, XTILEDATA = 18;
+    unsigned long granted = 0;
+    return syscall(SYS_arch_prctl, REQ, XTILEDATA) == 0 && syscall(SYS_arch_prctl, GET, &granted) == 0 &&
+           ((granted >> XTILEDATA) & 1) != 0;
+  }();
+  return ok;
+}
+
+// tileloadd with the memory it reads made known to the compiler (GCC's _tile_loadd names none: the stores that fill
+// a tile's buffer could be dropped or moved past it).
+#define AMX_LOAD(t, base, stride) \
+  __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void*)(base)), "r"((long)(stride)) : "memory")
+
+// The tile shapes `w4a8_amx` uses, loaded for the calling thread while alive and released after (a thread holding
+// tile state has it saved and restored at every switch). tmm0, tmm3: 16 rows of a group (32 bytes a row); tmm1, tmm2:
+// a block's group of weights (8 rows of 64 bytes); tmm4, tmm5: a block's 16 x 16 int32 sums. Two of each, taken in
+// turn group by group.
+class TileScope {
+ public:
+  TileScope() {
+    alignas(64) uint8_t cfg[64] = {};
+    cfg[0] = 1;  // palette 1
+    auto shape = [&](int t, int rows, int bytes) { cfg[16 + 2 * t] = (uint8_t)bytes, cfg[48 + t] = (uint8_t)rows; };
+    shape(0, 16, 32);
+    shape(3, 16, 32);
+    shape(1, 8, 64);
+    shape(2, 8, 64);
+    shape(4, 16, 64);
+    shape(5, 16, 64);
+    __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
+  }
+  ~TileScope() { _tile_release(); }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+
+// Blocks nb..nb + TB - 1's weights unpacked as B tiles, [TB][G][512] bytes: row j of a group's tile (64 bytes) is
+// the vector tile's wq[j], inputs 4j..4j+3 (j < 4: the low nibbles of chunk j; 16 + 4(j - 4).. the high ones). Once a
+// tile of blocks, for all its runs of 16 rows.
+static void unpack_w4a8(const uint8_t* w, int64_t nb, int TB, int64_t G, __m512i* wt) {
+  for (int t = 0; t < TB; ++t) {
+    const int64_t at = w4a8_group(nb + t, G);
+    for (int64_t g = 0; g < G; ++g, wt += 8) {
+      const uint8_t* p = w + (at + g * IL) * 256;
+      for (int j = 0; j < 4; ++j) {
+        const ivec b = iv_load(p + 64 * j);
+        wt[j] = iv_lo(b);
+        wt[j + 4] = iv_hi(b);
+      }
+    }
+  }
+}
+
+// One group's product for 16 rows into sums tile c: A tile a from the rows' 32 bytes (K apart), B tile b from the
+// block's unpacked group.
+#define AMX_PRODUCT(a, b, c, rows, weights, K) \
+  do {                                          \
+    AMX_LOAD(a, rows, K);                       \
+    AMX_LOAD(b, weights, 64);                   \
+    _tile_zero(c);                              \
+    _tile_dpbsud(c, a, b);                      \
+  } while (0)
+
+// Group g's sums for the 16 rows (a row each) scaled into their outputs (`group_step`). Unrolled, so that the outputs
+// stay in registers (an array indexed at run time would live on the stack, and the tile instructions' memory clobbers
+// would have every output stored and reloaded around each of them).
+__attribute__((always_inline)) static inline void amx_scale(vf (&out)[AMX_ROWS], const int32_t* sums, vf dt, vf mg,
+                                                           const float* dx, const float* sx, int64_t G) {
+  _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r)
+    out[r] = group_step(out[r], iv_load(reinterpret_cast<const uint8_t*>(sums + 16 * r)), dt, mg, dx[r * G], sx[r * G]);
+}
+
+// 16 rows (xq, dx, sx at the first row; rows K bytes / G groups apart) times blocks nb..nb + TB - 1 (`unpack_w4a8`'s
+// wt) into y: what `w4a8_tile` writes for these rows. Block by block, the 16 rows' outputs in registers, the groups
+// in order. The groups' tile products alternate between two sets of tiles (even groups: tmm0, 1 -> 4; odd: tmm3, 2
+// -> 5), so that group g's product runs while group g - 1's sums are stored and group g - 2's scaled: a tile store
+// waits for its product, and scaling is what the vector units do meanwhile (4 small buffers in L1).
+static void w4a8_amx(const __m512i* wt, int TB, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
+                     const float* dx, const float* sx, float* y, int64_t G, int64_t ldy, int64_t K) {
+  alignas(64) int32_t sums[4][AMX_ROWS * 16];
+  for (int t = 0; t < TB; ++t) {
+    const __m512i* w = wt + t * G * 8;
+    const int64_t at = w4a8_group(nb + t, G);
+    vf out[AMX_ROWS];
+    _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) out[r] = vf{};
+#define AMX_SCALE(g) \
+  amx_scale(out, sums[(g) & 3], load_h16(d + (at + (g) * IL) * 16), load_h16(mn + (at + (g) * IL) * 16), dx + (g), \
+            sx + (g), G)
+    AMX_PRODUCT(0, 1, 4, xq, w, K);
+    for (int64_t g = 1; g < G; g += 2) {  // groups g - 1 (even) and g (odd)
+      AMX_PRODUCT(3, 2, 5, xq + g * 32, w + g * 8, K);
+      _tile_stored(4, sums[(g - 1) & 3], 64);
+      if (g >= 2) AMX_SCALE(g - 2);
+      if (g + 1 < G) AMX_PRODUCT(0, 1, 4, xq + (g + 1) * 32, w + (g + 1) * 8, K);
+      _tile_stored(5, sums[g & 3], 64);
+      AMX_SCALE(g - 1);
+    }
+    if (G % 2) {  // the last group is even: its product made, not stored
+      _tile_stored(4, sums[(G - 1) & 3], 64);
+      if (G >= 2) AMX_SCALE(G - 2);
+    }
+    AMX_SCALE(G - 1);
+#undef AMX_SCALE
+    _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) std::memcpy(y + r * ldy + t * 16, &out[r], 64);
+  }
+}
+#else
+constexpr int64_t AMX_ROWS = 16;
+static bool amx_permitted() { return false; }
+#endif
+
+// Whether w4a8 products run their runs of 16 rows on AMX tiles: wanted, built for a CPU that has them, and lent.
+static bool amx_active() { return amx_wanted.load(std::memory_order_relaxed) && amx_permitted(); }
+
+// The rows [0, n) of an R-row product that go through `w4a8_amx`: whole runs of 16, from 32 rows on (none without
+// AMX). At 16 rows unpacking a tile's weights once costs what the tiles save (bench/README.md section 60).
+static int64_t amx_rows(int64_t R) { return amx_active() && R >= 2 * AMX_ROWS ? R / AMX_ROWS * AMX_ROWS : 0; }
+
+bool set_amx(bool on) {
+  amx_wanted.store(on, std::memory_order_relaxed);
+  return amx_active();
+}
+
 // One group of 32 fp32 values -> int8 (round half to even) with its dx = max|v| / 127 and sx = dx * sum(q).
 static inline void quantize_group_q8(const float* v, int8_t* xq, float* dx, float* sx, int32_t* isum) {
   float amax = 0.f;
@@ -313,11 +463,24 @@ struct W4A8 {
 // on the tile or the rows beside it).
 static void w4a8_blocks(const W4A8& L, int64_t R, const int8_t* xq, const float* dx, const float* sx, float* y,
                         int64_t ldy, int64_t b0, int64_t b1) {
-  const int64_t G = L.K / 32;
+  const int64_t G = L.K / 32, RA = amx_rows(R);
+#if defined(SPECLOOP_AMX)
+  std::optional<TileScope> tiles;
+  if (RA) tiles.emplace();
+  std::vector<__m512i> wt(RA ? UNIT * G * 8 : 0);  // a tile's weights unpacked (`unpack_w4a8`)
+#endif
   auto run = [&](int64_t nb, auto tb) {
-    by_rows(R, [&](int64_t r0, auto m) {
-      w4a8_tile<decltype(m)::value, decltype(tb)::value>(L.w, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G, sx + r0 * G,
-                                                          y + r0 * ldy + nb * 16, G, ldy);
+    constexpr int TB = decltype(tb)::value;
+#if defined(SPECLOOP_AMX)
+    if (RA) unpack_w4a8(L.w, nb, TB, G, wt.data());
+    for (int64_t r0 = 0; r0 < RA; r0 += AMX_ROWS)
+      w4a8_amx(wt.data(), TB, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G, sx + r0 * G, y + r0 * ldy + nb * 16, G, ldy,
+               L.K);
+#endif
+    by_rows(R - RA, [&](int64_t r, auto m) {
+      const int64_t r0 = RA + r;
+      w4a8_tile<decltype(m)::value, TB>(L.w, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G, sx + r0 * G,
+                                        y + r0 * ldy + nb * 16, G, ldy);
     });
   };
   int64_t nb = b0;
@@ -344,9 +507,9 @@ torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torc
   const int8_t* qp = xq.data_ptr<int8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t ldy = NB * 16;
-  over_tiles<UNIT>(NB, R, TILE / UNIT, [&](int64_t nb, int64_t r0, auto m) {
-    w4a8_tile<decltype(m)::value, UNIT>(wp, dp, mp, nb, qp + r0 * K, dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16,
-                                        G, ldy);
+  const W4A8 L{wp, dp, mp, NB, K};
+  at::parallel_for(0, NB / UNIT, TILE / UNIT, [&](int64_t t0, int64_t t1) {  // whole tiles a thread
+    w4a8_blocks(L, R, qp, dxp, sxp, yp, ldy, t0 * UNIT, t1 * UNIT);
   });
   return y;
 }

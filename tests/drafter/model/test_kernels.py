@@ -1,5 +1,7 @@
 """specloop.drafter.model.kernels: specloop's int4 / int8 CPU kernels, built for the CPU that runs the suite."""
 import itertools
+import os
+import shutil
 
 import pytest
 import torch
@@ -71,6 +73,14 @@ def test_thread_count_changes_no_rounding(kind):
         assert torch.equal(call(x, *packed), one)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(os.environ.get("SPECLOOP_KERNELS") == "stock" or shutil.which(os.environ.get("CXX", "c++")) is None,
+                    reason="no C++ compiler here (or the stock kernels asked for): the stock kernels serve")
+def test_the_kernels_build_and_pass_their_self_check_wherever_a_compiler_is_at_hand():
+    """A build that fails, or fails its self-check, falls back to the stock kernels and every test of the kernels
+    below skips: on a machine with a compiler that is a failure to see, not a skip."""
+    assert kernels.available()
 
 
 def test_stock_kernels_can_be_forced(monkeypatch):
@@ -347,6 +357,69 @@ def test_a_w4a8_layer_in_one_parallel_region_is_the_step_by_step_layer_bit_for_b
             assert not torch.equal(kc, kv[0])  # the step wrote its keys
     finally:
         torch.set_num_threads(threads)
+
+
+def _with_amx(on, call):
+    """call() with w4a8's AMX tiles turned on or off (restored to on after)."""
+    try:
+        kernels.set_amx(on)
+        return call()
+    finally:
+        kernels.set_amx(True)
+
+
+needs_amx = pytest.mark.skipif(not (kernels.available() and kernels.set_amx(True)),
+                               reason="no AMX-INT8 on this CPU (or not lent to the process): the vector tiles alone")
+
+
+@needs_amx
+@pytest.mark.parametrize("N, K", [(200, 576), (576, 1536), (64, 32), (80, 96)])
+def test_w4a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_each_row_alone(N, K):
+    """From 32 rows on, w4a8 products take 16 rows' integer sums at a time from AMX tile products: every row
+    equals the vector tiles' (AMX off) and the row computed alone, bit for bit, for row counts that are and are
+    not multiples of 16, on 1 and 2 threads (tiles of 4 blocks and single blocks at a share's ends), and the
+    result is the float64 product of the rounded activations."""
+    q, d, m = _groups(N, K, seed=21)
+    packed = kernels.pack_w4a8(q, d, m)
+    x = torch.randn(100, K, generator=torch.Generator().manual_seed(22)) * 3
+    alone = torch.cat([kernels.w4a8_mm(r[None], *packed) for r in x])
+    threads = torch.get_num_threads()
+    try:
+        for R, n in itertools.product((32, 33, 47, 48, 100), (1, 2)):
+            torch.set_num_threads(n)
+            tiles = kernels.w4a8_mm(x[:R], *packed)
+            assert torch.equal(tiles, alone[:R]), (R, n)
+            assert torch.equal(_with_amx(False, lambda: kernels.w4a8_mm(x[:R], *packed)), tiles), (R, n)
+    finally:
+        torch.set_num_threads(threads)
+    xq, dx, _ = kernels.quantized_rows(x)
+    w = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    exact = (xq.double().view(100, -1, 32) * dx.double()[..., None]).view(100, K) @ w.t()
+    torch.testing.assert_close(alone[:, :N].double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
+def test_a_prefill_shaped_w4a8_layer_is_the_same_bits_with_and_without_amx_tiles():
+    """A layer's one parallel region with 2 x 20 rows (its products' 32 rows on AMX tiles, 8 on the vector
+    tiles): output, keys and values the same bits as with the tiles turned off."""
+    Hd, H, Hkv, D, I = 576, 9, 3, 64, 1536
+    g = torch.Generator().manual_seed(23)
+    dims, parts = _w4a8_layer(Hd, H, Hkv, D, I, g)
+    C, B, T = 64, 2, 20
+    angles = torch.arange(C)[:, None] * torch.rand(D // 2, generator=g)
+    cos, sin = torch.cat([angles.cos()] * 2, 1), torch.cat([angles.sin()] * 2, 1)
+    norms = torch.rand(Hd, generator=g) + 0.5, torch.rand(Hd, generator=g) + 0.5
+    lens, x = torch.tensor([0, 30]), torch.randn(B, T, Hd, generator=g) * 3
+    kv = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
+
+    def run():
+        kc, vc = kv[0].clone(), kv[1].clone()
+        y = kernels._module().layer(x, *norms, 1e-5, [2] * 4, dims, parts, kc, vc, cos, sin, lens, H, D**-0.5)
+        return y, kc, vc
+
+    on, off = run(), _with_amx(False, run)
+    assert all(torch.equal(a, b) for a, b in zip(on, off))
+
 
 
 def test_greedy_rows_pick_each_rows_first_maximum_and_its_softmax_probability():
