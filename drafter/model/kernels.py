@@ -179,9 +179,10 @@ def _self_check(mod) -> bool:
             return False
         if not all(torch.equal(call(x[:R].contiguous()), alone[:R]) for R in range(2, 10)):
             return False
-    many = torch.randn(34, K, generator=g)  # 32 rows through w4a8's AMX tiles where the CPU has them, 2 not
-    if not torch.equal(mod.w4a8_mm(many, *packed48), torch.cat([mod.w4a8_mm(r[None], *packed48) for r in many])):
-        return False
+    many = torch.randn(34, K, generator=g)  # 32 rows through the AMX tiles where the CPU has them, 2 not
+    for call in (lambda rows: mod.w4a8_mm(rows, *packed48), lambda rows: mod.w8a8_mm(rows, *packed88)):
+        if not torch.equal(call(many), torch.cat([call(r[None]) for r in many])):
+            return False
     return _attention_checks(mod, g)
 
 

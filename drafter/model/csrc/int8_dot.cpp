@@ -198,6 +198,12 @@ static inline vf group_step(vf out, ivec sums, vf d, vf mg, float dx, float sx) 
   return out + mg * sx;
 }
 
+// w8a8's: out + (d dx) * its group's sums (the AMX tile below runs the same).
+static inline vf w8_step(vf out, vf sums, vf d, float dx) {
+  const vf dg = d * dx;
+  return out + dg * sums;
+}
+
 // Group by group, and in each group block by block: one block's nibbles unpacked (8 registers) serve every row
 // before the next block's are read, so that the weights, the rows' integer sums and their outputs (M x TB) fit
 // AVX-512's 32 registers. Unpacking every block of the group first (32 registers for the weights alone) had GCC
@@ -313,7 +319,7 @@ static bool amx_permitted() {
 #define AMX_LOAD(t, base, stride) \
   __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void*)(base)), "r"((long)(stride)) : "memory")
 
-// The tile shapes `w4a8_amx` uses, loaded for the calling thread while alive and released after (a thread holding
+// The tile shapes `int8_amx` uses, loaded for the calling thread while alive and released after (a thread holding
 // tile state has it saved and restored at every switch). tmm0, tmm3: 16 rows of a group (32 bytes a row); tmm1, tmm2:
 // a block's group of weights (8 rows of 64 bytes); tmm4, tmm5: a block's 16 x 16 int32 sums. Two of each, taken in
 // turn group by group.
@@ -354,46 +360,59 @@ static void unpack_w4a8(const uint8_t* w, int64_t nb, int TB, int64_t G, __m512i
 }
 
 // One group's product for 16 rows into sums tile c: A tile a from the rows' 32 bytes (K apart), B tile b from the
-// block's unpacked group.
-#define AMX_PRODUCT(a, b, c, rows, weights, K) \
-  do {                                          \
-    AMX_LOAD(a, rows, K);                       \
-    AMX_LOAD(b, weights, 64);                   \
-    _tile_zero(c);                              \
-    _tile_dpbsud(c, a, b);                      \
+// block's group (512 bytes); `op` tdpbsud for w4a8's unsigned nibbles, tdpbssd for w8a8's signed bytes.
+#define AMX_PRODUCT(op, a, b, c, rows, weights, K) \
+  do {                                              \
+    AMX_LOAD(a, rows, K);                           \
+    AMX_LOAD(b, weights, 64);                       \
+    _tile_zero(c);                                  \
+    op(c, a, b);                                    \
   } while (0)
 
-// Group g's sums for the 16 rows (a row each) scaled into their outputs (`group_step`). Unrolled, so that the outputs
-// stay in registers (an array indexed at run time would live on the stack, and the tile instructions' memory clobbers
-// would have every output stored and reloaded around each of them).
+// Group g's sums for the 16 rows (a row each) scaled into their outputs: `group_step` (w4a8) or `w8_step` (w8a8).
+// Unrolled, so that the outputs stay in registers (an array indexed at run time would live on the stack, and the tile
+// instructions' memory clobbers would have every output stored and reloaded around each of them).
+template <bool W8>
 __attribute__((always_inline)) static inline void amx_scale(vf (&out)[AMX_ROWS], const int32_t* sums, vf dt, vf mg,
                                                            const float* dx, const float* sx, int64_t G) {
-  _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r)
-    out[r] = group_step(out[r], iv_load(reinterpret_cast<const uint8_t*>(sums + 16 * r)), dt, mg, dx[r * G], sx[r * G]);
+  _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) {
+    const ivec s = iv_load(reinterpret_cast<const uint8_t*>(sums + 16 * r));
+    out[r] = W8 ? w8_step(out[r], iv_float(s), dt, dx[r * G]) : group_step(out[r], s, dt, mg, dx[r * G], sx[r * G]);
+  }
 }
 
-// 16 rows (xq, dx, sx at the first row; rows K bytes / G groups apart) times blocks nb..nb + TB - 1 (`unpack_w4a8`'s
-// wt) into y: what `w4a8_tile` writes for these rows. Block by block, the 16 rows' outputs in registers, the groups
-// in order. The groups' tile products alternate between two sets of tiles (even groups: tmm0, 1 -> 4; odd: tmm3, 2
-// -> 5), so that group g's product runs while group g - 1's sums are stored and group g - 2's scaled: a tile store
-// waits for its product, and scaling is what the vector units do meanwhile (4 small buffers in L1).
-static void w4a8_amx(const __m512i* wt, int TB, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
+// 16 rows (xq, dx, sx at the first row; rows K bytes / G groups apart) times TB blocks of 16 outputs into y: what the
+// vector tile writes for these rows. The blocks' groups as B tiles in `bt`, [TB][G][512] bytes: w4a8's unpacked
+// (`unpack_w4a8`, blocks nb.. of its weight), w8a8's as they are stored. The scales of block t's group g at
+// d[(first(t) + g * step) * 16] (and w4a8's minimums at mn[...]): w4a8 first(t) = `w4a8_group(nb + t, G)`, step IL;
+// w8a8 (d at block nb) t * G, step 1.
+// Block by block, the 16 rows' outputs in registers, the groups in order. The groups' tile products alternate
+// between two sets of tiles (even groups: tmm0, 1 -> 4; odd: tmm3, 2 -> 5), so that group g's product is issued before
+// group g - 1's sums are stored and group g - 2's scaled (4 small buffers in L1).
+template <bool W8>
+static void int8_amx(const uint8_t* bt, int TB, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
                      const float* dx, const float* sx, float* y, int64_t G, int64_t ldy, int64_t K) {
   alignas(64) int32_t sums[4][AMX_ROWS * 16];
+  const int64_t step = W8 ? 1 : IL;
   for (int t = 0; t < TB; ++t) {
-    const __m512i* w = wt + t * G * 8;
-    const int64_t at = w4a8_group(nb + t, G);
+    const uint8_t* w = bt + t * G * 512;
+    const int64_t at = W8 ? t * G : w4a8_group(nb + t, G);
     vf out[AMX_ROWS];
     _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) out[r] = vf{};
-#define AMX_SCALE(g) \
-  amx_scale(out, sums[(g) & 3], load_h16(d + (at + (g) * IL) * 16), load_h16(mn + (at + (g) * IL) * 16), dx + (g), \
-            sx + (g), G)
-    AMX_PRODUCT(0, 1, 4, xq, w, K);
+#define AMX_SCALE(g)                                                                                            \
+  amx_scale<W8>(out, sums[(g) & 3], load_h16(d + (at + (g) * step) * 16),                                       \
+                W8 ? vf{} : load_h16(mn + (at + (g) * step) * 16), dx + (g), sx + (g), G)
+#define AMX_GROUP(a, b, c, g)                                          \
+  do {                                                                  \
+    if (W8) AMX_PRODUCT(_tile_dpbssd, a, b, c, xq + (g) * 32, w + (g) * 512, K); \
+    else AMX_PRODUCT(_tile_dpbsud, a, b, c, xq + (g) * 32, w + (g) * 512, K);    \
+  } while (0)
+    AMX_GROUP(0, 1, 4, 0);
     for (int64_t g = 1; g < G; g += 2) {  // groups g - 1 (even) and g (odd)
-      AMX_PRODUCT(3, 2, 5, xq + g * 32, w + g * 8, K);
+      AMX_GROUP(3, 2, 5, g);
       _tile_stored(4, sums[(g - 1) & 3], 64);
       if (g >= 2) AMX_SCALE(g - 2);
-      if (g + 1 < G) AMX_PRODUCT(0, 1, 4, xq + (g + 1) * 32, w + (g + 1) * 8, K);
+      if (g + 1 < G) AMX_GROUP(0, 1, 4, g + 1);
       _tile_stored(5, sums[g & 3], 64);
       AMX_SCALE(g - 1);
     }
@@ -402,6 +421,7 @@ static void w4a8_amx(const __m512i* wt, int TB, const uint16_t* d, const uint16_
       if (G >= 2) AMX_SCALE(G - 2);
     }
     AMX_SCALE(G - 1);
+#undef AMX_GROUP
 #undef AMX_SCALE
     _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) std::memcpy(y + r * ldy + t * 16, &out[r], 64);
   }
@@ -411,12 +431,15 @@ constexpr int64_t AMX_ROWS = 16;
 static bool amx_permitted() { return false; }
 #endif
 
-// Whether w4a8 products run their runs of 16 rows on AMX tiles: wanted, built for a CPU that has them, and lent.
+// Whether w4a8 and w8a8 products run their runs of 16 rows on AMX tiles: wanted, built for a CPU that has them, lent.
 static bool amx_active() { return amx_wanted.load(std::memory_order_relaxed) && amx_permitted(); }
 
-// The rows [0, n) of an R-row product that go through `w4a8_amx`: whole runs of 16, from 32 rows on (none without
-// AMX). At 16 rows unpacking a tile's weights once costs what the tiles save (bench/README.md section 60).
-static int64_t amx_rows(int64_t R) { return amx_active() && R >= 2 * AMX_ROWS ? R / AMX_ROWS * AMX_ROWS : 0; }
+// The rows [0, n) of an R-row product that go through `int8_amx`: whole runs of 16, from `least` rows on (none
+// without AMX). w4a8 from 32: at 16 rows unpacking a tile's weights once costs what the tiles save; w8a8's bytes are
+// B tiles as they are stored, from 16 (bench/README.md section 60).
+static int64_t amx_rows(int64_t R, int64_t least) {
+  return amx_active() && R >= least ? R / AMX_ROWS * AMX_ROWS : 0;
+}
 
 bool set_amx(bool on) {
   amx_wanted.store(on, std::memory_order_relaxed);
@@ -468,7 +491,7 @@ struct W4A8 {
 // on the tile or the rows beside it).
 static void w4a8_blocks(const W4A8& L, int64_t R, const int8_t* xq, const float* dx, const float* sx, float* y,
                         int64_t ldy, int64_t b0, int64_t b1) {
-  const int64_t G = L.K / 32, RA = amx_rows(R);
+  const int64_t G = L.K / 32, RA = amx_rows(R, 2 * AMX_ROWS);
 #if defined(SPECLOOP_AMX)
   std::optional<TileScope> tiles;
   if (RA) tiles.emplace();
@@ -479,8 +502,8 @@ static void w4a8_blocks(const W4A8& L, int64_t R, const int8_t* xq, const float*
 #if defined(SPECLOOP_AMX)
     if (RA) unpack_w4a8(L.w, nb, TB, G, wt.data());
     for (int64_t r0 = 0; r0 < RA; r0 += AMX_ROWS)
-      w4a8_amx(wt.data(), TB, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G, sx + r0 * G, y + r0 * ldy + nb * 16, G, ldy,
-               L.K);
+      int8_amx<false>(reinterpret_cast<const uint8_t*>(wt.data()), TB, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G,
+                      sx + r0 * G, y + r0 * ldy + nb * 16, G, ldy, L.K);
 #endif
     by_rows(R - RA, [&](int64_t r, auto m) {
       const int64_t r0 = RA + r;
@@ -615,9 +638,8 @@ static void w8a8_tile(const int8_t* w, const uint16_t* d, const int8_t* xq, cons
           acc = s8_dot_quad(acc, wr[j], xr + 4 * j);
           acc2 = s8_dot_quad(acc2, wr[j + 4], xr + 16 + 4 * j);
         }
-        const vf corr = vf{} + (float)(W8_OFFSET * isum[r * G + g]);  // exact: |value| < 2^24
-        const vf dg = dt * dx[r * G + g];
-        out[r][t] = out[r][t] + dg * (iv_float(iv_add(acc, acc2)) - corr);
+        const vf corr = vf{} + (float)(W8_OFFSET * isum[r * G + g]);  // exact: |value| < 2^24, as is the difference
+        out[r][t] = w8_step(out[r][t], iv_float(iv_add(acc, acc2)) - corr, dt, dx[r * G + g]);
       }
     }
   }
@@ -734,15 +756,28 @@ static torch::Tensor w8a8_product(const torch::Tensor& x_in, const torch::Tensor
   std::vector<Share> shares;  // each thread's share's maxima, a row each
   std::mutex taking;
   constexpr int64_t SCAN = 16;  // blocks of 16 outputs written, then scanned (1 KB a row: still in L1)
+  const float* sxp = sx.data_ptr<float>();
+  const int64_t RA = amx_rows(R, AMX_ROWS);  // rows whose sums come from AMX tiles (`int8_amx`)
   at::parallel_for(0, T, 4 * TILE / UNIT, [&](int64_t t0, int64_t t1) {  // over_tiles<UNIT>'s split and order
+#if defined(SPECLOOP_AMX)
+    std::optional<TileScope> tiles;
+    if (RA) tiles.emplace();
+#endif
     std::vector<Lanes> lanes(choices ? R : 0);
     for (int64_t g0 = t0 * UNIT; g0 < t1 * UNIT; g0 += SCAN) {
       const int64_t g1 = std::min(g0 + SCAN, t1 * UNIT);
-      for (int64_t nb = g0; nb < g1; nb += UNIT)
-        by_rows(R, [&](int64_t r0, auto m) {
+      for (int64_t nb = g0; nb < g1; nb += UNIT) {
+#if defined(SPECLOOP_AMX)
+        for (int64_t r0 = 0; r0 < RA; r0 += AMX_ROWS)
+          int8_amx<true>(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, nullptr, nb,
+                         qp + r0 * K, dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy, K);
+#endif
+        by_rows(R - RA, [&](int64_t r, auto m) {
+          const int64_t r0 = RA + r;
           w8a8_tile<decltype(m)::value, UNIT>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G,
                                               ip + r0 * G, yp + r0 * ldy + nb * 16, G, ldy);
         });
+      }
       for (int64_t r = 0; choices && r < R; ++r) lanes[r].scan(yp + r * ldy, g0 * 16, std::min(g1 * 16, n));
     }
     if (!choices) return;

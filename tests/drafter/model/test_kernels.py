@@ -399,6 +399,29 @@ def test_w4a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_each_row_alone(N, 
 
 
 @needs_amx
+@pytest.mark.parametrize("N, K", [(100, 576), (3000, 96), (64, 32)])
+def test_w8a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_choose_the_same_argmax(N, K):
+    """From 16 rows on, w8a8 products (the LM head of a batch's verify pass) take their integer sums from AMX tiles:
+    every row equals the vector tiles' and the row alone bit for bit, and `w8a8_choose` finds the same argmax."""
+    g = torch.Generator().manual_seed(24)
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = (torch.rand(N, K // 32, generator=g) * 0.02).half().float()
+    packed = kernels.pack_w8a8(q, scale)
+    x = torch.randn(40, K, generator=g) * 2
+    alone = torch.cat([kernels.w8a8_mm(r[None], *packed) for r in x])
+    for R in (16, 17, 33, 40):
+        tiles = kernels.w8a8_mm(x[:R], *packed)
+        assert torch.equal(tiles, alone[:R]), R
+        assert torch.equal(_with_amx(False, lambda: kernels.w8a8_mm(x[:R], *packed)), tiles), R
+        _, chosen = kernels.w8a8_choose(x[:R], *packed, N)
+        assert torch.equal(chosen, tiles[:, :N].argmax(-1)), R
+    w = q.double() * scale.double().repeat_interleave(32, 1)
+    xq, dx, _ = kernels.quantized_rows(x)
+    exact = (xq.double().view(40, -1, 32) * dx.double()[..., None]).view(40, K) @ w.t()
+    torch.testing.assert_close(alone[:, :N].double(), exact, rtol=1e-5, atol=1e-4)
+
+
+@needs_amx
 def test_a_prefill_shaped_w4a8_layer_is_the_same_bits_with_and_without_amx_tiles():
     """A layer's one parallel region with 2 x 20 rows (its products' 32 rows on AMX tiles, 8 on the vector
     tiles): output, keys and values the same bits as with the tiles turned off."""
