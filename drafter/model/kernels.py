@@ -21,9 +21,9 @@ for bit as a one-token step does, by construction:
   SwiGLU on `vn`, the widest vector a register holds (GCC keeps the 16-lane vectors the other paths use
   in memory there): a 5-token verify pass 0.36x, a one-token step 0.68x what they cost in that vector
   code (bench/README.md sections 40 and 41). On a CPU with AMX-INT8 (Intel Xeon since Sapphire Rapids)
-  w4a8 products of 32 rows or more (a prompt's prefill, a batch's verify pass) take their integer sums
-  16 rows at a time from tile products instead (`set_amx`; the same exact integers, then the same float
-  steps: the same bits; bench/README.md section 60).
+  products of many rows (a prompt's prefill, a batch's verify pass: w4a8 from 32 rows, w8a8 from 16) take
+  their integer sums 16 rows at a time from tile products instead (`set_amx`; the same exact integers,
+  then the same float steps: the same bits; bench/README.md section 60).
 
 The decode step around them is compiled too: `attend` (RoPE, the KV write and causal attention:
 every query head over the keys up to its position through the same operations whichever query heads
@@ -144,9 +144,9 @@ def available() -> bool:
 
 
 def set_amx(on: bool) -> bool:
-    """Whether w4a8 products of 32 rows or more take their integer sums from AMX tiles (on by default where the
-    CPU has AMX-INT8 and Linux lends the tiles to the process); off: the vector tiles alone, the same bits.
-    Returns whether the tiles are used now (False without them or without the kernels)."""
+    """Whether int8 products of many rows (w4a8 from 32, w8a8 from 16) take their integer sums from AMX tiles (on
+    by default where the CPU has AMX-INT8 and Linux lends the tiles to the process); off: the vector tiles alone,
+    the same bits. Returns whether the tiles are used now (False without them or without the kernels)."""
     mod = _module()
     return bool(mod.set_amx(on)) if mod is not None else False
 

@@ -287,15 +287,16 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
 }
 #endif
 
-// ---------------------------------------------------------------------------- w4a8 on AMX tiles
+// ---------------------------------------------------------------------------- int8 products on AMX tiles
 // Intel Xeons since Sapphire Rapids multiply int8 matrices in tile registers (AMX-INT8): one TDPBSUD makes 16
 // rows' integer sums over a group's 32 inputs for a block's 16 outputs (16 x 16 x 32 products), where the vector tile
-// spends 128 VNNI dot products. The rows' group is the A tile as it lies in xq (16 rows of 32 bytes, K apart); the
+// spends 128 VNNI dot products. The rows' group is the A tile as it lies in xq (16 rows of 32 bytes, K apart); a w4a8
 // block's group of nibbles, unpacked, is the B tile as it is (row j: inputs 4j..4j+3 of each of the 16 outputs, the
-// vector tile's wq[j]); the sums come out as 16 rows of 16 int32, each row the vector tile's `acc` (exact integers
-// either way), and the float step after them is the same `group_step`: the same bits for every row, with or without
-// the tiles (tests/drafter/model/test_kernels.py). Runs of 16 rows go through here (a prompt's prefill, a batch's
-// verify pass: `amx_rows`); the rows left over and every call on a CPU without AMX, through the vector tiles.
+// vector tile's wq[j]), a w8a8 block's group of bytes is one as it is stored (TDPBSSD); the sums come out as 16 rows
+// of 16 int32, each row the vector tile's `acc` (exact integers either way), and the float step after them is the
+// same function (`group_step`, `w8_step`): the same bits for every row, with or without the tiles
+// (tests/drafter/model/test_kernels.py). Runs of 16 rows go through here (a prompt's prefill, a batch's verify pass:
+// `amx_rows`); the rows left over and every call on a CPU without AMX, through the vector tiles.
 static std::atomic<bool> amx_wanted{true};  // set_amx: off to time or test the vector tiles alone
 
 #if defined(SPECLOOP_DOT_QUAD) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
