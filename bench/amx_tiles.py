@@ -15,7 +15,6 @@ tiles to differ from the vector arm (it says so and times the rest otherwise).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -182,6 +181,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from bench.kernels_at import build_at
     from bench.machine import machine_info
+    from bench.runs import write_result
     from specloop.drafter.model import kernels
 
     if not kernels.set_amx(True):
@@ -197,17 +197,13 @@ def main() -> None:
         result["batches"] = batches(arms, models, shapes, args.context, args.rounds)
     else:
         print(f"no verifier at {args.verifier} (specloop models fetch): products only", flush=True)
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
-    _plot(result, OUT / f"{args.out}.png")
-    print(f"wrote {OUT / args.out}.json and .png")
+    write_result(result, OUT, args.out, _plot)
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from bench.runs import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = ([(f"{r['rows']} rows", r) for r in result["products"]] +
             [(f"prefill {r['tokens']}", r) for r in result.get("prefill", [])] +

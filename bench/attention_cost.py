@@ -12,7 +12,6 @@ the median over --rounds of the per-round ratio (the same minute of the machine 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -61,6 +60,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from bench.kernels_at import build_at
     from bench.machine import machine_info
+    from bench.runs import write_result
     from specloop.drafter.model import kernels
 
     builds = {"before": build_at(args.baseline), "after": kernels._module()}
@@ -84,17 +84,13 @@ def main() -> None:
     result = {"benchmark": "attention_cost", "machine": machine_info() | {"threads": args.threads},
               "baseline": args.baseline, "shapes": {"layers": LAYERS, "heads": H, "kv_heads": HKV, "head_dim": D},
               "rounds": args.rounds, "rows": rows}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
-    _plot(result, OUT / f"{args.out}.png")
-    print(f"wrote {OUT / args.out}.json and .png")
+    write_result(result, OUT, args.out, _plot)
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from bench.runs import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [f"{'+'.join(map(str, r['lens']))}\nT={r['T']}" for r in result["rows"]]

@@ -7,6 +7,24 @@ import json
 from pathlib import Path
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files (the Agg backend: no display here)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_result(result: dict, folder: Path, out: str, plot) -> None:
+    """`result` as one line of JSON at folder/out.json and plot(result, path) as folder/out.png beside it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
+    plot(result, folder / f"{out}.png")
+    print(f"wrote {folder / out}.json and .png")
+
+
 def add_compare(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--compare", nargs="+", metavar="LABEL=RUN.json[,RUN.json]",
                     help="no run: pool earlier runs per label into --out (JSON + PNG), e.g. before / after a change")

@@ -16,7 +16,6 @@ timed in turn with this tree's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -83,6 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from bench.kernels_at import build_at, kernels_from
     from bench.machine import machine_info
+    from bench.runs import write_result
     from specloop.drafter.model.weights.modes import describe_mode
 
     builds = {kind: None for kind in args.kinds.split(",")}
@@ -132,17 +132,13 @@ def main() -> None:
                                                  for T in widths}
         print(f"      {kinds[0]} / {kind}, median of the rounds' ratios: "
               + "  ".join(f"T={T} {r:.3f}" for T, r in ratios.items()))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / f"{args.out}.json").write_text(json.dumps(result, separators=(",", ":")) + "\n")
-    _plot(result, OUT / f"{args.out}.png")
-    print(f"wrote {OUT / args.out}.json and .png")
+    write_result(result, OUT, args.out, _plot)
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from bench.runs import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, row in result["kinds"].items():
