@@ -27,6 +27,8 @@ Systems (--systems; those whose drafter is missing are skipped and recorded so):
 - mix: the eagle head with a frozen static copy and suffix decoding (`--speculators static,suffix`).
 - default-global: the default without a request's own evidence of suffix decoding's drafts, nor its tries
   (`per_request` empty: its drafts judged by the calibration over every request alone, as before section 53).
+- alone-vector, default-vector: the verifier alone / the default with the int8 products' AMX tiles turned off (what
+  a CPU without AMX runs, the same bits: bench/README.md section 60).
 - default-ops, eagle-ops: the default / the eagle head alone with the head's draft by torch's ops, as before section
   56 (not one C++ call).
 """
@@ -57,7 +59,10 @@ LEADERBOARD = {
     "SAMD (suffix automaton + EAGLE-2)": ([2.85, 1.83, 2.64, 2.15, 2.63, 2.10], 4.61),
 }
 SYSTEMS = ("alone", "default", "eagle", "eagle3", "suffix", "ngram", "mix", "default-global", "default-ops",
-           "eagle-ops")
+           "eagle-ops", "alone-vector", "default-vector")
+# systems whose int8 products leave the AMX tiles off (kernels.set_amx(False): the vector tiles alone, the same bits;
+# bench/README.md section 60); the others run as served, with the tiles where the CPU has them
+VECTOR = frozenset({"alone-vector", "default-vector"})
 # systems whose controller is not the served one: the default judging suffix decoding's drafts by its calibration
 # over every request alone (bench/README.md section 53: no request's own outcomes, no tries)
 CONTROLLERS = {"default-global": {"per_request": frozenset()}}
@@ -130,6 +135,8 @@ def build_systems(names: list[str], verifier, drafter_dir: Path | None, eagle3_d
     table = {
         "alone": lambda: None,
         "default": lambda: model(kind, drafter_dir, default_speculators(kind)),
+        "alone-vector": lambda: None,
+        "default-vector": lambda: model(kind, drafter_dir, default_speculators(kind)),
         "default-global": lambda: model(kind, drafter_dir, default_speculators(kind)),
         "default-ops": lambda: by_ops(model(kind, drafter_dir, default_speculators(kind))),
         "eagle": lambda: model(kind, drafter_dir, ()),
@@ -201,16 +208,21 @@ def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
 def run_question(verifier, systems: dict, controllers: dict, q: Question, order: list[str], max_tokens: int,
                  both_turns: bool) -> dict[str, Run]:
     """Every system on question q (turn 1 for all, then turn 2 for all), in `order`."""
+    from specloop.drafter.model import kernels
+
     runs = {name: Run(name, q.qid, q.category) for name in order}
-    prompt = encode_chat(verifier.tokenizer, turn_prompts(verifier.tokenizer, q, None))
-    for name in order:
-        decode(verifier, systems[name], controllers[name], prompt, max_tokens, runs[name])
+
+    def each(prompt: list[int]) -> None:
+        for name in order:
+            kernels.set_amx(name not in VECTOR)
+            decode(verifier, systems[name], controllers[name], prompt, max_tokens, runs[name])
+        kernels.set_amx(True)
+
+    each(encode_chat(verifier.tokenizer, turn_prompts(verifier.tokenizer, q, None)))
     if both_turns and q.category == "mt_bench" and len(q.turns) > 1:
         reference = runs["alone"].token_ids[0] if "alone" in runs else runs[order[0]].token_ids[0]
         answer = verifier.tokenizer.decode(reference, skip_special_tokens=True)
-        prompt = encode_chat(verifier.tokenizer, turn_prompts(verifier.tokenizer, q, answer))
-        for name in order:
-            decode(verifier, systems[name], controllers[name], prompt, max_tokens, runs[name])
+        each(encode_chat(verifier.tokenizer, turn_prompts(verifier.tokenizer, q, answer)))
     return runs
 
 
