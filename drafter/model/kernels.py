@@ -114,6 +114,7 @@ def _module():
                     "differently beside other rows); using torch's stock int4/int8 kernels and the eager decode "
                     "step (no w4a8)")
         return None
+    mod.set_amx(os.environ.get("SPECLOOP_AMX", "auto").lower() not in ("off", "0", "false"))
     return mod
 
 
@@ -146,9 +147,16 @@ def available() -> bool:
 def set_amx(on: bool) -> bool:
     """Whether int8 products of many rows (w4a8 from 32, w8a8 from 16) take their integer sums from AMX tiles (on
     by default where the CPU has AMX-INT8 and Linux lends the tiles to the process); off: the vector tiles alone,
-    the same bits. Returns whether the tiles are used now (False without them or without the kernels)."""
+    the same bits. Returns whether the tiles are used now (False without them or without the kernels).
+    SPECLOOP_AMX=off turns them off when the kernels load."""
     mod = _module()
     return bool(mod.set_amx(on)) if mod is not None else False
+
+
+def amx_in_use() -> bool:
+    """Whether int8 products of many rows run on AMX tiles now (`set_amx`)."""
+    mod = _module()
+    return bool(getattr(mod, "amx_in_use", lambda: False)()) if mod is not None else False
 
 
 def _self_check(mod) -> bool:

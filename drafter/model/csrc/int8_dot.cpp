@@ -447,6 +447,8 @@ bool set_amx(bool on) {
   return amx_active();
 }
 
+bool amx_in_use() { return amx_active(); }
+
 // One group of 32 fp32 values -> int8 (round half to even) with its dx = max|v| / 127 and sx = dx * sum(q).
 static inline void quantize_group_q8(const float* v, int8_t* xq, float* dx, float* sx, int32_t* isum) {
   vn m = vn{};  // max |v| lane by lane: exact in any order; a NaN is passed over, as std::max(amax, NaN) passes it

@@ -136,7 +136,8 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor s, int64
 torch::Tensor w4a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d, torch::Tensor mn);
 torch::Tensor w4a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor mn, int64_t n);
 int64_t w4a8_interleave();
-bool set_amx(bool on);  // w4a8's runs of 16 rows on AMX tiles (where the CPU has them); returns whether they are
+bool set_amx(bool on);  // int8 products' runs of 16 rows on AMX tiles (where the CPU has them); returns whether they are
+bool amx_in_use();
 torch::Tensor w8a8_mm(torch::Tensor x_in, torch::Tensor w, torch::Tensor d);
 torch::Tensor w8a8_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, int64_t n);
 std::tuple<torch::Tensor, torch::Tensor, bool> w8a8_choose(torch::Tensor x, torch::Tensor w, torch::Tensor d,

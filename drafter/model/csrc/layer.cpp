@@ -438,6 +438,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4a8_linear", torch::wrap_pybind_function(w4a8_linear), "w4a8_linear");
   m.def("w4a8_interleave", &w4a8_interleave, "w4a8_interleave");
   m.def("set_amx", &set_amx, "set_amx");
+  m.def("amx_in_use", &amx_in_use, "amx_in_use");
   m.def("w8a8_mm", torch::wrap_pybind_function(w8a8_mm), "w8a8_mm");
   m.def("w8a8_linear", torch::wrap_pybind_function(w8a8_linear), "w8a8_linear");
   m.def("w8a8_choose", torch::wrap_pybind_function(w8a8_choose), "w8a8_choose");

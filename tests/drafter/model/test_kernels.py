@@ -373,6 +373,20 @@ needs_amx = pytest.mark.skipif(not (kernels.available() and kernels.set_amx(True
 
 
 @needs_amx
+def test_amx_tiles_are_on_by_default_and_specloop_amx_off_turns_them_off_at_load(monkeypatch):
+    assert kernels.amx_in_use()
+    monkeypatch.setenv("SPECLOOP_AMX", "off")
+    kernels._module.cache_clear()
+    try:
+        assert kernels.available() and not kernels.amx_in_use()
+    finally:
+        monkeypatch.delenv("SPECLOOP_AMX")
+        kernels._module.cache_clear()
+        kernels.set_amx(True)
+    assert kernels.amx_in_use()
+
+
+@needs_amx
 @pytest.mark.parametrize("N, K", [(200, 576), (576, 1536), (64, 32), (80, 96)])
 def test_w4a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_each_row_alone(N, K):
     """From 32 rows on, w4a8 products take 16 rows' integer sums at a time from AMX tile products: every row
