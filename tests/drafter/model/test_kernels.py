@@ -360,12 +360,13 @@ def test_a_w4a8_layer_in_one_parallel_region_is_the_step_by_step_layer_bit_for_b
 
 
 def _with_amx(on, call):
-    """call() with w4a8's AMX tiles turned on or off (restored to on after)."""
+    """call() with the int8 products' AMX tiles turned on or off (then as they were)."""
+    was = kernels.amx_in_use()
     try:
         kernels.set_amx(on)
         return call()
     finally:
-        kernels.set_amx(True)
+        kernels.set_amx(was)
 
 
 needs_amx = pytest.mark.skipif(not (kernels.available() and kernels.set_amx(True)),
