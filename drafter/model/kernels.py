@@ -21,7 +21,7 @@ for bit as a one-token step does, by construction:
   SwiGLU on `vn`, the widest vector a register holds (GCC keeps the 16-lane vectors the other paths use
   in memory there): a 5-token verify pass 0.36x, a one-token step 0.68x what they cost in that vector
   code (bench/README.md sections 40 and 41). On a CPU with AMX-INT8 (Intel Xeon since Sapphire Rapids)
-  products of many rows (a prompt's prefill, a batch's verify pass: w4a8 from 32 rows, w8a8 from 16) take
+  products of many rows (a prompt's prefill, a batch's verify pass: w4a8 from 32 rows, w8a8 from 8) take
   their integer sums 16 rows at a time from tile products instead (`set_amx`; the same exact integers,
   then the same float steps: the same bits; bench/README.md section 60).
 
@@ -145,7 +145,7 @@ def available() -> bool:
 
 
 def set_amx(on: bool) -> bool:
-    """Whether int8 products of many rows (w4a8 from 32, w8a8 from 16) take their integer sums from AMX tiles (on
+    """Whether int8 products of many rows (w4a8 from 32, w8a8 from 8) take their integer sums from AMX tiles (on
     by default where the CPU has AMX-INT8 and Linux lends the tiles to the process); off: the vector tiles alone,
     the same bits. Returns whether the tiles are used now (False without them or without the kernels).
     SPECLOOP_AMX=off turns them off when the kernels load."""

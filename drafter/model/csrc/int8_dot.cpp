@@ -323,19 +323,21 @@ static bool amx_permitted() {
 // The tile shapes `int8_amx` uses, loaded for the calling thread while alive and released after (a thread holding
 // tile state has it saved and restored at every switch). tmm0, tmm3: 16 rows of a group (32 bytes a row); tmm1, tmm2:
 // a block's group of weights (8 rows of 64 bytes); tmm4, tmm5: a block's 16 x 16 int32 sums. Two of each, taken in
-// turn group by group.
+// turn group by group: each of `rows` rows (16, or the 8-15 of a call that has no more). With `tail` rows (8-15 after
+// runs of 16, `w8a8_amx_tail`): tmm6 and tmm7, the A and sums tiles of that many.
 class TileScope {
  public:
-  TileScope() {
+  explicit TileScope(int rows = AMX_ROWS, int tail = 0) {
     alignas(64) uint8_t cfg[64] = {};
     cfg[0] = 1;  // palette 1
     auto shape = [&](int t, int rows, int bytes) { cfg[16 + 2 * t] = (uint8_t)bytes, cfg[48 + t] = (uint8_t)rows; };
-    shape(0, 16, 32);
-    shape(3, 16, 32);
+    shape(0, rows, 32);
+    shape(3, rows, 32);
     shape(1, 8, 64);
     shape(2, 8, 64);
-    shape(4, 16, 64);
-    shape(5, 16, 64);
+    shape(4, rows, 64);
+    shape(5, rows, 64);
+    if (tail) shape(6, tail, 32), shape(7, tail, 64);
     __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
   }
   ~TileScope() { _tile_release(); }
@@ -375,8 +377,10 @@ static void unpack_w4a8(const uint8_t* w, int64_t nb, int TB, int64_t G, __m512i
 // instructions' memory clobbers would have every output stored and reloaded around each of them).
 template <bool W8>
 __attribute__((always_inline)) static inline void amx_scale(vf (&out)[AMX_ROWS], const int32_t* sums, vf dt, vf mg,
-                                                           const float* dx, const float* sx, int64_t G) {
+                                                           const float* dx, const float* sx, int64_t G,
+                                                           int m = AMX_ROWS) {
   _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) {
+    if (r >= m) break;  // a call's 8-15 rows (`TileScope`)
     const ivec s = iv_load(reinterpret_cast<const uint8_t*>(sums + 16 * r));
     out[r] = W8 ? w8_step(out[r], iv_float(s), dt, dx[r * G]) : group_step(out[r], s, dt, mg, dx[r * G], sx[r * G]);
   }
@@ -390,9 +394,10 @@ __attribute__((always_inline)) static inline void amx_scale(vf (&out)[AMX_ROWS],
 // Block by block, the 16 rows' outputs in registers, the groups in order. The groups' tile products alternate
 // between two sets of tiles (even groups: tmm0, 1 -> 4; odd: tmm3, 2 -> 5), so that group g's product is issued before
 // group g - 1's sums are stored and group g - 2's scaled (4 small buffers in L1).
+// M: the rows, 16 (or 8-15 where the tiles were shaped so: `TileScope(M)`).
 template <bool W8>
 static void int8_amx(const uint8_t* bt, int TB, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
-                     const float* dx, const float* sx, float* y, int64_t G, int64_t ldy, int64_t K) {
+                     const float* dx, const float* sx, float* y, int64_t G, int64_t ldy, int64_t K, int M = AMX_ROWS) {
   alignas(64) int32_t sums[4][AMX_ROWS * 16];
   const int64_t step = W8 ? 1 : IL;
   for (int t = 0; t < TB; ++t) {
@@ -402,7 +407,7 @@ static void int8_amx(const uint8_t* bt, int TB, const uint16_t* d, const uint16_
     _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) out[r] = vf{};
 #define AMX_SCALE(g)                                                                                            \
   amx_scale<W8>(out, sums[(g) & 3], load_h16(d + (at + (g) * step) * 16),                                       \
-                W8 ? vf{} : load_h16(mn + (at + (g) * step) * 16), dx + (g), sx + (g), G)
+                W8 ? vf{} : load_h16(mn + (at + (g) * step) * 16), dx + (g), sx + (g), G, M)
 #define AMX_GROUP(a, b, c, g)                                          \
   do {                                                                  \
     if (W8) AMX_PRODUCT(_tile_dpbssd, a, b, c, xq + (g) * 32, w + (g) * 512, K); \
@@ -424,7 +429,25 @@ static void int8_amx(const uint8_t* bt, int TB, const uint16_t* d, const uint16_
     AMX_SCALE(G - 1);
 #undef AMX_GROUP
 #undef AMX_SCALE
-    _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) std::memcpy(y + r * ldy + t * 16, &out[r], 64);
+    for (int r = 0; r < M; ++r) std::memcpy(y + r * ldy + t * 16, &out[r], 64);
+  }
+}
+
+// `int8_amx` for the last m rows (8-15) of a w8a8 product after its runs of 16, on the tail tiles (tmm6: A, tmm7:
+// sums; `TileScope(16, m)`). One set of tiles, group after group (a store waits for its product).
+static void w8a8_amx_tail(const uint8_t* bt, int TB, const uint16_t* d, const int8_t* xq, const float* dx,
+                          float* y, int64_t G, int64_t ldy, int64_t K, int m) {
+  alignas(64) int32_t sums[AMX_ROWS * 16];
+  for (int t = 0; t < TB; ++t) {
+    const uint8_t* w = bt + t * G * 512;
+    vf out[AMX_ROWS];
+    _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) out[r] = vf{};
+    for (int64_t g = 0; g < G; ++g) {
+      AMX_PRODUCT(_tile_dpbssd, 6, 1, 7, xq + g * 32, w + g * 512, K);
+      _tile_stored(7, sums, 64);
+      amx_scale<true>(out, sums, load_h16(d + (t * G + g) * 16), vf{}, dx + g, nullptr, G, m);
+    }
+    for (int r = 0; r < m; ++r) std::memcpy(y + r * ldy + t * 16, &out[r], 64);
   }
 }
 #else
@@ -432,7 +455,7 @@ constexpr int64_t AMX_ROWS = 16;
 static bool amx_permitted() { return false; }
 #endif
 
-// Whether w4a8 and w8a8 products run their runs of 16 rows on AMX tiles: wanted, built for a CPU that has them, lent.
+// Whether w4a8 and w8a8 products run their rows on AMX tiles: wanted, built for a CPU that has them, and lent.
 static bool amx_active() { return amx_wanted.load(std::memory_order_relaxed) && amx_permitted(); }
 
 // The rows [0, n) of an R-row product that go through `int8_amx`: whole runs of 16, from `least` rows on (none
@@ -441,6 +464,11 @@ static bool amx_active() { return amx_wanted.load(std::memory_order_relaxed) && 
 static int64_t amx_rows(int64_t R, int64_t least) {
   return amx_active() && R >= least ? R / AMX_ROWS * AMX_ROWS : 0;
 }
+
+// The rows past an R-row w8a8 product's runs of 16 (RA of them) that go through tiles of their own (`int8_amx` shaped
+// for them where RA is 0: a verify pass of 8-15 tokens' LM head; else `w8a8_amx_tail`): 8-15 of them (fewer cost the
+// tiles more than the vector tiles), none without AMX.
+static int amx_tail(int64_t R, int64_t RA) { return amx_active() && R - RA >= AMX_ROWS / 2 ? (int)(R - RA) : 0; }
 
 bool set_amx(bool on) {
   amx_wanted.store(on, std::memory_order_relaxed);
@@ -761,10 +789,12 @@ static torch::Tensor w8a8_product(const torch::Tensor& x_in, const torch::Tensor
   constexpr int64_t SCAN = 16;  // blocks of 16 outputs written, then scanned (1 KB a row: still in L1)
   const float* sxp = sx.data_ptr<float>();
   const int64_t RA = amx_rows(R, AMX_ROWS);  // rows whose sums come from AMX tiles (`int8_amx`)
+  const int MT = amx_tail(R, RA);             // and the tail after them (`w8a8_amx_tail`)
+  const int64_t RV = RA + MT;                 // rows from the vector tiles: [RV, R)
   at::parallel_for(0, T, 4 * TILE / UNIT, [&](int64_t t0, int64_t t1) {  // over_tiles<UNIT>'s split and order
 #if defined(SPECLOOP_AMX)
-    std::optional<TileScope> tiles;
-    if (RA) tiles.emplace();
+    std::optional<TileScope> tiles;  // rows [0, MT) on tiles of MT rows where there are no runs of 16
+    if (RV) RA ? tiles.emplace(AMX_ROWS, MT) : tiles.emplace(MT, 0);
 #endif
     std::vector<Lanes> lanes(choices ? R : 0);
     for (int64_t g0 = t0 * UNIT; g0 < t1 * UNIT; g0 += SCAN) {
@@ -774,9 +804,15 @@ static torch::Tensor w8a8_product(const torch::Tensor& x_in, const torch::Tensor
         for (int64_t r0 = 0; r0 < RA; r0 += AMX_ROWS)
           int8_amx<true>(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, nullptr, nb,
                          qp + r0 * K, dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy, K);
+        if (MT && !RA)
+          int8_amx<true>(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, nullptr, nb, qp,
+                         dxp, sxp, yp + nb * 16, G, ldy, K, MT);
+        else if (MT)
+          w8a8_amx_tail(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, qp + RA * K,
+                        dxp + RA * G, yp + RA * ldy + nb * 16, G, ldy, K, MT);
 #endif
-        by_rows(R - RA, [&](int64_t r, auto m) {
-          const int64_t r0 = RA + r;
+        by_rows(R - RV, [&](int64_t r, auto m) {
+          const int64_t r0 = RV + r;
           w8a8_tile<decltype(m)::value, UNIT>(wp + nb * G * 512, dp + nb * G * 16, qp + r0 * K, dxp + r0 * G,
                                               ip + r0 * G, yp + r0 * ldy + nb * 16, G, ldy);
         });

@@ -416,15 +416,16 @@ def test_w4a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_each_row_alone(N, 
 @needs_amx
 @pytest.mark.parametrize("N, K", [(100, 576), (3000, 96), (64, 32)])
 def test_w8a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_choose_the_same_argmax(N, K):
-    """From 16 rows on, w8a8 products (the LM head of a batch's verify pass) take their integer sums from AMX tiles:
-    every row equals the vector tiles' and the row alone bit for bit, and `w8a8_choose` finds the same argmax."""
+    """From 8 rows on, w8a8 products (the LM head of a verify pass or a batch) take their integer sums from AMX tiles
+    (runs of 16 rows, then 8-15 on tiles of their own; 8-15 alone on tiles shaped for them): every row equals the
+    vector tiles' and the row alone bit for bit, and `w8a8_choose` finds the same argmax."""
     g = torch.Generator().manual_seed(24)
     q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
     scale = (torch.rand(N, K // 32, generator=g) * 0.02).half().float()
     packed = kernels.pack_w8a8(q, scale)
     x = torch.randn(40, K, generator=g) * 2
     alone = torch.cat([kernels.w8a8_mm(r[None], *packed) for r in x])
-    for R in (16, 17, 33, 40):
+    for R in (8, 9, 12, 15, 16, 17, 24, 31, 33, 40):
         tiles = kernels.w8a8_mm(x[:R], *packed)
         assert torch.equal(tiles, alone[:R]), R
         assert torch.equal(_with_amx(False, lambda: kernels.w8a8_mm(x[:R], *packed)), tiles), R
