@@ -323,11 +323,10 @@ static bool amx_permitted() {
 // The tile shapes `int8_amx` uses, loaded for the calling thread while alive and released after (a thread holding
 // tile state has it saved and restored at every switch). tmm0, tmm3: 16 rows of a group (32 bytes a row); tmm1, tmm2:
 // a block's group of weights (8 rows of 64 bytes); tmm4, tmm5: a block's 16 x 16 int32 sums. Two of each, taken in
-// turn group by group: each of `rows` rows (16, or the 8-15 of a call that has no more). With `tail` rows (8-15 after
-// runs of 16, `w8a8_amx_tail`): tmm6 and tmm7, the A and sums tiles of that many.
+// turn group by group: each of `rows` rows (16, or the 8-15 of a call that has no more).
 class TileScope {
  public:
-  explicit TileScope(int rows = AMX_ROWS, int tail = 0) {
+  explicit TileScope(int rows = AMX_ROWS) {
     alignas(64) uint8_t cfg[64] = {};
     cfg[0] = 1;  // palette 1
     auto shape = [&](int t, int rows, int bytes) { cfg[16 + 2 * t] = (uint8_t)bytes, cfg[48 + t] = (uint8_t)rows; };
@@ -337,7 +336,6 @@ class TileScope {
     shape(2, 8, 64);
     shape(4, rows, 64);
     shape(5, rows, 64);
-    if (tail) shape(6, tail, 32), shape(7, tail, 64);
     __asm__ volatile("ldtilecfg %0" ::"m"(cfg) : "memory");
   }
   ~TileScope() { _tile_release(); }
@@ -433,23 +431,6 @@ static void int8_amx(const uint8_t* bt, int TB, const uint16_t* d, const uint16_
   }
 }
 
-// `int8_amx` for the last m rows (8-15) of a w8a8 product after its runs of 16, on the tail tiles (tmm6: A, tmm7:
-// sums; `TileScope(16, m)`). One set of tiles, group after group (a store waits for its product).
-static void w8a8_amx_tail(const uint8_t* bt, int TB, const uint16_t* d, const int8_t* xq, const float* dx,
-                          float* y, int64_t G, int64_t ldy, int64_t K, int m) {
-  alignas(64) int32_t sums[AMX_ROWS * 16];
-  for (int t = 0; t < TB; ++t) {
-    const uint8_t* w = bt + t * G * 512;
-    vf out[AMX_ROWS];
-    _Pragma("GCC unroll 16") for (int r = 0; r < AMX_ROWS; ++r) out[r] = vf{};
-    for (int64_t g = 0; g < G; ++g) {
-      AMX_PRODUCT(_tile_dpbssd, 6, 1, 7, xq + g * 32, w + g * 512, K);
-      _tile_stored(7, sums, 64);
-      amx_scale<true>(out, sums, load_h16(d + (t * G + g) * 16), vf{}, dx + g, nullptr, G, m);
-    }
-    for (int r = 0; r < m; ++r) std::memcpy(y + r * ldy + t * 16, &out[r], 64);
-  }
-}
 #else
 constexpr int64_t AMX_ROWS = 16;
 static bool amx_permitted() { return false; }
@@ -465,9 +446,10 @@ static int64_t amx_rows(int64_t R, int64_t least) {
   return amx_active() && R >= least ? R / AMX_ROWS * AMX_ROWS : 0;
 }
 
-// The rows past an R-row w8a8 product's runs of 16 (RA of them) that go through tiles of their own (`int8_amx` shaped
-// for them where RA is 0: a verify pass of 8-15 tokens' LM head; else `w8a8_amx_tail`): 8-15 of them (fewer cost the
-// tiles more than the vector tiles), none without AMX.
+// The rows past an R-row w8a8 product's runs of 16 (RA of them) that go through the tiles too: 8-15 of them (fewer
+// cost the tiles more than the vector tiles), none without AMX. Where RA is 0 (a verify pass of 8-15 tokens' LM head)
+// on tiles shaped for that many rows; else as one more run of 16, the last 16 rows, which computes some rows of the
+// run before again (the same bits, written again).
 static int amx_tail(int64_t R, int64_t RA) { return amx_active() && R - RA >= AMX_ROWS / 2 ? (int)(R - RA) : 0; }
 
 bool set_amx(bool on) {
@@ -789,27 +771,24 @@ static torch::Tensor w8a8_product(const torch::Tensor& x_in, const torch::Tensor
   constexpr int64_t SCAN = 16;  // blocks of 16 outputs written, then scanned (1 KB a row: still in L1)
   const float* sxp = sx.data_ptr<float>();
   const int64_t RA = amx_rows(R, AMX_ROWS);  // rows whose sums come from AMX tiles (`int8_amx`)
-  const int MT = amx_tail(R, RA);             // and the tail after them (`w8a8_amx_tail`)
+  const int MT = amx_tail(R, RA);             // and the 8-15 after them (`amx_tail`)
   const int64_t RV = RA + MT;                 // rows from the vector tiles: [RV, R)
+  const int M = RA ? (int)AMX_ROWS : MT;      // rows a tile holds
   at::parallel_for(0, T, 4 * TILE / UNIT, [&](int64_t t0, int64_t t1) {  // over_tiles<UNIT>'s split and order
 #if defined(SPECLOOP_AMX)
-    std::optional<TileScope> tiles;  // rows [0, MT) on tiles of MT rows where there are no runs of 16
-    if (RV) RA ? tiles.emplace(AMX_ROWS, MT) : tiles.emplace(MT, 0);
+    std::optional<TileScope> tiles;
+    if (RV) tiles.emplace(M);
 #endif
     std::vector<Lanes> lanes(choices ? R : 0);
     for (int64_t g0 = t0 * UNIT; g0 < t1 * UNIT; g0 += SCAN) {
       const int64_t g1 = std::min(g0 + SCAN, t1 * UNIT);
       for (int64_t nb = g0; nb < g1; nb += UNIT) {
 #if defined(SPECLOOP_AMX)
-        for (int64_t r0 = 0; r0 < RA; r0 += AMX_ROWS)
+        for (int64_t run = 0; run < RV; run += M) {
+          const int64_t r0 = std::min(run, RV - M);  // runs of M rows, the last one ending at RV
           int8_amx<true>(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, nullptr, nb,
-                         qp + r0 * K, dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy, K);
-        if (MT && !RA)
-          int8_amx<true>(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, nullptr, nb, qp,
-                         dxp, sxp, yp + nb * 16, G, ldy, K, MT);
-        else if (MT)
-          w8a8_amx_tail(reinterpret_cast<const uint8_t*>(wp + nb * G * 512), UNIT, dp + nb * G * 16, qp + RA * K,
-                        dxp + RA * G, yp + RA * ldy + nb * 16, G, ldy, K, MT);
+                         qp + r0 * K, dxp + r0 * G, sxp + r0 * G, yp + r0 * ldy + nb * 16, G, ldy, K, M);
+        }
 #endif
         by_rows(R - RV, [&](int64_t r, auto m) {
           const int64_t r0 = RV + r;

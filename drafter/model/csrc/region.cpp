@@ -170,8 +170,9 @@ Attn with_work(Attn a, const Work& k) {
   return a;
 }
 
-// Thread `tid` of `n` through a layer's ten steps, a barrier between steps that read what another thread wrote.
-void run_layer(const Plan& L, Work& k, int tid, int n, Barrier& bar) {
+// Thread `tid` of `n` through a layer's ten steps, a barrier between steps that read what another thread wrote; `au`:
+// its units of the attention (`attn_span`).
+void run_layer(const Plan& L, Work& k, int tid, int n, const Span& au, Barrier& bar) {
   static thread_local std::vector<float> s;  // scores
   const Attn a = with_work(L.a, k);
   const int64_t R = L.R, GA = L.HD / 32, GI = L.I / 32;
@@ -183,7 +184,6 @@ void run_layer(const Plan& L, Work& k, int tid, int n, Barrier& bar) {
   const Share ru(R * (a.H + a.Hkv), tid, n);
   for (int64_t u = ru.a; u < ru.b; ++u) rope_unit(a, u);
   bar.wait();
-  const Span au = attn_span(a, tid, n);  // even in cost, not in count
   for (int64_t u = au.a; u < au.b; ++u) attn_unit(a, u, s);
   bar.wait();
   const Share ag(R * GA, tid, n);  // the attention's rows rounded group by group
@@ -218,10 +218,14 @@ void run_plans(const std::vector<Plan>& plans, const torch::Tensor& like) {
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
     bar.join(n);
+    Span au;  // the thread's attention units, even in cost: worked out again only where a layer's units differ
     for (size_t l = 0; l < plans.size(); ++l) {
       Work k = carve(buf.data_ptr<float>(), plans[l]);
+      const Attn& a = plans[l].a;
+      const Attn& b = plans[l ? l - 1 : 0].a;  // the same lens and H in every layer of a stack
+      if (l == 0 || a.per != b.per || a.tiles != b.tiles || a.Hkv != b.Hkv) au = attn_span(a, tid, n);
       if (l) bar.wait();
-      run_layer(plans[l], k, tid, n, bar);
+      run_layer(plans[l], k, tid, n, au, bar);
     }
   }
 }

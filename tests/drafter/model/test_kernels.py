@@ -417,7 +417,7 @@ def test_w4a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_each_row_alone(N, 
 @pytest.mark.parametrize("N, K", [(100, 576), (3000, 96), (64, 32)])
 def test_w8a8_rows_on_amx_tiles_are_the_vector_tiles_bits_and_choose_the_same_argmax(N, K):
     """From 8 rows on, w8a8 products (the LM head of a verify pass or a batch) take their integer sums from AMX tiles
-    (runs of 16 rows, then 8-15 on tiles of their own; 8-15 alone on tiles shaped for them): every row equals the
+    (runs of 16 rows, 8-15 more as a last run of 16 that overlaps the one before; 8-15 alone on tiles shaped for them): every row equals the
     vector tiles' and the row alone bit for bit, and `w8a8_choose` finds the same argmax."""
     g = torch.Generator().manual_seed(24)
     q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
