@@ -244,8 +244,9 @@ def test_rms_norm_and_swiglu_match_torch_and_compute_each_row_alone(dtype):
 @needs_kernels
 def test_w4a8_multiplies_int8_rounded_activations_by_q_times_d_plus_m_each_row_alone():
     """int4 weights (N not a multiple of 64) times activations rounded to int8 per group of 32, as the
-    kernel documents it (`quantized_rows`): equal to a float64 product of those values, rows 1..9
-    equal to rows alone, and the packing round-trips."""
+    kernel documents it (`quantized_rows`): equal to a float64 product of those values, every row of a
+    1..40-row call (the AVX2 build's runs of 16 and 8 rows and the tiles' chunks of 4 for the rest) equal to
+    the row alone, and the packing round-trips."""
     q, d, m = _groups(200, 576, seed=8)
     packed = kernels.pack_w4a8(q, d, m)
     for runs in (1, 2, 4):  # blocks whose groups are interleaved: the build's own (4 on AVX-512, else 1) and others
@@ -262,8 +263,10 @@ def test_w4a8_multiplies_int8_rounded_activations_by_q_times_d_plus_m_each_row_a
     assert alone.shape == (9, 256) and torch.equal(alone[:, 200:], torch.zeros(9, 56))
     torch.testing.assert_close(alone[:, :200].double(), exact, rtol=1e-5, atol=1e-4)
     assert (alone[:, :200].double() - x.double() @ w.t()).abs().max() > 1e-3  # the activations really are rounded
-    for R in range(1, 10):
-        assert torch.equal(kernels.w4a8_mm(x[:R], *packed), alone[:R])
+    more = torch.randn(40, 576, generator=torch.Generator().manual_seed(10)) * 2
+    alone = torch.cat([kernels.w4a8_mm(r[None], *packed) for r in more])
+    for R in (*range(1, 12), 15, 16, 17, 23, 24, 25, 31, 32, 33, 40):
+        assert torch.equal(kernels.w4a8_mm(more[:R], *packed), alone[:R]), R
 
 
 @needs_kernels
