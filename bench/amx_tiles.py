@@ -8,7 +8,8 @@ Three parts, the arms taking turns in every round (the order alternating), media
 - prefill: the fetched verifier (`specloop models fetch`) prefilling --prompts tokens (random ids);
 - batches: its forward of B rows x T tokens at --context cached tokens (--batches, BxT), a batched verify pass.
 Every part checks that the arms give the same bits (products, caches, logits). Needs a CPU with AMX-INT8 for the
-tiles to differ from the vector arm (it says so and times the rest otherwise).
+tiles to differ from the vector arm (it says so and times the rest otherwise: there `tiles` and `vector` are one build
+taking turns, a measure of the noise, and --baseline compares builds, as section 61 does on an AVX2-only CPU).
 
     .venv/bin/python bench/amx_tiles.py --baseline 3c54b53 --out amx_tiles_s60
 """
@@ -217,7 +218,8 @@ def _plot(result: dict, path: Path) -> None:
     ax.set_xticks([j + width * (len(arms) - 1) / 2 for j in range(len(rows))], [n for n, _ in rows], fontsize=6,
                   rotation=60)
     ax.set_ylabel("time / the vector tiles' (AMX off)")
-    ax.set_title(f"w4a8 on AMX tiles, {result['machine']['cpu']}, {result['machine']['threads']} threads", fontsize=8)
+    what = "w4a8 on AMX tiles" if result["amx"] else f"int8 products of many rows against {result['baseline']} (no AMX)"
+    ax.set_title(f"{what}, {result['machine']['cpu']}, {result['machine']['threads']} threads", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()

@@ -31,6 +31,10 @@ Systems (--systems; those whose drafter is missing are skipped and recorded so):
   a CPU without AMX runs, the same bits: bench/README.md section 60).
 - default-ops, eagle-ops: the default / the eagle head alone with the head's draft by torch's ops, as before section
   56 (not one C++ call).
+
+Two runs of the same questions compared request by request (no run: `--compare before=A.json after=B.json`, e.g.
+A from `bench/kernels_at.py REV bench/specbench.py ...`): per system and category the geometric mean of after /
+before for the prefill and for the whole request, and the prefill's share of a request before; JSON + PNG at --out.
 """
 from __future__ import annotations
 
@@ -47,6 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.runs import add_compare, labelled_runs, pyplot  # noqa: E402
 
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -297,11 +302,7 @@ def table(summary: dict, systems: list[str]) -> str:
 
 
 def plot(summary: dict, systems: list[str], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     shown = [s for s in systems if s != "alone" and s in summary["all"]]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / max(1, len(shown))
@@ -322,7 +323,7 @@ def plot(summary: dict, systems: list[str], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--questions", type=Path, required=True, help="Spec-Bench's question.jsonl")
+    ap.add_argument("--questions", type=Path, help="Spec-Bench's question.jsonl (required unless --compare)")
     ap.add_argument("--verifier", type=Path, help="default: the fetched pair (specloop models fetch)")
     ap.add_argument("--drafter", type=Path, help="default: the fetched pair's drafter")
     ap.add_argument("--eagle3", type=Path, help="default: the fetched pair's drafter-eagle3, when present")
@@ -333,7 +334,12 @@ def main() -> None:
                     help="MT-bench: turn 2 too (after the verifier's answer to turn 1)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "specbench.json")
+    add_compare(ap)
     args = ap.parse_args()
+    if args.compare:
+        return compare(labelled_runs(args.compare), args.out)
+    if args.questions is None:
+        ap.error("--questions is required (Spec-Bench's question.jsonl)")
 
     import torch
 
@@ -382,6 +388,55 @@ def main() -> None:
     plot(summary, order, args.out.with_suffix(".png"))
     print(table(summary, order))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+def paired_ratios(before: dict, after: dict) -> dict:
+    """{system: {category: {prefill, whole: geomean of after / before over the requests both ran, share: the
+    prefill's mean share of a request before}}}."""
+    first = {(r["system"], r["qid"]): r for r in before["runs"]}
+    pairs: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
+    for r in after["runs"]:
+        if (r["system"], r["qid"]) in first:
+            pairs.setdefault((r["system"], r["category"]), []).append((first[r["system"], r["qid"]], r))
+
+    def geomean(values: list[float]) -> float:
+        return math.exp(statistics.mean(math.log(v) for v in values))
+
+    out: dict[str, dict] = {}
+    for (system, category), got in sorted(pairs.items()):
+        out.setdefault(system, {})[category] = {
+            "prefill": geomean([a["prefill_s"] / b["prefill_s"] for b, a in got]),
+            "whole": geomean([a["seconds"] / b["seconds"] for b, a in got]),
+            "share": statistics.mean(b["prefill_s"] / b["seconds"] for b, _ in got), "requests": len(got)}
+    return out
+
+
+def compare(runs: dict[str, list[dict]], out: Path) -> None:
+    (before_label, (before, *_)), (after_label, (after, *_)) = list(runs.items())[:2]
+    ratios = paired_ratios(before, after)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"benchmark": "specbench compare", "labels": [before_label, after_label],
+                               "machine": after.get("machine"), "ratios": ratios}, separators=(",", ":")) + "\n")
+    for system, cats in ratios.items():
+        print(f"{system}: " + "; ".join(f"{c} prefill {v['prefill']:.2f}x whole {v['whole']:.2f}x (prefill "
+                                        f"{v['share']:.0%} before)" for c, v in cats.items()))
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    cats = [c for c in CATEGORIES if any(c in v for v in ratios.values())]
+    labels = [(system, kind) for system in ratios for kind in ("prefill", "whole")]
+    width = 0.8 / max(len(labels), 1)
+    for i, (system, kind) in enumerate(labels):
+        ax.bar([j + i * width for j in range(len(cats))], [ratios[system].get(c, {}).get(kind, 0) for c in cats],
+               width, label=f"{system} {kind}")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cats))], cats, fontsize=7)
+    ax.set_ylabel(f"{after_label} / {before_label}, time")
+    ax.set_title(f"Spec-Bench request by request, {(after.get('machine') or {}).get('cpu', '')}", fontsize=8)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=100)
+    print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

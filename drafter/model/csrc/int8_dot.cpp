@@ -136,10 +136,27 @@ static inline void acc_scaled(__m256* o, __m256i sa, __m256i sb, const __m256* d
   o[1] = _mm256_fmadd_ps(_mm256_mul_ps(d[1], vdx), _mm256_cvtepi32_ps(sb), o[1]);
 }
 
+// One w4a8 group's float steps for a row's 16 outputs: out + (d dx) * its integer sums, then + m sx (`group_step`).
+static inline void w4a8_step(__m256* o, __m256i sa, __m256i sb, const __m256* d, const __m256* m, float dx, float sx) {
+  acc_scaled(o, sa, sb, d, dx);
+  const __m256 vsx = _mm256_set1_ps(sx);
+  o[0] = _mm256_fmadd_ps(m[0], vsx, o[0]);
+  o[1] = _mm256_fmadd_ps(m[1], vsx, o[1]);
+}
+
+// Chunk j of the w4a8 group at p, its inputs 4j..4j+3 (low nibbles, h = 0) or 16+4j.. (high, h = 1), unpacked to
+// bytes 0-15: outputs 0-7 in w[0], 8-15 in w[1].
+static inline void unpack_chunk(const uint8_t* p, int j, int h, __m256i* w) {
+  const __m256i nib = _mm256_set1_epi8(15);
+  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32));
+  w[0] = _mm256_and_si256(h ? _mm256_srli_epi16(a, 4) : a, nib);
+  w[1] = _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, nib);
+}
+
 template <int M, int TB>
 static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
                       const float* dx, const float* sx, float* y, int64_t G, int64_t ldy) {
-  const __m256i nib = _mm256_set1_epi8(15);
   for (int t = 0; t < TB; ++t) {
     __m256 out[M][2];
     for (int r = 0; r < M; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
@@ -149,12 +166,8 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
       const uint8_t* p = w + (at + g) * 256;
       for (int j = 0; j < 4; ++j) _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + 64 * j), _MM_HINT_T0);
       for (int j = 0; j < 4; ++j) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32));
-        wq[j][0] = _mm256_and_si256(a, nib);
-        wq[j][1] = _mm256_and_si256(b, nib);
-        wq[j + 4][0] = _mm256_and_si256(_mm256_srli_epi16(a, 4), nib);
-        wq[j + 4][1] = _mm256_and_si256(_mm256_srli_epi16(b, 4), nib);
+        unpack_chunk(p, j, 0, wq[j]);
+        unpack_chunk(p, j, 1, wq[j + 4]);
       }
       __m256 dg[2], mg[2];
       h16x2(d + (at + g) * 16, dg[0], dg[1]);
@@ -178,10 +191,7 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
         sa = _mm256_madd_epi16(sa, one);
         sb = _mm256_madd_epi16(sb, one);
 #endif
-        acc_scaled(out[r], sa, sb, dg, dx[r * G + g]);
-        const __m256 vsx = _mm256_set1_ps(sx[r * G + g]);  // + m sx
-        out[r][0] = _mm256_fmadd_ps(mg[0], vsx, out[r][0]);
-        out[r][1] = _mm256_fmadd_ps(mg[1], vsx, out[r][1]);
+        w4a8_step(out[r], sa, sb, dg, mg, dx[r * G + g], sx[r * G + g]);
       }
     }
     for (int r = 0; r < M; ++r) {
@@ -196,11 +206,12 @@ static void w4a8_tile(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
 // unpacked weights (8 registers: inputs 4j..4j+3 or 16+4j.., j < 4) stay in registers while MR rows take their
 // products; each row's int16 sums of the first half wait in L1 for the second (|sum| <= 30,480 as in the
 // tile). The integer sums are the tile's (exact in any order) and each (row, output)'s float steps the same in
-// the same order: the same bits. 750 rows 0.55x, 64 rows 0.78x, 8 rows 0.76x the tile's time (one thread).
+// the same order: the same bits. The four products of a layer: 16-750 rows 0.74-0.78x the tile's time, 8 rows
+// 0.82x (bench/README.md section 61).
 template <int MR>
 static void w4a8_rows(const uint8_t* w, const uint16_t* d, const uint16_t* mn, int64_t nb, const int8_t* xq,
                       const float* dx, const float* sx, float* y, int64_t G, int64_t ldy) {
-  const __m256i nib = _mm256_set1_epi8(15), one = _mm256_set1_epi16(1);
+  const __m256i one = _mm256_set1_epi16(1);
   alignas(32) __m256 out[MR][2];
   alignas(32) __m256i half[MR][2];  // each row's int16 sums over the group's first 16 inputs
   for (int r = 0; r < MR; ++r) out[r][0] = out[r][1] = _mm256_setzero_ps();
@@ -213,12 +224,7 @@ static void w4a8_rows(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
     h16x2(mn + (at + g) * 16, mg[0], mg[1]);
     for (int h = 0; h < 2; ++h) {
       __m256i wq[4][2];  // chunk j of this half, outputs 0-7 | 8-15
-      for (int j = 0; j < 4; ++j) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * j + 32));
-        wq[j][0] = _mm256_and_si256(h ? _mm256_srli_epi16(a, 4) : a, nib);
-        wq[j][1] = _mm256_and_si256(h ? _mm256_srli_epi16(b, 4) : b, nib);
-      }
+      for (int j = 0; j < 4; ++j) unpack_chunk(p, j, h, wq[j]);
       for (int r = 0; r < MR; ++r) {
         const int8_t* xr = xq + (r * G + g) * 32 + 16 * h;
         __m256i pa[4], pb[4];
@@ -235,10 +241,7 @@ static void w4a8_rows(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
         }
         sa = _mm256_madd_epi16(_mm256_add_epi16(half[r][0], sa), one);
         sb = _mm256_madd_epi16(_mm256_add_epi16(half[r][1], sb), one);
-        acc_scaled(out[r], sa, sb, dg, dx[r * G + g]);
-        const __m256 vsx = _mm256_set1_ps(sx[r * G + g]);  // + m sx
-        out[r][0] = _mm256_fmadd_ps(mg[0], vsx, out[r][0]);
-        out[r][1] = _mm256_fmadd_ps(mg[1], vsx, out[r][1]);
+        w4a8_step(out[r], sa, sb, dg, mg, dx[r * G + g], sx[r * G + g]);
       }
     }
   }
@@ -248,8 +251,9 @@ static void w4a8_rows(const uint8_t* w, const uint16_t* d, const uint16_t* mn, i
   }
 }
 
-// Rows [0, R) of block nb in runs of 16, then one of 8, by `w4a8_rows`; returns how many (the last 0-7 rows
-// are the tile's: fewer rows, whose weights come from memory, gain nothing here).
+// Rows [0, R) of block nb in runs of 16, then one of 8, by `w4a8_rows`; returns how many. The last 0-7 rows are
+// the tile's: inside a forward, 2-3 rows by `w4a8_rows` took 1.11-1.13x the tile's time and 4-6 rows 0.98-1.04x
+// (their weights come from memory; a standalone product read the opposite).
 static int64_t w4a8_many(const uint8_t* w, const uint16_t* d, const uint16_t* mn, int64_t K, int64_t nb, int64_t R,
                          const int8_t* xq, const float* dx, const float* sx, float* y, int64_t ldy) {
   const int64_t G = K / 32;
