@@ -511,7 +511,6 @@ constexpr int64_t AMX_ROWS = 16;
 static bool amx_permitted() { return false; }
 #endif
 
-// Whether w4a8 and w8a8 products run their rows on AMX tiles: wanted, built for a CPU that has them, and lent.
 #if !defined(SPECLOOP_AVX2_TILES)
 // Where the tiles are AVX-512's (or lane by lane), they take every row.
 static int64_t w4a8_many(const uint8_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, const int8_t*,
@@ -520,6 +519,7 @@ static int64_t w4a8_many(const uint8_t*, const uint16_t*, const uint16_t*, int64
 }
 #endif
 
+// Whether w4a8 and w8a8 products run their rows on AMX tiles: wanted, built for a CPU that has them, and lent.
 static bool amx_active() { return amx_wanted.load(std::memory_order_relaxed) && amx_permitted(); }
 
 // The rows [0, n) of an R-row product that go through `int8_amx`: whole runs of 16, from `least` rows on (none
@@ -601,8 +601,8 @@ static void w4a8_blocks(const W4A8& L, int64_t R, const int8_t* xq, const float*
       int8_amx<false>(reinterpret_cast<const uint8_t*>(wt.data()), TB, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G,
                       sx + r0 * G, y + r0 * ldy + nb * 16, G, ldy, L.K);
 #endif
-    const int64_t RM = RA + w4a8_many(L.w, L.d, L.mn, L.K, nb, TB == 1 ? R - RA : 0, xq + RA * L.K, dx + RA * G,
-                                      sx + RA * G, y + RA * ldy + nb * 16, ldy);
+    const int64_t RM = RA + w4a8_many(L.w, L.d, L.mn, L.K, nb, R - RA, xq + RA * L.K, dx + RA * G, sx + RA * G,
+                                      y + RA * ldy + nb * 16, ldy);  // AVX2: TB = UNIT = 1
     by_rows(R - RM, [&](int64_t r, auto m) {
       const int64_t r0 = RM + r;
       w4a8_tile<decltype(m)::value, TB>(L.w, L.d, L.mn, nb, xq + r0 * L.K, dx + r0 * G, sx + r0 * G,
