@@ -9,10 +9,11 @@ stand (bench/gpu_targets.py). Stages, most valuable first:
 - main (carry .gpu_shared, .whl; 420 s): the 1.7B and 8B steps at batch 1 (the roofline), each weight product
   against cuBLAS with the skinny kernel's tilings, the step with skinny products, the reference pair at batch 1
   and 8 (~140 s), then the sampled distribution on the device (section sampling, where ~90 s are left);
-- keep-a, keep-b (carry .gpu_fetch/a, then b; ~15 s each, on the warm machine): the fetched GGUF's two gzip halves
-  kept in /tmp/keep (files stay on a warm machine, not on a fresh one: an H200 stays warm only 30 s after a call,
-  so keep-a, keep-b and fetched go back to back, each call made as soon as the last returns);
-- fetched (carry .gpu_fetch/d, .whl; 240 s): the halves joined and converted (bf16 on the GPU, the published Q4_1
+- keep-a, keep-b, ... (carry .gpu_fetch/a, then b, ...; ~15 s each, on the warm machine): the fetched GGUF through
+  gzip, in as few parts as fit a call beside the tree (two while the tree is under ~19.8 MiB, then three), kept in
+  /tmp/keep (files stay on a warm machine, not on a fresh one: an H200 stays warm only 30 s after a call, so the
+  keep stages and fetched go back to back, each call made as soon as the last returns);
+- fetched (carry .gpu_fetch/d, .whl; 240 s): the parts joined and converted (bf16 on the GPU, the published Q4_1
   weights dequantized), the fetched pair with its trained eagle head at batch 1 and 8;
 - sampling (carry .whl; 150 s): section sampling alone, where main's targets say "not measured";
 - b16 (carry .whl; 130 s): the 1.7B step at batch 16, exact (W = 5) and not (W = 1): the verify target at batch 16.
@@ -37,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CALL_BYTES = 64 << 20  # what one call carries: the tree and its carry paths
 KEEP = Path("/tmp/keep")  # on the device: what the keep stages leave for the fetched one
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KEEPS = "abc"  # the keep stages' folders under .gpu_fetch, one part each, as many as the parts need (d: fetched's)
+SLACK = 128 << 10  # what a part leaves unused of a call beside the tree (a commit's results between prep and call)
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,8 @@ STAGES = {s.name: s for s in (
            "--paths", "direct-skinny,direct-skinny-tuned", "--rounds", "2", "--budget-s", "360",
            "--out", "{out}/gpu.json"),
           note="the roofline, the products, the pair at batch 1 and 8, the sampled distribution (if ~90 s are left)"),
-    Stage("keep-a", (".gpu_fetch/a",), 60, (), wheels=(), note="the GGUF's first half kept in /tmp/keep"),
-    Stage("keep-b", (".gpu_fetch/b",), 60, (), wheels=(), note="the GGUF's second half kept in /tmp/keep"),
+    *(Stage(f"keep-{k}", (f".gpu_fetch/{k}",), 60, (), wheels=(), note=f"the GGUF's gzip part {k} kept in /tmp/keep")
+      for k in KEEPS),
     Stage("fetched", (".gpu_fetch/d", ".whl"), 240,
           ("--models", "/tmp/fetched", "--eagle-head", "/tmp/fetched/drafter", "--prompts", ".gpu_fetch/d/prompts",
            "--sections", "pair", "--systems", "eagle+suffix-auto,eagle-k4,eagle-auto", "--pair-batches", "1,8",
@@ -91,11 +94,35 @@ def call_bytes(stage: Stage, root: Path, tree: int) -> int:
     return tree + sum(folder_bytes(root / c) for c in stage.carry)
 
 
-def halves(data: bytes) -> tuple[bytes, bytes]:
-    """gzip -1 of `data`, cut in two (each half then fits a call beside the tree)."""
+def parts(data: bytes, room: int) -> list[bytes]:
+    """gzip -1 of `data`, cut into as few parts of about equal size as keep each within `room` bytes (what a call
+    carries beside the tree): two while the tree is under ~19.8 MiB, then three."""
     packed = gzip.compress(data, compresslevel=1)
-    middle = (len(packed) + 1) // 2
-    return packed[:middle], packed[middle:]
+    n = max(1, -(-len(packed) // room))
+    if n > len(KEEPS):
+        raise SystemExit(f"the GGUF needs {n} calls of {room / 2**20:.1f} MiB: more than the {len(KEEPS)} keep stages")
+    size = -(-len(packed) // n)
+    return [packed[i : i + size] for i in range(0, len(packed), size)]
+
+
+def part_name(i: int) -> str:
+    return f"gguf.gz.part{i:02d}"
+
+
+def write_parts(gguf: Path, fetch: Path, room: int) -> int:
+    """The GGUF's parts into fetch/a, fetch/b, ... (each folder one part; folders of an earlier cut removed),
+    unless a cut that fits `room` is there already. Returns how many parts there are."""
+    have = [fetch / k for k in KEEPS if (fetch / k).is_dir()]
+    sizes = [folder_bytes(f) for f in have]
+    if have and all(0 < s <= room for s in sizes) and all((f / part_name(i)).is_file() for i, f in enumerate(have)):
+        return len(have)
+    for f in have:
+        shutil.rmtree(f)
+    cut = parts(gguf.read_bytes(), room)
+    for i, part in enumerate(cut):
+        (fetch / KEEPS[i]).mkdir(parents=True, exist_ok=True)
+        (fetch / KEEPS[i] / part_name(i)).write_bytes(part)
+    return len(cut)
 
 
 def excluded(root: Path, names: tuple[str, ...]) -> None:
@@ -136,12 +163,9 @@ def prep(args) -> None:
     gguf = args.gguf or find_gguf()
     fetch = root / ".gpu_fetch"
     if gguf is None:
-        print("no fetched GGUF here (`specloop models fetch`): stages keep-a, keep-b and fetched are not prepared")
-    elif not (fetch / "b" / "gguf.gz.part01").exists():
-        a, b = halves(gguf.read_bytes())
-        for folder, name, part in (("a", "gguf.gz.part00", a), ("b", "gguf.gz.part01", b)):
-            (fetch / folder).mkdir(parents=True, exist_ok=True)
-            (fetch / folder / name).write_bytes(part)
+        print("no fetched GGUF here (`specloop models fetch`): the keep stages and fetched are not prepared")
+    else:
+        write_parts(gguf, fetch, CALL_BYTES - tree_bytes(root) - SLACK)
     d = fetch / "d"
     if gguf is not None and not (d / "drafter").exists():
         shutil.copytree(args.drafter, d / "drafter")
@@ -197,9 +221,12 @@ def find_gguf() -> Path | None:
 def report(root: Path) -> None:
     """Each stage's bytes against a call's 64 MiB, and the device tool's call."""
     tree = tree_bytes(root)
-    print(f"tree: {tree / 2**20:.1f} MiB every call carries; in this order, keep-a, keep-b and fetched back to back "
-          "(a machine stays warm ~30 s after a call, and /tmp/keep with it)")
+    keeps = [f"keep-{k}" for k in KEEPS if (root / ".gpu_fetch" / k).is_dir()]
+    print(f"tree: {tree / 2**20:.1f} MiB every call carries; in this order, {', '.join(keeps) or 'the keep stages'} "
+          "and fetched back to back (a machine stays warm ~30 s after a call, and /tmp/keep with it)")
     for stage in STAGES.values():
+        if stage.name.startswith("keep-") and stage.name not in keeps:
+            continue  # a part the GGUF's cut does not have
         missing = [c for c in stage.carry if not (root / c).exists()]
         size = call_bytes(stage, root, tree)
         verdict = f"MISSING {', '.join(missing)}" if missing else ("fits" if size <= CALL_BYTES else "TOO BIG")
@@ -221,7 +248,7 @@ def commands(stage: Stage, out: str, here: bool) -> list[list[str]]:
         part = stage.carry[0]
         return [["mkdir", "-p", str(KEEP)], ["sh", "-c", f"cp {part}/* {KEEP}/ && ls -l {KEEP}"]]
     if stage.name == "fetched":
-        steps += [["sh", "-c", f"cat {KEEP}/gguf.gz.part00 {KEEP}/gguf.gz.part01 | gunzip > /tmp/smol.gguf"],
+        steps += [["sh", "-c", f"cat {KEEP}/gguf.gz.part* | gunzip > /tmp/smol.gguf"],  # the glob sorts: in order
                   [py, "-c", "from pathlib import Path; from specloop.trainer.gguf import convert_gguf; "
                              "convert_gguf(Path('/tmp/smol.gguf'), Path('/tmp/fetched/verifier'))"],
                   ["sh", "-c", "rm -rf /tmp/fetched/drafter && cp -r .gpu_fetch/d/drafter /tmp/fetched/drafter"]]
