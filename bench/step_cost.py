@@ -7,15 +7,18 @@ timed at that context (the cache length reset each time). Kinds take turns T by 
 alternating every round, medians of --repeats forwards per round and of the rounds. v_T = cost(T)
 / cost(1) is what a verify pass of k + 1 = T tokens costs in one-token steps. `--baseline REV` adds the
 own kernels as revision REV wrote them (built from its csrc/, served to a second copy of the model),
-timed in turn with this tree's.
+timed in turn with this tree's. Kind `own-bf16kv`: the own kernels over a bf16 KV cache (`--kv-cache-dtype
+bfloat16`), against `own`'s fp32 one.
 
     .venv/bin/python bench/step_cost.py            # writes bench/results/step_cost.json and .png
     .venv/bin/python bench/step_cost.py --baseline b039769 --kinds own --out step_cost_avx2
     .venv/bin/python bench/step_cost.py --baseline 28c124c --kinds own --second-thread --out step_cost_thread
+    .venv/bin/python bench/step_cost.py --kinds own,own-bf16kv --context 2000 --out kv_bf16_2000
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -27,6 +30,23 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results"
 DEFAULT_VERIFIER = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct" / "verifier"
 KINDS = ("own", "stock")
+KV_KINDS = {"own-bf16kv": "bfloat16"}  # more kinds: the own kernels with the KV cache in this dtype
+
+
+@contextlib.contextmanager
+def kv_cache(kind: str):
+    """The KV cache's dtype for `kind`'s forwards (read when a cache is made: attention.kv_dtype)."""
+    from specloop.drafter.model.attention import KV_CACHE_ENV
+
+    before = os.environ.get(KV_CACHE_ENV)
+    os.environ[KV_CACHE_ENV] = KV_KINDS.get(kind, "auto")
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(KV_CACHE_ENV, None)
+        else:
+            os.environ[KV_CACHE_ENV] = before
 
 
 def load(path: str, kind: str):
@@ -71,7 +91,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--baseline", metavar="REV", help="also time the own kernels as git revision REV wrote "
                     "them (kind own@REV), alternating with this tree's: a before / after in one process")
-    ap.add_argument("--kinds", default=",".join(KINDS), help=f"of {', '.join(KINDS)} (default: both)")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"of {', '.join((*KINDS, *KV_KINDS))} (default: {', '.join(KINDS)})")
     ap.add_argument("--second-thread", action="store_true", help="time the forwards from a thread other than the "
                     "one that loaded and ran the model first, as a Ray worker decodes (two OpenMP masters)")
     ap.add_argument("--widths", default="1,2,3,4,5", help="the T timed, comma-separated (1 first: v_T is over it)")
@@ -102,7 +123,7 @@ def main() -> None:
         for r in range(args.rounds):
             for T in widths:
                 for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    with kernels_from(builds[kind]):
+                    with kernels_from(builds[kind]), kv_cache(kind):
                         samples[(kind, T)].append(forward_ms(models[kind], args.context, T, args.repeats))
 
     if args.second_thread:
@@ -121,7 +142,7 @@ def main() -> None:
               "settings": vars(args), "kinds": {}}
     for kind in kinds:
         ms = {T: statistics.median(samples[(kind, T)]) for T in widths}
-        row = {"served": describe_mode(models[kind]), "ms_by_T": ms, "v_T": {T: ms[T] / ms[1] for T in widths},
+        row = {"served": describe_mode(models[kind]), "kv_cache": KV_KINDS.get(kind, "float32"), "ms_by_T": ms, "v_T": {T: ms[T] / ms[1] for T in widths},
                "rounds_ms": {T: samples[(kind, T)] for T in widths}}
         result["kinds"][kind] = row
         print(f"{kind:5s} {row['served']}: " + "  ".join(f"T={T} {ms[T]:.2f} ms (v={ms[T] / ms[1]:.2f})" for T in widths))

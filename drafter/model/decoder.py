@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from specloop.drafter.model import kernels
 from specloop.drafter.model.architecture import Architecture, _Layer, _tensor, check_config, fuse_layer
 from specloop.drafter.model.attention import (
+    CPU_KV_DTYPES,
     KEY_BLOCK,
-    KV_DTYPE,
     QUERY_CHUNK,
     StepPositions,
     _rope,
@@ -114,7 +114,7 @@ class LeanDecoder:
         # exact_attention: the reference path
         widths = (self.hidden_size, int(self.config.intermediate_size))
         self.fused = (self.device.type == "cpu" and self.head_dim in (32, 64, 128, 256) and kernels.available()
-                      and all(w % 16 == 0 for w in widths) and kv_dtype(self.device, self.dtype) == KV_DTYPE)
+                      and all(w % 16 == 0 for w in widths) and kv_dtype(self.device, self.dtype) in CPU_KV_DTYPES)
         self._rope32 = (self.cos.float().contiguous(), self.sin.float().contiguous()) if self.fused else None
 
     def restrict_vocab(self, ids: torch.Tensor) -> None:
@@ -127,8 +127,8 @@ class LeanDecoder:
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype (specloop.drafter.model.attention.kv_dtype): fp32 where the CPU's own kernels run."""
-        return KV_DTYPE if self.fused else kv_dtype(self.device, self.dtype)
+        """The KV cache's dtype (specloop.drafter.model.attention.kv_dtype): on the CPU fp32 unless bf16 is asked."""
+        return kv_dtype(self.device, self.dtype)
 
     @property
     def num_layers(self) -> int:

@@ -278,9 +278,6 @@ def _serve_context(verifier: Path, capacity: Capacity, slots: int, kv_cache_dtyp
 
     gpu = weights != "fp32" and torch_cuda()
     facts = context_facts(verifier, kv_cache_dtype, gpu)  # a missing / bad directory: ModelError, exit code 2
-    if kv_cache_dtype == "bfloat16" and not torch_cuda():
-        log.warning("--kv-cache-dtype bfloat16 without a GPU: half the cache's bytes, but attention leaves specloop's "
-                    "CPU kernels (they read an fp32 cache) for torch's ops, ~4x slower a step; auto keeps fp32")
     given = capacity.context()
     if given is None:
         positions, why = default_context(facts.max_positions, facts.kv_bytes_per_position, slots)

@@ -11,7 +11,37 @@ static inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, 3);
 }
 
+// A KV cache holds fp32 or bf16 (`--kv-cache-dtype bfloat16`: half the bytes a step reads). A bf16 element is the
+// high half of an fp32's bits, so it widens exactly (a shift): every step after the load is the fp32 cache's, on
+// the values the cache holds. Keys and values are rounded to bf16 once, when written (nearest even, as torch).
+struct bf16_t {
+  uint16_t bits;
+};
+static inline bf16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fc0};  // NaN: torch's quiet NaN
+  return {static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
+}
+static inline vf load16(const float* p) { return load_vf(p); }
+static inline vf load16(const bf16_t* p) {
+  typedef uint16_t vh __attribute__((vector_size(32)));
+  typedef uint32_t vu __attribute__((vector_size(64)));
+  vh h;
+  std::memcpy(&h, p, 32);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &u, 64);
+  return v;
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const bf16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // `attend_group`'s three steps (`scores16`, `exp_row`, `values`), for AVX2 and for 16-lane vectors.
 //
 // AVX2 (16 registers of 8 lanes): GCC keeps a 16-lane vector (`vf`) in memory where the CPU has no 64-byte
@@ -53,19 +83,19 @@ static inline float hsum8x2(__m256 a, __m256 b) {
 // function GCC kept some of these accumulators on the stack (a store and reload per key). Every loop over the
 // queries and dims unrolled: where one was left a loop, GCC 12 kept `o` in memory and stored each accumulator
 // after each key's FMA (12 stores a key at MQ 6: a prefill's value sums at half their FMA rate on a Zen 3).
-template <int MQ, int W8>
+template <int MQ, int W8, typename KT>
 __attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, const int64_t* Ls, const float* inv,
-                                                  float* const* outs, const float* V, int64_t D, int64_t d0) {
+                                                  float* const* outs, const KT* V, int64_t D, int64_t d0) {
   int64_t lo = Ls[0];
   _Pragma("GCC unroll 8") for (int i = 1; i < MQ; ++i) lo = std::min(lo, Ls[i]);
   __m256 o[MQ][W8];
   _Pragma("GCC unroll 8") for (int i = 0; i < MQ; ++i)
     _Pragma("GCC unroll 8") for (int w = 0; w < W8; ++w) o[i][w] = _mm256_setzero_ps();
-  const float* v = V + d0;
+  const KT* v = V + d0;
   for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
-    if (j + AHEAD < lo) prefetch_bytes(v + (j + AHEAD) * D, W8 * 32);
+    if (j + AHEAD < lo) prefetch_bytes(v + (j + AHEAD) * D, W8 * 8 * sizeof(KT));
     __m256 vv[W8];
-    _Pragma("GCC unroll 8") for (int w = 0; w < W8; ++w) vv[w] = _mm256_loadu_ps(v + j * D + 8 * w);
+    _Pragma("GCC unroll 8") for (int w = 0; w < W8; ++w) vv[w] = load8(v + j * D + 8 * w);
     _Pragma("GCC unroll 8") for (int i = 0; i < MQ; ++i) {
       const __m256 p = _mm256_broadcast_ss(s + i * Lp + j);
       _Pragma("GCC unroll 8") for (int w = 0; w < W8; ++w) o[i][w] = _mm256_fmadd_ps(p, vv[w], o[i][w]);
@@ -75,7 +105,7 @@ __attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, co
     for (int64_t j = lo; j < Ls[i]; ++j) {
       const __m256 p = _mm256_broadcast_ss(s + i * Lp + j);
       _Pragma("GCC unroll 8") for (int w = 0; w < W8; ++w)
-        o[i][w] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + j * D + 8 * w), o[i][w]);
+        o[i][w] = _mm256_fmadd_ps(p, load8(v + j * D + 8 * w), o[i][w]);
     }
     const __m256 r = _mm256_set1_ps(inv[i]);
     _Pragma("GCC unroll 8") for (int w = 0; w < W8; ++w)
@@ -85,23 +115,23 @@ __attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, co
 
 // A query's scores against 8 keys kr[0..7], times scale, into dst: per key the lanes' products in one
 // FMA chain over D, its 16 lanes then folded as `sum16` folds them.
-template <int C16>
-static inline void scores8(const __m256* qa, const __m256* qb, const float* const* kr, float scale, float* dst) {
+template <int C16, typename KT>
+static inline void scores8(const __m256* qa, const __m256* qb, const KT* const* kr, float scale, float* dst) {
   __m256 t1[8];
   for (int jj = 0; jj < 8; ++jj) {
-    const float* k = kr[jj];
-    __m256 a = _mm256_mul_ps(qa[0], _mm256_loadu_ps(k)), b = _mm256_mul_ps(qb[0], _mm256_loadu_ps(k + 8));
+    const KT* k = kr[jj];
+    __m256 a = _mm256_mul_ps(qa[0], load8(k)), b = _mm256_mul_ps(qb[0], load8(k + 8));
     for (int c = 1; c < C16; ++c) {
-      a = _mm256_fmadd_ps(qa[c], _mm256_loadu_ps(k + 16 * c), a);
-      b = _mm256_fmadd_ps(qb[c], _mm256_loadu_ps(k + 16 * c + 8), b);
+      a = _mm256_fmadd_ps(qa[c], load8(k + 16 * c), a);
+      b = _mm256_fmadd_ps(qb[c], load8(k + 16 * c + 8), b);
     }
     t1[jj] = _mm256_add_ps(a, b);
   }
   _mm256_storeu_ps(dst, _mm256_mul_ps(tree8(t1), _mm256_set1_ps(scale)));
 }
 
-template <int C16>
-static inline void scores16(const float* q, const float* const* kr, float scale, float* dst) {
+template <int C16, typename KT>
+static inline void scores16(const float* q, const KT* const* kr, float scale, float* dst) {
   __m256 qa[C16], qb[C16];
   for (int c = 0; c < C16; ++c) {
     qa[c] = _mm256_loadu_ps(q + 16 * c);
@@ -125,18 +155,18 @@ static inline float exp_row(float* si, int64_t Li, float m) {
   return hsum8x2(ta, tb);
 }
 
-template <int C16>
+template <int C16, typename KT>
 static void values(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
-                   const float* V, int64_t D) {
+                   const KT* V, int64_t D) {
   for (int i0 = 0; i0 < n;) {  // tiles of 6 or 4 queries 16 dims at a time, of 2 or 1 query 32 dims at a time
     const int left = n - i0, mq = left >= 6 ? 6 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
     const float* si = s + i0 * Lp;
     for (int64_t d0 = 0; d0 < D; d0 += mq <= 2 ? 32 : 16) {  // D = 16 C16, C16 even
       switch (mq) {
-        case 6: values_tile<6, 2>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
-        case 4: values_tile<4, 2>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
-        case 2: values_tile<2, 4>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
-        default: values_tile<1, 4>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        case 6: values_tile<6, 2, KT>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        case 4: values_tile<4, 2, KT>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        case 2: values_tile<2, 4, KT>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
+        default: values_tile<1, 4, KT>(si, Lp, Ls + i0, inv + i0, outs + i0, V, D, d0); break;
       }
     }
     i0 += mq;
@@ -164,14 +194,14 @@ static inline vf sum16(const vf* v) {
 
 // One query's scores against 16 keys kr[0..15], times scale, into dst: per key the lanes' products in one
 // chain over D, the 16 keys' lanes then folded together by `sum16`.
-template <int C16>
-static inline void scores16(const float* q, const float* const* kr, float scale, float* dst) {
+template <int C16, typename KT>
+static inline void scores16(const float* q, const KT* const* kr, float scale, float* dst) {
   vf qv[C16];
   for (int64_t c = 0; c < C16; ++c) qv[c] = load_vf(q + 16 * c);
   vf part[16];
   for (int64_t jj = 0; jj < 16; ++jj) {
-    vf a = qv[0] * load_vf(kr[jj]);
-    for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load_vf(kr[jj] + 16 * c);
+    vf a = qv[0] * load16(kr[jj]);
+    for (int64_t c = 1; c < C16; ++c) a = a + qv[c] * load16(kr[jj] + 16 * c);
     part[jj] = a;
   }
   const vf sc = sum16(part) * scale;
@@ -193,19 +223,19 @@ static inline float exp_row(float* si, int64_t Li, float m) {
 // C16 of a value row beside them; with a count known only at run time GCC kept them on the stack, a load and
 // a store a product), over the keys in order: each lane's chain of adds the same whatever the tile.
 // s, Ls, inv, outs: the first query's.
-template <int C16, int MQ>
+template <int C16, int MQ, typename KT>
 __attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, const int64_t* Ls, const float* inv,
-                                                  float* const* outs, const float* V, int64_t D) {
+                                                  float* const* outs, const KT* V, int64_t D) {
   int64_t lo = Ls[0];
   for (int i = 1; i < MQ; ++i) lo = std::min(lo, Ls[i]);
   vf o[MQ][C16];
   for (int i = 0; i < MQ; ++i)
     for (int c = 0; c < C16; ++c) o[i][c] = vf{};
   for (int64_t j = 0; j < lo; ++j) {  // keys every query of the tile sees
-    const float* v = V + j * D;
-    if (j + AHEAD < lo) prefetch_bytes(v + AHEAD * D, D * 4);
+    const KT* v = V + j * D;
+    if (j + AHEAD < lo) prefetch_bytes(v + AHEAD * D, D * sizeof(KT));
     vf vv[C16];
-    for (int c = 0; c < C16; ++c) vv[c] = load_vf(v + 16 * c);
+    for (int c = 0; c < C16; ++c) vv[c] = load16(v + 16 * c);
     for (int i = 0; i < MQ; ++i) {
       const float pj = s[i * Lp + j];
       for (int c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * vv[c];
@@ -214,8 +244,8 @@ __attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, co
   for (int i = 0; i < MQ; ++i) {  // each query's own last keys (the causal tail), then its output
     for (int64_t j = lo; j < Ls[i]; ++j) {
       const float pj = s[i * Lp + j];
-      const float* v = V + j * D;
-      for (int c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * load_vf(v + 16 * c);
+      const KT* v = V + j * D;
+      for (int c = 0; c < C16; ++c) o[i][c] = o[i][c] + pj * load16(v + 16 * c);
     }
     for (int c = 0; c < C16; ++c) {
       const vf y = o[i][c] * inv[i];
@@ -225,9 +255,9 @@ __attribute__((noinline)) static void values_tile(const float* s, int64_t Lp, co
 }
 
 // Queries [0, n) in tiles of MQ, the n % MQ left in one smaller tile.
-template <int C16, int MQ>
+template <int C16, int MQ, typename KT>
 static void values_by(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
-                      const float* V, int64_t D) {
+                      const KT* V, int64_t D) {
   int i0 = 0;
   for (; i0 + MQ <= n; i0 += MQ) values_tile<C16, MQ>(s + i0 * Lp, Lp, Ls + i0, inv + i0, outs + i0, V, D);
   if constexpr (MQ > 1)
@@ -235,9 +265,9 @@ static void values_by(const float* s, int64_t Lp, const int64_t* Ls, const float
 }
 
 // Each query's values over its keys, in tiles of up to 24 / C16 queries.
-template <int C16>
+template <int C16, typename KT>
 static void values(const float* s, int64_t Lp, const int64_t* Ls, const float* inv, float* const* outs, int n,
-                   const float* V, int64_t D) {
+                   const KT* V, int64_t D) {
   values_by<C16, C16 >= 16 ? 1 : 24 / C16>(s, Lp, Ls, inv, outs, n, V, D);
 }
 #endif
@@ -271,17 +301,18 @@ static inline float max_of(const float* x, int64_t n) {
 // through the same operations in the same order as it would alone; the group only shares the loads
 // (a chunk of keys is scored for every query while it is in L1, a value row feeds every query's
 // accumulators, which also keeps the FMA units busy: one query alone is a chain of dependent adds).
-template <int C16>
+template <int C16, typename KT>
 static void attend_group(const float* const* qs, float* const* outs, const int64_t* Ls, int n,
-                         const float* K, const float* V, int64_t D, float scale, std::vector<float>& s) {
+                         const KT* K, const KT* V, int64_t D, float scale, std::vector<float>& s) {
   int64_t Lmax = 0;
   for (int i = 0; i < n; ++i) Lmax = std::max(Lmax, Ls[i]);
   const int64_t Lp = (Lmax + 15) / 16 * 16;
   s.resize(n * Lp);
   for (int64_t j0 = 0; j0 < Lp; j0 += 16) {  // scores, 16 keys at a time: lanes, then keys, summed
-    const float* kr[16];                      // in one fixed tree (`sum16`: lane jj is key jj's alone)
+    const KT* kr[16];                         // in one fixed tree (`sum16`: lane jj is key jj's alone)
     for (int64_t jj = 0; jj < 16; ++jj) kr[jj] = K + std::min(j0 + jj, Lmax - 1) * D;  // tail: dropped
-    if (j0 + AHEAD < Lmax) prefetch_bytes(K + (j0 + AHEAD) * D, std::min<int64_t>(16, Lmax - j0 - AHEAD) * D * 4);
+    if (j0 + AHEAD < Lmax)
+      prefetch_bytes(K + (j0 + AHEAD) * D, std::min<int64_t>(16, Lmax - j0 - AHEAD) * D * sizeof(KT));
     for (int i = 0; i < n; ++i)
       if (j0 < Ls[i]) scores16<C16>(qs[i], kr, scale, s.data() + i * Lp + j0);
   }
@@ -298,13 +329,17 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
 
 // One call's attention, as its units of work read it: qkv rows [B T, (H + 2 Hkv) D] at stride W, queries
 // after RoPE q [B T H, D], the cache kc / vc [B, Hkv, C, D], out [B T, H D], each row's length before the
-// call lens [B]; `per` queries of a KV head's group make one unit of the attention, `tiles` units a group.
+// call lens [B]; `per` queries of a KV head's group make one unit of the attention, `tiles` units a group. The
+// cache's elements: fp32, or bf16 where `bf16`.
 struct Attn {
   const float *x, *cos, *sin;
-  float *q, *kc, *vc, *out;
+  float* q;
+  void *kc, *vc;
+  float* out;
   const int64_t* lens;
   int64_t B, T, H, Hkv, C, D, W, per, tiles;
   float scale;
+  bool bf16;
 };
 
 // sum of q / rep over q in [0, n) (integer division)
@@ -376,12 +411,12 @@ static int64_t busiest(const Attn& a, int nt) {
 // spread them over the threads (`busiest`; with 3 KV heads on 2 threads, a 4-token pass's 12 queries a head
 // go 6 + 6, not 5 + 5 + 2). `like`: a plan of the same shapes and lengths to take the tiles from (a stack's
 // layers).
-static Attn attn_of(const float* x, int64_t W, const float* cos, const float* sin, float* q, float* kc, float* vc,
-                    float* out, const int64_t* lens, int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t C,
-                    int64_t D, float scale, int64_t threads, const Attn* like = nullptr) {
+static Attn attn_of(const float* x, int64_t W, const float* cos, const float* sin, float* q, void* kc, void* vc,
+                    bool bf16, float* out, const int64_t* lens, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                    int64_t C, int64_t D, float scale, int64_t threads, const Attn* like = nullptr) {
   const int64_t nq = H / Hkv * T, nt = std::max<int64_t>(1, threads);
   const int64_t per0 = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * nt - 1) / (4 * nt)));
-  Attn a{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per0, (nq + per0 - 1) / per0, scale};
+  Attn a{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per0, (nq + per0 - 1) / per0, scale, bf16};
   if (like) {
     a.per = like->per, a.tiles = like->tiles;
     return a;
@@ -410,8 +445,27 @@ static void rope_unit(const Attn& a, int64_t u) {
     return;
   }
   const int64_t g = h - a.H, at_ = ((b * a.Hkv + g) * a.C + pos) * D;
-  rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, a.kc + at_, D);
-  std::memcpy(a.vc + at_, x + (a.H + a.Hkv + g) * D, D * sizeof(float));
+  const float* v = x + (a.H + a.Hkv + g) * D;
+  if (!a.bf16) {
+    rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, static_cast<float*>(a.kc) + at_, D);
+    std::memcpy(static_cast<float*>(a.vc) + at_, v, D * sizeof(float));
+    return;
+  }
+  float k[256];  // D <= 256 (check_attend)
+  rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, k, D);
+  bf16_t *kd = static_cast<bf16_t*>(a.kc) + at_, *vd = static_cast<bf16_t*>(a.vc) + at_;
+  for (int64_t i = 0; i < D; ++i) kd[i] = to_bf16(k[i]), vd[i] = to_bf16(v[i]);
+}
+
+template <typename KT>
+static void attend_by_dim(const float* const* qs, float* const* outs, const int64_t* Ls, int n, const KT* K,
+                          const KT* V, int64_t D, float scale, std::vector<float>& s) {
+  switch (D) {
+    case 32: attend_group<2>(qs, outs, Ls, n, K, V, D, scale, s); break;
+    case 64: attend_group<4>(qs, outs, Ls, n, K, V, D, scale, s); break;
+    case 128: attend_group<8>(qs, outs, Ls, n, K, V, D, scale, s); break;
+    default: attend_group<16>(qs, outs, Ls, n, K, V, D, scale, s); break;
+  }
 }
 
 // Attention unit u of B Hkv tiles (s: the caller's scratch for scores).
@@ -428,22 +482,22 @@ static void attn_unit(const Attn& a, int64_t u, std::vector<float>& s) {
     outs[i] = a.out + row * D;
     Ls[i] = a.lens[b] + t + 1;
   }
-  const float *K = a.kc + base, *V = a.vc + base;
-  switch (D) {
-    case 32: attend_group<2>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
-    case 64: attend_group<4>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
-    case 128: attend_group<8>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
-    default: attend_group<16>(qs, outs, Ls, n, K, V, D, a.scale, s); break;
-  }
+  if (a.bf16)
+    attend_by_dim(qs, outs, Ls, n, static_cast<const bf16_t*>(a.kc) + base, static_cast<const bf16_t*>(a.vc) + base,
+                  D, a.scale, s);
+  else
+    attend_by_dim(qs, outs, Ls, n, static_cast<const float*>(a.kc) + base, static_cast<const float*>(a.vc) + base,
+                  D, a.scale, s);
 }
 
 // The shapes `attend` and the layer's region accept (qkv's width W), and room in the cache for T more.
 static void check_attend(int64_t W, const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& cos,
                          const torch::Tensor& sin, const torch::Tensor& lens, int64_t B, int64_t T, int64_t H) {
   const int64_t Hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.scalar_type() == torch::kFloat32 &&
-              vc.scalar_type() == torch::kFloat32 && vc.sizes() == kc.sizes() && kc.size(0) >= B,
-              "KV cache: contiguous fp32");
+  const auto kt = kc.scalar_type();
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && (kt == torch::kFloat32 || kt == torch::kBFloat16) &&
+              vc.scalar_type() == kt && vc.sizes() == kc.sizes() && kc.size(0) >= B,
+              "KV cache: contiguous, both fp32 or both bf16");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
               sin.scalar_type() == torch::kFloat32 && cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
   TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % Hkv == 0 && W == (H + 2 * Hkv) * D &&
@@ -455,7 +509,8 @@ static void check_attend(int64_t W, const torch::Tensor& kc, const torch::Tensor
 
 // Causal attention of T new tokens per row over a KV cache, exact per query by construction.
 // qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
-// and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] fp32 there; every query
+// and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] (fp32, or bf16 rounded to
+// nearest even) there; every query
 // attends keys 0 .. its own position. Returns [B, T, H D] fp32.
 torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
                      torch::Tensor lens_in, int64_t H, double scale_d) {
@@ -466,8 +521,9 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
   auto q = torch::empty({B, T, H, D}, qkv.options());
   auto out = torch::empty({B, T, H * D}, qkv.options());
   const Attn a = attn_of(qkv.data_ptr<float>(), qkv.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                         q.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(), out.data_ptr<float>(),
-                         lens.data_ptr<int64_t>(), B, T, H, Hkv, C, D, (float)scale_d, at::get_num_threads());
+                         q.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kc.scalar_type() == torch::kBFloat16,
+                         out.data_ptr<float>(), lens.data_ptr<int64_t>(), B, T, H, Hkv, C, D, (float)scale_d,
+                         at::get_num_threads());
   at::parallel_for(0, B * T * (H + Hkv), 8 * (H + Hkv), [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) rope_unit(a, u);
   });

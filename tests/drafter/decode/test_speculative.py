@@ -17,6 +17,7 @@ from specloop.drafter.kinds.ngram import NgramDrafter
 from specloop.drafter.kinds.pretrained import PretrainedDrafter
 from specloop.drafter.kinds.sd2 import SteeredDrafter
 from specloop.drafter.kinds.suffix import SuffixDrafter
+from specloop.drafter.model.attention import KV_CACHE_ENV
 from specloop.drafter.model.decoder import LeanDecoder
 from specloop.drafter.model.loading import load_model, load_tokenizer
 from specloop.services.prompts import encode, load_prompts
@@ -196,6 +197,22 @@ def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(ser
     differ = [i for i, (a, b) in enumerate(zip(outputs, reference)) if a != b]
     assert not differ, f"kind={kind} k=auto batch={batch}: prompts {differ} differ from the verifier alone"
     assert drafted > 0
+
+
+def test_greedy_speculation_over_a_bf16_cache_on_the_cpus_kernels_equals_its_plain_decoding(served, prompts, rule,
+                                                                                            monkeypatch):
+    # `--kv-cache-dtype bfloat16` on the CPU: the verifier's and the drafter LM's caches in bf16, read by specloop's
+    # own kernels (not torch's ops), speculation still that cache's plain decoding, token for token
+    monkeypatch.setenv(KV_CACHE_ENV, "bfloat16")
+    pair, params = served.pair("fast"), SamplingParams(max_tokens=MAX_TOKENS)
+    verifier = pair[0].lean
+    assert verifier.fused and verifier.new_cache(1, 64).keys[0].dtype == torch.bfloat16
+    chosen = prompts[:16]
+    plain = [generate(verifier, None, [p], params, 0, rule)[0].token_ids for p in chosen]
+    for kind, k in (("pretrained", 4), ("ngram", 8)):
+        outputs = [g.token_ids for lo in range(0, len(chosen), 4)
+                   for g in generate(verifier, make_drafter(kind, pair), chosen[lo : lo + 4], params, k, rule)]
+        assert outputs == plain, kind
 
 
 def test_verifier_alone_matches_transformers_greedy_generate(pair, prompts, reference):

@@ -233,7 +233,7 @@ def test_greedy_speculation_with_a_bf16_cache_equals_its_plain_decoding(referenc
     # drafter LM's cache and the eager prefills all in bf16, speculation still the engine's plain output
     monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "bfloat16")
     verifier = load_model(reference_pair[0], dtype=torch.bfloat16)
-    assert verifier.lean.kv_dtype == torch.bfloat16 and not verifier.lean.fused
+    assert verifier.lean.kv_dtype == torch.bfloat16
     prompts = _prompts(verifier)
     plain = _decode(verifier, None, prompts, 0)
     for kind, path, k in (("pretrained", reference_pair[1], 4), ("ngram", None, None), ("eagle", None, 4)):

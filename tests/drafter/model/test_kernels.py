@@ -132,8 +132,9 @@ def test_the_load_time_self_check_accepts_this_build_and_refuses_wrong_or_row_de
     assert not kernels._self_check(Off) and not kernels._self_check(RowDependent)
 
 
-def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H):
-    """float64 RoPE + causal softmax attention of one row's T new tokens after `start` cached ones."""
+def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H, written=False):
+    """float64 RoPE + causal softmax attention of one row's T new tokens after `start` cached ones (`written`: the
+    new tokens' keys and values too read from the cache, as the call wrote them)."""
     T, D = qkv.shape[0], cache_k.shape[-1]
     Hkv = cache_k.shape[0]
     x = qkv.double().view(T, H + 2 * Hkv, D)
@@ -145,6 +146,8 @@ def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H):
 
     keys = torch.cat([cache_k[:, :start].double(), rope(x[:, H : H + Hkv]).transpose(0, 1)], 1)
     values = torch.cat([cache_v[:, :start].double(), x[:, H + Hkv :].transpose(0, 1)], 1)
+    if written:
+        keys, values = cache_k[:, : start + T].double(), cache_v[:, : start + T].double()
     rep = H // Hkv
     q = rope(x[:, :H]).transpose(0, 1)  # [H, T, D]
     scores = q @ keys.repeat_interleave(rep, 0).transpose(1, 2) * 0.125  # [H, T, start + T]
@@ -183,6 +186,41 @@ def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_a
         torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
         assert torch.equal(kc[b, :, :n], history[0][b, :, :n])  # earlier positions untouched
         assert torch.equal(vc[b, :, n : n + 9], qkv[b].view(9, H + 2 * Hkv, D)[:, H + Hkv :].transpose(0, 1))
+
+
+@needs_kernels
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_attend_over_a_bf16_cache_writes_torchs_rounding_and_reads_it_exactly(D):
+    """`--kv-cache-dtype bfloat16` on the CPU's kernels: the new keys and values are the fp32 cache's rounded to bf16
+    as torch rounds (nearest even), every query is the same bits whatever T or the batch, and the outputs match a
+    float64 attention over the keys and values the cache holds."""
+    g = torch.Generator().manual_seed(7)
+    B, H, Hkv, C = 3, 9, 3, 448
+    cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
+    starts = torch.tensor([0, 37, 301])
+    history = [torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16) for _ in range(2)]
+    qkv = torch.randn(B, 9, (H + 2 * Hkv) * D, generator=g)
+
+    def run(rows, chunks, dtype=torch.bfloat16):
+        kc, vc = history[0][rows].to(dtype), history[1][rows].to(dtype)
+        lens, outs = starts[rows].clone(), []
+        for a, b in chunks:
+            outs.append(kernels.attend(qkv[rows, a:b], kc, vc, cos, sin, lens, H, 0.125))
+            lens += b - a
+        return torch.cat(outs, 1), kc, vc
+
+    whole, kc, vc = run(torch.arange(B), [(0, 9)])
+    assert kc.dtype == torch.bfloat16 and whole.dtype == torch.float32
+    assert torch.equal(whole, run(torch.arange(B), [(t, t + 1) for t in range(9)])[0])
+    assert torch.equal(whole, run(torch.arange(B), [(0, 4), (4, 9)])[0])
+    _, kc32, vc32 = run(torch.arange(B), [(0, 9)], torch.float32)
+    assert torch.equal(kc, kc32.to(torch.bfloat16)) and torch.equal(vc, vc32.to(torch.bfloat16))
+    for b in range(B):
+        assert torch.equal(whole[b], run(torch.tensor([b]), [(0, 9)])[0][0])
+        ref = _attention_reference(qkv[b], kc[b], vc[b], cos, sin, int(starts[b]), H, written=True)
+        torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+        kernels.attend(qkv[:1], kc[:1], vc32[:1], cos, sin, starts[:1], H, 0.125)
 
 
 @needs_kernels

@@ -139,17 +139,6 @@ def test_the_default_context_counts_the_kv_cache_in_the_dtype_the_workers_keep(t
     assert served[-1].max_context == 2048
 
 
-def test_a_bf16_kv_cache_without_a_gpu_is_warned_of(tmp_path, served, capsys, caplog, monkeypatch):
-    """On the CPU a bf16 cache takes attention off specloop's kernels (they read fp32): ~4x slower, so said."""
-    monkeypatch.setattr("specloop.services.cli.main.torch_cuda", lambda: False)  # as CI's machines (none has a GPU)
-    small = tmp_path / "small"
-    llama_config(vocab=64, layers=2, hidden=64, num_attention_heads=2, num_key_value_heads=2).save_pretrained(small)
-    with caplog.at_level(logging.WARNING, logger="specloop.serve"):
-        assert _serve([small], capsys)[0] == 0
-        assert "kv-cache-dtype" not in caplog.text
-        assert _serve([small, "--kv-cache-dtype", "bf16"], capsys)[0] == 0
-    assert "--kv-cache-dtype bfloat16 without a GPU" in caplog.text and "4x slower" in caplog.text
-
 
 @pytest.mark.parametrize("dtype,quantization,weights,mode", [
     ("auto", None, "auto", "auto"), ("bfloat16", None, "auto", "bf16"), ("bf16", None, "auto", "bf16"),
