@@ -8,7 +8,7 @@ alternating every round, medians of --repeats forwards per round and of the roun
 / cost(1) is what a verify pass of k + 1 = T tokens costs in one-token steps. `--baseline REV` adds the
 own kernels as revision REV wrote them (built from its csrc/, served to a second copy of the model),
 timed in turn with this tree's. Kind `own-bf16kv`: the own kernels over a bf16 KV cache (`--kv-cache-dtype
-bfloat16`), against `own`'s fp32 one.
+bfloat16`), `own-f16kv` over an fp16 one, against `own`'s fp32 one.
 
     .venv/bin/python bench/step_cost.py            # writes bench/results/step_cost.json and .png
     .venv/bin/python bench/step_cost.py --baseline b039769 --kinds own --out step_cost_avx2
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 OUT = ROOT / "bench" / "results"
 DEFAULT_VERIFIER = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct" / "verifier"
 KINDS = ("own", "stock")
-KV_KINDS = {"own-bf16kv": "bfloat16"}  # more kinds: the own kernels with the KV cache in this dtype
+KV_KINDS = {"own-bf16kv": "bfloat16", "own-f16kv": "float16"}  # more kinds: the own kernels, the KV cache in this dtype
 
 
 @contextlib.contextmanager

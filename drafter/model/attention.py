@@ -14,10 +14,12 @@ KEY_BLOCK = 64
 # The KV cache and attention on the CPU, in every weight mode (bf16 keys and values are upcast exactly): fp32
 # batched products cost a third of bf16 ones at decode shapes there, and no per-step conversion. On a GPU the
 # cache takes the model's dtype (`kv_dtype`). The CPU's own kernels also read a bf16 cache where one is asked for
-# (SPECLOOP_KV_CACHE_DTYPE=bfloat16): widened exactly in registers, half the bytes a long context's step reads.
+# (SPECLOOP_KV_CACHE_DTYPE=bfloat16 or float16): widened exactly in registers, half the bytes a long context's step
+# reads.
 KV_DTYPE = torch.float32
-CPU_KV_DTYPES = (torch.float32, torch.bfloat16)  # the caches the CPU's own kernels read (bf16 widened exactly)
-KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}  # KV_CACHE_ENV's values
+CPU_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the CPU's own kernels read (16 bits: widened)
+KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}  # KV_CACHE_ENV's values
 KV_CACHE_ENV = "SPECLOOP_KV_CACHE_DTYPE"  # (`specloop serve --kv-cache-dtype` sets it in a worker's process)
 # Queries are attended at most this many tokens per call (longer passes, i.e. prefills, go in chunks).
 QUERY_CHUNK = 16
@@ -25,9 +27,10 @@ QUERY_CHUNK = 16
 
 def kv_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype for a decoder whose activations are `dtype` on `device`. "auto" (the default;
-    SPECLOOP_KV_CACHE_DTYPE=float32 / bfloat16 chooses): fp32 on the CPU (the checkpoint's own attention), on a GPU the
-    model's own dtype, as its keys and values come out of the projections: a bf16 model's cache in bf16 holds
-    the same values as an fp32 one (a bf16 key upcasts exactly) in half the bytes a step reads (at batch 8
+    SPECLOOP_KV_CACHE_DTYPE=float32 / bfloat16 / float16 chooses): fp32 on the CPU (the checkpoint's own
+    attention), on a GPU the model's own dtype, as its keys and values come out of the projections: a bf16
+    model's cache in bf16 holds the same values as an fp32 one (a bf16 key upcasts exactly) in half the bytes a
+    step reads (at batch 8
     and 512 cached tokens, a SmolLM2-1.7B step reads 1.8 GB of fp32 KV beside 3.4 GB of weights).
     What changes is where attention rounds: its products and softmax in the cache's dtype. The graph step
     is exact by construction whatever that dtype (its plain step and verify pass share every shape)."""

@@ -111,12 +111,14 @@ ChatTemplate = Annotated[Optional[str], typer.Option(
          "template itself on one line (read at start-up)")]
 UvicornLogLevel = Annotated[Literal["debug", "info", "warning", "error", "critical", "trace"], typer.Option(
     help="uvicorn's log level (info and below: with its access log)")]
-KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float32": "float32", "fp32": "float32",
+KV_CACHE_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
+                   "half": "float16", "float32": "float32", "fp32": "float32",
                    "float": "float32"}  # --kv-cache-dtype's names -> specloop.drafter.model.attention.KV_DTYPES
 KvCacheDtype = Annotated[str, typer.Option(
-    metavar="auto|bfloat16|float32",
-    help="vLLM's --kv-cache-dtype: auto = the model's dtype on a GPU (bf16 for a bf16 model), fp32 on the CPU (its "
-         "kernels read fp32); bfloat16 / float32 choose. fp8 is not served")]
+    metavar="auto|bfloat16|float16|float32",
+    help="vLLM's --kv-cache-dtype: auto = the model's dtype on a GPU (bf16 for a bf16 model), fp32 on the CPU; "
+         "bfloat16 / float16 / float32 choose (16 bits: half the bytes a long context's step reads, rounded as "
+         "written). fp8 is not served")]
 EnforceEager = Annotated[bool, typer.Option(
     "--enforce-eager", help="vLLM's: no compiled step and no CUDA graphs on a GPU (the eager backend, as the CPU "
                             "runs anyway)")]
@@ -126,15 +128,13 @@ PrefixCaching = Annotated[bool, typer.Option(
 
 
 def served_kv_dtype(value: str) -> str:
-    """--kv-cache-dtype's value as specloop names it (auto, bfloat16, float32); fp8 and float16 are a UsageError."""
+    """--kv-cache-dtype's value as specloop names it (auto, bfloat16, float16, float32); fp8 is a UsageError."""
     name = value.strip().lower()
     if name.startswith("fp8"):
         raise UsageError(f"--kv-cache-dtype {value}: specloop keeps no fp8 KV cache; use auto (the model's dtype on a "
-                         "GPU), bfloat16 or float32")
-    if name in HALF:
-        raise UsageError(f"--kv-cache-dtype {value}: specloop keeps no float16 KV cache; use bfloat16")
+                         "GPU), bfloat16, float16 or float32")
     if name not in KV_CACHE_DTYPES:
-        raise UsageError(f"--kv-cache-dtype {value}: choose auto, bfloat16 (bf16) or float32 (fp32)")
+        raise UsageError(f"--kv-cache-dtype {value}: choose auto, bfloat16 (bf16), float16 (fp16) or float32 (fp32)")
     return KV_CACHE_DTYPES[name]
 
 

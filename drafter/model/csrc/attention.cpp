@@ -11,10 +11,19 @@ static inline void prefetch_bytes(const void* p, int64_t bytes) {
   for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(static_cast<const char*>(p) + o, 0, 3);
 }
 
-// A KV cache holds fp32 or bf16 (`--kv-cache-dtype bfloat16`: half the bytes a step reads). A bf16 element is the
-// high half of an fp32's bits, so it widens exactly (a shift): every step after the load is the fp32 cache's, on
-// the values the cache holds. Keys and values are rounded to bf16 once, when written (nearest even, as torch).
+// A KV cache holds fp32, or bf16 / fp16 (`--kv-cache-dtype bfloat16 | float16`: half the bytes a step reads). A
+// 16-bit element widens to fp32 exactly (bf16: a shift; fp16: F16C's conversion), so every step after the load is
+// the fp32 cache's, on the values the cache holds. Keys and values are rounded once, when written (to nearest
+// even, as torch rounds).
+enum Kv { KV_F32 = 0, KV_BF16 = 1, KV_F16 = 2 };
+static inline Kv kv_of(const torch::Tensor& cache) {
+  const auto t = cache.scalar_type();
+  return t == torch::kBFloat16 ? KV_BF16 : t == torch::kHalf ? KV_F16 : KV_F32;
+}
 struct bf16_t {
+  uint16_t bits;
+};
+struct f16_t {
   uint16_t bits;
 };
 static inline bf16_t to_bf16(float f) {
@@ -23,7 +32,15 @@ static inline bf16_t to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return {0x7fc0};  // NaN: torch's quiet NaN
   return {static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16)};
 }
+static inline f16_t to_f16(float f) {
+#if defined(__F16C__)
+  return {static_cast<uint16_t>(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT))};
+#else
+  return {c10::detail::fp16_ieee_from_fp32_value(f)};
+#endif
+}
 static inline vf load16(const float* p) { return load_vf(p); }
+static inline vf load16(const f16_t* p) { return load_h16(reinterpret_cast<const uint16_t*>(p)); }
 static inline vf load16(const bf16_t* p) {
   typedef uint16_t vh __attribute__((vector_size(32)));
   typedef uint32_t vu __attribute__((vector_size(64)));
@@ -40,6 +57,15 @@ static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const bf16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256 load8(const f16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = c10::detail::fp16_ieee_to_fp32_value(p[j].bits);
+  return _mm256_load_ps(f);
+#endif
 }
 
 // `attend_group`'s three steps (`scores16`, `exp_row`, `values`), for AVX2 and for 16-lane vectors.
@@ -330,7 +356,7 @@ static void attend_group(const float* const* qs, float* const* outs, const int64
 // One call's attention, as its units of work read it: qkv rows [B T, (H + 2 Hkv) D] at stride W, queries
 // after RoPE q [B T H, D], the cache kc / vc [B, Hkv, C, D], out [B T, H D], each row's length before the
 // call lens [B]; `per` queries of a KV head's group make one unit of the attention, `tiles` units a group. The
-// cache's elements: fp32, or bf16 where `bf16`.
+// cache's elements: `kv`.
 struct Attn {
   const float *x, *cos, *sin;
   float* q;
@@ -339,7 +365,7 @@ struct Attn {
   const int64_t* lens;
   int64_t B, T, H, Hkv, C, D, W, per, tiles;
   float scale;
-  bool bf16;
+  Kv kv;
 };
 
 // sum of q / rep over q in [0, n) (integer division)
@@ -412,11 +438,11 @@ static int64_t busiest(const Attn& a, int nt) {
 // go 6 + 6, not 5 + 5 + 2). `like`: a plan of the same shapes and lengths to take the tiles from (a stack's
 // layers).
 static Attn attn_of(const float* x, int64_t W, const float* cos, const float* sin, float* q, void* kc, void* vc,
-                    bool bf16, float* out, const int64_t* lens, int64_t B, int64_t T, int64_t H, int64_t Hkv,
+                    Kv kv, float* out, const int64_t* lens, int64_t B, int64_t T, int64_t H, int64_t Hkv,
                     int64_t C, int64_t D, float scale, int64_t threads, const Attn* like = nullptr) {
   const int64_t nq = H / Hkv * T, nt = std::max<int64_t>(1, threads);
   const int64_t per0 = std::max<int64_t>(1, std::min<int64_t>(48, (B * H * T + 4 * nt - 1) / (4 * nt)));
-  Attn a{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per0, (nq + per0 - 1) / per0, scale, bf16};
+  Attn a{x, cos, sin, q, kc, vc, out, lens, B, T, H, Hkv, C, D, W, per0, (nq + per0 - 1) / per0, scale, kv};
   if (like) {
     a.per = like->per, a.tiles = like->tiles;
     return a;
@@ -446,15 +472,20 @@ static void rope_unit(const Attn& a, int64_t u) {
   }
   const int64_t g = h - a.H, at_ = ((b * a.Hkv + g) * a.C + pos) * D;
   const float* v = x + (a.H + a.Hkv + g) * D;
-  if (!a.bf16) {
+  if (a.kv == KV_F32) {
     rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, static_cast<float*>(a.kc) + at_, D);
     std::memcpy(static_cast<float*>(a.vc) + at_, v, D * sizeof(float));
     return;
   }
   float k[256];  // D <= 256 (check_attend)
   rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, k, D);
-  bf16_t *kd = static_cast<bf16_t*>(a.kc) + at_, *vd = static_cast<bf16_t*>(a.vc) + at_;
-  for (int64_t i = 0; i < D; ++i) kd[i] = to_bf16(k[i]), vd[i] = to_bf16(v[i]);
+  if (a.kv == KV_BF16) {
+    bf16_t *kd = static_cast<bf16_t*>(a.kc) + at_, *vd = static_cast<bf16_t*>(a.vc) + at_;
+    for (int64_t i = 0; i < D; ++i) kd[i] = to_bf16(k[i]), vd[i] = to_bf16(v[i]);
+  } else {
+    f16_t *kd = static_cast<f16_t*>(a.kc) + at_, *vd = static_cast<f16_t*>(a.vc) + at_;
+    for (int64_t i = 0; i < D; ++i) kd[i] = to_f16(k[i]), vd[i] = to_f16(v[i]);
+  }
 }
 
 template <typename KT>
@@ -482,12 +513,14 @@ static void attn_unit(const Attn& a, int64_t u, std::vector<float>& s) {
     outs[i] = a.out + row * D;
     Ls[i] = a.lens[b] + t + 1;
   }
-  if (a.bf16)
-    attend_by_dim(qs, outs, Ls, n, static_cast<const bf16_t*>(a.kc) + base, static_cast<const bf16_t*>(a.vc) + base,
-                  D, a.scale, s);
-  else
-    attend_by_dim(qs, outs, Ls, n, static_cast<const float*>(a.kc) + base, static_cast<const float*>(a.vc) + base,
-                  D, a.scale, s);
+  switch (a.kv) {
+    case KV_BF16: attend_by_dim(qs, outs, Ls, n, static_cast<const bf16_t*>(a.kc) + base,
+                                static_cast<const bf16_t*>(a.vc) + base, D, a.scale, s); break;
+    case KV_F16: attend_by_dim(qs, outs, Ls, n, static_cast<const f16_t*>(a.kc) + base,
+                               static_cast<const f16_t*>(a.vc) + base, D, a.scale, s); break;
+    default: attend_by_dim(qs, outs, Ls, n, static_cast<const float*>(a.kc) + base,
+                           static_cast<const float*>(a.vc) + base, D, a.scale, s); break;
+  }
 }
 
 // The shapes `attend` and the layer's region accept (qkv's width W), and room in the cache for T more.
@@ -495,9 +528,10 @@ static void check_attend(int64_t W, const torch::Tensor& kc, const torch::Tensor
                          const torch::Tensor& sin, const torch::Tensor& lens, int64_t B, int64_t T, int64_t H) {
   const int64_t Hkv = kc.size(1), C = kc.size(2), D = kc.size(3);
   const auto kt = kc.scalar_type();
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && (kt == torch::kFloat32 || kt == torch::kBFloat16) &&
-              vc.scalar_type() == kt && vc.sizes() == kc.sizes() && kc.size(0) >= B,
-              "KV cache: contiguous, both fp32 or both bf16");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() &&
+              (kt == torch::kFloat32 || kt == torch::kBFloat16 || kt == torch::kHalf) && vc.scalar_type() == kt &&
+              vc.sizes() == kc.sizes() && kc.size(0) >= B,
+              "KV cache: contiguous, keys and values both fp32, bf16 or fp16");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == torch::kFloat32 &&
               sin.scalar_type() == torch::kFloat32 && cos.size(1) == D, "RoPE tables: contiguous fp32 [P, D]");
   TORCH_CHECK((D == 32 || D == 64 || D == 128 || D == 256) && H % Hkv == 0 && W == (H + 2 * Hkv) * D &&
@@ -509,7 +543,7 @@ static void check_attend(int64_t W, const torch::Tensor& kc, const torch::Tensor
 
 // Causal attention of T new tokens per row over a KV cache, exact per query by construction.
 // qkv [B, T, (H + 2 Hkv) D] (any float dtype): RoPE (rotate half, tables cos/sin [P, D] fp32) on q
-// and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] (fp32, or bf16 rounded to
+// and k at positions lens[b] + t; k and v written into kc / vc [B, Hkv, C, D] (fp32, or bf16 / fp16 rounded to
 // nearest even) there; every query
 // attends keys 0 .. its own position. Returns [B, T, H D] fp32.
 torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, torch::Tensor cos, torch::Tensor sin,
@@ -521,7 +555,7 @@ torch::Tensor attend(torch::Tensor qkv_in, torch::Tensor kc, torch::Tensor vc, t
   auto q = torch::empty({B, T, H, D}, qkv.options());
   auto out = torch::empty({B, T, H * D}, qkv.options());
   const Attn a = attn_of(qkv.data_ptr<float>(), qkv.size(2), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                         q.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kc.scalar_type() == torch::kBFloat16,
+                         q.data_ptr<float>(), kc.data_ptr(), vc.data_ptr(), kv_of(kc),
                          out.data_ptr<float>(), lens.data_ptr<int64_t>(), B, T, H, Hkv, C, D, (float)scale_d,
                          at::get_num_threads());
   at::parallel_for(0, B * T * (H + Hkv), 8 * (H + Hkv), [&](int64_t u0, int64_t u1) {

@@ -158,7 +158,7 @@ Plan plan_of(const torch::Tensor& x, const torch::Tensor& nw1, const torch::Tens
   L.ldgu = L.gu.NB * 16;
   // the attention's buffers are the step buffers' (`with_work` points them there)
   L.a = attn_of(nullptr, L.ldq, cos.data_ptr<float>(), sin.data_ptr<float>(), nullptr, kc.data_ptr(), vc.data_ptr(),
-                kc.scalar_type() == torch::kBFloat16, nullptr, lens.data_ptr<int64_t>(), B, T, H, Hkv, kc.size(2), D,
+                kv_of(kc), nullptr, lens.data_ptr<int64_t>(), B, T, H, Hkv, kc.size(2), D,
                 (float)scale, nt, like);
   return L;
 }

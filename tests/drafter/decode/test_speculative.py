@@ -199,14 +199,15 @@ def test_greedy_output_with_k_auto_equals_the_verifier_alone_on_every_prompt(ser
     assert drafted > 0
 
 
-def test_greedy_speculation_over_a_bf16_cache_on_the_cpus_kernels_equals_its_plain_decoding(served, prompts, rule,
-                                                                                            monkeypatch):
-    # `--kv-cache-dtype bfloat16` on the CPU: the verifier's and the drafter LM's caches in bf16, read by specloop's
-    # own kernels (not torch's ops), speculation still that cache's plain decoding, token for token
-    monkeypatch.setenv(KV_CACHE_ENV, "bfloat16")
+@pytest.mark.parametrize("kv", ["bfloat16", "float16"])
+def test_greedy_speculation_over_a_16_bit_cache_on_the_cpus_kernels_equals_its_plain_decoding(served, prompts, rule,
+                                                                                             kv, monkeypatch):
+    # `--kv-cache-dtype bfloat16 | float16` on the CPU: the verifier's and the drafter LM's caches in 16 bits, read by
+    # specloop's own kernels (not torch's ops), speculation still that cache's plain decoding, token for token
+    monkeypatch.setenv(KV_CACHE_ENV, kv)
     pair, params = served.pair("fast"), SamplingParams(max_tokens=MAX_TOKENS)
     verifier = pair[0].lean
-    assert verifier.fused and verifier.new_cache(1, 64).keys[0].dtype == torch.bfloat16
+    assert verifier.fused and verifier.new_cache(1, 64).keys[0].dtype == getattr(torch, kv)
     chosen = prompts[:16]
     plain = [generate(verifier, None, [p], params, 0, rule)[0].token_ids for p in chosen]
     for kind, k in (("pretrained", 4), ("ngram", 8)):

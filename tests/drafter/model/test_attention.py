@@ -25,7 +25,7 @@ def test_the_environment_chooses_the_caches_dtype_and_a_wrong_value_is_refused(m
     monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "bfloat16")
     assert kv_dtype(CPU, torch.float32) == torch.bfloat16
     monkeypatch.setenv("SPECLOOP_KV_CACHE_DTYPE", "fp8")
-    with pytest.raises(ValueError, match="SPECLOOP_KV_CACHE_DTYPE must be one of auto, float32, bfloat16, got 'fp8'"):
+    with pytest.raises(ValueError, match="SPECLOOP_KV_CACHE_DTYPE must be one of auto, float32, bfloat16, float16, got 'fp8'"):
         kv_dtype(CUDA, torch.bfloat16)
 
 

@@ -167,7 +167,8 @@ def test_the_static_step_scores_as_the_lean_decoder_and_writes_only_real_tokens(
 
 
 @pytest.mark.parametrize("dtype, kv", [(torch.float32, "auto"), (torch.bfloat16, "auto"),
-                                       (torch.bfloat16, "bfloat16")])  # the last: a GPU's cache for a bf16 model
+                                       (torch.bfloat16, "bfloat16"),  # a GPU's cache for a bf16 model
+                                       (torch.bfloat16, "float16")])  # --kv-cache-dtype float16
 def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_pair, dtype, kv, monkeypatch):
     # the property that makes speculation exact: a token's logits do not depend on how many real queries
     # its pass had, nor on its index among them, nor on the other rows
@@ -175,7 +176,7 @@ def test_a_verify_pass_scores_each_token_bit_for_bit_as_one_token_steps_do(tiny_
     lean = load_model(tiny_pair[0], dtype=dtype).lean
     prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
     graph, cache = _pool(lean, prompts, slots=3, width=5)
-    assert cache.keys[0].dtype == (torch.bfloat16 if kv == "bfloat16" else torch.float32)
+    assert cache.keys[0].dtype == (torch.float32 if kv == "auto" else getattr(torch, kv))
     _, stepwise = _pool(lean, prompts, slots=3, width=5)  # a second pool, stepped one token at a time
     block = torch.tensor([[20, 21, 22, 23], [24, 25, 26, 27]])
     verify = graph.forward(KVCache([k[:2] for k in cache.keys], [v[:2] for v in cache.values], cache.lens[:2]),

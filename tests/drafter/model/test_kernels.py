@@ -190,19 +190,20 @@ def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_a
 
 @needs_kernels
 @pytest.mark.parametrize("D", [32, 64, 128])
-def test_attend_over_a_bf16_cache_writes_torchs_rounding_and_reads_it_exactly(D):
-    """`--kv-cache-dtype bfloat16` on the CPU's kernels: the new keys and values are the fp32 cache's rounded to bf16
-    as torch rounds (nearest even), every query is the same bits whatever T or the batch, and the outputs match a
-    float64 attention over the keys and values the cache holds."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attend_over_a_16_bit_cache_writes_torchs_rounding_and_reads_it_exactly(D, dtype):
+    """`--kv-cache-dtype bfloat16 | float16` on the CPU's kernels: the new keys and values are the fp32 cache's
+    rounded as torch rounds (nearest even), every query is the same bits whatever T or the batch, and the outputs
+    match a float64 attention over the keys and values the cache holds."""
     g = torch.Generator().manual_seed(7)
     B, H, Hkv, C = 3, 9, 3, 448
     cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
     starts = torch.tensor([0, 37, 301])
-    history = [torch.randn(B, Hkv, C, D, generator=g).to(torch.bfloat16) for _ in range(2)]
+    history = [torch.randn(B, Hkv, C, D, generator=g).to(dtype) for _ in range(2)]
     qkv = torch.randn(B, 9, (H + 2 * Hkv) * D, generator=g)
 
-    def run(rows, chunks, dtype=torch.bfloat16):
-        kc, vc = history[0][rows].to(dtype), history[1][rows].to(dtype)
+    def run(rows, chunks, kv=dtype):
+        kc, vc = history[0][rows].to(kv), history[1][rows].to(kv)
         lens, outs = starts[rows].clone(), []
         for a, b in chunks:
             outs.append(kernels.attend(qkv[rows, a:b], kc, vc, cos, sin, lens, H, 0.125))
@@ -210,16 +211,16 @@ def test_attend_over_a_bf16_cache_writes_torchs_rounding_and_reads_it_exactly(D)
         return torch.cat(outs, 1), kc, vc
 
     whole, kc, vc = run(torch.arange(B), [(0, 9)])
-    assert kc.dtype == torch.bfloat16 and whole.dtype == torch.float32
+    assert kc.dtype == dtype and whole.dtype == torch.float32
     assert torch.equal(whole, run(torch.arange(B), [(t, t + 1) for t in range(9)])[0])
     assert torch.equal(whole, run(torch.arange(B), [(0, 4), (4, 9)])[0])
     _, kc32, vc32 = run(torch.arange(B), [(0, 9)], torch.float32)
-    assert torch.equal(kc, kc32.to(torch.bfloat16)) and torch.equal(vc, vc32.to(torch.bfloat16))
+    assert torch.equal(kc, kc32.to(dtype)) and torch.equal(vc, vc32.to(dtype))
     for b in range(B):
         assert torch.equal(whole[b], run(torch.tensor([b]), [(0, 9)])[0][0])
         ref = _attention_reference(qkv[b], kc[b], vc[b], cos, sin, int(starts[b]), H, written=True)
         torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RuntimeError, match="both fp32 or both bf16"):
+    with pytest.raises(RuntimeError, match="both fp32, bf16 or fp16"):
         kernels.attend(qkv[:1], kc[:1], vc32[:1], cos, sin, starts[:1], H, 0.125)
 
 

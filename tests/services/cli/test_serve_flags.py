@@ -318,8 +318,10 @@ def test_kv_cache_dtype_and_enforce_eager_reach_the_workers_and_fp8_is_refused_b
     assert (served[-1].kv_cache_dtype, served[-1].enforce_eager) == ("bfloat16", True)
     worker = WorkerConfig(**deployment.worker_fields(served[-1], None, "specloop", None))  # what each actor gets
     assert (worker.kv_cache_dtype, worker.enforce_eager, worker.log_records) == ("bfloat16", True, False)
+    assert _serve([model_dir, "--kv-cache-dtype", "half"], capsys)[0] == 0  # llama.cpp's default cache
+    assert served[-1].kv_cache_dtype == "float16"
     for value, message in (("fp8", "specloop keeps no fp8 KV cache"), ("fp8_e5m2", "no fp8 KV cache"),
-                           ("half", "no float16 KV cache; use bfloat16"), ("int4", "choose auto, bfloat16")):
+                           ("int4", "choose auto, bfloat16")):
         served.clear()
         code, err = _serve([model_dir, "--kv-cache-dtype", value], capsys)
         assert code == 2 and message in err and not served, value

@@ -616,5 +616,5 @@ def test_enforce_eager_and_the_kv_cache_dtype_reach_the_engine_and_its_drafter_l
             assert [r.token_ids for r in serve_all(worker, reqs)] == alone
         finally:
             worker.close()
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, not 'fp8'"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, bfloat16, float16, not 'fp8'"):
         WorkerConfig(**fields, kv_cache_dtype="fp8")
