@@ -157,45 +157,14 @@ def _attention_reference(qkv, cache_k, cache_v, cos, sin, start, H, written=Fals
 
 @needs_kernels
 @pytest.mark.parametrize("D", [32, 64, 128])
-def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_across_t_and_batch(D):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_attend_writes_the_cache_and_matches_a_float64_attention_bit_identical_across_t_and_batch(D, dtype):
     """SmolLM2's shapes (9 query heads over 3 KV heads, D = 64; and the other head sizes), rows of
     different lengths: one call over T tokens equals T one-token calls bit for bit and each row alone bit
-    for bit, and all of them match a float64 RoPE + softmax attention."""
+    for bit, and all of them match a float64 RoPE + softmax attention. A 16-bit cache (`--kv-cache-dtype
+    bfloat16 | float16`) holds the fp32 cache's keys and values rounded as torch rounds (nearest even), and the
+    outputs match a float64 attention over what it holds."""
     g = torch.Generator().manual_seed(3)
-    B, H, Hkv, C = 3, 9, 3, 448
-    cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
-    starts = torch.tensor([0, 37, 301])
-    history = torch.randn(B, Hkv, C, D, generator=g), torch.randn(B, Hkv, C, D, generator=g)
-    qkv = torch.randn(B, 9, (H + 2 * Hkv) * D, generator=g)
-
-    def run(rows, chunks):
-        kc, vc = history[0][rows].clone(), history[1][rows].clone()
-        lens, outs = starts[rows].clone(), []
-        for a, b in chunks:
-            outs.append(kernels.attend(qkv[rows, a:b], kc, vc, cos, sin, lens, H, 0.125))
-            lens += b - a
-        return torch.cat(outs, 1), kc, vc
-
-    whole, kc, vc = run(torch.arange(B), [(0, 9)])
-    assert torch.equal(whole, run(torch.arange(B), [(t, t + 1) for t in range(9)])[0])
-    assert torch.equal(whole, run(torch.arange(B), [(0, 4), (4, 9)])[0])
-    for b in range(B):
-        assert torch.equal(whole[b], run(torch.tensor([b]), [(0, 9)])[0][0])
-        n = int(starts[b])
-        ref = _attention_reference(qkv[b], history[0][b], history[1][b], cos, sin, n, H)
-        torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
-        assert torch.equal(kc[b, :, :n], history[0][b, :, :n])  # earlier positions untouched
-        assert torch.equal(vc[b, :, n : n + 9], qkv[b].view(9, H + 2 * Hkv, D)[:, H + Hkv :].transpose(0, 1))
-
-
-@needs_kernels
-@pytest.mark.parametrize("D", [32, 64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_attend_over_a_16_bit_cache_writes_torchs_rounding_and_reads_it_exactly(D, dtype):
-    """`--kv-cache-dtype bfloat16 | float16` on the CPU's kernels: the new keys and values are the fp32 cache's
-    rounded as torch rounds (nearest even), every query is the same bits whatever T or the batch, and the outputs
-    match a float64 attention over the keys and values the cache holds."""
-    g = torch.Generator().manual_seed(7)
     B, H, Hkv, C = 3, 9, 3, 448
     cos, sin = torch.rand(C, D, generator=g), torch.rand(C, D, generator=g)
     starts = torch.tensor([0, 37, 301])
@@ -218,10 +187,15 @@ def test_attend_over_a_16_bit_cache_writes_torchs_rounding_and_reads_it_exactly(
     assert torch.equal(kc, kc32.to(dtype)) and torch.equal(vc, vc32.to(dtype))
     for b in range(B):
         assert torch.equal(whole[b], run(torch.tensor([b]), [(0, 9)])[0][0])
-        ref = _attention_reference(qkv[b], kc[b], vc[b], cos, sin, int(starts[b]), H, written=True)
+        n = int(starts[b])
+        ref = _attention_reference(qkv[b], kc[b], vc[b], cos, sin, n, H, written=dtype != torch.float32)
         torch.testing.assert_close(whole[b].double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kc[b, :, :n], history[0][b, :, :n])  # earlier positions untouched
+        new_values = qkv[b].view(9, H + 2 * Hkv, D)[:, H + Hkv :].transpose(0, 1)
+        assert torch.equal(vc[b, :, n : n + 9], new_values.to(dtype))
     with pytest.raises(RuntimeError, match="both fp32, bf16 or fp16"):
-        kernels.attend(qkv[:1], kc[:1], vc32[:1], cos, sin, starts[:1], H, 0.125)
+        kernels.attend(qkv[:1], kc[:1], vc32[:1].to(torch.float16 if dtype == torch.bfloat16 else torch.bfloat16),
+                       cos, sin, starts[:1], H, 0.125)
 
 
 @needs_kernels
