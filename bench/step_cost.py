@@ -163,11 +163,13 @@ def _plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for kind, row in result["kinds"].items():
-        Ts = sorted(int(t) for t in row["ms_by_T"])
-        ax.plot(Ts, [row["ms_by_T"][t] for t in Ts], marker="o", label=f"{kind}: {row['served']}")
+        ms = {int(t): v for t, v in row["ms_by_T"].items()}  # int keys, or str ones read back from the JSON
+        cache = f", {row['kv_cache']} KV cache" if row.get("kv_cache", "float32") != "float32" else ""
+        ax.plot(sorted(ms), [ms[t] for t in sorted(ms)], marker="o", label=f"{kind}: {row['served']}{cache}")
     ax.set_xlabel("tokens per forward (T = k + 1)")
     ax.set_ylabel("ms per forward (median)")
-    ax.set_title(f"decode forward cost, {result['machine']['cpu']}, {result['machine']['threads']} threads")
+    ax.set_title(f"decode forward cost at {result['settings']['context']} cached tokens, {result['machine']['cpu']}, "
+                 f"{result['machine']['threads']} threads", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
