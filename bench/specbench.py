@@ -390,36 +390,47 @@ def main() -> None:
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
-def paired_ratios(before: dict, after: dict) -> dict:
-    """{system: {category: {prefill, whole: geomean of after / before over the requests both ran, share: the
-    prefill's mean share of a request before}}}."""
-    first = {(r["system"], r["qid"]): r for r in before["runs"]}
+def paired_ratios(before: list[dict], after: list[dict]) -> dict:
+    """{system: {category: {prefill, whole: geomean of after / before over the requests both ran; per_token: the
+    same of seconds per new token (where the answers differ in length, e.g. another KV cache's, whole time mixes
+    in the lengths); share: the prefill's mean share of a request before}}}. The i-th run of `after` is paired with
+    the i-th of `before` (runs made in turns), its requests by (system, question)."""
     pairs: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
-    for r in after["runs"]:
-        if (r["system"], r["qid"]) in first:
-            pairs.setdefault((r["system"], r["category"]), []).append((first[r["system"], r["qid"]], r))
+    for b_run, a_run in zip(before, after):
+        first = {(r["system"], r["qid"]): r for r in b_run["runs"]}
+        for r in a_run["runs"]:
+            if (r["system"], r["qid"]) in first:
+                pairs.setdefault((r["system"], r["category"]), []).append((first[r["system"], r["qid"]], r))
 
     def geomean(values: list[float]) -> float:
         return math.exp(statistics.mean(math.log(v) for v in values))
+
+    def per_token(r: dict) -> float:
+        return r["seconds"] / r["tokens"]
 
     out: dict[str, dict] = {}
     for (system, category), got in sorted(pairs.items()):
         out.setdefault(system, {})[category] = {
             "prefill": geomean([a["prefill_s"] / b["prefill_s"] for b, a in got]),
             "whole": geomean([a["seconds"] / b["seconds"] for b, a in got]),
+            "per_token": geomean([per_token(a) / per_token(b) for b, a in got]),
             "share": statistics.mean(b["prefill_s"] / b["seconds"] for b, _ in got), "requests": len(got)}
     return out
 
 
 def compare(runs: dict[str, list[dict]], out: Path) -> None:
-    (before_label, (before, *_)), (after_label, (after, *_)) = list(runs.items())[:2]
-    ratios = paired_ratios(before, after)
+    (before_label, befores), (after_label, afters) = list(runs.items())[:2]
+    if len(befores) != len(afters):
+        raise SystemExit(f"--compare: {len(befores)} {before_label} run(s) against {len(afters)} {after_label}: "
+                         "give as many of each (the i-th of one is paired with the i-th of the other)")
+    ratios, after = paired_ratios(befores, afters), afters[-1]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "specbench compare", "labels": [before_label, after_label],
-                               "machine": after.get("machine"), "ratios": ratios}, separators=(",", ":")) + "\n")
+                               "machine": after.get("machine"), "runs": len(afters), "ratios": ratios}, separators=(",", ":")) + "\n")
     for system, cats in ratios.items():
-        print(f"{system}: " + "; ".join(f"{c} prefill {v['prefill']:.2f}x whole {v['whole']:.2f}x (prefill "
-                                        f"{v['share']:.0%} before)" for c, v in cats.items()))
+        print(f"{system}: " + "; ".join(f"{c} prefill {v['prefill']:.2f}x whole {v['whole']:.2f}x per token "
+                                        f"{v['per_token']:.2f}x (prefill {v['share']:.0%} before)"
+                                        for c, v in cats.items()))
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 3.5))
     cats = [c for c in CATEGORIES if any(c in v for v in ratios.values())]
