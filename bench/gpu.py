@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.runs import scoped_env  # noqa: E402
 from specloop.drafter.model.architecture import Architecture, StaticRope, fuse_layer
 from specloop.drafter.model.attention import KEY_BLOCK  # noqa: E402
 from specloop.drafter.model.decoder import LeanDecoder
@@ -665,24 +666,6 @@ def kernels_section(models: Models) -> None:
         for b in sorted({1, max(p.batches)}):
             attempt(res, f"kernels_w{p.width}_b{b}", models.budget, bench.need(),
                     lambda: bench.kernel_profile(b, p.width), models.report)
-
-
-class scoped_env:
-    """Environment variables set for a block (a GraphDecoder reads its capture mode and attention when built)."""
-
-    def __init__(self, env: dict[str, str]):
-        self.env, self.saved = env, {}
-
-    def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in self.env}
-        os.environ.update(self.env)
-
-    def __exit__(self, *exc):
-        for k, v in self.saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def step_path() -> str:

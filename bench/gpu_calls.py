@@ -10,7 +10,7 @@ stand (bench/gpu_targets.py). Stages, most valuable first:
   against cuBLAS with the skinny kernel's tilings, the step with skinny products, the reference pair at batch 1
   and 8 (~140 s), then the sampled distribution on the device (section sampling, where ~90 s are left);
 - keep-a, keep-b, ... (carry .gpu_fetch/a, then b, ...; ~15 s each, on the warm machine): the fetched GGUF through
-  gzip, in as few parts as fit a call beside the tree (two while the tree is under ~19.8 MiB, then three), kept in
+  gzip, in as few parts as fit a call beside the tree (two while the tree is under ~19.6 MiB, then three), kept in
   /tmp/keep (files stay on a warm machine, not on a fresh one: an H200 stays warm only 30 s after a call, so the
   keep stages and fetched go back to back, each call made as soon as the last returns);
 - fetched (carry .gpu_fetch/d, .whl; 240 s): the parts joined and converted (bf16 on the GPU, the published Q4_1
@@ -96,7 +96,7 @@ def call_bytes(stage: Stage, root: Path, tree: int) -> int:
 
 def parts(data: bytes, room: int) -> list[bytes]:
     """gzip -1 of `data`, cut into as few parts of about equal size as keep each within `room` bytes (what a call
-    carries beside the tree): two while the tree is under ~19.8 MiB, then three."""
+    carries beside the tree): two while the tree is under ~19.6 MiB, then three."""
     packed = gzip.compress(data, compresslevel=1)
     n = max(1, -(-len(packed) // room))
     if n > len(KEEPS):

@@ -12,7 +12,6 @@ The step costs of the same caches: `bench/step_cost.py --kinds own,own-bf16kv,ow
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -34,19 +33,13 @@ def forced_logits(lean, ids: list[int], start: int):
     return torch.cat(parts)[start - 1 : len(ids) - 1].float()
 
 
-def greedy_answer(lean, prompt: list[int], n: int, eos: set[int]) -> list[int]:
-    import torch
+def greedy_answer(lean, prompt: list[int], n: int, eos: list[int]) -> list[int]:
+    """The engine's own greedy decoding of `prompt` alone (up to n tokens, EOS dropped)."""
+    from specloop.drafter.decode.engine import generate
+    from specloop.drafter.decode.requests import StopRule
+    from specloop.drafter.decode.sampling import SamplingParams
 
-    cache, out = lean.new_cache(1, len(prompt) + n + 64), []
-    tokens = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(n):
-            nxt = int(lean.forward(cache, tokens).logits[0, -1].argmax())
-            if nxt in eos:
-                break
-            out.append(nxt)
-            tokens = torch.tensor([[nxt]])
-    return out
+    return generate(lean, None, [prompt], SamplingParams(max_tokens=n), 0, StopRule(eos))[0].token_ids
 
 
 def compare(base: list, other: list) -> dict:
@@ -75,7 +68,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     from bench.machine import machine_info
-    from bench.runs import write_result
+    from bench.runs import scoped_env, write_result
     from specloop.drafter.model.attention import KV_CACHE_ENV
     from specloop.drafter.model.loading import load_model
     from specloop.drafter.model.weights.modes import describe_mode
@@ -84,13 +77,13 @@ def main() -> None:
     model = load_model(args.verifier, weights=args.weights)
     lean = model.lean
     prompts = [encode(model.tokenizer, r) for r in load_prompts(args.prompts, args.limit)]
-    os.environ[KV_CACHE_ENV] = "float32"
-    seqs = [(p, greedy_answer(lean, p, args.answer, set(model.eos_ids))) for p in prompts]
+    with scoped_env({KV_CACHE_ENV: "float32"}):
+        seqs = [(p, greedy_answer(lean, p, args.answer, model.eos_ids)) for p in prompts]
     seqs = [(p, a) for p, a in seqs if a]
     runs = {}
     for kv in CACHES:
-        os.environ[KV_CACHE_ENV] = kv
-        runs[kv] = [(forced_logits(lean, p + a, len(p)), torch.tensor(a)) for p, a in seqs]
+        with scoped_env({KV_CACHE_ENV: kv}):
+            runs[kv] = [(forced_logits(lean, p + a, len(p)), torch.tensor(a)) for p, a in seqs]
     result = {"benchmark": "kv_cache_dtype", "machine": machine_info() | {"threads": args.threads},
               "settings": vars(args), "served": describe_mode(lean), "sequences": len(seqs),
               "caches": {kv: compare(runs["float32"], runs[kv]) for kv in CACHES}}
@@ -101,11 +94,9 @@ def main() -> None:
 
 
 def _plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from bench.runs import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     caches = [kv for kv in result["caches"] if kv != "float32"]
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     ax.bar(caches, [result["caches"][kv]["logit_diff_median"] for kv in caches], color=["#b07040", "#3a9a3a"])

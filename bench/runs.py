@@ -4,7 +4,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
+
+
+class scoped_env:
+    """Environment variables set for a block, restored after (a GraphDecoder reads its capture mode and attention
+    when built, a decoder its KV cache's dtype when it makes a cache)."""
+
+    def __init__(self, env: dict[str, str]):
+        self.env, self.saved = env, {}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def pyplot():

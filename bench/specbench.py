@@ -426,7 +426,8 @@ def compare(runs: dict[str, list[dict]], out: Path) -> None:
     ratios, after = paired_ratios(befores, afters), afters[-1]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"benchmark": "specbench compare", "labels": [before_label, after_label],
-                               "machine": after.get("machine"), "runs": len(afters), "ratios": ratios}, separators=(",", ":")) + "\n")
+                               "machine": after.get("machine"), "runs": len(afters), "ratios": ratios},
+                              separators=(",", ":")) + "\n")
     for system, cats in ratios.items():
         print(f"{system}: " + "; ".join(f"{c} prefill {v['prefill']:.2f}x whole {v['whole']:.2f}x per token "
                                         f"{v['per_token']:.2f}x (prefill {v['share']:.0%} before)"

@@ -18,7 +18,6 @@ bfloat16`), `own-f16kv` over an fp16 one, against `own`'s fp32 one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -31,22 +30,6 @@ OUT = ROOT / "bench" / "results"
 DEFAULT_VERIFIER = Path.home() / ".cache" / "specloop" / "models" / "smollm2-135m-instruct" / "verifier"
 KINDS = ("own", "stock")
 KV_KINDS = {"own-bf16kv": "bfloat16", "own-f16kv": "float16"}  # more kinds: the own kernels, the KV cache in this dtype
-
-
-@contextlib.contextmanager
-def kv_cache(kind: str):
-    """The KV cache's dtype for `kind`'s forwards (read when a cache is made: attention.kv_dtype)."""
-    from specloop.drafter.model.attention import KV_CACHE_ENV
-
-    before = os.environ.get(KV_CACHE_ENV)
-    os.environ[KV_CACHE_ENV] = KV_KINDS.get(kind, "auto")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(KV_CACHE_ENV, None)
-        else:
-            os.environ[KV_CACHE_ENV] = before
 
 
 def load(path: str, kind: str):
@@ -103,7 +86,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from bench.kernels_at import build_at, kernels_from
     from bench.machine import machine_info
-    from bench.runs import write_result
+    from bench.runs import scoped_env, write_result
+    from specloop.drafter.model.attention import KV_CACHE_ENV
     from specloop.drafter.model.weights.modes import describe_mode
 
     builds = {kind: None for kind in args.kinds.split(",")}
@@ -123,7 +107,7 @@ def main() -> None:
         for r in range(args.rounds):
             for T in widths:
                 for kind in kinds if r % 2 == 0 else kinds[::-1]:
-                    with kernels_from(builds[kind]), kv_cache(kind):
+                    with kernels_from(builds[kind]), scoped_env({KV_CACHE_ENV: KV_KINDS.get(kind, "auto")}):
                         samples[(kind, T)].append(forward_ms(models[kind], args.context, T, args.repeats))
 
     if args.second_thread:
@@ -142,7 +126,8 @@ def main() -> None:
               "settings": vars(args), "kinds": {}}
     for kind in kinds:
         ms = {T: statistics.median(samples[(kind, T)]) for T in widths}
-        row = {"served": describe_mode(models[kind]), "kv_cache": KV_KINDS.get(kind, "float32"), "ms_by_T": ms, "v_T": {T: ms[T] / ms[1] for T in widths},
+        row = {"served": describe_mode(models[kind]), "kv_cache": KV_KINDS.get(kind, "float32"), "ms_by_T": ms,
+               "v_T": {T: ms[T] / ms[1] for T in widths},
                "rounds_ms": {T: samples[(kind, T)] for T in widths}}
         result["kinds"][kind] = row
         print(f"{kind:5s} {row['served']}: " + "  ".join(f"T={T} {ms[T]:.2f} ms (v={ms[T] / ms[1]:.2f})" for T in widths))

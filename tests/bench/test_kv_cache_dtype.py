@@ -23,7 +23,7 @@ def test_forced_logits_follow_the_cache_asked_for_and_the_greedy_answer_is_their
     lean = load_model(tiny_pair[0]).lean
     prompt = [5, 6, 7, 8, 9]
     monkeypatch.setenv(KV_CACHE_ENV, "float32")
-    answer = greedy_answer(lean, prompt, 20, set())
+    answer = greedy_answer(lean, prompt, 20, [])
     exact = forced_logits(lean, prompt + answer, len(prompt))
     assert exact.shape[0] == len(answer) and exact.argmax(-1).tolist() == answer  # teacher forcing = greedy here
     monkeypatch.setenv(KV_CACHE_ENV, kv)

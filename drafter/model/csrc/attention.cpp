@@ -2,6 +2,8 @@
 // alone over its keys (exact across T, batch and threads by construction).
 #include "kernels.h"
 
+#include <type_traits>
+
 // How far ahead of its use a key or value row is asked for (a hint: no value depends on it). A step's cache
 // comes from memory, not from L2 (the layers' weights pass in between), and the scores and value sums do not
 // overlap their loads with their arithmetic by themselves: asked for 32 keys ahead, a 1,000-token context's step
@@ -38,6 +40,17 @@ static inline f16_t to_f16(float f) {
 #else
   return {c10::detail::fp16_ieee_from_fp32_value(f)};
 #endif
+}
+static inline void put(bf16_t& d, float f) { d = to_bf16(f); }
+static inline void put(f16_t& d, float f) { d = to_f16(f); }
+// f(a null KT*) with KT the cache's element type: the one place a kernel's template meets `kv`.
+template <typename F>
+static inline void by_kv(Kv kv, F&& f) {
+  switch (kv) {
+    case KV_BF16: f(static_cast<const bf16_t*>(nullptr)); break;
+    case KV_F16: f(static_cast<const f16_t*>(nullptr)); break;
+    default: f(static_cast<const float*>(nullptr)); break;
+  }
 }
 static inline vf load16(const float* p) { return load_vf(p); }
 static inline vf load16(const f16_t* p) { return load_h16(reinterpret_cast<const uint16_t*>(p)); }
@@ -477,15 +490,15 @@ static void rope_unit(const Attn& a, int64_t u) {
     std::memcpy(static_cast<float*>(a.vc) + at_, v, D * sizeof(float));
     return;
   }
-  float k[256];  // D <= 256 (check_attend)
+  float k[256];  // D <= 256 (check_attend); a 16-bit cache: rounded once, as stored
   rope_head(x + h * D, a.cos + pos * D, a.sin + pos * D, k, D);
-  if (a.kv == KV_BF16) {
-    bf16_t *kd = static_cast<bf16_t*>(a.kc) + at_, *vd = static_cast<bf16_t*>(a.vc) + at_;
-    for (int64_t i = 0; i < D; ++i) kd[i] = to_bf16(k[i]), vd[i] = to_bf16(v[i]);
-  } else {
-    f16_t *kd = static_cast<f16_t*>(a.kc) + at_, *vd = static_cast<f16_t*>(a.vc) + at_;
-    for (int64_t i = 0; i < D; ++i) kd[i] = to_f16(k[i]), vd[i] = to_f16(v[i]);
-  }
+  by_kv(a.kv, [&](auto tag) {
+    using KT = std::remove_const_t<std::remove_pointer_t<decltype(tag)>>;
+    if constexpr (!std::is_same_v<KT, float>) {
+      KT *kd = static_cast<KT*>(a.kc) + at_, *vd = static_cast<KT*>(a.vc) + at_;
+      for (int64_t i = 0; i < D; ++i) put(kd[i], k[i]), put(vd[i], v[i]);
+    }
+  });
 }
 
 template <typename KT>
@@ -513,14 +526,10 @@ static void attn_unit(const Attn& a, int64_t u, std::vector<float>& s) {
     outs[i] = a.out + row * D;
     Ls[i] = a.lens[b] + t + 1;
   }
-  switch (a.kv) {
-    case KV_BF16: attend_by_dim(qs, outs, Ls, n, static_cast<const bf16_t*>(a.kc) + base,
-                                static_cast<const bf16_t*>(a.vc) + base, D, a.scale, s); break;
-    case KV_F16: attend_by_dim(qs, outs, Ls, n, static_cast<const f16_t*>(a.kc) + base,
-                               static_cast<const f16_t*>(a.vc) + base, D, a.scale, s); break;
-    default: attend_by_dim(qs, outs, Ls, n, static_cast<const float*>(a.kc) + base,
-                           static_cast<const float*>(a.vc) + base, D, a.scale, s); break;
-  }
+  by_kv(a.kv, [&](auto tag) {
+    using KT = decltype(tag);
+    attend_by_dim(qs, outs, Ls, n, static_cast<KT>(a.kc) + base, static_cast<KT>(a.vc) + base, D, a.scale, s);
+  });
 }
 
 // The shapes `attend` and the layer's region accept (qkv's width W), and room in the cache for T more.
