@@ -196,8 +196,9 @@ class Deployment:
         learning = cfg.learner != "off"
         gpus = 1 if ray.cluster_resources().get("GPU", 0) >= 1 else 0
         model = served_name(cfg)
-        log.warning("starting %d worker(s) serving %s%s; the API answers once the model is loaded%s", cfg.workers,
-                    model, ", and the learner" if learning else "",
+        log.warning("starting %d worker(s) serving %s%s%s; the API answers once the model is loaded%s", cfg.workers,
+                    model, f" (KV cache {cfg.kv_cache_dtype})" if cfg.kv_cache_dtype != "auto" else "",
+                    ", and the learner" if learning else "",
                     " and the GPU decode steps are compiled (longest on a first start: later starts reuse "
                     "torch.compile's cache)" if gpus and not cfg.enforce_eager else "")
         prefix = redis_namespace(self.registry)
